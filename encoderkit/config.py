@@ -1,0 +1,189 @@
+"""Typed stage configs: one dataclass per stage, documented field by field.
+
+Each field is declared with :func:`arg`, which stores its help text (and allowed choices) in the
+field metadata. The CLI builds its flags from these fields, and config files (YAML or TOML) use
+the same keys, so the three can never drift apart::
+
+    @dataclass
+    class PrepareConfig(StageConfig):
+        corpus: list[str] = arg(help="Text files, folders or globs.", required=True)
+        seq_len: int = arg(128, help="Tokens per packed block, [CLS] and [SEP] included.")
+
+        def validate(self) -> None:
+            check(self.seq_len >= 8, "seq_len must be at least 8")
+
+Settings that change results and settings that only change speed are kept apart by the
+``speed=True`` flag of :func:`arg` (dtype, threads, compile...): ``--help`` lists them in their own
+group, and ``result_dict()`` leaves them out, so a cache or resume check never trips on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from encoderkit.errors import EncoderkitError
+
+REQUIRED: Any = MISSING
+
+
+def arg(
+    default: Any = MISSING,
+    *,
+    help: str,
+    choices: tuple[Any, ...] | None = None,
+    speed: bool = False,
+    required: bool = False,
+) -> Any:
+    """A documented config field. Lists and dicts get a fresh copy of ``default`` per instance."""
+    meta = {"help": help, "choices": choices, "speed": speed, "required": required}
+    if required:
+        default = None
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def check(ok: bool, message: str) -> None:
+    """Raise :class:`EncoderkitError` with ``message`` unless ``ok``."""
+    if not ok:
+        raise EncoderkitError(message)
+
+
+@dataclass
+class StageConfig:
+    """Base of every stage config. Subclasses add fields with :func:`arg` and may override ``validate``."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.metadata.get("required") and getattr(self, f.name) in (None, "", []):
+                raise EncoderkitError(f"{type(self).__name__}: '{_flag(f.name)}' is required ({f.metadata['help']})")
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is not None and value is not None and value not in choices:
+                raise EncoderkitError(
+                    f"{type(self).__name__}: {f.name}={value!r} is not one of {', '.join(map(str, choices))}"
+                )
+        self.validate()
+
+    def validate(self) -> None:
+        """Check cross-field rules; raise :class:`EncoderkitError` with a useful message."""
+
+    # -- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self)}
+
+    def result_dict(self) -> dict[str, Any]:
+        """The settings that change results (speed-only settings left out)."""
+        return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self) if not f.metadata.get("speed")}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> StageConfig:
+        known = {f.name: f for f in fields(cls)}
+        unknown = [k for k in data if k.replace("-", "_") not in known]
+        if unknown:
+            raise EncoderkitError(
+                f"{source}: unknown key(s) {', '.join(sorted(unknown))} for {cls.__name__}; "
+                f"known keys: {', '.join(sorted(known))}"
+            )
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            kwargs[name] = coerce(value, hints[name], f"{source}: {name}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_file(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> StageConfig:
+        """Load a YAML (.yaml/.yml) or TOML (.toml) file; ``overrides`` win over the file's keys."""
+        data = load_mapping(path)
+        data.update(overrides or {})
+        return cls.from_dict(data, source=str(path))
+
+    def save(self, path: str | Path) -> None:
+        from encoderkit.io import write_text_atomic
+
+        write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_mapping(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or TOML file that holds one mapping of keys to values."""
+    p = Path(path)
+    if not p.is_file():
+        raise EncoderkitError(f"config file {p} does not exist")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise EncoderkitError(f"config file {p}: use .yaml, .yml, .toml or .json")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise EncoderkitError(f"config file {p} is not valid: {e}") from e
+    except Exception as e:  # yaml.YAMLError without importing yaml at module level
+        if type(e).__module__.startswith("yaml"):
+            raise EncoderkitError(f"config file {p} is not valid YAML: {e}") from e
+        raise
+    if not isinstance(data, dict):
+        raise EncoderkitError(f"config file {p} must hold a mapping of keys to values")
+    return data
+
+
+def coerce(value: Any, hint: Any, where: str) -> Any:
+    """Convert a value read from a file or a flag to the field's declared type."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(value, inner[0], where)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [coerce(v, args[0] if args else str, where) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise EncoderkitError(f"{where}: expected a mapping, got {value!r}")
+        return value
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if hint in (int, float, str):
+            if hint is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return hint(value)
+    except (TypeError, ValueError) as e:
+        raise EncoderkitError(f"{where}: expected {hint.__name__}, got {value!r}") from e
+    return value
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return value

@@ -1,0 +1,124 @@
+"""Atomic output: nothing half-written ever appears under a final name.
+
+Every stage writes a new directory. :func:`output_dir` hands out a temporary sibling folder and
+renames it into place only when the stage finished; on an exception the temporary folder is
+removed and any previous output is left as it was. Single files are written to a temporary
+name in the same folder and renamed (``os.replace`` is atomic on POSIX).
+
+``encoderkit.json`` beside the HF files records which stage made a model folder, from which
+parent, with which config, and what was measured on it (see :func:`write_card`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from encoderkit.errors import EncoderkitError
+
+CARD = "encoderkit.json"
+
+
+def check_output_dir(out: str | Path, overwrite: bool) -> Path:
+    """Refuse an existing non-empty output folder unless ``overwrite``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise EncoderkitError(f"output {out} exists and is not a folder; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise EncoderkitError(f"output folder {out} already exists and is not empty; pass --overwrite to replace it")
+    return out
+
+
+@contextlib.contextmanager
+def output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder that becomes ``out`` only if the block finishes without error."""
+    out = check_output_dir(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, out)
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished folder ``src`` to ``dst``, replacing an old ``dst`` with no gap in which
+    neither a complete old nor a complete new folder exists under a known name."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_card(folder: Path, stage: str, parent: str | Path | None, config: dict[str, Any], metrics: dict[str, Any] | None = None, **extra: Any) -> None:
+    """Write ``encoderkit.json``: the stage that made ``folder``, its parent folder, config and metrics."""
+    card = {
+        "stage": stage,
+        "parent": str(Path(parent).resolve()) if parent else None,
+        "config": config,
+        "metrics": metrics or {},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **extra,
+    }
+    write_json_atomic(Path(folder) / CARD, card)
+
+
+def read_card(folder: str | Path) -> dict[str, Any]:
+    """The folder's ``encoderkit.json``, or an empty dict for a plain HF folder."""
+    p = Path(folder) / CARD
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise EncoderkitError(f"{p} is not valid JSON ({e}); remove or fix it") from e
+
+
+def lineage(folder: str | Path) -> list[dict[str, Any]]:
+    """The cards of ``folder`` and its parents, newest first (stops where a parent has no card)."""
+    out, seen = [], set()
+    cur: str | None = str(folder)
+    while cur and cur not in seen:
+        seen.add(cur)
+        card = read_card(cur)
+        if not card:
+            break
+        out.append({"folder": cur, **card})
+        cur = card.get("parent")
+    return out
