@@ -60,8 +60,10 @@ def _pick_tokens(eligible: torch.Tensor, score: torch.Tensor, budget: torch.Tens
     eligible, score: (B, L); budget: (B,) long. Returns picked (B, L) bool.
     """
     score = score.masked_fill(~eligible, float("inf"))
-    rank = score.argsort(dim=1).argsort(dim=1)  # (B, L): position's rank within its row
-    return (rank < budget[:, None]) & eligible
+    sorted_score = score.sort(dim=1).values  # (B, L)
+    # the budget-th smallest score is the row's threshold (draws are 53-bit floats: no ties)
+    threshold = sorted_score.gather(1, (budget - 1).clamp(min=0)[:, None])  # (B, 1)
+    return (score <= threshold) & (budget[:, None] > 0) & eligible
 
 
 def _pick_whole_words(
