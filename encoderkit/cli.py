@@ -24,6 +24,8 @@ STAGES: dict[tuple[str, ...], str] = {
     ("tokenizer", "train"): "encoderkit.tokenizer:TokenizerConfig:run",
     ("data", "prepare"): "encoderkit.data.prepare:PrepareConfig:run",
     ("data", "inspect"): "encoderkit.data.prepare:InspectConfig:inspect",
+    ("quantize",): "encoderkit.compress.quantize:QuantizeConfig:run",
+    ("prune",): "encoderkit.compress.prune:PruneConfig:run",
 }
 
 

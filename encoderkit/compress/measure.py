@@ -1,0 +1,188 @@
+"""What every compression lever reports: parameters, bytes on disk, latency, quality.
+
+Measured honestly (see DESIGN.md): size is the sum of the bytes of the files in the model
+folder (a sparse weight in a dense file is not smaller), latency is wall time of a forward pass
+at a stated batch size, sequence length and thread count, and quality comes from a hook the
+caller passes (``quality_fn(folder) -> dict``), e.g. the dev metrics of the task.
+
+:class:`LeverReport` is the common result of ``quantize(...)`` and ``prune(...)``; the recipe
+runner stacks them and prints ``before``/``after`` side by side.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from encoderkit.errors import EncoderkitError
+
+QualityFn = Callable[[Path], dict[str, float]]
+
+# files that belong to a model folder but are not the model (left out of "bytes on disk")
+_NOT_MODEL = {"encoderkit.json", "report.json", "README.md"}
+
+
+@dataclass
+class LeverReport:
+    """Result of one lever: the folders, the measurements before and after, and method details."""
+
+    lever: str
+    method: str
+    model_in: str
+    model_out: str
+    before: dict[str, Any] = field(default_factory=dict)
+    after: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {"lever": self.lever, "method": self.method, "model_in": self.model_in,
+                "model_out": self.model_out, "before": self.before, "after": self.after,
+                "details": self.details}
+
+
+def bytes_on_disk(folder: str | Path, only_weights: bool = False) -> int:
+    """Sum of the sizes of the files in ``folder`` (recursively), cards and reports left out.
+
+    ``only_weights`` counts only ``*.safetensors`` / ``*.onnx`` / ``*.bin`` / ``*.data`` files.
+    """
+    total = 0
+    for p in Path(folder).rglob("*"):
+        if not p.is_file() or p.name in _NOT_MODEL or p.name.startswith("."):
+            continue
+        if only_weights and p.suffix not in (".safetensors", ".onnx", ".bin", ".data"):
+            continue
+        total += p.stat().st_size
+    return total
+
+
+def count_parameters(model: torch.nn.Module, nonzero: bool = False) -> int:
+    """Number of parameters (tied weights once); ``nonzero`` counts only the entries that are not 0."""
+    seen: set[int] = set()
+    n = 0
+    for p in list(model.parameters()) + [b for b in model.buffers() if getattr(b, "_encoderkit_weight", False)]:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n += int(torch.count_nonzero(p)) if nonzero else p.numel()
+    return n
+
+
+def text_batches(tokenizer: Any, texts: Sequence[str | tuple[str, str]], seq_len: int,
+                 batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Tokenised batches of ``texts`` (single sentences or pairs), each tensor ``(B, <=seq_len)``."""
+    for i in range(0, len(texts), batch_size):
+        chunk = list(texts[i:i + batch_size])
+        if chunk and isinstance(chunk[0], (tuple, list)):
+            a, b = zip(*chunk)
+            enc = tokenizer(list(a), list(b), truncation=True, max_length=seq_len, padding=True, return_tensors="pt")
+        else:
+            enc = tokenizer(chunk, truncation=True, max_length=seq_len, padding=True, return_tensors="pt")
+        yield dict(enc)
+
+
+def read_texts(path: str | Path, limit: int | None = None) -> list[str | tuple[str, str]]:
+    """Texts for calibration or vocabulary: a ``.txt`` (one per line) or a ``.tsv``/``.jsonl`` file.
+
+    A TSV with a header takes ``sentence`` / ``text`` (or ``sentence1``+``sentence2`` as a pair),
+    else its first column. A JSONL takes the ``text`` key (or ``text``+``text_pair``).
+    """
+    import csv
+    import json
+
+    p = Path(path)
+    if not p.is_file():
+        raise EncoderkitError(f"text file {p} does not exist; pass a .txt, .tsv or .jsonl file")
+    out: list[str | tuple[str, str]] = []
+    with p.open(encoding="utf-8") as f:
+        if p.suffix == ".tsv":
+            reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            header = next(reader, [])
+            cols = {c: i for i, c in enumerate(header)}
+            if "sentence1" in cols and "sentence2" in cols:
+                i1, i2 = cols["sentence1"], cols["sentence2"]
+                pick = lambda r: (r[i1], r[i2])  # noqa: E731
+            else:
+                i = cols.get("sentence", cols.get("text", 0))
+                pick = lambda r: r[i].strip()  # noqa: E731
+            for n, row in enumerate(reader, start=2):
+                if not row:
+                    continue
+                try:
+                    out.append(pick(row))
+                except IndexError as e:
+                    raise EncoderkitError(f"{p}:{n}: too few tab-separated columns") from e
+                if limit and len(out) >= limit:
+                    break
+        elif p.suffix == ".jsonl":
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise EncoderkitError(f"{p}:{n}: not valid JSON ({e})") from e
+                if "text" not in rec:
+                    raise EncoderkitError(f"{p}:{n}: expected a 'text' key")
+                out.append((rec["text"], rec["text_pair"]) if "text_pair" in rec else rec["text"])
+                if limit and len(out) >= limit:
+                    break
+        else:
+            for line in f:
+                if line.strip():
+                    out.append(line.strip())
+                if limit and len(out) >= limit:
+                    break
+    if not out:
+        raise EncoderkitError(f"{p} holds no texts")
+    return out
+
+
+@torch.no_grad()
+def torch_latency(model: torch.nn.Module, batch_size: int, seq_len: int, repeats: int = 5,
+                  vocab_size: int | None = None) -> dict[str, float]:
+    """Median wall time (ms) of ``model(input_ids (B, T))`` on CPU with the current thread count."""
+    vocab_size = vocab_size or int(getattr(model.config, "vocab_size", 1000))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, vocab_size, (batch_size, seq_len), generator=g)
+    mask = torch.ones_like(ids)
+    model.eval()
+    model(input_ids=ids, attention_mask=mask)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask)
+        times.append(time.perf_counter() - t0)
+    ms = sorted(times)[len(times) // 2] * 1000
+    return {"ms": round(ms, 2), "items_per_s": round(batch_size / (ms / 1000), 1)}
+
+
+def measure_folder(folder: str | Path, *, latency: bool = True, seq_len: int = 128,
+                   batch_sizes: tuple[int, ...] = (1, 32), quality_fn: QualityFn | None = None,
+                   repeats: int = 5) -> dict[str, Any]:
+    """Parameters, nonzero parameters, bytes on disk, latency at ``batch_sizes`` and quality.
+
+    The model is loaded with :func:`encoderkit.compress.packing.load_model` (quantized and
+    head-pruned folders included) and timed in PyTorch on CPU at ``torch.get_num_threads()``.
+    """
+    from encoderkit.compress.packing import load_model
+
+    folder = Path(folder)
+    model = load_model(folder)
+    out: dict[str, Any] = {
+        "params": count_parameters(model),
+        "nonzero_params": count_parameters(model, nonzero=True),
+        "bytes": bytes_on_disk(folder),
+        "weight_bytes": bytes_on_disk(folder, only_weights=True),
+    }
+    if latency:
+        out["latency"] = {"seq_len": seq_len, "threads": torch.get_num_threads(), "runtime": "torch-cpu-fp32"}
+        for b in batch_sizes:
+            out["latency"][f"batch{b}"] = torch_latency(model, b, seq_len, repeats=repeats)
+    if quality_fn is not None:
+        out["quality"] = quality_fn(folder)
+    return out
