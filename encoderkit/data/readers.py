@@ -1,0 +1,509 @@
+"""Corpus readers: turn files, folders, globs, HF datasets and the built-in corpus into documents.
+
+One entry point, :func:`iter_documents`, streams :class:`Document` objects (text plus where it
+came from) so that nothing holds a whole corpus in memory. A *source* is one of:
+
+- a file. Its format comes from its extension, after an optional ``.gz``:
+  ``.jsonl``/``.ndjson``/``.json`` (one JSON object per line, text in ``text_field``; a ``.json``
+  file that starts with ``[`` is read as one array of objects), ``.csv`` (the ``csv`` module, text in
+  ``text_column``), ``.tsv`` (split on tabs with no quoting, because GLUE files hold unbalanced
+  ``"``; text in ``text_column``), ``.parquet`` (pyarrow, column ``text_column``). **Any other
+  extension is read as plain UTF-8 text**, split into documents by ``doc_split``: ``"file"`` (the
+  whole file is one document), ``"blank_line"`` (paragraphs separated by blank lines) or ``"line"``.
+- a folder: every non-hidden file below it, recursively, in sorted order;
+- a glob (``data/**/*.txt``), expanded in sorted order; it must match something;
+- ``hf:NAME[:CONFIG][:SPLIT]``: a dataset through ``datasets.load_dataset`` (streamed from the hub),
+  or ``hf:PATH[:SPLIT]`` for a local json/csv/tsv/parquet/text file or a folder saved with
+  ``save_to_disk``; the text is in ``text_field``;
+- ``builtin:stdlib``: the docstrings of the running interpreter's standard library
+  (:mod:`encoderkit.data.builtin_corpus`), a few MB that need no download.
+
+Problems raise :class:`EncoderkitError` naming the file, the line (or byte offset) and what to do.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import gzip
+import json
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from encoderkit.errors import EncoderkitError
+
+DOC_SPLITS = ("file", "blank_line", "line")
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+HF_PREFIX = "hf:"
+BUILTIN_PREFIX = "builtin:"
+_GLOB_CHARS = "*?["
+
+SkipCallback = Callable[[str, str], None]
+"""Called as ``on_skip(source, reason)`` for each file left out (``skip_bad_encoding=True``)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document: its ``text`` (stripped, never empty), the ``source`` it came from and the
+    1-based ``line`` (or record number for HF datasets) where it starts."""
+
+    text: str
+    source: str
+    line: int
+
+
+@dataclass
+class ReadStats:
+    """Counts filled in while :func:`iter_documents` runs (pass one in as ``stats=``)."""
+
+    documents: int = 0
+    files: int = 0
+    skipped_files: int = 0
+    text_bytes: int = 0
+
+
+# -- resolving sources ---------------------------------------------------------------------------
+def resolve_sources(sources: str | Path | Iterable[str | Path]) -> list[str]:
+    """Expand folders and globs into a deterministic list of files (plus ``hf:``/``builtin:`` specs).
+
+    Raises :class:`EncoderkitError` for a missing path, a glob that matches nothing, an empty folder
+    or an empty list of sources.
+    """
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
+    items = [str(s) for s in sources]
+    if not items:
+        raise EncoderkitError("no corpus given; pass one or more files, folders, globs, hf:NAME or builtin:stdlib")
+    out: list[str] = []
+    for item in items:
+        if item.startswith(HF_PREFIX):
+            out.append(item)
+        elif item.startswith(BUILTIN_PREFIX):
+            from encoderkit.data.builtin_corpus import BUILTIN_CORPORA
+
+            name = item[len(BUILTIN_PREFIX):]
+            if name not in BUILTIN_CORPORA:
+                raise EncoderkitError(f"unknown built-in corpus {item!r}; available: "
+                                      + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_CORPORA))
+            out.append(item)
+        elif any(c in item for c in _GLOB_CHARS) and not Path(item).exists():
+            matches = sorted(glob.glob(item, recursive=True))
+            if not matches:
+                raise EncoderkitError(f"corpus glob {item!r} matches no file; check the pattern (quote it so "
+                                      "the shell does not expand it) and the current folder")
+            for m in matches:
+                out.extend(_expand_path(Path(m)) if Path(m).is_dir() else [m])
+        else:
+            p = Path(item)
+            if not p.exists():
+                raise EncoderkitError(f"corpus path {item} does not exist; check the spelling or pass a folder/glob")
+            if p.is_dir():
+                files = _expand_path(p)
+                if not files:
+                    raise EncoderkitError(f"corpus folder {item} holds no (non-hidden) file")
+                out.extend(files)
+            else:
+                out.append(item)
+    return out
+
+
+def _expand_path(folder: Path) -> list[str]:
+    """Every non-hidden file under ``folder``, sorted by relative path (hidden folders skipped too)."""
+    files = []
+    for p in folder.rglob("*"):
+        rel = p.relative_to(folder)
+        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+            continue
+        files.append(rel.as_posix())
+    return [str(folder / f) for f in sorted(files)]
+
+
+def source_format(path: str) -> str:
+    """``"jsonl"``, ``"csv"``, ``"tsv"``, ``"parquet"`` or ``"text"`` (any other extension)."""
+    name = path.lower()
+    if name.endswith(".gz"):
+        name = name[:-3]
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    for fmt in ("csv", "tsv", "parquet"):
+        if name.endswith("." + fmt):
+            return fmt
+    return "text"
+
+
+def estimate_bytes(sources: str | Path | Iterable[str | Path]) -> int | None:
+    """Total uncompressed bytes of the file sources (a ``.gz`` file's size is read from its trailer),
+    for progress bars. ``None`` when a source (``hf:``, ``builtin:``) has no known size."""
+    total = 0
+    for src in resolve_sources(sources):
+        if src.startswith((HF_PREFIX, BUILTIN_PREFIX)):
+            return None
+        total += _uncompressed_size(Path(src))
+    return total
+
+
+def _uncompressed_size(path: Path) -> int:
+    size = path.stat().st_size
+    if path.suffix.lower() != ".gz" or size < 18:
+        return size
+    with open(path, "rb") as f:  # ISIZE: the last 4 bytes, the uncompressed size mod 2**32 (an estimate)
+        f.seek(-4, 2)
+        isize = struct.unpack("<I", f.read(4))[0]
+    return max(isize, size)
+
+
+# -- the entry point -------------------------------------------------------------------------------
+def iter_documents(
+    sources: str | Path | Iterable[str | Path],
+    *,
+    doc_split: str = "file",
+    text_field: str = "text",
+    text_column: str = "text",
+    skip_bad_encoding: bool = False,
+    on_skip: SkipCallback | None = None,
+    stats: ReadStats | None = None,
+) -> Iterator[Document]:
+    """Stream the non-empty documents of ``sources`` in a deterministic order.
+
+    Sources are resolved (and missing paths reported) when this is called, before the first
+    document is read. ``doc_split`` applies to plain-text files only; a JSONL/CSV/TSV record or a
+    dataset row is always one document. With ``skip_bad_encoding`` a file that is not UTF-8 is left
+    out as a whole (reported through ``on_skip`` and counted in ``stats.skipped_files``) instead of
+    stopping the run. If no document at all is found, the iterator raises :class:`EncoderkitError`.
+    """
+    if doc_split not in DOC_SPLITS:
+        raise EncoderkitError(f"doc_split={doc_split!r} is not one of {', '.join(DOC_SPLITS)}")
+    files = resolve_sources(sources)
+    return _iter_resolved(files, doc_split, text_field, text_column, skip_bad_encoding, on_skip,
+                          stats if stats is not None else ReadStats())
+
+
+def _iter_resolved(files: list[str], doc_split: str, text_field: str, text_column: str,
+                   skip_bad_encoding: bool, on_skip: SkipCallback | None, stats: ReadStats) -> Iterator[Document]:
+    for src in files:
+        stats.files += 1
+        if skip_bad_encoding and not src.startswith((HF_PREFIX, BUILTIN_PREFIX)) and source_format(src) != "parquet":
+            bad = first_bad_utf8_offset(src)
+            if bad is not None:
+                stats.skipped_files += 1
+                reason = f"not UTF-8 (first bad byte at offset {bad})"
+                if on_skip is not None:
+                    on_skip(src, reason)
+                continue
+        for doc in _read_one(src, doc_split, text_field, text_column):
+            stats.documents += 1
+            stats.text_bytes += len(doc.text.encode("utf-8"))
+            yield doc
+    if stats.documents == 0:
+        skipped = f" ({stats.skipped_files} file(s) skipped for bad encoding)" if stats.skipped_files else ""
+        raise EncoderkitError(f"the corpus {', '.join(files[:5])}{' ...' if len(files) > 5 else ''} holds no "
+                              f"non-empty document{skipped}; check --doc-split, --text-field/--text-column "
+                              "and that the files are not empty")
+
+
+def _read_one(src: str, doc_split: str, text_field: str, text_column: str) -> Iterator[Document]:
+    if src.startswith(HF_PREFIX):
+        yield from read_hf(src, text_field)
+    elif src.startswith(BUILTIN_PREFIX):
+        from encoderkit.data.builtin_corpus import BUILTIN_CORPORA
+
+        yield from BUILTIN_CORPORA[src[len(BUILTIN_PREFIX):]]()
+    else:
+        fmt = source_format(src)
+        if fmt == "jsonl":
+            yield from read_jsonl(src, text_field)
+        elif fmt in ("csv", "tsv"):
+            yield from read_table(src, text_column, delimiter="," if fmt == "csv" else "\t")
+        elif fmt == "parquet":
+            yield from read_parquet(src, text_column)
+        else:
+            yield from read_text(src, doc_split)
+
+
+# -- bytes to lines ------------------------------------------------------------------------------
+def _open_binary(path: str) -> BinaryIO:
+    if path.lower().endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
+
+
+def decoded_lines(path: str) -> Iterator[tuple[int, str]]:
+    """Yield ``(line_number, text)`` for each line of a (possibly gzipped) UTF-8 file, with the line
+    ending (``\\n`` or ``\\r\\n``) removed and a leading BOM dropped. A byte that is not UTF-8 raises
+    :class:`EncoderkitError` with its line and byte offset (in the uncompressed stream)."""
+    offset = 0
+    try:
+        with _open_binary(path) as f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise _encoding_error(path, number, offset + e.start) from e
+                offset += len(raw)
+                if number == 1 and line.startswith("\ufeff"):
+                    line = line[1:]
+                yield number, line.rstrip("\r\n") if line.endswith("\n") else line
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise EncoderkitError(f"cannot read {path}: {e}; check that the file is complete (a .gz file "
+                              "must be a gzip stream)") from e
+
+
+def _encoding_error(path: str, line: int, offset: int) -> EncoderkitError:
+    where = "uncompressed byte offset" if path.lower().endswith(".gz") else "byte offset"
+    return EncoderkitError(f"{path}:{line}: not UTF-8 ({where} {offset}); convert it (e.g. iconv -f latin1 -t utf-8) "
+                           "or pass --skip-bad-encoding to leave such files out")
+
+
+def first_bad_utf8_offset(path: str) -> int | None:
+    """Byte offset (uncompressed) of the first invalid UTF-8 byte of a file, or ``None`` if it is clean.
+    Reads in 1 MiB chunks with an incremental decoder, so no line is held twice."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes of the stream handed to the decoder so far
+    try:
+        with _open_binary(path) as f:
+            while chunk := f.read(1 << 20):
+                offset += len(chunk)
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as e:  # e.object = the decoder's pending bytes + the last chunk
+        return offset - len(e.object) + e.start
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise EncoderkitError(f"cannot read {path}: {e}") from e
+    return None
+
+
+# -- the formats ---------------------------------------------------------------------------------
+def read_text(path: str, doc_split: str = "file") -> Iterator[Document]:
+    """Documents of a plain-text file: the whole file, each blank-line-separated block, or each line."""
+    if doc_split == "file":
+        parts, first = [], None
+        for number, line in decoded_lines(path):
+            if first is None and line.strip():
+                first = number
+            parts.append(line)
+        text = "\n".join(parts).strip()
+        if text:
+            yield Document(text, path, first or 1)
+    elif doc_split == "line":
+        for number, line in decoded_lines(path):
+            if line.strip():
+                yield Document(line.strip(), path, number)
+    else:
+        block: list[str] = []
+        start = 0
+        for number, line in decoded_lines(path):
+            if line.strip():
+                if not block:
+                    start = number
+                block.append(line.rstrip())
+            elif block:
+                yield Document("\n".join(block).strip(), path, start)
+                block = []
+        if block:
+            yield Document("\n".join(block).strip(), path, start)
+
+
+def read_jsonl(path: str, text_field: str = "text") -> Iterator[Document]:
+    """One document per JSON object (one per line; a ``.json`` file starting with ``[`` is an array)."""
+    lines = decoded_lines(path)
+    first = next(lines, None)
+    if first is None:
+        return
+    if path.lower().removesuffix(".gz").endswith(".json") and first[1].lstrip().startswith("["):
+        text = "\n".join([first[1]] + [line for _, line in lines])
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise EncoderkitError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); fix the file") from e
+        if not isinstance(records, list):
+            raise EncoderkitError(f"{path}: a .json file must hold one array of objects or one object per line")
+        for i, rec in enumerate(records, start=1):
+            text_value = _field(rec, text_field, f"{path}: record {i}")
+            if text_value:
+                yield Document(text_value, path, i)
+        return
+    for number, line in _chain([first], lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EncoderkitError(f"{path}:{number}: not a JSON object ({e.msg} at column {e.colno}); "
+                                  "JSONL needs one object per line") from e
+        text_value = _field(rec, text_field, f"{path}:{number}")
+        if text_value:
+            yield Document(text_value, path, number)
+
+
+def _chain(head: list[Any], tail: Iterator[Any]) -> Iterator[Any]:
+    yield from head
+    yield from tail
+
+
+def _field(rec: Any, name: str, where: str) -> str:
+    """The stripped string ``rec[name]``; a missing field or a non-string value is an error."""
+    if not isinstance(rec, dict):
+        raise EncoderkitError(f"{where}: expected a JSON object with a {name!r} field, got {type(rec).__name__}")
+    if name not in rec:
+        keys = ", ".join(sorted(map(str, rec))[:20]) or "none"
+        raise EncoderkitError(f"{where}: no field {name!r} (fields found: {keys}); pass --text-field NAME")
+    value = rec[name]
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise EncoderkitError(f"{where}: field {name!r} holds a {type(value).__name__}, expected text")
+    return value.strip()
+
+
+def read_table(path: str, text_column: str = "text", delimiter: str = ",") -> Iterator[Document]:
+    """Rows of a CSV (``csv`` module, quotes honoured) or TSV (plain tab split, no quoting) file with a
+    header row; the text is the column named ``text_column``."""
+    lines = decoded_lines(path)
+    if delimiter == "\t":
+        head = next(lines, None)
+        if head is None:
+            return
+        columns = head[1].split("\t")
+        col = _column_index(columns, text_column, path)
+        for number, line in lines:
+            if not line.strip():
+                continue
+            cells = line.split("\t")
+            if len(cells) <= col:
+                raise EncoderkitError(f"{path}:{number}: {len(cells)} tab-separated field(s), but column "
+                                      f"{text_column!r} is field {col + 1} of the header; fix the row")
+            if cells[col].strip():
+                yield Document(cells[col].strip(), path, number)
+        return
+    numbers: list[int] = [0]
+
+    def text_lines() -> Iterator[str]:
+        for number, line in lines:
+            numbers[0] = number
+            yield line
+
+    reader = csv.reader(text_lines(), delimiter=delimiter)
+    try:
+        header = next(reader, None)
+        if header is None:
+            return
+        col = _column_index(header, text_column, path)
+        start = numbers[0] + 1
+        for row in reader:
+            if row and len(row) <= col:
+                raise EncoderkitError(f"{path}:{start}: {len(row)} field(s), but column {text_column!r} is "
+                                      f"field {col + 1} of the header; fix the row")
+            if row and row[col].strip():
+                yield Document(row[col].strip(), path, start)
+            start = numbers[0] + 1
+    except csv.Error as e:
+        raise EncoderkitError(f"{path}:{numbers[0]}: CSV error ({e}); fix the quoting, or if the field is "
+                              "larger than 128 KiB split it or convert the file to JSONL") from e
+
+
+def _column_index(columns: list[str], name: str, path: str) -> int:
+    cleaned = [c.strip() for c in columns]
+    if name not in cleaned:
+        raise EncoderkitError(f"{path}:1: no column {name!r} in the header (columns found: "
+                              f"{', '.join(cleaned)}); pass --text-column NAME")
+    return cleaned.index(name)
+
+
+def read_parquet(path: str, text_column: str = "text") -> Iterator[Document]:
+    """Rows of a Parquet file (needs ``pyarrow``), read in record batches; ``line`` is the row number."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise EncoderkitError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from e
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    if text_column not in names:
+        raise EncoderkitError(f"{path}: no column {text_column!r} (columns found: {', '.join(names)}); "
+                              "pass --text-column NAME")
+    row = 0
+    for batch in pf.iter_batches(columns=[text_column], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if isinstance(value, str) and value.strip():
+                yield Document(value.strip(), path, row)
+
+
+# -- Hugging Face datasets -------------------------------------------------------------------------
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv", ".parquet": "parquet",
+                   ".txt": "text", ".text": "text"}
+
+
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str | None, bool]:
+    """Split ``hf:NAME[:CONFIG][:SPLIT]`` or ``hf:PATH[:SPLIT]`` into (name, config, split, is_local)."""
+    body = spec[len(HF_PREFIX):]
+    if not body:
+        raise EncoderkitError(f"{spec!r}: give a dataset after hf:, e.g. hf:wikitext:wikitext-2-raw-v1:train")
+    parts = body.split(":")
+    for cut in range(len(parts), 0, -1):  # the longest prefix that is an existing path is local
+        candidate = ":".join(parts[:cut])
+        if Path(candidate).exists():
+            rest = parts[cut:]
+            if len(rest) > 1:
+                raise EncoderkitError(f"{spec!r}: a local dataset takes at most one :SPLIT after the path")
+            return candidate, None, (rest[0] if rest else None), True
+    if len(parts) > 3:
+        raise EncoderkitError(f"{spec!r}: expected hf:NAME[:CONFIG][:SPLIT]")
+    name, config, split = (parts + [None, None])[:3]
+    if name.startswith((".", "/", "~")) or name.endswith(tuple(_LOCAL_BUILDERS)):
+        raise EncoderkitError(f"{spec!r}: local dataset path {name} does not exist")
+    return name, config or None, split or None, False
+
+
+def read_hf(spec: str, text_field: str = "text") -> Iterator[Document]:
+    """Rows of a dataset loaded with the ``datasets`` library; ``line`` is the 1-based row number."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise EncoderkitError(f"{spec}: hf: sources need the datasets library (pip install 'encoderkit[hub]')") from e
+    name, config, split, local = parse_hf_spec(spec)
+    try:
+        if local and Path(name).is_dir() and _is_saved_dataset(Path(name)):
+            ds: Any = datasets.load_from_disk(name)
+        elif local and Path(name).is_file():
+            suffix = Path(name.removesuffix(".gz")).suffix.lower()
+            builder = _LOCAL_BUILDERS.get(suffix, "text")
+            kw = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if suffix == ".tsv" else {}
+            ds = datasets.load_dataset(builder, data_files={"train": name}, **kw)
+        else:
+            ds = datasets.load_dataset(name, config, streaming=not local)
+    except EncoderkitError:
+        raise
+    except Exception as e:  # datasets raises many types: connection, missing config, bad file
+        hint = ("the hub could not be reached or the name is wrong; download the data and pass a local path "
+                "(hf:PATH or the files themselves)") if not local else "check the file's format"
+        raise EncoderkitError(f"{spec}: could not load the dataset ({type(e).__name__}: {str(e)[:300]}); {hint}") from e
+    if hasattr(ds, "keys"):  # a DatasetDict: pick the split
+        splits = list(ds.keys())
+        chosen = split or ("train" if "train" in splits else splits[0] if len(splits) == 1 else None)
+        if chosen not in splits:
+            raise EncoderkitError(f"{spec}: choose a split with :SPLIT (splits found: {', '.join(splits)})")
+        ds = ds[chosen]
+    elif split is not None:
+        raise EncoderkitError(f"{spec}: this dataset has a single split; drop :{split}")
+    columns = list(ds.column_names or []) if getattr(ds, "column_names", None) is not None else None
+    if columns is not None and text_field not in columns:
+        raise EncoderkitError(f"{spec}: no field {text_field!r} (fields found: {', '.join(columns)}); "
+                              "pass --text-field NAME")
+    for i, rec in enumerate(ds, start=1):
+        value = _field(rec, text_field, f"{spec}: row {i}")
+        if value:
+            yield Document(value, spec, i)
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return any((folder / n).is_file() for n in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+__all__ = ["Document", "ReadStats", "iter_documents", "resolve_sources", "estimate_bytes", "source_format",
+           "decoded_lines", "first_bad_utf8_offset", "read_text", "read_jsonl", "read_table", "read_parquet",
+           "read_hf", "parse_hf_spec"]
