@@ -150,7 +150,7 @@ def mask_tokens(
 _M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser, element-wise on uint64 arrays (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
         z = x + _GOLD
@@ -165,11 +165,11 @@ def block_draws(seed: int, epoch: int, block_index: np.ndarray, length: int, str
     block_index: (B,) ints (global index of each block in the data set).
     """
     blocks = np.asarray(block_index, dtype=np.int64).astype(np.uint64)  # (B,)
-    key = _splitmix64(np.array([seed & (2**64 - 1)], dtype=np.uint64))
-    key = _splitmix64(key ^ np.array([epoch & (2**64 - 1)], dtype=np.uint64))
-    row = _splitmix64(key ^ _splitmix64(blocks))  # (B,)
+    key = splitmix64(np.array([seed & (2**64 - 1)], dtype=np.uint64))
+    key = splitmix64(key ^ np.array([epoch & (2**64 - 1)], dtype=np.uint64))
+    row = splitmix64(key ^ splitmix64(blocks))  # (B,)
     counter = (np.arange(streams, dtype=np.uint64)[:, None, None] << np.uint64(32)) | np.arange(length, dtype=np.uint64)
-    bits = _splitmix64(row[None, :, None] ^ _splitmix64(counter))  # (S, B, L)
+    bits = splitmix64(row[None, :, None] ^ splitmix64(counter))  # (S, B, L)
     return torch.from_numpy((bits >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53))
 
 
