@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from encoderkit.config import StageConfig, arg
 from encoderkit.errors import EncoderkitError
 from encoderkit.train import checkpoint as ckpt
 from encoderkit.train import distributed as dist_util
@@ -102,10 +103,43 @@ class TrainSettings:
     def result_dict(self) -> dict[str, Any]:
         """Settings that change results (compared on resume); speed settings left out."""
         d = asdict(self)
-        for k in ("bf16", "compile", "progress", "eval_every", "save_every", "keep_last", "log_every", "max_steps", "epochs"):
+        for k in ("bf16", "compile", "progress", "eval_every", "save_every", "keep_last", "log_every"):
             d.pop(k)
         d["betas"] = list(self.betas)
         return d
+
+
+@dataclass
+class TrainArgs(StageConfig):
+    """The :class:`TrainSettings` as documented stage-config fields (flags and config-file keys).
+    Stage configs subclass it and call :meth:`train_settings`."""
+
+    lr: float = arg(5e-4, help="Peak learning rate (AdamW).")
+    weight_decay: float = arg(0.01, help="AdamW weight decay (not on biases and norms).")
+    warmup: float = arg(0.06, help="Warmup: a fraction of the steps if < 1, else a number of steps.")
+    schedule: str = arg("linear", help="Decay after warmup.", choices=("linear", "cosine", "constant"))
+    max_steps: int = arg(0, help="Optimizer steps to train; 0: use --epochs.")
+    epochs: float = arg(1.0, help="Passes over the training data (when --max-steps is 0).")
+    batch_size: int = arg(32, help="Micro-batch per process; global batch = batch x grad-accum x processes.")
+    grad_accum: int = arg(1, help="Micro-batches accumulated per optimizer step.")
+    clip_norm: float = arg(1.0, help="Clip the gradient norm to this; 0 disables.")
+    eval_every: int = arg(0, help="Evaluate on held-out data every N steps (0: only at the end).")
+    save_every: int = arg(0, help="Checkpoint every N steps (0: only at the end and on a new best).")
+    keep_last: int = arg(2, help="Step checkpoints kept (the best is kept besides).")
+    log_every: int = arg(10, help="Steps between lines of metrics.jsonl.")
+    seed: int = arg(0, help="Seed for initialisation, data order, masking and dropout.")
+    bf16: str = arg("auto", help="bf16 autocast with fp32 master weights; auto: on where bf16 is native "
+                    "(CUDA, AVX512-BF16/AMX CPUs).", choices=("auto", "on", "off"), speed=True)
+    compile: bool = arg(False, help="torch.compile the training module.", speed=True)
+
+    def train_settings(self) -> TrainSettings:
+        return TrainSettings(
+            lr=self.lr, weight_decay=self.weight_decay, warmup=self.warmup, schedule=self.schedule,
+            max_steps=self.max_steps, epochs=self.epochs, batch_size=self.batch_size, grad_accum=self.grad_accum,
+            clip_norm=self.clip_norm, eval_every=self.eval_every, save_every=self.save_every,
+            keep_last=self.keep_last, log_every=self.log_every, seed=self.seed,
+            bf16={"auto": None, "on": True, "off": False}[self.bf16], compile=self.compile,
+        )
 
 
 class BatchSource(Protocol):
