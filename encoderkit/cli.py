@@ -24,8 +24,10 @@ STAGES: dict[tuple[str, ...], str] = {
     ("tokenizer", "train"): "encoderkit.tokenizer:TokenizerConfig:run",
     ("data", "prepare"): "encoderkit.data.prepare:PrepareConfig:run",
     ("data", "inspect"): "encoderkit.data.prepare:InspectConfig:inspect",
+    ("pretrain",): "encoderkit.train.pretrain:PretrainConfig:run",
     ("quantize",): "encoderkit.compress.quantize:QuantizeConfig:run",
     ("prune",): "encoderkit.compress.prune:PruneConfig:run",
+    ("finetune",): "encoderkit.train.finetune:FinetuneConfig:run",
 }
 
 
