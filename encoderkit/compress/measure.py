@@ -169,20 +169,57 @@ def measure_folder(folder: str | Path, *, latency: bool = True, seq_len: int = 1
     The model is loaded with :func:`encoderkit.compress.packing.load_model` (quantized and
     head-pruned folders included) and timed in PyTorch on CPU at ``torch.get_num_threads()``.
     """
-    from encoderkit.compress.packing import load_model
+    from encoderkit.compress.packing import QUANT_KEY, load_model, read_config
 
     folder = Path(folder)
+    onnx_files = sorted(folder.glob("*.onnx"))
+    out: dict[str, Any] = {"bytes": bytes_on_disk(folder), "weight_bytes": bytes_on_disk(folder, only_weights=True)}
+    if onnx_files and not any(folder.glob("*.safetensors")):
+        return {**out, **_measure_onnx(onnx_files[0], latency, seq_len, batch_sizes, repeats), **(
+            {"quality": quality_fn(folder)} if quality_fn else {})}
+    runtime = (read_config(folder).get(QUANT_KEY) or {}).get("runtime", "")
     model = load_model(folder)
-    out: dict[str, Any] = {
-        "params": count_parameters(model),
-        "nonzero_params": count_parameters(model, nonzero=True),
-        "bytes": bytes_on_disk(folder),
-        "weight_bytes": bytes_on_disk(folder, only_weights=True),
-    }
+    out["params"] = count_parameters(model)
+    out["nonzero_params"] = count_parameters(model, nonzero=True)
     if latency:
-        out["latency"] = {"seq_len": seq_len, "threads": torch.get_num_threads(), "runtime": "torch-cpu-fp32"}
+        int8 = runtime == "torch-int8"
+        if int8:
+            model = load_model(folder, int8_runtime=True)
+        out["latency"] = {"seq_len": seq_len, "threads": torch.get_num_threads(),
+                          "runtime": "torch-cpu-dynamic-int8" if int8 else "torch-cpu-fp32"}
         for b in batch_sizes:
             out["latency"][f"batch{b}"] = torch_latency(model, b, seq_len, repeats=repeats)
     if quality_fn is not None:
         out["quality"] = quality_fn(folder)
+    return out
+
+
+def _measure_onnx(path: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
+    """Parameters (initializer elements) and ONNX Runtime CPU latency of an ONNX model file."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    m = onnx.load(str(path), load_external_data=False)
+    out: dict[str, Any] = {"params": int(sum(np.prod(t.dims) for t in m.graph.initializer))}
+    if not latency:
+        return out
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = torch.get_num_threads()
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    out["latency"] = {"seq_len": seq_len, "threads": torch.get_num_threads(), "runtime": f"onnxruntime-cpu ({path.name})"}
+    rng = np.random.default_rng(0)
+    for b in batch_sizes:
+        feed = {n: (rng.integers(5, 1000, (b, seq_len)) if n == "input_ids" else
+                    np.ones((b, seq_len)) if n == "attention_mask" else np.zeros((b, seq_len))).astype(np.int64)
+                for n in names}
+        sess.run(None, feed)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sess.run(None, feed)
+            times.append(time.perf_counter() - t0)
+        ms = sorted(times)[len(times) // 2] * 1000
+        out["latency"][f"batch{b}"] = {"ms": round(ms, 2), "items_per_s": round(b / (ms / 1000), 1)}
     return out

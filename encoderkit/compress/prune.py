@@ -21,14 +21,43 @@ model as teacher (KD on logits) through the training engine.
 
 from __future__ import annotations
 
+import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from encoderkit.compress.measure import LeverReport, QualityFn
+import torch
+from tqdm.auto import tqdm
+
+from encoderkit.compress.measure import LeverReport, QualityFn, count_parameters, measure_folder, read_texts, text_batches
+from encoderkit.compress.packing import HEADS_KEY, copy_side_files, is_quantized, load_model, read_config
 from encoderkit.config import StageConfig, arg, check
+from encoderkit.errors import EncoderkitError
+from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
 
 METHODS = ("magnitude", "2:4", "heads", "ffn", "vocab")
+
+
+def encoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a BERT-like encoder (``<base>.encoder.layer``)."""
+    base = getattr(model, "base_model", model)
+    enc = getattr(base, "encoder", None)
+    layers = getattr(enc, "layer", None)
+    if layers is None:
+        raise EncoderkitError(f"{type(model).__name__}: no encoder.layer list found; only BERT-like encoders "
+                              "(BERT, MiniLM, RoBERTa, ...) can be pruned or GPTQ-quantized")
+    return list(layers)
+
+
+def slice_linear(lin: torch.nn.Linear, idx: torch.Tensor, dim: int) -> torch.nn.Linear:
+    """A new Linear keeping ``idx`` of the output rows (``dim=0``) or of the input columns (``dim=1``)."""
+    w = lin.weight.detach().index_select(dim, idx).clone()
+    new = torch.nn.Linear(w.shape[1], w.shape[0], bias=lin.bias is not None, dtype=w.dtype)
+    new.weight.data.copy_(w)
+    if lin.bias is not None:
+        new.bias.data.copy_(lin.bias.detach()[idx] if dim == 0 else lin.bias.detach())
+    return new
 
 
 @dataclass
@@ -57,6 +86,7 @@ class PruneConfig(StageConfig):
     seq_len: int = arg(128, help="Max tokens per example for recovery and calibration")
     overwrite: bool = arg(False, help="Replace an existing output folder")
     seed: int = arg(0, help="Seed for calibration sampling and recovery")
+    measure: bool = arg(True, help="Measure latency (batch 1 and 32, seq 128) before and after", speed=True)
     device: str = arg("cpu", help="Device for recovery / 2:4 semi-structured kernels", choices=("cpu", "cuda"), speed=True)
 
     def validate(self) -> None:
@@ -74,10 +104,293 @@ def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
     ``calib`` (texts or pairs) overrides ``cfg.calib_data`` for importance scores;
     ``quality_fn(folder) -> dict`` is measured before and after.
     """
-    raise NotImplementedError  # filled in below
+    from transformers import AutoTokenizer
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if is_quantized(model_dir):
+        raise EncoderkitError(f"{model_dir} is quantized; prune its unquantized parent first, then quantize")
+    if cfg.method == "vocab":
+        from encoderkit.compress.vocab import prune_vocab
+
+        return prune_vocab(model_dir, cfg, out_dir, quality_fn)
+    before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir)
+    heads = read_config(model_dir).get(HEADS_KEY)
+    details: dict[str, Any] = {}
+    masks: dict[str, torch.Tensor] = {}
+    if cfg.method in ("heads", "ffn"):
+        texts = _calib(cfg, calib) if cfg.importance == "taylor" else []
+        scores = taylor_scores(model, tokenizer, texts, cfg) if texts else None
+        if cfg.method == "heads":
+            heads, details = prune_heads(model, cfg.amount, scores, heads)
+        else:
+            details = prune_ffn(model, cfg.amount, scores)
+    elif cfg.method == "2:4":
+        masks = semi_structured_masks(model)
+        details = {"pattern": "2:4", "speedup": "none on CPU: dense kernels; torch.sparse.to_sparse_semi_structured "
+                   "needs a CUDA GPU (compute capability >= 8.0)"}
+    elif cfg.schedule == "oneshot":
+        masks = magnitude_masks(model, cfg.amount, cfg.scope)
+    if cfg.recovery_steps > 0:
+        check(bool(cfg.recovery_data), "recovery_steps > 0 needs --recovery-data (a labelled training file)")
+        teacher = load_model(model_dir)
+        if cfg.method == "magnitude" and cfg.schedule == "gradual":
+            masks, details["recovery"] = gradual_magnitude(model, teacher, tokenizer, cfg)
+        else:
+            details["recovery"] = recover(model, teacher, tokenizer, cfg, masks, cfg.recovery_steps)
+    for name, lin in _linears(model):
+        if name in masks:
+            lin.weight.data.mul_(masks[name])
+    if masks:
+        details["sparsity"] = round(sparsity(model), 4)
+        details["bytes_note"] = "zeros are stored densely: unstructured / 2:4 sparsity does not shrink model.safetensors"
+    with output_dir(out_dir, cfg.overwrite) as tmp:
+        save_pruned(model, model_dir, tmp, heads)
+        after = measure_folder(tmp, latency=cfg.measure, quality_fn=quality_fn)
+        report = LeverReport("prune", cfg.method, str(model_dir), str(out_dir), before, after, details)
+        parent = {k: v for k, v in read_card(model_dir).items() if k not in ("stage", "parent", "config", "metrics", "created")}
+        write_card(tmp, "prune", model_dir, cfg.result_dict(), after, **parent)
+        write_json_atomic(tmp / "report.json", report.summary())
+    return report
 
 
-def run(cfg: PruneConfig) -> LeverReport:
-    """Prune a model folder (unstructured, 2:4, attention heads, FFN neurons or vocabulary)."""
-    check(bool(cfg.model) and bool(cfg.out), "prune: --model and --out are required")
-    return prune(cfg.model, cfg, cfg.out)
+def save_pruned(model: torch.nn.Module, src: Path, out: Path, heads: list[list[int]] | None) -> None:
+    """Save in HF layout; head-pruned models record the kept heads in ``config.json``."""
+    if heads is not None:
+        model.config.__dict__[HEADS_KEY] = heads
+    model.save_pretrained(out)
+    model.config.__dict__.pop(HEADS_KEY, None)
+    copy_side_files(src, out)
+
+
+def _calib(cfg: PruneConfig, calib: list[Any] | None) -> list[Any]:
+    if calib is not None:
+        return list(calib)[: cfg.calib_samples]
+    src = cfg.calib_data or cfg.recovery_data
+    if not src:
+        raise EncoderkitError("importance=taylor needs calibration texts: pass --calib-data FILE, or use --importance magnitude")
+    return read_texts(src, limit=cfg.calib_samples)
+
+
+def _linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    names = {m: n for n, m in model.named_modules()}
+    return [(names[m], m) for layer in encoder_layers(model) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+
+
+# -- unstructured and 2:4 -------------------------------------------------------------------
+@torch.no_grad()
+def magnitude_masks(model: torch.nn.Module, amount: float, scope: str) -> dict[str, torch.Tensor]:
+    """Keep-masks (1 = kept) zeroing the ``amount`` smallest |w| of the encoder's Linear weights.
+
+    ``scope="global"`` ranks all weights together, ``"layer"`` each matrix on its own; exactly
+    ``floor(amount * n)`` entries are zeroed (ties broken by position).
+    """
+    lins = _linears(model)
+    if scope == "layer":
+        return {n: _keep_largest(lin.weight.abs(), amount) for n, lin in lins}
+    flat = torch.cat([lin.weight.abs().flatten() for _, lin in lins])
+    keep = _keep_largest(flat, amount)
+    out, i = {}, 0
+    for n, lin in lins:
+        out[n] = keep[i:i + lin.weight.numel()].view_as(lin.weight)
+        i += lin.weight.numel()
+    return out
+
+
+def _keep_largest(scores: torch.Tensor, amount: float) -> torch.Tensor:
+    k = int(amount * scores.numel())
+    mask = torch.ones(scores.numel(), dtype=scores.dtype)
+    if k:
+        mask[torch.argsort(scores.flatten(), stable=True)[:k]] = 0
+    return mask.view_as(scores)
+
+
+@torch.no_grad()
+def semi_structured_masks(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """2:4 keep-masks: in each group of 4 consecutive input weights of a row, the 2 largest |w| kept."""
+    out = {}
+    for n, lin in _linears(model):
+        o, i = lin.weight.shape
+        check(i % 4 == 0, f"{n}: 2:4 sparsity needs in_features divisible by 4, got {i}")
+        groups = lin.weight.abs().view(o, i // 4, 4)
+        idx = groups.topk(2, dim=-1).indices
+        mask = torch.zeros_like(groups).scatter_(-1, idx, 1.0)
+        out[n] = mask.view(o, i)
+    return out
+
+
+def to_semi_structured_gpu(model: torch.nn.Module) -> int:
+    """On CUDA: swap 2:4-sparse Linear weights for ``to_sparse_semi_structured`` tensors (fp16/bf16).
+
+    Returns the number of converted layers. Raises on CPU: there is no semi-structured kernel.
+    """
+    from torch.sparse import to_sparse_semi_structured
+
+    if not torch.cuda.is_available():
+        raise EncoderkitError("2:4 semi-structured kernels need a CUDA GPU; on CPU the masked model runs dense")
+    n = 0
+    for _, lin in _linears(model):
+        lin.weight = torch.nn.Parameter(to_sparse_semi_structured(lin.weight.detach().half().cuda()), requires_grad=False)
+        n += 1
+    return n
+
+
+def sparsity(model: torch.nn.Module) -> float:
+    """Fraction of zeros over the encoder's Linear weights."""
+    lins = _linears(model)
+    total = sum(lin.weight.numel() for _, lin in lins)
+    zeros = sum(int((lin.weight == 0).sum()) for _, lin in lins)
+    return zeros / max(total, 1)
+
+
+# -- structured: importance -----------------------------------------------------------------
+def taylor_scores(model: torch.nn.Module, tokenizer: Any, texts: list[Any], cfg: PruneConfig) -> dict[str, torch.Tensor]:
+    """Accumulated ``|w * dL/dw|`` (first-order Taylor) of every encoder Linear weight and bias.
+
+    The loss is the cross-entropy of the model against its own predictions (no labels needed),
+    or the squared norm of the last hidden state for a model without logits.
+    """
+    params = {n: p for n, p in model.named_parameters() if ".encoder.layer." in f".{n}" or n.startswith("encoder.layer.")}
+    scores = {n: torch.zeros_like(p) for n, p in params.items()}
+    model.eval()
+    for batch in tqdm(list(text_batches(tokenizer, texts, cfg.seq_len, cfg.batch_size)), desc="importance", disable=None):
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        logits = getattr(out, "logits", None)
+        if logits is not None:
+            logits = logits.reshape(-1, logits.shape[-1]) if logits.dim() == 3 else logits
+            loss = torch.nn.functional.cross_entropy(logits, logits.argmax(-1).detach())
+        else:
+            loss = out.last_hidden_state.pow(2).mean()
+        loss.backward()
+        for n, p in params.items():
+            if p.grad is not None:
+                scores[n] += (p.detach() * p.grad).abs()
+    model.zero_grad(set_to_none=True)
+    return scores
+
+
+def _score(scores: dict[str, torch.Tensor] | None, lin: torch.nn.Linear, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight score, bias score) of a Linear: Taylor scores when given, else |w|^2."""
+    if scores is None:
+        return lin.weight.detach().pow(2), lin.bias.detach().pow(2)
+    return scores[f"{name}.weight"], scores[f"{name}.bias"]
+
+
+@torch.no_grad()
+def prune_heads(model: torch.nn.Module, amount: float, scores: dict[str, torch.Tensor] | None,
+                previous: list[list[int]] | None = None) -> tuple[list[list[int]], dict[str, Any]]:
+    """Remove ``round(amount * heads)`` attention heads from every layer (lowest importance first).
+
+    Returns the heads kept per layer (indices into the original model's heads) and details.
+    """
+    names = {m: n for n, m in model.named_modules()}
+    kept_all: list[list[int]] = []
+    n_heads_orig = model.config.num_attention_heads
+    d = model.config.hidden_size // n_heads_orig
+    for li, layer in enumerate(encoder_layers(model)):
+        att = layer.attention
+        h = att.self.num_attention_heads
+        current = previous[li] if previous else list(range(h))
+        score = torch.zeros(h)
+        for proj in ("query", "key", "value"):
+            lin = getattr(att.self, proj)
+            w, b = _score(scores, lin, names[lin])
+            score += w.sum(1).view(h, d).sum(1) + b.view(h, d).sum(1)
+        w, _ = _score(scores, att.output.dense, names[att.output.dense])
+        score += w.sum(0).view(h, d).sum(1)
+        n_keep = max(1, h - round(amount * h))
+        keep_local = sorted(torch.argsort(score, descending=True, stable=True)[:n_keep].tolist())
+        kept_all.append([current[k] for k in keep_local])
+    from encoderkit.compress.packing import shrink_heads
+
+    local = [[(previous[li] if previous else list(range(n_heads_orig))).index(k) for k in kept] for li, kept in enumerate(kept_all)]
+    shrink_heads(model, local, d)
+    return kept_all, {"heads_per_layer": [len(k) for k in kept_all], "heads_kept": kept_all}
+
+
+@torch.no_grad()
+def prune_ffn(model: torch.nn.Module, amount: float, scores: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """Remove ``round(amount * intermediate_size)`` FFN neurons from every layer (lowest importance first).
+
+    The same count per layer keeps ``config.intermediate_size`` valid, so the folder reloads in
+    plain transformers.
+    """
+    names = {m: n for n, m in model.named_modules()}
+    size = model.config.intermediate_size
+    n_keep = max(1, size - round(amount * size))
+    for layer in encoder_layers(model):
+        up, down = layer.intermediate.dense, layer.output.dense
+        wu, bu = _score(scores, up, names[up])
+        wd, _ = _score(scores, down, names[down])
+        if scores is None:  # magnitude: product of the neuron's in and out weight norms
+            score = wu.sum(1).sqrt() * wd.sum(0).sqrt()
+        else:
+            score = wu.sum(1) + bu + wd.sum(0)
+        keep = torch.sort(torch.argsort(score, descending=True, stable=True)[:n_keep]).values
+        layer.intermediate.dense = slice_linear(up, keep, dim=0)
+        layer.output.dense = slice_linear(down, keep, dim=1)
+    model.config.intermediate_size = n_keep
+    return {"intermediate_size": [size, n_keep]}
+
+
+# -- recovery -------------------------------------------------------------------------------
+def recover(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg: Any,
+            masks: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
+    """Fine-tune ``model`` for ``steps`` with the training engine: ``kd_alpha`` * KD on the
+    teacher's logits (temperature ``cfg.temperature``) + (1 - ``kd_alpha``) * cross-entropy on
+    the gold labels of ``cfg.recovery_data`` (KD only when the file has no labels).
+
+    Pruned weights stay zero: their gradients are masked, so Adam never moves them.
+    """
+    from encoderkit.compress.distill import soft_target_kl, task_batches
+    from encoderkit.train.engine import TrainSettings, fit
+
+    data = getattr(cfg, "recovery_data", "") or getattr(cfg, "train_data", "")
+    source, n, has_labels = task_batches(data, tokenizer, teacher.config, cfg.batch_size,
+                                         getattr(cfg, "seq_len", 128), cfg.seed)
+    hooks = [lin.weight.register_hook(lambda g, m=masks[n]: g * m) for n, lin in _linears(model) if n in masks]
+    alpha = getattr(cfg, "kd_alpha", 0.5) if has_labels else 1.0
+    temperature = getattr(cfg, "temperature", 2.0)
+    teacher.eval()
+
+    def loss_fn(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        labels = batch.get("labels")
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = module(**inputs).logits
+        with torch.no_grad():
+            t_logits = teacher(**inputs).logits
+        c = logits.shape[-1]
+        kd = soft_target_kl(logits.reshape(-1, c), t_logits.reshape(-1, c), temperature)
+        loss = alpha * kd
+        if labels is not None and alpha < 1:
+            loss = loss + (1 - alpha) * torch.nn.functional.cross_entropy(logits.reshape(-1, c).float(), labels.reshape(-1))
+        return loss, {"kd": float(kd)}
+
+    settings = TrainSettings(lr=cfg.lr, max_steps=steps, batch_size=cfg.batch_size, warmup=0.1, seed=cfg.seed)
+    try:
+        with tempfile.TemporaryDirectory(prefix="encoderkit-recovery-") as run_dir:
+            result = fit(model, loss_fn, source, settings, run_dir)
+    finally:
+        for h in hooks:
+            h.remove()
+    model.eval()
+    return {"steps": result.steps, "examples": n, "kd_alpha": alpha, "last": result.train_logs, "seconds": round(result.seconds, 1)}
+
+
+def gradual_magnitude(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any,
+                      cfg: PruneConfig, stages: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Magnitude pruning in ``stages`` steps on the cubic schedule ``s_k = amount * (1 - (1 - k/K)^3)``
+    (Zhu & Gupta, 2017), with recovery fine-tuning between them; returns the final masks."""
+    masks: dict[str, torch.Tensor] = {}
+    logs = []
+    for k in range(1, stages + 1):
+        amount_k = cfg.amount * (1 - (1 - k / stages) ** 3)
+        masks = magnitude_masks(model, amount_k, cfg.scope)
+        with torch.no_grad():
+            for name, lin in _linears(model):
+                lin.weight.mul_(masks[name])
+        logs.append({"sparsity": round(amount_k, 4), **recover(model, teacher, tokenizer, cfg, masks,
+                                                               max(1, cfg.recovery_steps // stages))})
+    return masks, {"stages": logs}

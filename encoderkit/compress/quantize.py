@@ -20,12 +20,20 @@ Every method refuses a model that is already quantized.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from encoderkit.compress.measure import LeverReport, QualityFn
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from encoderkit.compress.measure import LeverReport, QualityFn, measure_folder, read_texts, text_batches
+from encoderkit.compress.packing import QTensor, QuantSpec, copy_side_files, is_quantized, load_model, rtn_quantize, save_quantized
 from encoderkit.config import StageConfig, arg, check
+from encoderkit.errors import EncoderkitError
+from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
 
 METHODS = ("dynamic", "static", "qat", "gptq", "rtn")
 
@@ -59,6 +67,7 @@ class QuantizeConfig(StageConfig):
     batch_size: int = arg(16, help="qat: training batch size; static/gptq: calibration batch size")
     overwrite: bool = arg(False, help="Replace an existing output folder")
     seed: int = arg(0, help="Seed for calibration sampling and QAT")
+    measure: bool = arg(True, help="Measure latency (batch 1 and 32, seq 128) before and after", speed=True)
 
     def validate(self) -> None:
         check(self.bits == 8 or self.method in ("gptq", "rtn"),
@@ -76,10 +85,95 @@ def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
     ``calib`` (texts or text pairs) overrides ``cfg.calib_data``; ``quality_fn(folder) -> dict``
     is measured before and after. Returns the :class:`LeverReport` (also saved in the card).
     """
-    raise NotImplementedError  # filled in below
+    from transformers import AutoTokenizer
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if is_quantized(model_dir):
+        raise EncoderkitError(f"{model_dir} is already quantized; quantize its unquantized parent "
+                              "(see 'parent' in its encoderkit.json) instead of stacking quantizers")
+    before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir)
+    details: dict[str, Any] = {}
+    with output_dir(out_dir, cfg.overwrite) as tmp:
+        if cfg.method == "dynamic" and cfg.backend == "onnx" or cfg.method == "static":
+            details = _quantize_onnx(model, tokenizer, cfg, model_dir, tmp, calib)
+        else:
+            if cfg.method in ("gptq", "rtn", "dynamic"):
+                qtensors, details = _weight_only(model, tokenizer, cfg, calib)
+            else:
+                qtensors, details = _qat(model, model_dir, tokenizer, cfg, calib)
+            qtensors.update(_embedding_codes(model, cfg))
+            runtime = "torch-int8" if cfg.method in ("dynamic", "qat") else "dequantized-fp32"
+            info = {"method": cfg.method, "bits": cfg.bits, "group_size": cfg.group_size, "runtime": runtime}
+            save_quantized(model, model_dir, tmp, qtensors, info)
+        after = measure_folder(tmp, latency=cfg.measure, quality_fn=quality_fn)
+        report = LeverReport("quantize", cfg.method, str(model_dir), str(out_dir), before, after, details)
+        parent = {k: v for k, v in read_card(model_dir).items() if k not in ("stage", "parent", "config", "metrics", "created")}
+        write_card(tmp, "quantize", model_dir, cfg.result_dict(), after, **parent)
+        write_json_atomic(tmp / "report.json", report.summary())
+    return report
 
 
-def run(cfg: QuantizeConfig) -> LeverReport:
-    """Quantize a model folder (PTQ dynamic/static INT8, QAT, GPTQ or RTN at 8/4 bits)."""
-    check(bool(cfg.model) and bool(cfg.out), "quantize: --model and --out are required")
-    return quantize(cfg.model, cfg, cfg.out)
+def calibration_texts(cfg: QuantizeConfig, calib: list[Any] | None) -> list[Any]:
+    """``calib`` if given, else the first ``cfg.calib_samples`` texts of ``cfg.calib_data``."""
+    if calib is not None:
+        texts = list(calib)[: cfg.calib_samples]
+    elif cfg.calib_data:
+        texts = read_texts(cfg.calib_data, limit=cfg.calib_samples)
+    else:
+        raise EncoderkitError(f"quantize method={cfg.method} needs calibration texts: pass --calib-data FILE "
+                              "(.txt, .tsv or .jsonl from the task's training data)")
+    check(len(texts) > 0, "calibration set is empty")
+    return texts
+
+
+def _encoder_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    from encoderkit.compress.gptq import quantizable_linears
+
+    return [pair for layer in quantizable_linears(model) for pair in layer]
+
+
+@torch.no_grad()
+def _weight_only(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig,
+                 calib: list[Any] | None) -> tuple[dict[str, QTensor], dict[str, Any]]:
+    """GPTQ / RTN / dynamic-INT8 codes of the encoder's Linear weights (model updated in place)."""
+    from encoderkit.compress.gptq import gptq_encoder
+
+    if cfg.method == "dynamic":
+        spec = QuantSpec(8, -1 if cfg.per_channel else 0, True)
+    else:
+        spec = QuantSpec(cfg.bits, cfg.group_size, cfg.symmetric)
+    if cfg.method == "gptq":
+        texts = calibration_texts(cfg, calib)
+        batches = list(text_batches(tokenizer, texts, cfg.calib_seq_len, cfg.batch_size))
+        qtensors = gptq_encoder(model, batches, spec, act_order=cfg.act_order, damp=cfg.damp, block_size=cfg.block_size)
+        return qtensors, {"calib_texts": len(texts), "layers": len(qtensors)}
+    if spec.group_size == 0:  # per-tensor: one scale for the whole matrix
+        qtensors = {}
+        for name, lin in _encoder_linears(model):
+            flat = rtn_quantize(lin.weight.reshape(1, -1), QuantSpec(8, -1, True))
+            qtensors[f"{name}.weight"] = QTensor(flat.q.reshape(lin.weight.shape), flat.scale.expand(lin.weight.shape[0], 1).clone(),
+                                                 None, None, QuantSpec(8, -1, True))
+            lin.weight.copy_(qtensors[f"{name}.weight"].dequantize())
+        return qtensors, {"layers": len(qtensors), "per_channel": False}
+    qtensors = {}
+    for name, lin in _encoder_linears(model):
+        qt = rtn_quantize(lin.weight, spec)
+        lin.weight.copy_(qt.dequantize())
+        qtensors[f"{name}.weight"] = qt
+    return qtensors, {"layers": len(qtensors)}
+
+
+@torch.no_grad()
+def _embedding_codes(model: torch.nn.Module, cfg: QuantizeConfig) -> dict[str, QTensor]:
+    """Row-wise codes of the word embedding matrix when ``cfg.embeddings`` asks for them."""
+    if cfg.embeddings == "fp32":
+        return {}
+    emb = model.get_input_embeddings()
+    name = {m: n for n, m in model.named_modules()}[emb] + ".weight"
+    bits = 8 if cfg.embeddings == "int8" else 4
+    gs = cfg.group_size if bits == 4 and cfg.group_size > 0 else -1
+    qt = rtn_quantize(emb.weight, QuantSpec(bits, gs, True))
+    emb.weight.copy_(qt.dequantize())
+    return {name: qt}

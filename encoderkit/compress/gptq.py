@@ -1,0 +1,162 @@
+"""GPTQ weight-only quantization (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization
+for Generative Pre-trained Transformers"), written out for the encoder's Linear layers.
+
+For a Linear with weight ``W (out, in)`` and calibration inputs ``X (in, n_tokens)`` GPTQ
+minimises ``||W X - Q X||^2`` column by column: with ``H = 2 X X^T`` (dampened) and the upper
+Cholesky factor ``U`` of ``H^-1``, each column ``j`` is rounded, and its error, scaled by
+``1 / U[j, j]``, is pushed onto the columns not yet quantized (``W[:, j:] -= err * U[j, j:]``).
+Updates are applied lazily in blocks of ``block_size`` columns; ``act_order`` quantizes columns
+in order of decreasing ``diag(H)`` (groups then follow that order, recorded in ``g_idx``).
+
+:func:`gptq_encoder` runs it layer by layer through the encoder: the Hessians of layer ``i`` are
+collected from a forward pass in which layers ``0..i-1`` already carry their quantized weights,
+so each layer corrects for the error its predecessors introduced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from encoderkit.compress.packing import QTensor, QuantSpec, quantize_codes, scale_zero
+from encoderkit.errors import EncoderkitError
+
+
+class HessianAccumulator:
+    """Running ``H = 2/n * sum_t x_t x_t^T`` over the input vectors ``x_t (in,)`` of one Linear."""
+
+    def __init__(self, in_features: int) -> None:
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float64)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add inputs ``x (..., in)`` (all leading dimensions are tokens)."""
+        x = x.reshape(-1, x.shape[-1]).double()
+        m = x.shape[0]
+        if m == 0:
+            return
+        self.H *= self.n / (self.n + m)
+        self.n += m
+        x = x * (2.0 / self.n) ** 0.5
+        self.H += x.T @ x
+
+
+def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, act_order: bool = True,
+                  damp: float = 0.01, block_size: int = 128) -> QTensor:
+    """Quantize ``weight (out, in)`` given the Hessian ``H (in, in)`` of its inputs; returns codes + scales."""
+    W = weight.detach().double().clone()
+    H = H.double().clone()
+    out_f, in_f = W.shape
+    if H.shape != (in_f, in_f):
+        raise EncoderkitError(f"GPTQ: Hessian shape {tuple(H.shape)} does not match weight {tuple(W.shape)}")
+    dead = torch.diag(H) == 0  # inputs that were always 0: their weights do not matter
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f)
+    W, H = W[:, perm], H[perm][:, perm]
+    H += damp * torch.mean(torch.diag(H)) * torch.eye(in_f, dtype=H.dtype)
+    try:
+        U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    except torch.linalg.LinAlgError as e:
+        raise EncoderkitError("GPTQ: the Hessian is not positive definite; raise --damp (e.g. 0.1) "
+                              "or use more calibration samples") from e
+
+    gs = in_f if spec.group_size <= 0 else spec.group_size
+    codes = torch.zeros_like(W)
+    scales: list[torch.Tensor] = []
+    zeros: list[torch.Tensor] = []
+    scale = zero = None
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % gs == 0:  # new group: range from its (error-updated) columns
+                group = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :gs]
+                scale, zero = scale_zero(group.float(), spec)
+                scales.append(scale)
+                zeros.append(zero if zero is not None else torch.zeros_like(scale))
+            w = W1[:, i]
+            q = quantize_codes(w[:, None].float(), scale, zero, spec)[:, 0].double()
+            deq = (q - (zero.double() if zero is not None else 0.0)) * scale.double()
+            codes[:, col] = q
+            err = (w - deq) / U1[i, i]
+            W1[:, i:] -= err[:, None] @ U1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+
+    inv = torch.argsort(perm)
+    g_idx = (torch.arange(in_f) // gs)[inv] if act_order and spec.group_size > 0 else None
+    return QTensor(codes[:, inv].to(torch.int32), torch.stack(scales, dim=1).float(),
+                   torch.stack(zeros, dim=1).float() if not spec.symmetric else None, g_idx, spec)
+
+
+class _StopForward(Exception):
+    pass
+
+
+def quantizable_linears(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Linear]]]:
+    """Per encoder layer, the (state-dict prefix, Linear) pairs GPTQ/RTN quantize."""
+    from encoderkit.compress.prune import encoder_layers
+
+    names = {m: n for n, m in model.named_modules()}
+    return [[(names[m], m) for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in encoder_layers(model)]
+
+
+@torch.no_grad()
+def gptq_encoder(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], spec: QuantSpec, *,
+                 act_order: bool = True, damp: float = 0.01, block_size: int = 128) -> dict[str, QTensor]:
+    """Quantize every Linear of every encoder layer with GPTQ, sequentially, in place.
+
+    ``batches`` are tokenised calibration batches (``input_ids (B, T)``, ``attention_mask (B, T)``).
+    After the call the model's Linear weights hold their dequantized values; the returned dict
+    maps ``"<module>.weight"`` to the codes to store. Padding tokens are left out of the Hessians.
+    """
+    from encoderkit.compress.prune import encoder_layers
+
+    batches = list(batches)
+    if not batches:
+        raise EncoderkitError("GPTQ needs calibration data: pass --calib-data with at least one text")
+    layers = encoder_layers(model)
+    result: dict[str, QTensor] = {}
+    current_mask: dict[str, torch.Tensor] = {}
+    model.eval()
+    for li, linears in enumerate(tqdm(quantizable_linears(model), desc="GPTQ layers", disable=None)):
+        accs = {name: HessianAccumulator(mod.in_features) for name, mod in linears}
+        hooks = []
+        for name, mod in linears:
+            def hook(_m: Any, inputs: tuple[torch.Tensor, ...], _o: Any, name: str = name) -> None:
+                x = inputs[0]  # (B, T, in)
+                accs[name].add(x[current_mask["m"].bool()])
+            hooks.append(mod.register_forward_hook(hook))
+
+        def stop(*_: Any) -> None:
+            raise _StopForward
+
+        hooks.append(layers[li].register_forward_hook(stop))
+        try:
+            for batch in batches:
+                current_mask["m"] = batch["attention_mask"]
+                try:
+                    model(**batch)
+                except _StopForward:
+                    pass
+        finally:
+            for h in hooks:
+                h.remove()
+        for name, mod in linears:
+            qt = gptq_quantize(mod.weight, accs[name].H, spec, act_order=act_order, damp=damp, block_size=block_size)
+            mod.weight.copy_(qt.dequantize().to(mod.weight.dtype))
+            result[f"{name}.weight"] = qt
+    return result
+
+
+def layer_output_error(weight: torch.Tensor, qt: QTensor, X: torch.Tensor) -> float:
+    """Relative output error ``||W X - Q X||_F / ||W X||_F`` for inputs ``X (n, in)``."""
+    ref = X @ weight.float().T
+    return float(torch.linalg.norm(ref - X @ qt.dequantize().T) / torch.linalg.norm(ref))
