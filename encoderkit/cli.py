@@ -19,15 +19,18 @@ from typing import Any
 from encoderkit.config import StageConfig, coerce, load_mapping
 from encoderkit.errors import EncoderkitError
 
-# command words -> "module:ConfigClass:run_function". Add one line per stage.
-STAGES: dict[tuple[str, ...], str] = {
-    ("tokenizer", "train"): "encoderkit.tokenizer:TokenizerConfig:run",
-    ("data", "prepare"): "encoderkit.data.prepare:PrepareConfig:run",
-    ("data", "inspect"): "encoderkit.data.prepare:InspectConfig:inspect",
-    ("pretrain",): "encoderkit.train.pretrain:PretrainConfig:run",
-    ("quantize",): "encoderkit.compress.quantize:QuantizeConfig:run",
-    ("prune",): "encoderkit.compress.prune:PruneConfig:run",
-    ("finetune",): "encoderkit.train.finetune:FinetuneConfig:run",
+# command words -> ("module:ConfigClass:run_function", one-line summary). Add one line per stage.
+# Only the chosen stage's module is imported, so the CLI starts fast and one broken stage
+# cannot take the others down.
+STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
+    ("quickstart",): ("encoderkit.quickstart:QuickstartConfig:run", "the whole pipeline on the stdlib's docstrings (no downloads)"),
+    ("tokenizer", "train"): ("encoderkit.tokenizer:TokenizerConfig:run", "train a WordPiece or byte-level BPE tokenizer"),
+    ("data", "prepare"): ("encoderkit.data.prepare:PrepareConfig:run", "tokenize a corpus into a packed, memory-mapped token store"),
+    ("data", "inspect"): ("encoderkit.data.prepare:InspectConfig:inspect", "counts and a decoded sample of a token store"),
+    ("pretrain",): ("encoderkit.train.pretrain:PretrainConfig:run", "MLM pretraining, from scratch or continued"),
+    ("quantize",): ("encoderkit.compress.quantize:QuantizeConfig:run", "INT8/INT4 quantization: PTQ dynamic/static, QAT, GPTQ, RTN"),
+    ("prune",): ("encoderkit.compress.prune:PruneConfig:run", "unstructured, 2:4 or structured (heads/FFN) pruning"),
+    ("finetune",): ("encoderkit.train.finetune:FinetuneConfig:run", "train a task head: classify, ner, qa, rerank, embed"),
 }
 
 
@@ -89,54 +92,72 @@ def config_from_args(cfg_cls: type[StageConfig], ns: argparse.Namespace) -> Stag
     return cfg_cls.from_dict(data, source=ns.config or "command line")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="encoderkit",
-        description="Pretrain, fine-tune, compress and deploy encoder language models on your own hardware.",
-    )
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=None, help="global seed for Python, NumPy and torch")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    groups: dict[str, argparse._SubParsersAction] = {}
-    for words, spec in STAGES.items():
-        mod, cls_name, fn_name = spec.split(":")
-        try:
-            cfg_cls, fn = _load(spec)
-        except ImportError as e:  # a stage whose optional dependency is missing still lists the rest
-            print(f"warning: stage {' '.join(words)} unavailable: {e}", file=sys.stderr)
-            continue
-        if len(words) == 1:
-            p = sub.add_parser(words[0], help=_doc(fn).split("\n")[0], description=_doc(fn),
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-        else:
-            if words[0] not in groups:
-                gp = sub.add_parser(words[0], help=f"{words[0]} commands")
-                groups[words[0]] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
-            p = groups[words[0]].add_parser(words[1], help=_doc(fn).split("\n")[0], description=_doc(fn),
-                                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--config", default=None, metavar="FILE",
-                       help="YAML or TOML file whose keys mirror these flags; flags given here win")
-        add_config_flags(p, cfg_cls)
-        p.set_defaults(_stage=spec)
-    return parser
+def _spec(value: str | tuple[str, str]) -> tuple[str, str]:
+    return (value, "") if isinstance(value, str) else value
+
+
+def _find_stage(argv: list[str]) -> tuple[tuple[str, ...] | None, int]:
+    """The stage named by the first words of ``argv`` (after global flags), and where they end."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        i += 2 if argv[i] in ("--threads", "--seed") else 1
+    for n in (2, 1):
+        words = tuple(argv[i:i + n])
+        if len(words) == n and words in STAGES:
+            return words, i + n
+    return None, i
+
+
+def _top_help() -> str:
+    lines = ["usage: encoderkit [--threads N] [--seed N] COMMAND [SUBCOMMAND] [--help] [flags]", "",
+             "Pretrain, fine-tune, compress and deploy encoder language models on your own hardware.", "",
+             "commands:"]
+    for words, value in STAGES.items():
+        lines.append(f"  {' '.join(words):<20} {_spec(value)[1]}")
+    lines += ["", "global flags:", "  --threads N          CPU threads for torch (default: torch's choice)",
+              "  --seed N             global seed for Python, NumPy and torch", "",
+              "`encoderkit COMMAND --help` explains every flag of a command."]
+    return "\n".join(lines)
+
+
+def build_parser(words: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The parser of one stage: its flags come from its config dataclass (imported only now)."""
+    spec, summary = _spec(STAGES[words])
+    cfg_cls, fn = _load(spec)
+    p = argparse.ArgumentParser(prog="encoderkit " + " ".join(words), description=_doc(fn) or summary,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML or TOML file whose keys mirror these flags; flags given here win")
+    add_config_flags(p, cfg_cls)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    if not getattr(ns, "_stage", None):
-        parser.print_help()
-        return 0 if ns.command is None else 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    words, end = _find_stage(argv)
+    if words is None:
+        print(_top_help())
+        unknown = [a for a in argv[end:] if not a.startswith("-")]
+        if unknown:
+            print(f"\nerror: unknown command {' '.join(unknown)!r}", file=sys.stderr)
+            return 2
+        return 0
+    glob = argparse.ArgumentParser(add_help=False)
+    glob.add_argument("--threads", type=int, default=None)
+    glob.add_argument("--seed", type=int, default=None)
+    g = glob.parse_args(argv[:end - len(words)])
+    parser = build_parser(words)
+    ns = parser.parse_args(argv[end:])
     try:
-        if ns.threads:
+        if g.threads:
             import torch
 
-            torch.set_num_threads(ns.threads)
-        if ns.seed is not None:
+            torch.set_num_threads(g.threads)
+        if g.seed is not None:
             from encoderkit.seeding import seed_everything
 
-            seed_everything(ns.seed)
-        cfg_cls, fn = _load(ns._stage)
+            seed_everything(g.seed)
+        cfg_cls, fn = _load(_spec(STAGES[words])[0])
         cfg = config_from_args(cfg_cls, ns)
         result = fn(cfg)
     except EncoderkitError as e:
