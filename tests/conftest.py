@@ -42,7 +42,7 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'-")
     vocab += ["##" + c for c in "abcdefghijklmnopqrstuvwxyz"] + WORDS
     (out / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
-    tok = BertTokenizerFast(vocab_file=str(out / "vocab.txt"), do_lower_case=True)
+    tok = BertTokenizerFast(vocab=str(out / "vocab.txt"), do_lower_case=True)  # transformers 5: vocab=, not vocab_file=
     tok.save_pretrained(out)
     return out
 
