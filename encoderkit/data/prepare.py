@@ -48,14 +48,17 @@ from tqdm import tqdm
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.data.masking import splitmix64
-from encoderkit.data.readers import BUILTIN_PREFIX, HF_PREFIX, estimate_bytes, iter_documents, resolve_sources
+from encoderkit.data.readers import (BUILTIN_PREFIX, DOC_SPLITS, HF_PREFIX, estimate_bytes, iter_documents,
+                                     resolve_sources)
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, write_card, write_json_atomic
+from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "heldout")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                   "merges.txt", "added_tokens.json", "spiece.model", "sentencepiece.bpe.model")
+# the files whose contents define a tokenizer (model weights and configs of a model folder are not hashed)
+HASHED_TOKENIZER_FILES = TOKENIZER_FILES + ("merges.txt", "added_tokens.json", "tokenizer_config.json",
+                                            "special_tokens_map.json")
 _TOKEN_FLUSH = 1 << 22  # ids buffered in RAM before an append to tokens.bin
 
 
@@ -67,13 +70,13 @@ class PrepareConfig(StageConfig):
     seq_len: int = arg(128, help="Tokens per packed block, [CLS] and [SEP]s included.")
     heldout: float = arg(0.01, help="Fraction of documents held out (at least one when > 0); 0 for none.")
     seed: int = arg(0, help="Seed of the document hash that picks the held-out documents.")
-    doc_split: str = arg("file", help="How plain-text files become documents.", choices=("file", "blank_line", "line"))
+    doc_split: str = arg("file", help="How plain-text files become documents.", choices=DOC_SPLITS)
     text_field: str = arg("text", help="JSON field holding the text (JSONL / hf: sources).")
     text_column: str = arg("text", help="Column holding the text (CSV / TSV / Parquet sources).")
     skip_bad_encoding: bool = arg(False, help="Leave out files that are not UTF-8 instead of stopping.")
     batch_size: int = arg(1000, help="Documents per tokenisation batch.", speed=True)
     num_workers: int = arg(0, help="Tokenising processes; 0 = the tokenizer's own threads in this process.", speed=True)
-    overwrite: bool = arg(False, help="Replace an existing --out prepared from other inputs or settings.", speed=True)
+    overwrite: bool = arg(False, help="Replace an existing --out prepared from other inputs or settings.")
 
     def validate(self) -> None:
         check(self.seq_len >= 8, f"seq_len must be at least 8, got {self.seq_len}")
@@ -97,9 +100,11 @@ class PrepareResult:
 def tokenizer_hash(folder: str | Path) -> str:
     """sha256 over the contents of the tokenizer files in ``folder`` (model weights are ignored)."""
     folder = Path(folder)
+    check(folder.is_dir(), f"tokenizer folder {folder} does not exist; train one with `encoderkit tokenizer train` "
+                           "or pass a model folder")
     h = hashlib.sha256()
-    found = [n for n in TOKENIZER_FILES if (folder / n).is_file()]
-    check(bool(found), f"tokenizer folder {folder} holds none of {', '.join(TOKENIZER_FILES)}; "
+    found = [n for n in HASHED_TOKENIZER_FILES if (folder / n).is_file()]
+    check(any(n in TOKENIZER_FILES for n in found), f"tokenizer folder {folder} holds none of {', '.join(TOKENIZER_FILES)}; "
                        "pass a folder made by `encoderkit tokenizer train` or a Hugging Face model folder")
     for name in found:
         h.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
@@ -124,7 +129,7 @@ def fingerprint(cfg: PrepareConfig) -> tuple[str, list[dict[str, Any]], str]:
     """(fingerprint, input signature, tokenizer hash). Missing inputs raise before anything is written."""
     inputs = input_signature(cfg.corpus)
     tok_hash = tokenizer_hash(cfg.tokenizer)
-    settings = {k: v for k, v in cfg.result_dict().items() if k not in ("corpus", "tokenizer", "out")}
+    settings = {k: v for k, v in cfg.result_dict().items() if k not in ("corpus", "tokenizer", "out", "overwrite")}
     key = json.dumps({"format": FORMAT_VERSION, "inputs": inputs, "tokenizer": tok_hash, "settings": settings},
                      sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest(), inputs, tok_hash
@@ -274,17 +279,6 @@ def pack_split(tokens: np.ndarray, offsets: np.ndarray, doc_ids: np.ndarray, out
 
 
 # -- the stage -------------------------------------------------------------------------------------
-def _load_tokenizer(folder: str | Path) -> Any:
-    try:
-        from encoderkit.tokenizer import load_tokenizer
-    except ImportError:  # encoderkit.tokenizer not there yet: plain transformers
-        from transformers import AutoTokenizer
-
-        def load_tokenizer(path: str | Path) -> Any:
-            return AutoTokenizer.from_pretrained(str(path))
-    return load_tokenizer(folder)
-
-
 def special_ids(tokenizer: Any, folder: str | Path) -> dict[str, int]:
     """The [CLS], [SEP], [PAD], [MASK] ids (BPE tokenizers: <s>, </s>, <pad>, <mask>); all are needed."""
     ids = {"cls": tokenizer.cls_token_id, "sep": tokenizer.sep_token_id, "pad": tokenizer.pad_token_id,
@@ -318,7 +312,7 @@ def run(cfg: PrepareConfig) -> PrepareResult:
     if (out / "meta.json").is_file() and not cfg.overwrite:
         raise EncoderkitError(f"{out} holds a token store prepared from other inputs or settings; pass --overwrite "
                               "to rebuild it, or choose another --out")
-    tokenizer = _load_tokenizer(cfg.tokenizer)
+    tokenizer = load_tokenizer(cfg.tokenizer)
     ids = special_ids(tokenizer, cfg.tokenizer)
     vocab_size = len(tokenizer)
     dtype = np.dtype(np.uint16 if vocab_size < 2**16 else np.uint32)
@@ -400,7 +394,7 @@ def open_documents(folder: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarr
 def decode_blocks(folder: str | Path, blocks: np.ndarray, *, skip_special_tokens: bool = False,
                   tokenizer: Any = None) -> list[str]:
     """Decode (B, L) blocks with the store's own tokenizer; padding is always dropped."""
-    tokenizer = tokenizer or _load_tokenizer(folder)
+    tokenizer = tokenizer or load_tokenizer(folder)
     pad = read_meta(folder)["special_ids"]["pad"]
     return [tokenizer.decode([int(t) for t in row if t != pad], skip_special_tokens=skip_special_tokens)
             for row in np.asarray(blocks)]
@@ -430,6 +424,6 @@ def inspect(cfg: InspectConfig) -> None:
             print(f"{split:8s} tokens/doc: mean {ln.mean():.1f}  median {np.median(ln):.0f}  min {ln.min()}  "
                   f"p90 {np.percentile(ln, 90):.0f}  max {ln.max()}")
     blocks = open_blocks(cfg.data, cfg.split)
-    tokenizer = _load_tokenizer(cfg.data)
+    tokenizer = load_tokenizer(cfg.data)
     for i, text in enumerate(decode_blocks(cfg.data, blocks[:cfg.samples], tokenizer=tokenizer)):
         print(f"--- {cfg.split} block {i} ---\n{text}")
