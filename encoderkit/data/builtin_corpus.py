@@ -12,6 +12,7 @@ tiny MLM run.
 from __future__ import annotations
 
 import ast
+import os
 import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,11 +33,10 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     """The standard library's ``.py`` files, sorted by relative path, test and vendored folders left out."""
     root = root or stdlib_root()
     files = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root)
-        if any(part in _SKIP_DIRS or part.startswith(("config-", ".")) for part in rel.parts[:-1]):
-            continue
-        files.append(rel.as_posix())
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith(("config-", "."))]
+        rel = Path(folder).relative_to(root)
+        files.extend((rel / n).as_posix() for n in names if n.endswith(".py"))
     return [root / f for f in sorted(files)]
 
 

@@ -7,7 +7,8 @@ came from) so that nothing holds a whole corpus in memory. A *source* is one of:
   ``.jsonl``/``.ndjson``/``.json`` (one JSON object per line, text in ``text_field``; a ``.json``
   file that starts with ``[`` is read as one array of objects), ``.csv`` (the ``csv`` module, text in
   ``text_column``), ``.tsv`` (split on tabs with no quoting, because GLUE files hold unbalanced
-  ``"``; text in ``text_column``), ``.parquet`` (pyarrow, column ``text_column``). **Any other
+  ``"``; text in ``text_column``), ``.parquet`` (pyarrow, column ``text_column``). A ``text_column`` that is a number
+  means a CSV/TSV file without a header row, and the column of that 0-based index. **Any other
   extension is read as plain UTF-8 text**, split into documents by ``doc_split``: ``"file"`` (the
   whole file is one document), ``"blank_line"`` (paragraphs separated by blank lines) or ``"line"``.
 - a folder: every non-hidden file below it, recursively, in sorted order;
@@ -230,9 +231,9 @@ def _open_binary(path: str) -> BinaryIO:
     return open(path, "rb")
 
 
-def decoded_lines(path: str) -> Iterator[tuple[int, str]]:
+def decoded_lines(path: str, keep_ends: bool = False) -> Iterator[tuple[int, str]]:
     """Yield ``(line_number, text)`` for each line of a (possibly gzipped) UTF-8 file, with the line
-    ending (``\\n`` or ``\\r\\n``) removed and a leading BOM dropped. A byte that is not UTF-8 raises
+    ending (``\\n`` or ``\\r\\n``) removed unless ``keep_ends``, and a leading BOM dropped. A byte that is not UTF-8 raises
     :class:`EncoderkitError` with its line and byte offset (in the uncompressed stream)."""
     offset = 0
     try:
@@ -245,7 +246,7 @@ def decoded_lines(path: str) -> Iterator[tuple[int, str]]:
                 offset += len(raw)
                 if number == 1 and line.startswith("\ufeff"):
                     line = line[1:]
-                yield number, line.rstrip("\r\n") if line.endswith("\n") else line
+                yield number, line if keep_ends or not line.endswith("\n") else line.rstrip("\r\n")
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise EncoderkitError(f"cannot read {path}: {e}; check that the file is complete (a .gz file "
                               "must be a gzip stream)") from e
@@ -363,20 +364,19 @@ def _field(rec: Any, name: str, where: str) -> str:
 def read_table(path: str, text_column: str = "text", delimiter: str = ",") -> Iterator[Document]:
     """Rows of a CSV (``csv`` module, quotes honoured) or TSV (plain tab split, no quoting) file with a
     header row; the text is the column named ``text_column``."""
-    lines = decoded_lines(path)
+    lines = decoded_lines(path, keep_ends=delimiter != "\t")  # csv needs the ends inside quoted fields
     if delimiter == "\t":
         head = next(lines, None)
         if head is None:
             return
-        columns = head[1].split("\t")
-        col = _column_index(columns, text_column, path)
-        for number, line in lines:
+        col, has_header = _column_index(head[1].split("\t"), text_column, path)
+        for number, line in lines if has_header else _chain([head], lines):
             if not line.strip():
                 continue
             cells = line.split("\t")
             if len(cells) <= col:
                 raise EncoderkitError(f"{path}:{number}: {len(cells)} tab-separated field(s), but column "
-                                      f"{text_column!r} is field {col + 1} of the header; fix the row")
+                                      f"{text_column!r} is field {col + 1}; fix the row")
             if cells[col].strip():
                 yield Document(cells[col].strip(), path, number)
         return
@@ -392,12 +392,12 @@ def read_table(path: str, text_column: str = "text", delimiter: str = ",") -> It
         header = next(reader, None)
         if header is None:
             return
-        col = _column_index(header, text_column, path)
+        col, has_header = _column_index(header, text_column, path)
         start = numbers[0] + 1
-        for row in reader:
+        for row in reader if has_header else _chain([header], reader):
             if row and len(row) <= col:
                 raise EncoderkitError(f"{path}:{start}: {len(row)} field(s), but column {text_column!r} is "
-                                      f"field {col + 1} of the header; fix the row")
+                                      f"field {col + 1}; fix the row")
             if row and row[col].strip():
                 yield Document(row[col].strip(), path, start)
             start = numbers[0] + 1
@@ -406,12 +406,17 @@ def read_table(path: str, text_column: str = "text", delimiter: str = ",") -> It
                               "larger than 128 KiB split it or convert the file to JSONL") from e
 
 
-def _column_index(columns: list[str], name: str, path: str) -> int:
+def _column_index(columns: list[str], name: str, path: str) -> tuple[int, bool]:
+    """``(index, has_header)``: the position of column ``name`` in the header row, or, when ``name``
+    is a number, that 0-based column of a file without a header row."""
+    if name.isdigit():
+        return int(name), False
     cleaned = [c.strip() for c in columns]
-    if name not in cleaned:
-        raise EncoderkitError(f"{path}:1: no column {name!r} in the header (columns found: "
-                              f"{', '.join(cleaned)}); pass --text-column NAME")
-    return cleaned.index(name)
+    if name in cleaned:
+        return cleaned.index(name), True
+    raise EncoderkitError(f"{path}:1: no column {name!r} in the header (columns found: "
+                          f"{', '.join(cleaned)}); pass --text-column NAME (or a 0-based number for a "
+                          "file without a header row)")
 
 
 def read_parquet(path: str, text_column: str = "text") -> Iterator[Document]:
