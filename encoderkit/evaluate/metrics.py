@@ -1,0 +1,174 @@
+"""Task metrics as pure functions on labels and predictions (no model, no torch).
+
+All scores are fractions in [0, 1] (multiply by 100 for the percentages papers and the official
+SQuAD script print).
+
+* classification: :func:`accuracy`, :func:`f1_binary`, :func:`macro_f1`, :func:`multilabel_scores`
+* NER: :func:`entity_scores`, strict entity-level P/R/F1 over IOB2 tags, the way seqeval's
+  default (conlleval-compatible) mode counts: an entity is right only if type, start and end match.
+* QA: :func:`squad_scores`, exact match and token F1 after the official SQuAD v1.1
+  normalisation (lowercase, drop punctuation, drop the articles a/an/the, squeeze whitespace),
+  taking the best over the gold answers of each question.
+* retrieval: :func:`retrieval_scores`, nDCG@k (linear gain, like trec_eval and BEIR), MRR@k and
+  recall@k from ranked document ids and graded relevance judgments.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from encoderkit.tasks.tags import iob2_to_spans
+
+# -- classification -------------------------------------------------------------------------
+
+
+def accuracy(gold: Sequence[int], pred: Sequence[int]) -> float:
+    gold, pred = np.asarray(gold), np.asarray(pred)
+    return float((gold == pred).mean()) if len(gold) else 0.0
+
+
+def _prf(tp: int, fp: int, fn: int) -> tuple[float, float, float]:
+    p = tp / (tp + fp) if tp + fp else 0.0
+    r = tp / (tp + fn) if tp + fn else 0.0
+    f = 2 * p * r / (p + r) if p + r else 0.0
+    return p, r, f
+
+
+def f1_binary(gold: Sequence[int], pred: Sequence[int], positive: int = 1) -> float:
+    """F1 of the ``positive`` class."""
+    gold, pred = np.asarray(gold), np.asarray(pred)
+    tp = int(((pred == positive) & (gold == positive)).sum())
+    fp = int(((pred == positive) & (gold != positive)).sum())
+    fn = int(((pred != positive) & (gold == positive)).sum())
+    return _prf(tp, fp, fn)[2]
+
+
+def macro_f1(gold: Sequence[int], pred: Sequence[int], num_classes: int | None = None) -> float:
+    """Unweighted mean of per-class F1 over the classes that occur in gold or predictions
+    (or over ``range(num_classes)`` when given)."""
+    gold, pred = np.asarray(gold), np.asarray(pred)
+    classes = range(num_classes) if num_classes else sorted(set(gold.tolist()) | set(pred.tolist()))
+    scores = [f1_binary(gold, pred, positive=c) for c in classes]
+    return float(np.mean(scores)) if scores else 0.0
+
+
+def classification_scores(gold: Sequence[int], pred: Sequence[int], num_classes: int) -> dict[str, float]:
+    """accuracy and macro_f1; plus f1 (of class 1) for two classes."""
+    out = {"accuracy": accuracy(gold, pred), "macro_f1": macro_f1(gold, pred, num_classes)}
+    if num_classes == 2:
+        out["f1"] = f1_binary(gold, pred)
+    return out
+
+
+def multilabel_scores(gold: np.ndarray, pred: np.ndarray) -> dict[str, float]:
+    """gold, pred: 0/1 arrays (N, C). Subset accuracy, micro-F1 and macro-F1 over the C labels."""
+    gold, pred = np.asarray(gold).astype(bool), np.asarray(pred).astype(bool)
+    tp = int((gold & pred).sum())
+    fp = int((~gold & pred).sum())
+    fn = int((gold & ~pred).sum())
+    per_label = [_prf(int((gold[:, c] & pred[:, c]).sum()), int((~gold[:, c] & pred[:, c]).sum()),
+                      int((gold[:, c] & ~pred[:, c]).sum()))[2] for c in range(gold.shape[1])]
+    return {"subset_accuracy": float((gold == pred).all(axis=1).mean()) if len(gold) else 0.0,
+            "micro_f1": _prf(tp, fp, fn)[2], "macro_f1": float(np.mean(per_label)) if per_label else 0.0}
+
+
+# -- NER ------------------------------------------------------------------------------------
+
+
+def entity_scores(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]]) -> dict[str, float]:
+    """Entity-level precision, recall and F1 (micro over all types) from IOB2 tags per sentence,
+    plus ``f1_<TYPE>`` per entity type."""
+    if len(gold) != len(pred):
+        raise ValueError(f"{len(gold)} gold sentences but {len(pred)} predicted")
+    gold_set, pred_set = set(), set()
+    for i, (g, p) in enumerate(zip(gold, pred, strict=True)):
+        if len(g) != len(p):
+            raise ValueError(f"sentence {i}: {len(g)} gold tags but {len(p)} predicted")
+        gold_set |= {(i, *s) for s in iob2_to_spans(g)}
+        pred_set |= {(i, *s) for s in iob2_to_spans(p)}
+    tp = len(gold_set & pred_set)
+    p, r, f = _prf(tp, len(pred_set) - tp, len(gold_set) - tp)
+    out = {"precision": p, "recall": r, "f1": f}
+    for kind in sorted({s[1] for s in gold_set | pred_set}):
+        gk = {s for s in gold_set if s[1] == kind}
+        pk = {s for s in pred_set if s[1] == kind}
+        t = len(gk & pk)
+        out[f"f1_{kind}"] = _prf(t, len(pk) - t, len(gk) - t)[2]
+    return out
+
+
+# -- SQuAD ----------------------------------------------------------------------------------
+
+_PUNCT = set(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+    """The official SQuAD v1.1 normalisation: lowercase, no punctuation, no articles, single spaces."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCT)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def squad_exact(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def squad_f1(prediction: str, gold: str) -> float:
+    p, g = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    common = Counter(p) & Counter(g)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(p), same / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def squad_scores(predictions: Sequence[str], golds: Sequence[Sequence[str]]) -> dict[str, float]:
+    """Mean over questions of the best exact match / F1 against that question's gold answers."""
+    if len(predictions) != len(golds):
+        raise ValueError(f"{len(predictions)} predictions for {len(golds)} questions")
+    em = [max(squad_exact(p, g) for g in gs) for p, gs in zip(predictions, golds, strict=True)]
+    f1 = [max(squad_f1(p, g) for g in gs) for p, gs in zip(predictions, golds, strict=True)]
+    return {"exact_match": float(np.mean(em)) if em else 0.0, "f1": float(np.mean(f1)) if f1 else 0.0}
+
+
+# -- retrieval ------------------------------------------------------------------------------
+
+
+def retrieval_scores(
+    ranked: Mapping[str, Sequence[str]],
+    qrels: Mapping[str, Mapping[str, int]],
+    k_ndcg: int = 10,
+    k_mrr: int = 10,
+    k_recall: tuple[int, ...] = (10, 100),
+) -> dict[str, float]:
+    """Mean nDCG@k, MRR@k and recall@k over the queries in ``qrels`` that have a relevant document.
+
+    ranked: query id -> document ids, best first. qrels: query id -> {doc id: relevance >= 0}.
+    A query missing from ``ranked`` scores 0.
+    """
+    ndcg, mrr, recall = [], [], {k: [] for k in k_recall}
+    for qid, rels in qrels.items():
+        relevant = {d: r for d, r in rels.items() if r > 0}
+        if not relevant:
+            continue
+        docs = list(ranked.get(qid, []))
+        dcg = sum(relevant.get(d, 0) / math.log2(i + 2) for i, d in enumerate(docs[:k_ndcg]))
+        ideal = sorted(relevant.values(), reverse=True)[:k_ndcg]
+        idcg = sum(r / math.log2(i + 2) for i, r in enumerate(ideal))
+        ndcg.append(dcg / idcg)
+        first = next((i for i, d in enumerate(docs[:k_mrr]) if d in relevant), None)
+        mrr.append(0.0 if first is None else 1.0 / (first + 1))
+        for k in k_recall:
+            recall[k].append(len(set(docs[:k]) & relevant.keys()) / len(relevant))
+    out = {f"ndcg@{k_ndcg}": float(np.mean(ndcg)) if ndcg else 0.0, f"mrr@{k_mrr}": float(np.mean(mrr)) if mrr else 0.0}
+    out.update({f"recall@{k}": float(np.mean(v)) if v else 0.0 for k, v in recall.items()})
+    return out

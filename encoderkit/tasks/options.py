@@ -1,0 +1,38 @@
+"""Settings shared by ``encoderkit finetune`` and ``encoderkit evaluate``: how task data is read
+and featurised. Both stage configs inherit these fields, so one flag means one thing everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from encoderkit.config import StageConfig, arg
+from encoderkit.tasks import TASKS
+
+
+@dataclass
+class TaskDataOptions(StageConfig):
+    """Data columns and feature settings for every task."""
+
+    task: str = arg("classify", help="Task head to train or evaluate.", choices=TASKS)
+    text_column: str = arg("sentence", help="classify: column (TSV/CSV header or JSONL key) holding the text.")
+    text_pair_column: str = arg("", help="classify: column holding the second text of a pair (empty: single texts).")
+    label_column: str = arg("label", help="classify: column holding the label.")
+    multi_label: bool = arg(False, help="classify: several labels per row (BCE loss, threshold 0.5).")
+    label_separator: str = arg(",", help="classify: separator between labels of a multi-label row.")
+    max_length: int = arg(128, help=(
+        "Sub-tokens per sequence. classify/rerank/embed: longer texts are TRUNCATED. "
+        "ner: longer sentences are split into overlapping windows (--stride), nothing is lost. "
+        "qa: the context is split into windows overlapping by --doc-stride."))
+    stride: int = arg(32, help="ner: sub-tokens shared by consecutive windows of a long sentence.")
+    tag_scheme: str = arg("auto", help="ner: tag scheme of CoNLL files, converted to IOB2.", choices=("auto", "iob1", "iob2", "bioes"))
+    doc_stride: int = arg(128, help="qa: sub-tokens shared by consecutive context windows.")
+    max_answer_length: int = arg(30, help="qa: longest answer span in sub-tokens.")
+    n_best: int = arg(20, help="qa: start and end candidates per window in the span search.")
+    qa_split: str = arg("all", help=(
+        "qa: which articles of a SQuAD file to use: 'train' (the first 80% of articles in file order), "
+        "'heldout' (the last 20%) or 'all'."), choices=("all", "train", "heldout"))
+    max_query_length: int = arg(64, help="rerank/embed: sub-tokens per query (longer queries truncated).")
+    pooling: str = arg("auto", help=(
+        "embed: 'mean' or 'first' (CLS) pooling; 'auto' takes a sentence-transformers folder's own pooling, "
+        "else mean. classify always uses the HF head's first-token pooling (see docs)."), choices=("auto", "mean", "first"))
+    seed: int = arg(0, help="Seed of shuffling, subsets, negative sampling and dropout.")

@@ -1,0 +1,105 @@
+"""Labelled tables: TSV / CSV / JSONL rows as dicts, with the line each came from.
+
+* ``.tsv``: split on tabs with no quoting (GLUE files hold unbalanced ``"``); first line is the header.
+* ``.csv``: the ``csv`` module (quoted fields allowed); first line is the header.
+* ``.jsonl`` / ``.json`` (one object per line): keys are the columns.
+A ``.gz`` suffix after any of these is read through gzip.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from encoderkit.errors import EncoderkitError
+
+
+@dataclass
+class Row:
+    """One record: its fields and where it came from (``file:line``) for error messages."""
+
+    fields: dict[str, Any]
+    where: str
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
+    return open(path, encoding="utf-8", newline="")
+
+
+def table_format(path: Path) -> str:
+    suffix = path.suffixes[-2] if path.suffix == ".gz" and len(path.suffixes) > 1 else path.suffix
+    fmt = {".tsv": "tsv", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}.get(suffix)
+    if fmt is None:
+        raise EncoderkitError(f"{path}: unknown table format {suffix!r}; use .tsv, .csv or .jsonl (optionally .gz)")
+    return fmt
+
+
+def read_rows(path: str | Path) -> list[Row]:
+    """All rows of a TSV / CSV / JSONL file (see the module docstring)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EncoderkitError(f"data file {path} does not exist")
+    fmt = table_format(path)
+    rows: list[Row] = []
+    try:
+        with _open_text(path) as f:
+            if fmt == "jsonl":
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise EncoderkitError(f"{path}:{n}: not valid JSON ({e}); each line must be one JSON object") from e
+                    if not isinstance(rec, dict):
+                        raise EncoderkitError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+                    rows.append(Row(rec, f"{path}:{n}"))
+            else:
+                lines = (line.rstrip("\r\n") for line in f) if fmt == "tsv" else None
+                reader = (ln.split("\t") for ln in lines) if fmt == "tsv" else csv.reader(f)
+                header = next(reader, None)
+                if header is None:
+                    raise EncoderkitError(f"{path} is empty; expected a header line and rows")
+                header = [h.strip() for h in header]
+                for n, cells in enumerate(reader, 2):
+                    if not cells or cells == [""]:
+                        continue
+                    if len(cells) != len(header):
+                        raise EncoderkitError(
+                            f"{path}:{n}: {len(cells)} fields but the header has {len(header)} "
+                            f"({', '.join(header)}); fix the row (TSV fields are split on tabs, no quoting)"
+                        )
+                    rows.append(Row(dict(zip(header, cells, strict=True)), f"{path}:{n}"))
+    except UnicodeDecodeError as e:
+        raise EncoderkitError(f"{path}: not UTF-8 ({e}); convert the file to UTF-8") from e
+    if not rows:
+        raise EncoderkitError(f"{path} holds no rows")
+    return rows
+
+
+def column(rows: list[Row], name: str, path: str | Path, flag: str) -> list[Any]:
+    """The values of column ``name``; a missing column names the flag that chose it."""
+    out = []
+    for r in rows:
+        if name not in r.fields:
+            raise EncoderkitError(
+                f"{r.where}: no column {name!r} (columns: {', '.join(map(str, r.fields))}); set {flag} to the right column"
+            )
+        out.append(r.fields[name])
+    return out
+
+
+def text_column(rows: list[Row], name: str, path: str | Path, flag: str) -> list[str]:
+    """A text column: strings, none empty (an empty text is an error naming its line)."""
+    values = column(rows, name, path, flag)
+    for r, v in zip(rows, values, strict=True):
+        if not isinstance(v, str) or not v.strip():
+            raise EncoderkitError(f"{r.where}: column {name!r} is empty or not text ({v!r}); remove or fill the row")
+    return values

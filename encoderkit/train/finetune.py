@@ -1,0 +1,183 @@
+"""``encoderkit finetune``: train a task head on labelled data and write a model folder.
+
+The task module (:mod:`encoderkit.tasks`) reads and featurises the data and builds the HF model;
+the one training loop (:mod:`encoderkit.train.engine`) trains it; the best checkpoint by the dev
+metric is written as a standard HF folder plus ``encoderkit.json`` (task, labels, pooling,
+max length, dev metrics).
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from encoderkit.config import arg, check
+from encoderkit.errors import EncoderkitError
+from encoderkit.io import check_output_dir, output_dir, write_card
+from encoderkit.tasks.common import DEFAULT_MODEL, load_tokenizer, resolve_model
+from encoderkit.tasks.options import TaskDataOptions
+
+
+@dataclass
+class FinetuneConfig(TaskDataOptions):
+    """Fine-tune a task head (see ``--task``)."""
+
+    model: str = arg(DEFAULT_MODEL, help="Model folder (HF layout) to start from; 'minilm' = all-MiniLM-L6-v2.")
+    tokenizer: str = arg("", help="Tokenizer folder (default: the model folder's own tokenizer).")
+    train: str = arg(help=(
+        "Training data. classify: TSV/CSV/JSONL. ner: CoNLL column file or JSONL (tokens+tags or text+entity spans). "
+        "qa: SQuAD JSON or .zip. rerank/embed: JSONL of {query, positive, negatives} or a BEIR source "
+        "(folder, or SciFact zip) with '#split'."), required=True)
+    dev: str = arg("", help="Dev data in the same format (best checkpoint and early stopping use it).")
+    out: str = arg(help="Output model folder.", required=True)
+    overwrite: bool = arg(False, help="Replace an existing --out folder.")
+    lr: float = arg(3e-5, help="Peak learning rate (AdamW).")
+    epochs: float = arg(3.0, help="Passes over the training data (ignored when --max-steps is set).")
+    max_steps: int = arg(0, help="Optimizer steps to train (0: use --epochs).")
+    batch_size: int = arg(32, help="Examples per optimizer step (micro-batch; see --grad-accum).")
+    grad_accum: int = arg(1, help="Micro-batches accumulated per optimizer step.")
+    warmup: float = arg(0.1, help="Warmup: a fraction of the steps (< 1) or a number of steps.")
+    weight_decay: float = arg(0.01, help="AdamW weight decay (not on biases and norms).")
+    clip_norm: float = arg(1.0, help="Gradient norm clipping (0: off).")
+    eval_every: int = arg(0, help="Evaluate on --dev every N steps (0: once per epoch).")
+    early_stopping: int = arg(0, help="Stop after N evaluations without a better dev metric (0: never).")
+    metric: str = arg("", help="Dev metric that picks the best checkpoint (default: the task's primary one).")
+    freeze: list[str] = arg([], help="Parameter name prefixes to freeze (e.g. bert.embeddings); default: nothing frozen.")
+    max_train_examples: int = arg(0, help="Use a seeded random subset of this many training examples (0: all).")
+    max_dev_examples: int = arg(0, help="Use a seeded random subset of this many dev examples (0: all).")
+    resume: bool = arg(False, help="Continue an interrupted run with the same settings.")
+    negatives: str = arg("sampled", help="rerank/embed from BEIR: negatives drawn at random or mined by a bi-encoder.", choices=("sampled", "mined"))
+    num_negatives: int = arg(3, help="rerank: negatives per query (the cross-encoder sees 1 positive + N negatives).")
+    miner: str = arg(DEFAULT_MODEL, help="rerank/embed --negatives mined: bi-encoder folder used to mine hard negatives.")
+    matryoshka_dims: list[int] = arg([], help="embed: also train these leading embedding sizes (Matryoshka loss), e.g. 64,128,256.")
+    scale: float = arg(20.0, help="embed: similarity scale (1/temperature) of the in-batch contrastive loss.")
+    bf16: bool | None = arg(None, help="bf16 autocast (default: on where the CPU/GPU has native bf16).", speed=True)
+    bucket: bool = arg(True, help="Length-bucketed batches (less padding).", speed=True)
+    eval_batch_size: int = arg(128, help="Batch size of dev evaluation.", speed=True)
+
+    def validate(self) -> None:
+        check(self.lr > 0, "lr must be positive")
+        check(self.batch_size >= 1, "batch_size must be at least 1")
+        check(self.max_length >= 8, "max_length must be at least 8")
+        check(self.early_stopping >= 0, "early_stopping must be 0 or more")
+        check(not (self.early_stopping and not self.dev), "--early-stopping needs --dev")
+
+
+@dataclass
+class FinetuneResult:
+    out: Path
+    task: str
+    steps: int
+    seconds: float
+    examples_per_s: float
+    metrics: dict[str, float]
+
+    def summary(self) -> dict[str, Any]:
+        return {"out": str(self.out), "task": self.task, "steps": self.steps, "seconds": round(self.seconds, 1),
+                "train_examples_per_s": round(self.examples_per_s, 1), "dev": self.metrics}
+
+
+class _EarlyStop(Exception):
+    pass
+
+
+def run(cfg: FinetuneConfig) -> FinetuneResult:
+    """Fine-tune a model on a task and write the best checkpoint as a model folder."""
+    import torch
+
+    from encoderkit.train import checkpoint
+    from encoderkit.train.engine import TrainSettings, fit
+
+    out = check_output_dir(cfg.out, cfg.overwrite)
+    model_dir = resolve_model(cfg.model)
+    tokenizer = load_tokenizer(model_dir, cfg.tokenizer or None)
+    task = importlib.import_module(f"encoderkit.tasks.{cfg.task}")
+    tr = task.build(cfg, tokenizer, model_dir)
+    _freeze(tr.module, cfg.freeze)
+
+    steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)
+    settings = TrainSettings(
+        lr=cfg.lr, weight_decay=cfg.weight_decay, warmup=cfg.warmup, schedule="linear", max_steps=cfg.max_steps,
+        epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, clip_norm=cfg.clip_norm,
+        betas=(0.9, 0.999), eps=1e-8, eval_every=(cfg.eval_every or steps_per_epoch) if tr.evaluate else 0,
+        seed=cfg.seed, bf16=cfg.bf16, log_every=max(1, min(50, steps_per_epoch // 10)),
+    )
+    evaluate = _with_early_stopping(tr.evaluate, tr.primary, cfg.early_stopping) if tr.evaluate else None
+    run_dir = out.parent / f".{out.name}.run"
+    if run_dir.exists() and not cfg.resume:
+        shutil.rmtree(run_dir)
+    t0 = time.perf_counter()
+    stopped_early = False
+    try:
+        result = fit(tr.module, tr.loss_fn, tr.source, settings, run_dir, evaluate=evaluate, primary=tr.primary,
+                     fingerprint={"config": cfg.result_dict()}, resume=cfg.resume)
+        steps, best_metrics = result.steps, result.best_metrics
+        best = result.best_checkpoint
+    except _EarlyStop as stop:
+        stopped_early = True
+        steps, best_metrics = _last_step(run_dir / "metrics.jsonl"), stop.args[1]
+        best = run_dir / "checkpoints" / "best"
+    seconds = time.perf_counter() - t0
+    if best is not None and (best / "model.safetensors").is_file():
+        checkpoint.load_weights(tr.module, best / "model.safetensors")
+    tr.module.to("cpu").eval()
+    examples_per_s = steps * cfg.batch_size * cfg.grad_accum / max(seconds, 1e-9)
+    with output_dir(out, cfg.overwrite) as tmp, torch.no_grad():
+        tr.save(tr.module, tmp)
+        tokenizer.save_pretrained(tmp)
+        if (run_dir / "metrics.jsonl").is_file():
+            shutil.copy(run_dir / "metrics.jsonl", tmp / "metrics.jsonl")
+        write_card(tmp, "finetune", model_dir, cfg.result_dict(), {"dev": best_metrics},
+                   stopped_early=stopped_early, steps=steps, train_examples=tr.num_train, **tr.card)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return FinetuneResult(out, cfg.task, steps, seconds, examples_per_s, best_metrics)
+
+
+def _last_step(log: Path) -> int:
+    import json
+
+    lines = log.read_text(encoding="utf-8").splitlines() if log.is_file() else []
+    return int(json.loads(lines[-1])["step"]) if lines else 0
+
+
+def _freeze(module, prefixes: list[str]) -> None:
+    if not prefixes:
+        return
+    hit = set()
+    for name, p in module.named_parameters():
+        for pre in prefixes:
+            if name.startswith(pre):
+                p.requires_grad_(False)
+                hit.add(pre)
+    missing = [p for p in prefixes if p not in hit]
+    if missing:
+        names = sorted({n.rsplit(".", 2)[0] for n, _ in module.named_parameters()})[:8]
+        raise EncoderkitError(f"--freeze {', '.join(missing)} matches no parameter; names start like: {', '.join(names)}")
+
+
+def _with_early_stopping(evaluate, primary: tuple[str, str], patience: int):  # noqa: ANN202
+    """Wrap ``evaluate`` so that ``patience`` evaluations without improvement stop training
+    (the best checkpoint is already on disk when that happens)."""
+    if not patience:
+        return evaluate
+    name, mode = primary
+    state: dict[str, Any] = {"best": None, "bad": 0, "calls": 0, "best_metrics": {}}
+
+    def wrapped(module) -> dict[str, float]:
+        metrics = evaluate(module)
+        state["calls"] += 1
+        value = metrics[name]
+        better = state["best"] is None or (value > state["best"] if mode == "max" else value < state["best"])
+        if better:
+            state.update(best=value, bad=0, best_metrics=metrics)
+        else:
+            state["bad"] += 1
+            if state["bad"] >= patience:
+                raise _EarlyStop(-1, state["best_metrics"])
+        return metrics
+
+    return wrapped
