@@ -1,0 +1,98 @@
+"""Quantize lever on a tiny classifier: real int8 / packed int4 bytes, reload and predict, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from encoderkit.compress.packing import QUANT_FILE, load_model
+from encoderkit.compress.quantize import QuantizeConfig, quantize
+from encoderkit.errors import EncoderkitError
+from tests.conftest import WORDS, tiny_bert_config
+
+TEXTS = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6 + i % 9)) for i in range(48)]
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    out = tmp_path_factory.mktemp("tiny_cls")
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(0)
+    BertForSequenceClassification(tiny_bert_config(len(tok), num_labels=2)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _logits(folder: Path) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        return load_model(folder)(**tok(TEXTS[:8], padding=True, return_tensors="pt")).logits
+
+
+def _cfg(**kw) -> QuantizeConfig:
+    return QuantizeConfig(measure=False, calib_samples=32, **kw)
+
+
+@pytest.mark.parametrize(("method", "bits", "dtype", "packed"), [("dynamic", 8, torch.int8, False),
+                                                                ("rtn", 4, torch.uint8, True),
+                                                                ("gptq", 4, torch.uint8, True)])
+def test_quantized_folder_stores_low_bit_weights_and_predicts(tiny_classifier, tmp_path, method, bits, dtype, packed) -> None:
+    out = tmp_path / "q"
+    rep = quantize(tiny_classifier, _cfg(method=method, bits=bits, group_size=16), out, calib=TEXTS)
+    assert not (out / "model.safetensors").exists()  # plain transformers must not load it silently
+    with safe_open(str(out / QUANT_FILE), "pt") as f:
+        keys = set(f.keys())
+        q = f.get_tensor("bert.encoder.layer.0.intermediate.dense.weight.qweight")  # (64, 32) fp32 originally
+    assert q.dtype == dtype and q.shape == ((64, 16) if packed else (64, 32))
+    assert "bert.encoder.layer.0.intermediate.dense.weight" not in keys
+    assert rep.after["weight_bytes"] < rep.before["weight_bytes"]
+    cfg = json.loads((out / "config.json").read_text())["encoderkit_quantization"]
+    assert cfg["method"] == method and cfg["layers"]["bert.encoder.layer.1.output.dense.weight"]["bits"] == bits
+    ref, got = _logits(tiny_classifier), _logits(out)
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    assert (got - ref).abs().max() < (0.05 if bits == 8 else 0.5)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+    assert json.loads((out / "encoderkit.json").read_text())["stage"] == "quantize"
+
+
+def test_gptq_folder_is_closer_to_fp32_than_rtn(tiny_classifier, tmp_path) -> None:
+    ref = _logits(tiny_classifier)
+    errs = {}
+    for method in ("rtn", "gptq"):
+        quantize(tiny_classifier, _cfg(method=method, bits=4, group_size=16), tmp_path / method, calib=TEXTS)
+        errs[method] = float((_logits(tmp_path / method) - ref).pow(2).mean())
+    assert errs["gptq"] < errs["rtn"], errs
+
+
+def test_int4_embeddings_shrink_the_file(tiny_classifier, tmp_path) -> None:
+    a = quantize(tiny_classifier, _cfg(method="rtn", bits=4, group_size=16), tmp_path / "a", calib=TEXTS)
+    b = quantize(tiny_classifier, _cfg(method="rtn", bits=4, group_size=16, embeddings="int4"), tmp_path / "b", calib=TEXTS)
+    vocab, hidden = 153, 32
+    assert a.after["weight_bytes"] - b.after["weight_bytes"] >= vocab * hidden * 4 * 0.7
+    with safe_open(str(tmp_path / "b" / QUANT_FILE), "pt") as f:
+        assert f.get_tensor("bert.embeddings.word_embeddings.weight.qweight").dtype == torch.uint8
+
+
+def test_refuses_already_quantized_model(tiny_classifier, tmp_path) -> None:
+    quantize(tiny_classifier, _cfg(method="dynamic"), tmp_path / "q")
+    with pytest.raises(EncoderkitError, match="already quantized"):
+        quantize(tmp_path / "q", _cfg(method="dynamic"), tmp_path / "qq")
+    assert not (tmp_path / "qq").exists()
+
+
+def test_bad_settings_are_clear_errors(tiny_classifier, tmp_path) -> None:
+    with pytest.raises(EncoderkitError, match="not one of"):
+        QuantizeConfig(method="awq")
+    with pytest.raises(EncoderkitError, match="bits=4"):
+        QuantizeConfig(method="dynamic", bits=4)
+    with pytest.raises(EncoderkitError, match="calib-data"):
+        quantize(tiny_classifier, _cfg(method="gptq"), tmp_path / "g")
+    assert not (tmp_path / "g").exists()
