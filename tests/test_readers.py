@@ -233,7 +233,7 @@ def test_empty_corpus_fails(tmp_path):
 
 def test_non_utf8_names_line_and_byte_offset(tmp_path):
     path = tmp_path / "latin.txt"
-    path.write_bytes("hello\nwor".encode() + "é".encode("latin-1") + b"ld\n")
+    path.write_bytes(b"hello\nwor" + "é".encode("latin-1") + b"ld\n")
     with pytest.raises(EncoderkitError, match=r"latin\.txt:2: not UTF-8 \(byte offset 9\).*--skip-bad-encoding"):
         list(iter_documents(str(path), doc_split="line"))
 

@@ -106,7 +106,7 @@ def test_bpe_round_trips_exactly_and_has_roberta_format(bpe_dir, alice):
 def test_bpe_word_starts_follow_spaces(bpe_dir):
     tok = load_tokenizer(bpe_dir)
     table = word_start_table(tok)
-    words = "the rabbit hurried down the extraordinarily long hall".split()
+    words = ["the", "rabbit", "hurried", "down", "the", "extraordinarily", "long", "hall"]
     ids = tok(" ".join(words), add_special_tokens=False)["input_ids"]
     assert len(ids) > len(words)  # some words take several pieces
     assert not table[ids[0]]  # the first word has no leading space; callers start it after <s>
@@ -145,7 +145,7 @@ def test_existing_output_refused_unless_overwrite(alice, tmp_path):
     out = tmp_path / "tok"
     out.mkdir()
     (out / "keep.txt").write_text("old")
-    cfg = dict(corpus=[str(alice)], out=str(out), vocab_size=500, max_documents=1)
+    cfg = {"corpus": [str(alice)], "out": str(out), "vocab_size": 500, "max_documents": 1}
     with pytest.raises(EncoderkitError, match="already exists.*--overwrite"):
         run(TokenizerConfig(**cfg))
     assert (out / "keep.txt").read_text() == "old"

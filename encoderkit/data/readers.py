@@ -125,8 +125,7 @@ def _expand_path(folder: Path) -> list[str]:
 def source_format(path: str) -> str:
     """``"jsonl"``, ``"csv"``, ``"tsv"``, ``"parquet"`` or ``"text"`` (any other extension)."""
     name = path.lower()
-    if name.endswith(".gz"):
-        name = name[:-3]
+    name = name.removesuffix(".gz")
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
     for fmt in ("csv", "tsv", "parquet"):
@@ -509,6 +508,19 @@ def _is_saved_dataset(folder: Path) -> bool:
     return any((folder / n).is_file() for n in ("dataset_info.json", "state.json", "dataset_dict.json"))
 
 
-__all__ = ["Document", "ReadStats", "iter_documents", "resolve_sources", "estimate_bytes", "source_format",
-           "decoded_lines", "first_bad_utf8_offset", "read_text", "read_jsonl", "read_table", "read_parquet",
-           "read_hf", "parse_hf_spec"]
+__all__ = [
+    "Document",
+    "ReadStats",
+    "decoded_lines",
+    "estimate_bytes",
+    "first_bad_utf8_offset",
+    "iter_documents",
+    "parse_hf_spec",
+    "read_hf",
+    "read_jsonl",
+    "read_parquet",
+    "read_table",
+    "read_text",
+    "resolve_sources",
+    "source_format",
+]
