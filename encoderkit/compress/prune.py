@@ -366,7 +366,7 @@ def recover(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cf
         loss = alpha * kd
         if labels is not None and alpha < 1:
             loss = loss + (1 - alpha) * torch.nn.functional.cross_entropy(logits.reshape(-1, c).float(), labels.reshape(-1))
-        return loss, {"kd": float(kd)}
+        return loss, {"kd": float(kd.detach())}
 
     settings = TrainSettings(lr=cfg.lr, max_steps=steps, batch_size=cfg.batch_size, warmup=0.1, seed=cfg.seed)
     try:
