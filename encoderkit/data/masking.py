@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from encoderkit.config import check
+from encoderkit.data.prepare import splitmix64  # kept there so tokenising worker processes never import torch
 
 IGNORE_INDEX = -100
 
@@ -147,18 +148,6 @@ def mask_tokens(
 
 
 # -- counter-based draws: a pure function of (seed, epoch, block, stream, position) ------------
-_M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
-
-
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser, element-wise on uint64 arrays (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = x + _GOLD
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
-
-
 def block_draws(seed: int, epoch: int, block_index: np.ndarray, length: int, streams: int = 4) -> torch.Tensor:
     """Uniform draws in [0, 1) of shape (streams, B, L) that depend only on (seed, epoch, block, position).
 

@@ -47,7 +47,6 @@ import numpy as np
 from tqdm import tqdm
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.data.masking import splitmix64
 from encoderkit.data.readers import (BUILTIN_PREFIX, DOC_SPLITS, HF_PREFIX, estimate_bytes, iter_documents,
                                      resolve_sources)
 from encoderkit.errors import EncoderkitError
@@ -94,6 +93,20 @@ class PrepareResult:
     def summary(self) -> dict[str, Any]:
         return {"out": str(self.out), "cache_hit": self.cache_hit, "fingerprint": self.meta["fingerprint"],
                 "seq_len": self.meta["seq_len"], "counts": self.meta["counts"]}
+
+
+# -- hashing (counter-based randomness for the held-out split and for masking.Masker) -------------
+_M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, element-wise on uint64 arrays (wrapping arithmetic): a cheap, well-mixed
+    hash that turns counters (document index, block index, position) into independent random bits."""
+    with np.errstate(over="ignore"):
+        z = x + _GOLD
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
 
 
 # -- fingerprint -----------------------------------------------------------------------------------
