@@ -1,0 +1,469 @@
+"""`encoderkit distill`: train a smaller student on a teacher's soft targets.
+
+Two modes share the student builder and the loss:
+
+- ``agnostic`` (the DistilBERT recipe): the student is the teacher with every other layer (or a
+  chosen ``layers`` map), initialised from exactly those teacher layers plus the embeddings and
+  heads; it is trained on masked-LM blocks (:mod:`encoderkit.data.prepare` +
+  :class:`encoderkit.data.masking.Masker`) with
+  ``kl_weight * T^2 * KL(teacher_T || student_T) + hard_weight * MLM + cos_weight * (1 - cos)``,
+  the KL taken over masked positions and the cosine over the last hidden states of real tokens.
+- ``task``: the teacher is a fine-tuned task model; the student learns its logits on the task's
+  training data (``hard_weight`` weighs the cross-entropy on the gold labels). The student may
+  also be narrower (``hidden_size``): it is then initialised at random and the hidden-state
+  match goes through a learned projection student-width -> teacher-width.
+
+Teacher and student must share the tokenizer (the KL compares distributions over the same ids
+and the student reads the teacher's inputs); a mismatch is an error that says what differs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from encoderkit.config import StageConfig, arg, check
+from encoderkit.errors import EncoderkitError
+
+# -- student construction --------------------------------------------------------------------------
+
+_LAYER_KEY = re.compile(r"(^|\.)layer\.(\d+)\.")
+
+
+def parse_layer_map(spec: str | list[int] | None, n_teacher: int) -> list[int]:
+    """Teacher layer indices the student keeps, in order.
+
+    ``"every-other"`` keeps layers 0, 2, 4, ... (DistilBERT: half the depth, spread over the
+    whole stack); ``"0,2,5"`` or ``[0, 2, 5]`` keeps exactly those layers.
+    """
+    if spec is None or spec == "every-other":
+        return list(range(0, n_teacher, 2))
+    if isinstance(spec, str):
+        parts = [p for p in re.split(r"[,\s\[\]]+", spec) if p]
+        try:
+            layers = [int(p) for p in parts]
+        except ValueError as e:
+            raise EncoderkitError(f"layers={spec!r}: expected 'every-other' or teacher layer numbers like '0,2,4'") from e
+    else:
+        layers = [int(x) for x in spec]
+    check(len(layers) > 0, "layers: the student needs at least one layer")
+    bad = [i for i in layers if not 0 <= i < n_teacher]
+    check(not bad, f"layers={layers}: the teacher has layers 0..{n_teacher - 1}; {bad} do not exist")
+    check(len(set(layers)) == len(layers), f"layers={layers}: each teacher layer may be used once")
+    return layers
+
+
+def student_state_from_teacher(teacher_state: dict[str, torch.Tensor], layers: list[int]) -> dict[str, torch.Tensor]:
+    """The teacher's state dict with encoder layer ``layers[i]`` renamed to layer ``i`` and the
+    other layers dropped; embeddings, pooler and heads are kept as they are."""
+    where = {t: s for s, t in enumerate(layers)}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in teacher_state.items():
+        m = _LAYER_KEY.search(key)
+        if m is None:
+            out[key] = value.clone()
+            continue
+        t = int(m.group(2))
+        if t in where:
+            new_key = key[: m.start(2)] + str(where[t]) + key[m.end(2):]
+            out[new_key] = value.clone()
+    return out
+
+
+def build_student_from_teacher(teacher: nn.Module, layers: list[int]) -> nn.Module:
+    """A copy of ``teacher``'s architecture with ``len(layers)`` layers, initialised from the
+    teacher's layers ``layers`` (plus embeddings, pooler and heads)."""
+    config = teacher.config.__class__.from_dict(teacher.config.to_dict())
+    config.num_hidden_layers = len(layers)
+    student = type(teacher)(config)
+    state = student_state_from_teacher(teacher.state_dict(), layers)
+    missing, unexpected = student.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "position_ids" not in k]
+    if missing or unexpected:
+        raise EncoderkitError(
+            f"cannot initialise the student from the teacher ({type(teacher).__name__}): missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}; use a BERT-style teacher or pass --student"
+        )
+    return student
+
+
+def build_narrow_student(teacher: nn.Module, hidden_size: int, num_layers: int, generator_seed: int) -> nn.Module:
+    """A randomly initialised student of the teacher's class with a smaller width.
+
+    Heads keep the teacher's head size where it divides ``hidden_size``; FFN width is 4x hidden.
+    """
+    config = teacher.config.__class__.from_dict(teacher.config.to_dict())
+    head_dim = teacher.config.hidden_size // teacher.config.num_attention_heads
+    check(hidden_size % head_dim == 0 or hidden_size % 4 == 0,
+          f"hidden_size={hidden_size}: must be a multiple of the head size {head_dim} or of 4")
+    config.hidden_size = hidden_size
+    config.num_attention_heads = hidden_size // head_dim if hidden_size % head_dim == 0 else 4
+    config.intermediate_size = 4 * hidden_size
+    config.num_hidden_layers = num_layers
+    fork = torch.random.fork_rng(devices=[])  # module init draws from the global RNG; leave it as found
+    with fork:
+        torch.manual_seed(generator_seed)
+        return type(teacher)(config)
+
+
+def check_same_tokenizer(teacher_dir: str | Path, student_dir: str | Path) -> None:
+    """Raise unless both folders hold the same vocabulary (same tokens at the same ids)."""
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(teacher_dir))
+    s = AutoTokenizer.from_pretrained(str(student_dir))
+    tv, sv = t.get_vocab(), s.get_vocab()
+    if tv != sv:
+        only_t = sorted(set(tv) - set(sv))[:5]
+        only_s = sorted(set(sv) - set(tv))[:5]
+        moved = sorted(k for k in set(tv) & set(sv) if tv[k] != sv[k])[:5]
+        raise EncoderkitError(
+            f"teacher {teacher_dir} and student {student_dir} use different tokenizers "
+            f"({len(tv)} vs {len(sv)} tokens; only in teacher: {only_t}, only in student: {only_s}, "
+            f"different ids: {moved}); distillation compares outputs token by token, so give the student "
+            "the teacher's tokenizer (copy its tokenizer files) or let distill build the student"
+        )
+    if getattr(t, "do_lower_case", None) != getattr(s, "do_lower_case", None):
+        raise EncoderkitError(f"teacher {teacher_dir} and student {student_dir} differ in lower-casing; use the same tokenizer")
+
+
+# -- losses ----------------------------------------------------------------------------------------
+
+def soft_target_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher_T || student_T) * T^2, averaged over rows.
+
+    student_logits, teacher_logits: (N, C). The T^2 factor keeps the gradient scale independent
+    of the temperature (Hinton et al. 2015). Zero when the logits are equal.
+    """
+    if student_logits.numel() == 0:
+        return student_logits.sum() * 0.0
+    t = temperature
+    log_p_s = F.log_softmax(student_logits.float() / t, dim=-1)
+    log_p_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
+    return F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True) * (t * t)
+
+
+def hidden_cosine_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of 1 - cos(student, teacher) over real tokens.
+
+    student_hidden, teacher_hidden: (B, L, H) (the student already projected to the teacher's
+    width); attention_mask: (B, L), 0 on padding. Zero when the directions agree.
+    """
+    cos = F.cosine_similarity(student_hidden.float(), teacher_hidden.float(), dim=-1)  # (B, L)
+    if attention_mask is None:
+        return (1.0 - cos).mean()
+    m = attention_mask.bool()
+    return (1.0 - cos[m]).mean() if m.any() else cos.sum() * 0.0
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    kl: float = 1.0
+    hard: float = 0.5
+    cos: float = 0.5
+    temperature: float = 2.0
+
+
+class DistillLoss(nn.Module):
+    """The weighted distillation loss; holds the projection for a narrower student.
+
+    ``forward(student_out, teacher_out, batch)`` takes HF outputs (with ``logits`` and, when
+    ``cos > 0``, ``hidden_states``) and the batch (``attention_mask``, ``labels``). ``labels``
+    (B, L) with -100 outside masked positions for MLM, or (B,) class ids for a task. Returns the
+    loss and its parts (floats) for logging.
+    """
+
+    def __init__(self, weights: LossWeights, student_width: int, teacher_width: int, mlm: bool) -> None:
+        super().__init__()
+        self.w = weights
+        self.mlm = mlm
+        self.proj = nn.Linear(student_width, teacher_width) if student_width != teacher_width and weights.cos > 0 else None
+
+    def forward(self, student_out: Any, teacher_out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        s_logits, t_logits = student_out.logits, teacher_out.logits
+        labels = batch.get("labels")
+        parts: dict[str, torch.Tensor] = {}
+        if self.mlm:
+            picked = labels != -100 if labels is not None else batch["attention_mask"].bool()  # (B, L)
+            parts["kl"] = soft_target_kl(s_logits[picked], t_logits[picked], self.w.temperature)
+            if self.w.hard and labels is not None:
+                parts["hard"] = F.cross_entropy(s_logits[picked].float(), labels[picked]) if picked.any() else s_logits.sum() * 0
+        else:
+            flat_s, flat_t = s_logits.reshape(-1, s_logits.shape[-1]), t_logits.reshape(-1, t_logits.shape[-1])
+            parts["kl"] = soft_target_kl(flat_s, flat_t, self.w.temperature) if s_logits.shape[-1] > 1 else F.mse_loss(flat_s.float(), flat_t.float())
+            if self.w.hard and labels is not None:
+                parts["hard"] = (F.cross_entropy(flat_s.float(), labels.reshape(-1), ignore_index=-100)
+                                 if s_logits.shape[-1] > 1 else F.mse_loss(flat_s.float().squeeze(-1), labels.float()))
+        if self.w.cos:
+            s_h = student_out.hidden_states[-1]
+            if self.proj is not None:
+                s_h = self.proj(s_h)
+            parts["cos"] = hidden_cosine_loss(s_h, teacher_out.hidden_states[-1], batch.get("attention_mask"))
+        weight = {"kl": self.w.kl, "hard": self.w.hard, "cos": self.w.cos}
+        loss = sum(weight[k] * v for k, v in parts.items())
+        return loss, {k: float(v.detach()) for k, v in parts.items()}
+
+
+class DistillModule(nn.Module):
+    """The trainable part: the student and the loss (with its projection, if any).
+
+    ``forward(batch, teacher_out)`` runs the student on ``batch`` (input_ids, attention_mask,
+    token_type_ids...) and returns ``(loss, parts)``. The teacher stays outside so that it is
+    neither trained nor checkpointed.
+    """
+
+    def __init__(self, student: nn.Module, loss: DistillLoss) -> None:
+        super().__init__()
+        self.student = student
+        self.loss = loss
+
+    def forward(self, batch: dict[str, torch.Tensor], teacher_out: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        out = self.student(**inputs, output_hidden_states=self.loss.w.cos > 0)
+        return self.loss(out, teacher_out, batch)
+
+
+def make_loss_fn(teacher: nn.Module, want_hidden: bool):  # noqa: ANN201
+    """``loss_fn(module, batch)`` for :func:`encoderkit.train.engine.fit`: teacher outputs under
+    ``no_grad`` (teacher in eval mode: no dropout), then the student and the loss."""
+
+    def loss_fn(module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with torch.no_grad():
+            t_out = teacher(**inputs, output_hidden_states=want_hidden)
+        return module(batch, t_out)
+
+    return loss_fn
+
+
+# -- data ------------------------------------------------------------------------------------------
+
+def _pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token id lists to the longest; returns ids and attention mask, both (B, L) long."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def read_labels(path: str | Path, label2id: dict[str, int] | None, n: int) -> list[int] | None:
+    """The gold label of each of the first ``n`` records of a .tsv ('label' column) or .jsonl
+    ('label' key) file, as class ids; None when the file has no labels."""
+    import json
+
+    p = Path(path)
+    labels: list[Any] = []
+    with p.open(encoding="utf-8") as f:
+        if p.suffix == ".tsv":
+            header = f.readline().rstrip("\n").split("\t")
+            if "label" not in header:
+                return None
+            col = header.index("label")
+            labels = [line.rstrip("\n").split("\t")[col] for line in f if line.strip()]
+        elif p.suffix == ".jsonl":
+            recs = [json.loads(line) for line in f if line.strip()]
+            if not recs or "label" not in recs[0]:
+                return None
+            labels = [r["label"] for r in recs]
+        else:
+            return None
+    labels = labels[:n]
+    out = []
+    for i, lab in enumerate(labels):
+        key = str(lab).strip()
+        if label2id and key in label2id:
+            out.append(int(label2id[key]))
+        elif key.lstrip("-").isdigit():
+            out.append(int(key))
+        else:
+            raise EncoderkitError(f"{p}: record {i + 1} has label {key!r}, which the teacher does not know "
+                                  f"(its labels: {sorted(label2id or {})}); fix the file or set hard_weight 0")
+    return out
+
+
+def task_batches(path: str, tokenizer: Any, teacher_config: Any, batch_size: int, seq_len: int, seed: int,
+                 limit: int = 0) -> tuple[Any, int, bool]:
+    """An engine batch source over a task file: input_ids/attention_mask (and token_type_ids,
+    labels when present) per micro-batch, padded to the batch's longest row. Returns the
+    source, the number of examples and whether gold labels were found."""
+    from encoderkit.compress.measure import read_texts
+    from encoderkit.train.engine import IndexedBatches
+
+    texts = read_texts(path, limit=limit or None)
+    if isinstance(texts[0], tuple):
+        a, b = zip(*texts)
+        enc = tokenizer(list(a), list(b), truncation=True, max_length=seq_len)
+    else:
+        enc = tokenizer(list(texts), truncation=True, max_length=seq_len)
+    label2id = {str(k): int(v) for k, v in (getattr(teacher_config, "label2id", None) or {}).items()}
+    labels = read_labels(path, label2id, len(texts))
+    check(labels is None or len(labels) == len(texts), f"{path}: {len(texts)} texts but {len(labels or [])} labels")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def make_batch(idx: Any, epoch: int) -> dict[str, torch.Tensor]:
+        ids, mask = _pad([enc["input_ids"][i] for i in idx], pad)
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in enc:
+            batch["token_type_ids"] = _pad([enc["token_type_ids"][i] for i in idx], 0)[0]
+        if labels is not None:
+            batch["labels"] = torch.tensor([labels[i] for i in idx], dtype=torch.long)
+        return batch
+
+    check(len(texts) >= batch_size, f"{path}: {len(texts)} examples, fewer than one batch of {batch_size}")
+    return IndexedBatches(len(texts), batch_size, make_batch, seed=seed), len(texts), labels is not None
+
+
+def agnostic_batches(data: str, tokenizer: Any, batch_size: int, mask_rate: float, seed: int,
+                     limit: int = 0) -> tuple[Any, int]:
+    """An engine batch source of dynamically masked MLM blocks from a prepared data folder."""
+    from encoderkit.data.masking import Masker, MaskingSpec
+    from encoderkit.train.engine import IndexedBatches
+
+    blocks = load_blocks(data)  # (N, L) token ids
+    if limit:
+        blocks = blocks[:limit]
+    check(len(blocks) >= batch_size, f"{data}: {len(blocks)} blocks, fewer than one batch of {batch_size}")
+    masker = Masker.from_tokenizer(tokenizer, MaskingSpec(rate=mask_rate), seed)
+
+    def make_batch(idx: Any, epoch: int) -> dict[str, torch.Tensor]:
+        return masker(blocks[idx], idx, epoch)
+
+    return IndexedBatches(len(blocks), batch_size, make_batch, seed=seed), len(blocks)
+
+
+def load_blocks(data: str | Path) -> Any:
+    """The (N, L) token-id blocks of a folder written by `encoderkit data prepare`."""
+    from encoderkit.data import prepare
+
+    return prepare.load_blocks(data)
+
+
+# -- the stage ---------------------------------------------------------------------------------------
+
+@dataclass
+class DistillConfig(StageConfig):
+    """Settings of `encoderkit distill` (and of a recipe step ``lever: distill``)."""
+
+    teacher: str = arg(help="Teacher model folder (a fine-tuned task model for mode=task, an MLM model for mode=agnostic).", required=True)
+    out: str = arg(help="Output folder for the student.", required=True)
+    mode: str = arg("task", choices=("task", "agnostic"), help="task: learn the teacher's task logits on task data; agnostic: DistilBERT-style MLM distillation on prepared blocks.")
+    student: str | None = arg(None, help="An existing student folder (same tokenizer as the teacher); default: built from the teacher.")
+    layers: str = arg("every-other", help="Teacher layers the student keeps and is initialised from: 'every-other' (0,2,4,...) or a list like '0,2,5'.")
+    hidden_size: int | None = arg(None, help="Build a narrower student of this width (random init, hidden states matched through a learned projection).")
+    train: str | None = arg(None, help="mode=task: task texts (.tsv with a sentence/sentence1+sentence2 column, .jsonl 'text', .txt); a 'label' column adds the hard loss.")
+    data: str | None = arg(None, help="mode=agnostic: a folder written by `encoderkit data prepare` (packed token blocks).")
+    kl_weight: float = arg(1.0, help="Weight of T^2 * KL(teacher || student) on soft targets.")
+    hard_weight: float = arg(0.5, help="Weight of the hard loss: MLM cross-entropy (agnostic) or cross-entropy on gold labels (task).")
+    cos_weight: float = arg(0.5, help="Weight of 1 - cosine between the last hidden states (0 turns it off).")
+    temperature: float = arg(2.0, help="Softmax temperature of the soft targets.")
+    mask_rate: float = arg(0.15, help="mode=agnostic: fraction of tokens masked.")
+    epochs: float = arg(3.0, help="Passes over the training data (unless max_steps is set).")
+    max_steps: int = arg(0, help="Optimizer steps (0: use epochs).")
+    lr: float = arg(1e-4, help="Peak learning rate of the student.")
+    warmup: float = arg(0.06, help="Warmup: a fraction of the steps (< 1) or a number of steps.")
+    batch_size: int = arg(32, help="Examples per optimizer step.")
+    seq_len: int = arg(128, help="mode=task: longest input in tokens (longer ones are truncated).")
+    limit: int = arg(0, help="Use only the first N training examples (0: all).")
+    seed: int = arg(0, help="Seed of shuffling, masking and dropout.")
+    overwrite: bool = arg(False, help="Replace an existing --out folder.")
+    bf16: bool | None = arg(None, speed=True, help="bf16 autocast (default: on where the hardware has native bf16).")
+
+    def validate(self) -> None:
+        check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        check(min(self.kl_weight, self.hard_weight, self.cos_weight) >= 0, "loss weights must be >= 0")
+        check(self.kl_weight + self.hard_weight + self.cos_weight > 0, "at least one loss weight must be > 0")
+        if self.mode == "task":
+            check(bool(self.train), "distill mode=task needs --train (the task's texts)")
+        else:
+            check(bool(self.data), "distill mode=agnostic needs --data (a folder from `encoderkit data prepare`)")
+        check(self.hidden_size is None or self.student is None, "give either --student or --hidden-size, not both")
+
+
+@dataclass
+class DistillResult:
+    out: Path
+    layers: list[int] | None
+    teacher_params: int
+    student_params: int
+    steps: int
+    train_logs: dict[str, float]
+
+    def summary(self) -> dict[str, Any]:
+        return {"out": str(self.out), "layers_from_teacher": self.layers, "teacher_params": self.teacher_params,
+                "student_params": self.student_params, "steps": self.steps,
+                "final_losses": {k: round(v, 4) for k, v in self.train_logs.items()}}
+
+
+def load_task_model(folder: str | Path) -> nn.Module:
+    """Load a model folder with the class its config names (``architectures[0]``)."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(str(folder))
+    arch = (cfg.architectures or ["AutoModel"])[0]
+    cls = getattr(transformers, arch, None)
+    if cls is None:
+        raise EncoderkitError(f"{folder}/config.json names architecture {arch!r}, which transformers does not have")
+    return cls.from_pretrained(str(folder))
+
+
+def run(cfg: DistillConfig) -> DistillResult:
+    """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style)."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from encoderkit.io import output_dir, read_card, write_card
+    from encoderkit.train.engine import TrainSettings, fit
+
+    teacher = load_task_model(cfg.teacher).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.teacher)
+    n_teacher = teacher.config.num_hidden_layers
+    layers: list[int] | None = None
+    if cfg.student:
+        check_same_tokenizer(cfg.teacher, cfg.student)
+        student = load_task_model(cfg.student)
+        check(type(student) is type(teacher),
+              f"student {cfg.student} is a {type(student).__name__} but the teacher a {type(teacher).__name__}; use the same head")
+    elif cfg.hidden_size:
+        n = len(parse_layer_map(cfg.layers, n_teacher))
+        student = build_narrow_student(teacher, cfg.hidden_size, n, cfg.seed)
+    else:
+        layers = parse_layer_map(cfg.layers, n_teacher)
+        student = build_student_from_teacher(teacher, layers)
+    weights = LossWeights(cfg.kl_weight, cfg.hard_weight, cfg.cos_weight, cfg.temperature)
+    if cfg.mode == "agnostic":
+        source, n_examples = agnostic_batches(cfg.data, tokenizer, cfg.batch_size, cfg.mask_rate, cfg.seed, cfg.limit)
+    else:
+        source, n_examples, has_labels = task_batches(cfg.train, tokenizer, teacher.config, cfg.batch_size,
+                                                      cfg.seq_len, cfg.seed, cfg.limit)
+        if not has_labels:
+            weights = LossWeights(weights.kl, 0.0, weights.cos, weights.temperature)
+    loss = DistillLoss(weights, student.config.hidden_size, teacher.config.hidden_size, mlm=cfg.mode == "agnostic")
+    module = DistillModule(student, loss)
+    settings = TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
+                             batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10)
+    out = Path(cfg.out)
+    with output_dir(out, cfg.overwrite) as tmp:
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.run-", dir=out.parent) as run_dir:
+            res = fit(module, make_loss_fn(teacher, weights.cos > 0), source, settings, run_dir,
+                      fingerprint={"stage": "distill", **cfg.result_dict()})
+        student.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        extra = {k: v for k, v in read_card(cfg.teacher).items() if k not in ("stage", "parent", "config", "metrics", "created")}
+        metrics = {"train_" + k: v for k, v in res.train_logs.items()}
+        write_card(tmp, "distill", cfg.teacher, cfg.result_dict(),
+                   {**metrics, "examples": n_examples, "steps": res.steps}, layers_from_teacher=layers, **extra)
+    return DistillResult(out, layers, sum(p.numel() for p in teacher.parameters()),
+                         sum(p.numel() for p in student.parameters()), res.steps, res.train_logs)

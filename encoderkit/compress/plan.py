@@ -1,0 +1,287 @@
+"""`encoderkit plan`: choose a compression recipe from the situation, with a reason for every choice.
+
+The planner is a short list of rules that encode what is known to work for encoders:
+
+- no training budget: only post-training levers (dynamic INT8; vocabulary pruning and GPTQ for
+  memory). Distillation, QAT and pruning with recovery all need training.
+- a teacher and a budget: distil to half the depth first; it is the lever with the best
+  quality per byte and per millisecond.
+- CPU latency: structured pruning (whole heads, FFN neurons) shrinks the matrices; unstructured
+  sparsity saves storage (if stored sparse) but no CPU time with dense kernels.
+- sparse GPU: 2:4 semi-structured sparsity is the one sparsity pattern that runs faster.
+- VNNI CPUs: INT8 with per-channel weight scales runs on the VNNI dot-product instructions.
+- memory goal: the embedding matrix is a large share of a small encoder, so prune the
+  vocabulary to the tokens the domain uses and store embeddings in low bit; GPTQ 4-bit for the
+  linear layers when calibration data exists.
+
+``--run`` executes the plan with :mod:`encoderkit.compress.stack` and backs off (gentler pruning,
+embeddings and the last layer kept in higher precision, 8-bit instead of 4-bit, then fewer
+levers) until the quality floor holds, or says that it cannot.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from encoderkit.config import StageConfig, arg, check
+from encoderkit.errors import EncoderkitError
+
+
+@dataclass
+class PlanConfig(StageConfig):
+    """The situation the recipe is planned for, and optionally a model to run it on."""
+
+    budget: str = arg("none", choices=("none", "some"), help="Training budget for compression: 'none' (post-training levers only) or 'some' (distillation, pruning with recovery, QAT).")
+    teacher: bool = arg(False, help="A fine-tuned teacher model is available (the model to compress can be its own teacher).")
+    hardware: str = arg("cpu", choices=("cpu", "cpu-vnni", "gpu-sparse"), help="Where the model will run: plain CPU, CPU with VNNI int8 dot products, or a GPU with 2:4 sparse tensor cores.")
+    goal: str = arg("latency", choices=("latency", "memory"), help="What to minimise: latency (time per request) or memory (bytes on disk and in RAM).")
+    max_quality_drop: float = arg(0.03, help="Largest allowed relative drop of the dev metric (0.03 = keep at least 97% of the starting quality).")
+    has_calibration_data: bool = arg(True, help="Unlabelled in-domain text is available for calibration (GPTQ, static INT8, vocabulary pruning).")
+    write: str | None = arg(None, help="Write the planned recipe to this YAML file.")
+    run: bool = arg(False, help="Execute the plan on --model with --dev and back off until the quality floor holds.")
+    model: str | None = arg(None, help="Model folder to compress (with --run).")
+    dev: str | None = arg(None, help="Dev set file to measure quality on (with --run).")
+    train: str | None = arg(None, help="Task training data for distillation and pruning recovery (with --run; defaults to the model's training data if its card names it).")
+    out: str | None = arg(None, help="Output folder of the run (with --run).")
+    overwrite: bool = arg(False, help="Replace an existing --out folder.")
+    max_backoff: int = arg(6, help="How many less aggressive variants --run tries before giving up.")
+
+    def validate(self) -> None:
+        check(0.0 <= self.max_quality_drop < 1.0, f"max_quality_drop must be in [0, 1), got {self.max_quality_drop}")
+        if self.run:
+            for name in ("model", "dev", "out"):
+                check(bool(getattr(self, name)), f"plan --run needs --{name}")
+
+
+@dataclass
+class PlannedStep:
+    lever: str
+    params: dict[str, Any]
+    reason: str
+
+    def as_recipe_step(self) -> dict[str, Any]:
+        return {"lever": self.lever, **self.params}
+
+
+@dataclass
+class Plan:
+    steps: list[PlannedStep]
+    left_out: list[tuple[str, str]] = field(default_factory=list)
+
+    def recipe(self) -> dict[str, Any]:
+        return {"steps": [s.as_recipe_step() for s in self.steps]}
+
+    def levers(self) -> list[str]:
+        return [s.lever for s in self.steps]
+
+    def describe(self) -> str:
+        lines = ["Planned recipe (in order):"]
+        for i, s in enumerate(self.steps, 1):
+            params = ", ".join(f"{k}={v}" for k, v in s.params.items())
+            lines.append(f"  {i}. {s.lever}({params})\n     why: {s.reason}")
+        if self.left_out:
+            lines.append("Left out:")
+            lines += [f"  - {lever}: {why}" for lever, why in self.left_out]
+        return "\n".join(lines)
+
+
+def make_plan(cfg: PlanConfig) -> Plan:
+    """The ordered recipe for ``cfg``'s situation; pure (reads no files)."""
+    trains = cfg.budget == "some"
+    steps: list[PlannedStep] = []
+    out: list[tuple[str, str]] = []
+    tight = cfg.max_quality_drop < 0.01
+
+    # 1. distillation: fewer layers is the biggest win on every hardware, if we may train.
+    if trains and cfg.teacher:
+        steps.append(PlannedStep("distill", {"mode": "task", "layers": "every-other", "epochs": 3},
+                                 "a teacher and a training budget: a student with every other layer, initialised from the "
+                                 "teacher's layers and trained on its soft targets, halves depth-bound latency and size "
+                                 "for a small quality cost"))
+    elif not trains:
+        out.append(("distill", "no training budget: distillation needs training"))
+    else:
+        out.append(("distill", "no teacher: distillation needs a fine-tuned teacher's soft targets"))
+
+    # 2. pruning: pattern chosen by what the hardware can exploit.
+    if cfg.hardware == "gpu-sparse":
+        if trains:
+            steps.append(PlannedStep("prune", {"method": "2:4", "recover_steps": 500},
+                                     "the GPU has 2:4 sparse tensor cores: half the weights in every group of four are "
+                                     "zeroed in the pattern they skip, and short recovery training restores quality"))
+        else:
+            out.append(("prune 2:4", "2:4 sparsity costs quality that needs recovery training; no budget"))
+        out.append(("prune structured", "on a 2:4 sparse GPU, 2:4 sparsity gives the speed-up without removing whole heads"))
+    else:
+        out.append(("prune 2:4", "no sparse hardware: 2:4 sparsity saves no time on a CPU"))
+        if cfg.goal == "latency" and trains:
+            heads, ffn = (0.2, 0.3) if tight else (0.3, 0.4)
+            steps.append(PlannedStep("prune", {"method": "structured", "heads": heads, "ffn": ffn, "recover_steps": 500},
+                                     "CPU latency: removing whole attention heads and FFN neurons makes every matrix "
+                                     "smaller, which dense CPU kernels turn into time; recovery training restores quality"))
+        elif cfg.goal == "latency":
+            out.append(("prune structured", "no training budget: structured pruning without recovery training loses too much quality"))
+        else:
+            out.append(("prune structured", "memory goal: vocabulary pruning and low-bit weights save more bytes per quality point"))
+    out.append(("prune unstructured", "unstructured sparsity saves storage only when stored sparse, and no CPU time with dense kernels"))
+
+    # 3. memory: the embeddings are the largest single matrix of a small encoder.
+    if cfg.goal == "memory":
+        if cfg.has_calibration_data:
+            steps.append(PlannedStep("vocab", {"keep": "used"},
+                                     "memory goal: keep only the tokens that in-domain text uses; the embedding matrix "
+                                     "is a large share of a small encoder's bytes"))
+            steps.append(PlannedStep("gptq", {"bits": 4, "group_size": 128, "embeddings_bits": 8},
+                                     "memory goal with calibration data: GPTQ 4-bit linear weights (error-compensated "
+                                     "rounding) and 8-bit embeddings cut bytes about 6x with little quality loss"))
+        else:
+            out.append(("vocab", "no in-domain text to learn which tokens are used"))
+            out.append(("gptq", "no calibration data: GPTQ needs activations from in-domain text"))
+            steps.append(PlannedStep("quantize", {"method": "weight-int8", "embeddings_bits": 8},
+                                     "memory goal without calibration data: round-to-nearest 8-bit weights and "
+                                     "embeddings need no data and store 4x fewer bytes"))
+    else:
+        out.append(("vocab", "latency goal: a smaller vocabulary saves bytes but no time (an embedding lookup is cheap)"))
+        out.append(("gptq", "latency goal: 4-bit weight-only GPTQ saves bytes but CPU kernels dequantise, so no time"))
+
+    # 4. INT8 for speed (and 4x smaller linear layers) on every hardware.
+    if cfg.goal == "latency" or cfg.hardware == "gpu-sparse":
+        per_channel = cfg.hardware == "cpu-vnni"
+        why = ("INT8 matrix multiplies run on the VNNI int8 dot-product instructions; per-channel weight scales keep "
+               "quality" if per_channel else
+               "dynamic INT8 of the linear layers needs no data and no training, and gives the largest CPU speed-up "
+               "per quality point")
+        if cfg.hardware == "gpu-sparse":
+            why = "INT8 on top of 2:4 sparsity: the sparse tensor cores take int8 operands"
+        steps.append(PlannedStep("quantize", {"method": "dynamic-int8", "per_channel": per_channel}, why))
+    if trains and tight:
+        steps.append(PlannedStep("qat", {"steps": 300},
+                                 "a very tight quality floor and a budget: a short quantization-aware fine-tune "
+                                 "recovers the last fraction of a point that PTQ loses"))
+    elif trains:
+        out.append(("qat", "PTQ INT8 usually stays within the floor for encoders; QAT only if the measured drop is too large"))
+    else:
+        out.append(("qat", "no training budget: QAT needs training"))
+    return Plan(steps=steps, left_out=out)
+
+
+# -- backoff ------------------------------------------------------------------------------------
+
+def backoff_variants(recipe: dict[str, Any], max_variants: int = 6) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Ever less aggressive versions of ``recipe``, each with what changed.
+
+    Order: (1) halve every pruning fraction (twice); (2) keep embeddings and the last layer in
+    higher precision; (3) 8-bit instead of 4-bit; (4) drop steps from the end, the riskiest
+    (pruning) first. Each variant carries all earlier changes.
+    """
+    cur = copy.deepcopy(recipe)
+    n = 0
+
+    def emit(what: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        nonlocal n
+        n += 1
+        yield what, copy.deepcopy(cur)
+
+    for _ in range(2):
+        changed = False
+        for s in cur["steps"]:
+            if s["lever"] == "prune" and s.get("method") == "structured":
+                for k in ("heads", "ffn"):
+                    if s.get(k):
+                        s[k] = round(s[k] / 2, 3)
+                        changed = True
+        if changed and n < max_variants:
+            yield from emit("halved the structured pruning fractions")
+    changed = False
+    for s in cur["steps"]:
+        if s["lever"] in ("quantize", "gptq") and not s.get("keep_full_precision"):
+            s["keep_full_precision"] = ["embeddings", "last_layer"]
+            changed = True
+    if changed and n < max_variants:
+        yield from emit("kept embeddings and the last layer in full precision")
+    changed = False
+    for s in cur["steps"]:
+        if s["lever"] == "gptq" and s.get("bits", 8) < 8:
+            s["bits"] = 8
+            changed = True
+    if changed and n < max_variants:
+        yield from emit("8-bit instead of 4-bit GPTQ")
+    for lever in ("prune", "vocab", "gptq", "quantize", "distill"):
+        while n < max_variants and any(s["lever"] == lever for s in cur["steps"]):
+            idx = max(i for i, s in enumerate(cur["steps"]) if s["lever"] == lever)
+            del cur["steps"][idx]
+            if not cur["steps"]:
+                return
+            yield from emit(f"dropped the {lever} step")
+
+
+@dataclass
+class BackoffResult:
+    ok: bool
+    recipe: dict[str, Any]
+    quality: float | None
+    floor: float
+    tried: list[dict[str, Any]]
+
+    def summary(self) -> str:
+        lines = [f"{'ok' if t['ok'] else 'below floor'}: quality {t['quality']:.4f} ({t['what']})" for t in self.tried]
+        verdict = (f"the recipe holds the floor {self.floor:.4f}" if self.ok
+                   else f"no variant tried holds the floor {self.floor:.4f}; compress less or relax max_quality_drop")
+        return "\n".join(lines + [verdict])
+
+
+def search_recipe(recipe: dict[str, Any], evaluate: Callable[[dict[str, Any], str], float], floor: float,
+                  max_backoff: int = 6) -> BackoffResult:
+    """Try ``recipe`` and then its back-off variants until ``evaluate(recipe, tag) >= floor``.
+
+    ``evaluate`` runs a whole recipe and returns the final model's dev quality (it is a fake in
+    tests, the stack runner for real).
+    """
+    tried: list[dict[str, Any]] = []
+    candidates = [("as planned", recipe), *backoff_variants(recipe, max_backoff)]
+    for i, (what, r) in enumerate(candidates):
+        q = evaluate(r, f"try{i}")
+        tried.append({"what": what, "quality": q, "ok": q >= floor, "levers": [s["lever"] for s in r["steps"]]})
+        if q >= floor:
+            return BackoffResult(True, r, q, floor, tried)
+    return BackoffResult(False, recipe, None, floor, tried)
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    written: Path | None = None
+    backoff: BackoffResult | None = None
+
+    def summary(self) -> str:
+        parts = [self.plan.describe()]
+        if self.written:
+            parts.append(f"recipe written to {self.written}")
+        if self.backoff:
+            parts.append(self.backoff.summary())
+        return "\n".join(parts)
+
+
+def run(cfg: PlanConfig) -> PlanResult:
+    """Plan a compression recipe for a situation; print it with reasons, write it, or run it."""
+    import yaml
+
+    from encoderkit.io import write_text_atomic
+
+    plan = make_plan(cfg)
+    result = PlanResult(plan)
+    if cfg.write:
+        text = f"# planned by `encoderkit plan` for {cfg.result_dict()}\n" + yaml.safe_dump(plan.recipe(), sort_keys=False)
+        write_text_atomic(Path(cfg.write), text)
+        result.written = Path(cfg.write)
+    if cfg.run:
+        if not plan.steps:
+            raise EncoderkitError("the plan has no steps to run; change the situation (budget, goal, hardware)")
+        from encoderkit.compress.stack import run_recipe_for_plan
+
+        result.backoff = run_recipe_for_plan(plan.recipe(), cfg)
+    return result

@@ -1,0 +1,161 @@
+"""Tables and plots for compression recipes: one row per step, each measured on that step's model.
+
+A row is a plain dict (what ``report.json`` stores), with these keys::
+
+    {"step": 0, "lever": "baseline", "folder": "steps/00-baseline",
+     "quality": 0.912, "metric": "accuracy", "params": 22_700_000, "bytes": 90_900_000,
+     "latency_b1_ms": 6.1, "latency_b32_ms": 120.0, "throughput_b32": 266.0,
+     "seq_len": 128, "threads": 2, "note": "..."}
+
+``quality`` is the metric re-measured on the dev set for that step's model (never a sum of
+per-lever deltas). Ratios against the first row (the starting model) are derived here, so the
+table and the plot always agree with the stored numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from encoderkit.io import write_bytes_atomic, write_json_atomic, write_text_atomic
+
+
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copy of ``rows`` with ratios against row 0: ``quality_kept`` (fraction of the starting
+    quality), ``bytes_saved`` (fraction of bytes removed) and ``speedup_b32`` (throughput ratio)."""
+    if not rows:
+        return []
+    base = rows[0]
+    out = []
+    for r in rows:
+        r = dict(r)
+        r["quality_kept"] = _ratio(r.get("quality"), base.get("quality"))
+        kept_bytes = _ratio(r.get("bytes"), base.get("bytes"))
+        r["bytes_saved"] = None if kept_bytes is None else 1.0 - kept_bytes
+        r["speedup_b32"] = _ratio(r.get("throughput_b32"), base.get("throughput_b32"))
+        r["speedup_b1"] = _ratio(base.get("latency_b1_ms"), r.get("latency_b1_ms"))
+        out.append(r)
+    return out
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if a is None or b is None or not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or b == 0:
+        return None
+    return float(a) / float(b)
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if kind == "pct":
+        return f"{100 * value:.1f}%"
+    if kind == "x":
+        return f"{value:.2f}x"
+    if kind == "mb":
+        return f"{value / 1e6:.2f}"
+    if kind == "m":
+        return f"{value / 1e6:.2f}M"
+    if kind == "ms":
+        return f"{value:.1f}"
+    if kind == "q":
+        return f"{value:.4f}"
+    if kind == "int":
+        return f"{value:.0f}"
+    return str(value)
+
+
+COLUMNS: list[tuple[str, str, str]] = [
+    ("step", "step", "str"),
+    ("lever", "lever", "str"),
+    ("quality", "quality", "q"),
+    ("quality_kept", "kept", "pct"),
+    ("params", "params", "m"),
+    ("bytes", "MB on disk", "mb"),
+    ("bytes_saved", "bytes saved", "pct"),
+    ("latency_b1_ms", "b=1 ms", "ms"),
+    ("latency_b32_ms", "b=32 ms", "ms"),
+    ("throughput_b32", "b=32 seq/s", "int"),
+    ("speedup_b32", "b=32 speed-up", "x"),
+]
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """A GitHub markdown table of ``rows`` (ratios against row 0 added)."""
+    rows = with_ratios(rows)
+    head = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |"
+    rule = "|" + "|".join("---" for _ in COLUMNS) + "|"
+    body = ["| " + " | ".join(_fmt(r.get(key), kind) for key, _, kind in COLUMNS) + " |" for r in rows]
+    return "\n".join([head, rule, *body])
+
+
+def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Write a PNG with two panels: quality vs MB on disk, and quality vs batch-32 latency per
+    sequence; one labelled point per step, joined in recipe order."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure  # the OO API: no pyplot global figure state
+
+    fig = Figure(figsize=(10, 4), dpi=100)
+    panels = [
+        (fig.add_subplot(1, 2, 1), "bytes", 1e-6, "size on disk (MB)"),
+        (fig.add_subplot(1, 2, 2), "latency_b32_ms", None, "batch-32 latency per sequence (ms)"),
+    ]
+    metric = next((r.get("metric") for r in rows if r.get("metric")), "quality")
+    for ax, key, scale, label in panels:
+        xs, ys, names = [], [], []
+        for r in rows:
+            x, y = r.get(key), r.get("quality")
+            if x is None or y is None:
+                continue
+            if key == "latency_b32_ms":
+                x = x / 32.0
+            xs.append(x * scale if scale else x)
+            ys.append(y)
+            names.append(f"{r.get('step')}:{r.get('lever')}")
+        ax.plot(xs, ys, "-o", color="tab:blue")
+        for x, y, n in zip(xs, ys, names):
+            ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel(label)
+        ax.set_ylabel(f"dev {metric}")
+        ax.grid(True, alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    write_bytes_atomic(Path(path), buf.getvalue())
+
+
+def write_report(folder: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Path]:
+    """Write ``report.md``, ``report.json`` and ``report.png`` into ``folder``.
+
+    ``meta`` holds what the numbers depend on (dev file, sequence length, threads, batch sizes,
+    the recipe) and is printed above the table so a reader knows how they were measured.
+    """
+    folder = Path(folder)
+    rows_r = with_ratios(rows)
+    lines = [f"# {meta.get('title', 'Compression report')}", ""]
+    for k, v in meta.items():
+        if k != "title" and not isinstance(v, (list, dict)):
+            lines.append(f"- {k}: {v}")
+    lines += [
+        "",
+        "Every row is re-measured on that step's own model: quality on the dev set, parameters, "
+        "bytes of the folder's weight files on disk, and wall-clock latency of the deploy runtime.",
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    notes = [f"- step {r['step']} ({r['lever']}): {r['note']}" for r in rows if r.get("note")]
+    if notes:
+        lines += ["Notes:", *notes, ""]
+    lines += ["![quality vs size and latency](report.png)", ""]
+    paths = {"md": folder / "report.md", "json": folder / "report.json", "png": folder / "report.png"}
+    write_text_atomic(paths["md"], "\n".join(lines))
+    write_json_atomic(paths["json"], {"meta": meta, "steps": rows_r})
+    plot_tradeoffs(rows, paths["png"], title=str(meta.get("title", "")))
+    return paths
