@@ -11,6 +11,7 @@ and everything lands under ``--out`` (tokenizer/, data/, model/), written atomic
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,10 +73,12 @@ def run(cfg: QuickstartConfig) -> QuickstartResult:
         m = pre.summary()
         lines.append(f"model      {cfg.out}/model  (preset {cfg.preset}, {pre.steps} steps, "
                      f"{m['tokens_per_s']:.0f} tokens/s)")
-        for k in ("initial_loss", "loss", "accuracy", "perplexity"):
-            if k in m:
-                lines.append(f"  held-out {k:<13} {m[k]}")
+        for k in ("loss", "accuracy", "perplexity"):
+            before, after = pre.metrics.get(f"initial_heldout_{k}"), pre.metrics.get(f"heldout_{k}")
+            if after is not None:
+                lines.append(f"  held-out masked-token {k:<10} {before:9.3f} -> {after:9.3f}")
         lines += _fill_mask_demo(tmp / "model")
+        shutil.rmtree(tmp / "model-run", ignore_errors=True)  # checkpoints: only needed to resume
         del data
     lines.append(f"done in {time.perf_counter() - t0:.0f} s; load it with "
                  f"transformers.AutoModelForMaskedLM.from_pretrained('{cfg.out}/model')")
