@@ -1,0 +1,65 @@
+"""Vocabulary pruning keeps the task data's tokenisation identical and shrinks the embeddings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from encoderkit.compress.prune import PruneConfig, prune
+from encoderkit.errors import EncoderkitError
+from tests.conftest import WORDS, tiny_bert_config
+
+TEXTS = [" ".join(WORDS[(i * 3 + j * 11) % 40] for j in range(4 + i % 6)) + " zz!" for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    out = tmp_path_factory.mktemp("tiny_cls_vocab")
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(0)
+    BertForSequenceClassification(tiny_bert_config(len(tok), num_labels=2)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _logits(folder: Path, texts: list[str]) -> tuple[torch.Tensor, list[list[str]]]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    enc = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = AutoModelForSequenceClassification.from_pretrained(folder)(**enc).logits
+    return logits, [tok.convert_ids_to_tokens(r) for r in enc["input_ids"]]
+
+
+def test_vocab_prune_keeps_tokenisation_and_predictions(tiny_classifier, tmp_path) -> None:
+    data = tmp_path / "train.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{t}\t{i % 2}\n" for i, t in enumerate(TEXTS)))
+    out = tmp_path / "v"
+    rep = prune(tiny_classifier, PruneConfig(method="vocab", vocab_data=[str(data)], measure=False), out)
+    old_v, new_v = rep.details["vocab_size"]
+    assert new_v < old_v / 2
+    from transformers import AutoTokenizer
+
+    new_tok = AutoTokenizer.from_pretrained(out)
+    assert len(new_tok) == new_v and json.loads((out / "config.json").read_text())["vocab_size"] == new_v
+    assert len((out / "vocab.txt").read_text().splitlines()) == new_v
+    # same token strings, same logits (plain transformers reloads the folder)
+    ref_logits, ref_tokens = _logits(tiny_classifier, TEXTS)
+    new_logits, new_tokens = _logits(out, TEXTS)
+    assert new_tokens == ref_tokens
+    torch.testing.assert_close(new_logits, ref_logits, atol=1e-5, rtol=1e-4)
+    assert new_tok.pad_token_id == 0 and new_tok.convert_ids_to_tokens(new_tok("the")["input_ids"])[0] == "[CLS]"
+    assert rep.after["weight_bytes"] < rep.before["weight_bytes"] - (old_v - new_v) * 32 * 4 * 0.9
+    # text outside the data loses its rare pieces to [UNK] rather than mapping to wrong tokens
+    assert "[UNK]" in new_tok.convert_ids_to_tokens(new_tok("python code")["input_ids"])
+
+
+def test_vocab_prune_needs_data(tiny_classifier, tmp_path) -> None:
+    with pytest.raises(EncoderkitError, match="vocab-data"):
+        prune(tiny_classifier, PruneConfig(method="vocab", measure=False), tmp_path / "v")
