@@ -30,7 +30,11 @@ STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("pretrain",): ("encoderkit.train.pretrain:PretrainConfig:run", "MLM pretraining, from scratch or continued"),
     ("quantize",): ("encoderkit.compress.quantize:QuantizeConfig:run", "INT8/INT4 quantization: PTQ dynamic/static, QAT, GPTQ, RTN"),
     ("prune",): ("encoderkit.compress.prune:PruneConfig:run", "unstructured, 2:4 or structured (heads/FFN) pruning"),
+    ("distill",): ("encoderkit.compress.distill:DistillConfig:run", "distil a teacher into a smaller student (task or DistilBERT-style)"),
+    ("compress",): ("encoderkit.compress.stack:CompressConfig:run", "run a compression recipe, re-measuring quality/size/speed per step"),
+    ("plan",): ("encoderkit.compress.plan:PlanConfig:run", "plan a compression recipe for a situation, with reasons; --run backs off"),
     ("finetune",): ("encoderkit.train.finetune:FinetuneConfig:run", "train a task head: classify, ner, qa, rerank, embed"),
+    ("evaluate",): ("encoderkit.evaluate.run:EvaluateConfig:run", "task metrics of a model folder on labelled data (JSON)"),
 }
 
 

@@ -12,3 +12,12 @@ Inference-side API (pure functions on a fast tokenizer and numpy arrays; no torc
 from __future__ import annotations
 
 TASKS = ("classify", "ner", "qa", "rerank", "embed")
+
+# task -> module with ``build(cfg, tokenizer, model_dir) -> TaskRun`` and ``evaluate_folder(...)``
+TASK_MODULES = {
+    "classify": "encoderkit.tasks.classify",
+    "ner": "encoderkit.tasks.ner_task",
+    "qa": "encoderkit.tasks.qa_task",
+    "rerank": "encoderkit.tasks.rerank",
+    "embed": "encoderkit.tasks.embed_task",
+}

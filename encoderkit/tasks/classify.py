@@ -27,6 +27,8 @@ from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, check_labels, run_batches
 from encoderkit.tasks.tabular import column, read_rows, text_column
 
+DEFAULT_MAX_LENGTH = 128
+
 
 def read_examples(path: str | Path, cfg: Any) -> tuple[list[str], list[str] | None, list[list[str]], list[str]]:
     """texts, pairs (or None), labels (a list per row; one element unless multi-label), row locations."""
@@ -91,7 +93,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     names = label_names(labels)
     if len(names) < 2 and not cfg.multi_label:
         raise EncoderkitError(f"{cfg.train}: only one label ({names}) in column {cfg.label_column!r}; a classifier needs two or more")
-    rows = featurize(tokenizer, texts, pairs, cfg.max_length)
+    rows = featurize(tokenizer, texts, pairs, (cfg.max_length or DEFAULT_MAX_LENGTH))
     y = _targets(labels, names, cfg.multi_label)
     for r, t in zip(rows, y, strict=True):
         r["labels"] = t
@@ -100,7 +102,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         dtexts, dpairs, dlabels, where = read_examples(cfg.dev, cfg)
         dtexts, dpairs, dlabels = _subset(cfg.max_dev_examples, cfg.seed, dtexts, dpairs, dlabels)
         check_labels(set(names), [x for items in dlabels for x in items], [w for w, items in zip(where, dlabels, strict=False) for _ in items])
-        drows = featurize(tokenizer, dtexts, dpairs, cfg.max_length)
+        drows = featurize(tokenizer, dtexts, dpairs, (cfg.max_length or DEFAULT_MAX_LENGTH))
         dy = _targets(dlabels, names, cfg.multi_label)
 
         def evaluate(module) -> dict[str, float]:  # noqa: F811
@@ -123,7 +125,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         module.save_pretrained(folder)
 
     primary = ("micro_f1", "max") if cfg.multi_label else (cfg.metric or "accuracy", "max")
-    card = {"task": "classify", "labels": names, "pooling": "first", "max_length": cfg.max_length,
+    card = {"task": "classify", "labels": names, "pooling": "first", "max_length": (cfg.max_length or DEFAULT_MAX_LENGTH),
             "multi_label": cfg.multi_label, "text_pair": bool(cfg.text_pair_column)}
     return TaskRun(model, loss_fn, source, evaluate, primary, save, card, num_train=len(rows))
 
@@ -139,7 +141,7 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
     texts, pairs, labels, where = read_examples(data, cfg)
     texts, pairs, labels = _subset(cfg.max_examples, cfg.seed, texts, pairs, labels)
     check_labels(set(names), [x for items in labels for x in items], [w for w, items in zip(where, labels, strict=False) for _ in items])
-    rows = featurize(tokenizer, texts, pairs, card.get("max_length", cfg.max_length))
+    rows = featurize(tokenizer, texts, pairs, card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH))
     logits = predict_logits(model, rows, tokenizer.pad_token_id, cfg.batch_size)
     return {**scores(logits, _targets(labels, names, multi), multi), "examples": len(rows)}
 

@@ -19,18 +19,20 @@ class TaskDataOptions(StageConfig):
     label_column: str = arg("label", help="classify: column holding the label.")
     multi_label: bool = arg(False, help="classify: several labels per row (BCE loss, threshold 0.5).")
     label_separator: str = arg(",", help="classify: separator between labels of a multi-label row.")
-    max_length: int = arg(128, help=(
-        "Sub-tokens per sequence. classify/rerank/embed: longer texts are TRUNCATED. "
+    max_length: int = arg(0, help=(
+        "Sub-tokens per sequence (0: the task's default: classify 128, ner 128, qa 256, rerank 256, embed the "
+        "sentence-transformers folder's max_seq_length or 256). classify/rerank/embed: longer texts are TRUNCATED. "
         "ner: longer sentences are split into overlapping windows (--stride), nothing is lost. "
         "qa: the context is split into windows overlapping by --doc-stride."))
     stride: int = arg(32, help="ner: sub-tokens shared by consecutive windows of a long sentence.")
     tag_scheme: str = arg("auto", help="ner: tag scheme of CoNLL files, converted to IOB2.", choices=("auto", "iob1", "iob2", "bioes"))
-    doc_stride: int = arg(128, help="qa: sub-tokens shared by consecutive context windows.")
+    doc_stride: int = arg(0, help="qa: sub-tokens shared by consecutive context windows (0: a quarter of --max-length).")
     max_answer_length: int = arg(30, help="qa: longest answer span in sub-tokens.")
     n_best: int = arg(20, help="qa: start and end candidates per window in the span search.")
     qa_split: str = arg("all", help=(
-        "qa: which articles of a SQuAD file to use: 'train' (the first 80% of articles in file order), "
-        "'heldout' (the last 20%) or 'all'."), choices=("all", "train", "heldout"))
+        "qa: which articles of a SQuAD file to use: 'train' (the first 80%% of articles in file order), "
+        "'heldout' (the last 20%%) or 'all'. finetune with the same file as --train and --dev always "
+        "trains on 'train' and evaluates on 'heldout'."), choices=("all", "train", "heldout"))
     max_query_length: int = arg(64, help="rerank/embed: sub-tokens per query (longer queries truncated).")
     pooling: str = arg("auto", help=(
         "embed: 'mean' or 'first' (CLS) pooling; 'auto' takes a sentence-transformers folder's own pooling, "

@@ -18,6 +18,7 @@ from typing import Any
 from encoderkit.config import arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import check_output_dir, output_dir, write_card
+from encoderkit.tasks import TASK_MODULES
 from encoderkit.tasks.common import DEFAULT_MODEL, load_tokenizer, resolve_model
 from encoderkit.tasks.options import TaskDataOptions
 
@@ -62,7 +63,7 @@ class FinetuneConfig(TaskDataOptions):
     def validate(self) -> None:
         check(self.lr > 0, "lr must be positive")
         check(self.batch_size >= 1, "batch_size must be at least 1")
-        check(self.max_length >= 8, "max_length must be at least 8")
+        check(self.max_length == 0 or self.max_length >= 8, "max_length must be 0 (task default) or at least 8")
         check(self.early_stopping >= 0, "early_stopping must be 0 or more")
         check(not (self.early_stopping and not self.dev), "--early-stopping needs --dev")
 
@@ -95,7 +96,7 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
     out = check_output_dir(cfg.out, cfg.overwrite)
     model_dir = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_dir, cfg.tokenizer or None)
-    task = importlib.import_module(f"encoderkit.tasks.{cfg.task}")
+    task = importlib.import_module(TASK_MODULES[cfg.task])
     tr = task.build(cfg, tokenizer, model_dir)
     _freeze(tr.module, cfg.freeze)
 

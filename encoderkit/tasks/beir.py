@@ -1,0 +1,163 @@
+"""Retrieval data: BEIR folders, the SciFact CSV export, and (query, positive, negatives) JSONL.
+
+A BEIR source is ``PATH#SPLIT``:
+
+* ``PATH`` a BEIR folder: ``corpus.jsonl`` (``_id``, ``title``, ``text``), ``queries.jsonl``
+  (``_id``, ``text``) and ``qrels/SPLIT.tsv`` (header, then ``query-id corpus-id score``);
+* ``PATH`` the SciFact export zip (``scifact_hf_export.zip``): the corpus is ``corpus_train.csv``,
+  whose ``abstract`` is a numpy-style list repr of quoted sentences (parsed literal by literal
+  with :func:`ast.literal_eval`, joined with spaces as BEIR does); queries and qrels come from
+  ``claims_SPLIT.csv`` (``train``, ``validation``; ``test`` means ``validation``, which equals
+  BEIR's SciFact test set: 300 queries, 339 judgments), one relevant document per cited doc id.
+
+A document's text for encoding is ``title + " " + text`` (what BEIR's sentence-transformers
+wrapper encodes).
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import io
+import json
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from encoderkit.errors import EncoderkitError
+
+_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.S)
+
+
+@dataclass
+class Retrieval:
+    """corpus: doc id -> (title, text); queries: query id -> text; qrels: query id -> {doc id: relevance}."""
+
+    corpus: dict[str, tuple[str, str]]
+    queries: dict[str, str]
+    qrels: dict[str, dict[str, int]]
+
+    def doc_text(self, doc_id: str) -> str:
+        title, text = self.corpus[doc_id]
+        return f"{title} {text}".strip()
+
+
+def split_spec(spec: str) -> tuple[Path, str]:
+    path, _, split = str(spec).partition("#")
+    return Path(path), split or "test"
+
+
+def is_beir_source(spec: str) -> bool:
+    path, _ = split_spec(spec)
+    return path.is_dir() or path.suffix == ".zip"
+
+
+def load_retrieval(spec: str) -> Retrieval:
+    """Corpus, queries and qrels of ``PATH#SPLIT`` (see the module docstring)."""
+    path, split = split_spec(spec)
+    if not path.exists():
+        raise EncoderkitError(f"retrieval data {path} does not exist")
+    data = _scifact_zip(path, split) if path.suffix == ".zip" else _beir_folder(path, split)
+    missing = {d for rels in data.qrels.values() for d in rels if d not in data.corpus}
+    if missing:
+        raise EncoderkitError(f"{spec}: {len(missing)} judged document id(s) are not in the corpus (e.g. {sorted(missing)[:3]})")
+    data.qrels = {q: r for q, r in data.qrels.items() if q in data.queries}
+    if not data.qrels:
+        raise EncoderkitError(f"{spec}: no query has a relevance judgment")
+    return data
+
+
+def parse_scifact_abstract(raw: str, where: str) -> str:
+    """``"['sent 1'\\n 'sent 2']"`` -> ``"sent 1 sent 2"``."""
+    sentences = [ast.literal_eval(m) for m in _LITERAL.findall(raw)]
+    if raw.strip() not in ("", "[]") and not sentences:
+        raise EncoderkitError(f"{where}: abstract is not a list of quoted sentences: {raw[:80]!r}")
+    return " ".join(sentences)
+
+
+def _scifact_zip(path: Path, split: str) -> Retrieval:
+    split = {"test": "validation", "dev": "validation"}.get(split, split)
+    try:
+        zf = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as e:
+        raise EncoderkitError(f"{path}: not a zip file ({e})") from e
+    with zf:
+        names = {Path(n).name: n for n in zf.namelist()}
+        need = ["corpus_train.csv", f"claims_{split}.csv"]
+        for n in need:
+            if n not in names:
+                raise EncoderkitError(f"{path}: no {n} inside (has {', '.join(sorted(names))}); is this the SciFact export?")
+
+        def rows(name: str) -> list[dict[str, str]]:
+            return list(csv.DictReader(io.TextIOWrapper(zf.open(names[name]), encoding="utf-8", newline="")))
+
+        corpus = {}
+        for i, r in enumerate(rows("corpus_train.csv"), 2):
+            corpus[r["doc_id"]] = (r["title"], parse_scifact_abstract(r["abstract"], f"{path}:corpus_train.csv:{i}"))
+        queries: dict[str, str] = {}
+        qrels: dict[str, dict[str, int]] = {}
+        for r in rows(f"claims_{split}.csv"):
+            qid = r["id"]
+            queries[qid] = r["claim"]
+            for d in re.findall(r"\d+", r.get("cited_doc_ids", "")):
+                qrels.setdefault(qid, {})[d] = 1
+    return Retrieval(corpus, queries, qrels)
+
+
+def _beir_folder(path: Path, split: str) -> Retrieval:
+    for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
+        if not (path / name).is_file():
+            raise EncoderkitError(f"{path}: no {name}; a BEIR folder holds corpus.jsonl, queries.jsonl and qrels/<split>.tsv")
+    corpus = {}
+    for n, rec in _jsonl(path / "corpus.jsonl"):
+        corpus[str(rec["_id"])] = (rec.get("title", "") or "", rec.get("text", "") or "")
+    queries = {str(rec["_id"]): rec["text"] for _, rec in _jsonl(path / "queries.jsonl")}
+    qrels: dict[str, dict[str, int]] = {}
+    with open(path / f"qrels/{split}.tsv", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            cells = line.rstrip("\n").split("\t")
+            if n == 1 and not cells[-1].lstrip("-").isdigit():
+                continue  # header
+            if len(cells) != 3:
+                raise EncoderkitError(f"{path}/qrels/{split}.tsv:{n}: expected 'query-id<TAB>corpus-id<TAB>score'")
+            qrels.setdefault(cells[0], {})[cells[1]] = int(cells[2])
+    return Retrieval(corpus, queries, qrels)
+
+
+def _jsonl(path: Path):  # noqa: ANN202
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise EncoderkitError(f"{path}:{n}: not valid JSON ({e})") from e
+
+
+@dataclass
+class Triple:
+    query: str
+    positive: str
+    negatives: list[str]
+    where: str
+
+
+def read_triples(path: str | Path) -> list[Triple]:
+    """JSONL lines ``{"query": ..., "positive": ..., "negatives": [...]}`` (negatives optional)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EncoderkitError(f"data file {path} does not exist")
+    out = []
+    for n, rec in _jsonl(path):
+        where = f"{path}:{n}"
+        q, p = rec.get("query"), rec.get("positive")
+        negs = rec.get("negatives", [])
+        if not isinstance(q, str) or not q.strip() or not isinstance(p, str) or not p.strip():
+            raise EncoderkitError(f"{where}: needs non-empty 'query' and 'positive' strings")
+        if not isinstance(negs, list) or not all(isinstance(x, str) and x.strip() for x in negs):
+            raise EncoderkitError(f"{where}: 'negatives' must be a list of non-empty strings")
+        out.append(Triple(q, p, negs, where))
+    if not out:
+        raise EncoderkitError(f"{path} holds no rows")
+    return out

@@ -1,0 +1,156 @@
+"""Bi-encoder embeddings: encode texts, train with in-batch negatives (+ Matryoshka), save in the
+sentence-transformers layout, and score retrieval.
+
+* Embedding = pooling (``mean`` over real tokens, or the ``first`` token) of the encoder's last
+  hidden states, then L2 normalisation, so a dot product is the cosine similarity. This is what
+  sentence-transformers computes for ``Transformer -> Pooling -> Normalize``.
+* Loss (MultipleNegativesRanking): for a batch of B (query, positive[, negatives]) rows, the
+  scores ``scale * q @ [positives; negatives].T`` (B, B*(1+k)) go through cross-entropy with the
+  row's own positive as the target; every other row's passages are negatives. With
+  ``matryoshka_dims`` the same loss is added for each leading slice of the embedding
+  (re-normalised), as sentence-transformers' MatryoshkaLoss does (weights 1).
+* Saved folder: HF ``AutoModel`` files + ``modules.json``, ``1_Pooling/config.json``,
+  ``sentence_bert_config.json``, so ``SentenceTransformer(folder)`` loads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from encoderkit.io import write_json_atomic
+from encoderkit.tasks.batching import encode_batch, sorted_batches
+
+
+def folder_pooling(folder: Path) -> str | None:
+    """``mean`` / ``first`` from a sentence-transformers folder's pooling config, else None."""
+    cfg = Path(folder) / "1_Pooling" / "config.json"
+    if not cfg.is_file():
+        return None
+    p = json.loads(cfg.read_text(encoding="utf-8"))
+    if p.get("pooling_mode_cls_token"):
+        return "first"
+    return "mean" if p.get("pooling_mode_mean_tokens", True) else None
+
+
+def folder_max_length(folder: Path) -> int | None:
+    p = Path(folder) / "sentence_bert_config.json"
+    return int(json.loads(p.read_text(encoding="utf-8")).get("max_seq_length", 0)) or None if p.is_file() else None
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """hidden (B, T, H), mask (B, T) -> (B, H) mean over real tokens or the first token."""
+    if pooling == "first":
+        return hidden[:, 0]
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+class BiEncoder(nn.Module):
+    """An HF encoder + pooling + L2 normalisation: token ids (B, T) -> unit embeddings (B, H)."""
+
+    def __init__(self, encoder: nn.Module, pooling: str) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.pooling = pooling
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        kw = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
+        return nn.functional.normalize(pool(hidden.float(), attention_mask, self.pooling), dim=-1)
+
+
+def tokenize(tokenizer, texts: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
+    enc = tokenizer(texts, truncation=True, max_length=max_length)
+    keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
+    return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(texts))]
+
+
+@torch.no_grad()
+def encode(model: BiEncoder, tokenizer, texts: list[str], max_length: int, batch_size: int = 64, progress: bool = False) -> np.ndarray:
+    """Unit embeddings (N, H) float32 of ``texts`` (truncated to ``max_length`` sub-tokens)."""
+    rows = tokenize(tokenizer, texts, max_length)
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = np.zeros((len(texts), 0), dtype=np.float32)
+    batches = sorted_batches([len(r["input_ids"]) for r in rows], batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc="encode", unit="batch", disable=None)
+    for idx in batches:
+        batch = encode_batch([rows[i] for i in idx], tokenizer.pad_token_id)
+        emb = model(**{k: v.to(device) for k, v in batch.items()}).float().cpu().numpy()
+        if out.shape[1] == 0:
+            out = np.zeros((len(texts), emb.shape[1]), dtype=np.float32)
+        out[idx] = emb
+    if was_training:
+        model.train()
+    return out
+
+
+def mnrl_loss(q: torch.Tensor, passages: torch.Tensor, scale: float, dims: list[int]) -> torch.Tensor:
+    """q (B, H), passages (B*(1+k), H) with row i's positive at index i: in-batch-negatives
+    cross-entropy, summed over the full size and each Matryoshka size in ``dims``."""
+    target = torch.arange(q.shape[0], device=q.device)
+    total = q.new_zeros(())
+    for d in [q.shape[1]] + [d for d in dims if d < q.shape[1]]:
+        qd = nn.functional.normalize(q[:, :d], dim=-1)
+        pd = nn.functional.normalize(passages[:, :d], dim=-1)
+        total = total + nn.functional.cross_entropy(scale * qd @ pd.T, target)
+    return total
+
+
+def load_bi_encoder(folder: Path, pooling: str = "auto") -> BiEncoder:
+    from transformers import AutoModel
+
+    if pooling == "auto":
+        pooling = folder_pooling(folder) or "mean"
+    return BiEncoder(AutoModel.from_pretrained(folder), pooling)
+
+
+def save_sentence_transformers(model: BiEncoder, tokenizer, folder: Path, max_length: int) -> None:
+    """HF AutoModel files + the sentence-transformers module files, in ``folder``."""
+    model.encoder.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    hidden = model.encoder.config.hidden_size
+    write_json_atomic(folder / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ])
+    write_json_atomic(folder / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": hidden, "pooling_mode_cls_token": model.pooling == "first",
+        "pooling_mode_mean_tokens": model.pooling == "mean", "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    })
+    (folder / "2_Normalize").mkdir(exist_ok=True)
+    write_json_atomic(folder / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
+
+
+def search(query_emb: np.ndarray, doc_emb: np.ndarray, doc_ids: list[str], query_ids: list[str], k: int = 100) -> dict[str, list[str]]:
+    """Exact top-k by dot product: query id -> doc ids, best first."""
+    out = {}
+    for start in range(0, len(query_ids), 256):
+        scores = query_emb[start : start + 256] @ doc_emb.T
+        top = np.argpartition(-scores, min(k, scores.shape[1] - 1), axis=1)[:, :k]
+        for row, qid in enumerate(query_ids[start : start + 256]):
+            order = top[row][np.argsort(-scores[row, top[row]], kind="stable")]
+            out[qid] = [doc_ids[j] for j in order]
+    return out
+
+
+def retrieve(model: BiEncoder, tokenizer, data: Any, max_length: int, max_query_length: int, batch_size: int = 64,
+             k: int = 100, progress: bool = False) -> dict[str, list[str]]:
+    """Top-k documents of every judged query of a :class:`~encoderkit.tasks.beir.Retrieval`."""
+    doc_ids = list(data.corpus)
+    docs = encode(model, tokenizer, [data.doc_text(d) for d in doc_ids], max_length, batch_size, progress)
+    qids = list(data.qrels)
+    queries = encode(model, tokenizer, [data.queries[q] for q in qids], max_query_length, batch_size)
+    return search(queries, docs, doc_ids, qids, k)

@@ -1,0 +1,99 @@
+"""Bi-encoder fine-tuning and evaluation (contrastive, in-batch negatives; see :mod:`encoderkit.tasks.embed`).
+
+Training data: JSONL ``{query, positive, negatives?}`` or a BEIR source (each judged (query, doc)
+pair is a row; ``--num-negatives`` hard negatives are added when ``--negatives mined``).
+Evaluation: nDCG@10 / MRR@10 / recall@100 of exact search over the whole corpus of a BEIR source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.evaluate.metrics import retrieval_scores
+from encoderkit.tasks.batching import BucketedBatches, encode_batch
+from encoderkit.tasks.beir import is_beir_source, load_retrieval, read_triples
+from encoderkit.tasks.common import TaskRun
+from encoderkit.tasks.embed import (
+    BiEncoder,
+    folder_max_length,
+    folder_pooling,
+    load_bi_encoder,
+    mnrl_loss,
+    retrieve,
+    save_sentence_transformers,
+    tokenize,
+)
+from encoderkit.tasks.rerank import groups_from_beir
+
+
+def max_length_for(cfg: Any, folder: Path) -> int:
+    return cfg.max_length or folder_max_length(folder) or 256
+
+
+def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
+    max_length = max_length_for(cfg, model_dir)
+    k = cfg.num_negatives if cfg.negatives == "mined" else 0
+    if is_beir_source(cfg.train):
+        data = load_retrieval(cfg.train)
+        # sampled: in-batch negatives only (random extra negatives add little to MNRL)
+        groups = groups_from_beir(data, cfg if k else dataclasses.replace(cfg, num_negatives=0))
+    else:
+        groups = read_triples(cfg.train)
+        k = min((len(g.negatives) for g in groups), default=0) if cfg.negatives == "mined" else 0
+    rng = np.random.default_rng(cfg.seed)
+    if cfg.max_train_examples and cfg.max_train_examples < len(groups):
+        groups = [groups[i] for i in np.sort(rng.permutation(len(groups))[: cfg.max_train_examples])]
+    if len(groups) < cfg.batch_size:
+        raise EncoderkitError(f"{cfg.train}: {len(groups)} training pairs, fewer than one batch ({cfg.batch_size}); lower --batch-size")
+    q_rows = tokenize(tokenizer, [g.query for g in groups], cfg.max_query_length)
+    p_rows = tokenize(tokenizer, [g.positive for g in groups], max_length)
+    n_rows = [tokenize(tokenizer, g.negatives[:k], max_length) if k else [] for g in groups]
+    pad_id = tokenizer.pad_token_id
+
+    def make_batch(idx: np.ndarray, epoch: int):
+        q = encode_batch([q_rows[i] for i in idx], pad_id)
+        # positives of the batch first (row i's positive at i), then every row's negatives
+        p = encode_batch([p_rows[i] for i in idx] + [r for i in idx for r in n_rows[i]], pad_id)
+        return {**{f"q_{a}": b for a, b in q.items()}, **{f"p_{a}": b for a, b in p.items()}}
+
+    source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in p_rows]), cfg.batch_size, make_batch,
+                             seed=cfg.seed, bucket=cfg.bucket)
+    dims = sorted(set(cfg.matryoshka_dims))
+
+    def loss_fn(module, batch):
+        q = module(**{a[2:]: b for a, b in batch.items() if a.startswith("q_")})
+        p = module(**{a[2:]: b for a, b in batch.items() if a.startswith("p_")})
+        return mnrl_loss(q, p, cfg.scale, dims), {}
+
+    model = load_bi_encoder(model_dir, cfg.pooling)
+    evaluate = None
+    if cfg.dev:
+        if not is_beir_source(cfg.dev):
+            raise EncoderkitError(f"--dev {cfg.dev}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
+        dev = load_retrieval(cfg.dev)
+
+        def evaluate(module: BiEncoder) -> dict[str, float]:  # noqa: F811
+            return retrieval_scores(retrieve(module, tokenizer, dev, max_length, cfg.max_query_length, cfg.eval_batch_size), dev.qrels)
+
+    def save(module: BiEncoder, folder: Path) -> None:
+        save_sentence_transformers(module, tokenizer, folder, max_length)
+
+    card = {"task": "embed", "pooling": model.pooling, "normalize": True, "max_length": max_length,
+            "max_query_length": cfg.max_query_length, "matryoshka_dims": dims, "similarity": "cosine"}
+    return TaskRun(model, loss_fn, source, evaluate, (cfg.metric or "ndcg@10", "max"), save, card, num_train=len(groups))
+
+
+def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
+    if not is_beir_source(str(data)):
+        raise EncoderkitError(f"--data {data}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
+    pooling = card.get("pooling") or folder_pooling(model_dir) or cfg.pooling
+    model = load_bi_encoder(model_dir, pooling if pooling != "auto" else "auto")
+    ds = load_retrieval(str(data))
+    max_length = card.get("max_length") or max_length_for(cfg, model_dir)
+    ranked = retrieve(model, tokenizer, ds, max_length, card.get("max_query_length", cfg.max_query_length), cfg.batch_size, progress=True)
+    return {**retrieval_scores(ranked, ds.qrels), "queries": len(ds.qrels), "documents": len(ds.corpus)}

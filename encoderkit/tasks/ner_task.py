@@ -1,0 +1,128 @@
+"""NER fine-tuning and evaluation: ``AutoModelForTokenClassification`` over IOB2 labels.
+
+Labels sit on the first sub-token of each word (-100 on the others); sentences longer than
+``max_length`` sub-tokens are split into windows overlapping by ``stride`` (each window is one
+training row; a word in an overlap is trained on twice). Dev/test scoring predicts per word
+(:func:`encoderkit.tasks.ner.decode_word_tags`) and counts entities the way seqeval does.
+Entity types in dev data that never occur in training are an error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.evaluate.metrics import entity_scores
+from encoderkit.tasks.batching import BucketedBatches, encode_batch
+from encoderkit.tasks.common import TaskRun, run_batches
+from encoderkit.tasks.conll import Sentence, entity_types, read_ner
+from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words
+
+DEFAULT_MAX_LENGTH = 128
+
+
+def label_list(types: list[str]) -> list[str]:
+    """``O`` then ``B-X``, ``I-X`` for each type X in sorted order."""
+    return ["O"] + [f"{p}-{t}" for t in types for p in ("B", "I")]
+
+
+def featurize(tokenizer, sents: list[Sentence], cfg: Any, label2id: dict[str, int] | None = None) -> list[NerFeatures]:
+    feats = []
+    for s in sents:
+        ids = [label2id[t] for t in s.tags] if label2id is not None else None
+        feats.append(featurize_words(tokenizer, s.words, max_length=cfg.max_length or DEFAULT_MAX_LENGTH, stride=cfg.stride,
+                                     label_ids=ids, text=s.text, word_spans=s.word_spans))
+    return feats
+
+
+def window_rows(feats: list[NerFeatures], with_labels: bool) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int]]]:
+    """One row per window (padding cut off) and its (sentence, window) position."""
+    rows, where = [], []
+    for i, f in enumerate(feats):
+        for w in range(len(f.input_ids)):
+            n = int(f.attention_mask[w].sum())
+            row = {"input_ids": f.input_ids[w, :n], "token_type_ids": f.token_type_ids[w, :n]}
+            if with_labels:
+                row["labels"] = f.labels[w, :n]
+            rows.append(row)
+            where.append((i, w))
+    return rows, where
+
+
+def predict_tags(module, tokenizer, feats: list[NerFeatures], id2label: dict[int, str], batch_size: int) -> list[list[str]]:
+    """IOB2 tags per word of each sentence."""
+    rows, where = window_rows(feats, with_labels=False)
+    outs = run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits, per_token=True)
+    n_labels = outs[0].shape[-1] if outs else len(id2label)
+    logits = [np.zeros(f.input_ids.shape + (n_labels,), dtype=np.float32) for f in feats]
+    for (i, w), out in zip(where, outs, strict=True):
+        logits[i][w, : len(out)] = out
+    return [decode_word_tags(f, lg, id2label)[0] for f, lg in zip(feats, logits, strict=True)]
+
+
+def _check_types(train_types: list[str], sents: list[Sentence], path: str) -> None:
+    unseen = sorted(set(entity_types(sents)) - set(train_types))
+    if unseen:
+        first = next(s.where for s in sents if any(t[2:] in unseen for t in s.tags))
+        raise EncoderkitError(
+            f"{path}: entity type(s) {', '.join(unseen)} never occur in the training data (first at {first}); "
+            "the head cannot predict them: fix the tags or add training sentences"
+        )
+
+
+def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
+    from transformers import AutoModelForTokenClassification
+
+    train = _subset(read_ner(cfg.train, cfg.tag_scheme), cfg.max_train_examples, cfg.seed)
+    types = entity_types(train)
+    if not types:
+        raise EncoderkitError(f"{cfg.train}: no entity in the training data; check the tag column (the last one)")
+    labels = label_list(types)
+    label2id = {t: i for i, t in enumerate(labels)}
+    rows, _ = window_rows(featurize(tokenizer, train, cfg, label2id), with_labels=True)
+    evaluate = None
+    if cfg.dev:
+        dev = _subset(read_ner(cfg.dev, cfg.tag_scheme), cfg.max_dev_examples, cfg.seed)
+        _check_types(types, dev, cfg.dev)
+        dev_feats = featurize(tokenizer, dev, cfg)
+
+        def evaluate(module) -> dict[str, float]:  # noqa: F811
+            pred = predict_tags(module, tokenizer, dev_feats, dict(enumerate(labels)), cfg.eval_batch_size)
+            return entity_scores([s.tags for s in dev], pred)
+
+    model = AutoModelForTokenClassification.from_pretrained(
+        model_dir, num_labels=len(labels), id2label=dict(enumerate(labels)), label2id=label2id)
+    pad_id = tokenizer.pad_token_id
+    source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), cfg.batch_size,
+                             lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=cfg.seed, bucket=cfg.bucket)
+
+    def loss_fn(module, batch):
+        return module(**batch).loss, {}
+
+    card = {"task": "ner", "labels": labels, "tag_scheme": "iob2", "max_length": cfg.max_length or DEFAULT_MAX_LENGTH, "stride": cfg.stride,
+            "word_split": "encoderkit.tasks.ner.split_words"}
+    return TaskRun(model, loss_fn, source, evaluate, (cfg.metric or "f1", "max"),
+                   lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
+
+
+def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(model_dir)
+    id2label = {int(k): v for k, v in model.config.id2label.items()}
+    sents = _subset(read_ner(data, cfg.tag_scheme), cfg.max_examples, cfg.seed)
+    _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data))
+    cfg.max_length = card.get("max_length", cfg.max_length)
+    cfg.stride = card.get("stride", cfg.stride)
+    pred = predict_tags(model, tokenizer, featurize(tokenizer, sents, cfg), id2label, cfg.batch_size)
+    return {**entity_scores([s.tags for s in sents], pred), "sentences": len(sents)}
+
+
+def _subset(items: list, limit: int, seed: int) -> list:
+    if not limit or limit >= len(items):
+        return items
+    keep = np.sort(np.random.default_rng(seed).permutation(len(items))[:limit])
+    return [items[i] for i in keep]
