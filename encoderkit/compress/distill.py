@@ -345,7 +345,7 @@ def load_blocks(data: str | Path) -> Any:
     """The (N, L) token-id blocks of a folder written by `encoderkit data prepare`."""
     from encoderkit.data import prepare
 
-    return prepare.load_blocks(data)
+    return prepare.open_blocks(data, "train")
 
 
 # -- the stage ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ The planner is a short list of rules that encode what is known to work for encod
   linear layers when calibration data exists.
 
 ``--run`` executes the plan with :mod:`encoderkit.compress.stack` and backs off (gentler pruning,
-embeddings and the last layer kept in higher precision, 8-bit instead of 4-bit, then fewer
+embeddings and sensitive layers kept in full precision, 8-bit instead of 4-bit, then fewer
 levers) until the quality floor holds, or says that it cannot.
 """
 
@@ -98,7 +98,7 @@ def make_plan(cfg: PlanConfig) -> Plan:
 
     # 1. distillation: fewer layers is the biggest win on every hardware, if we may train.
     if trains and cfg.teacher:
-        steps.append(PlannedStep("distill", {"mode": "task", "layers": "every-other", "epochs": 3},
+        steps.append(PlannedStep("distill", {"layers": "every-other", "epochs": 3},
                                  "a teacher and a training budget: a student with every other layer, initialised from the "
                                  "teacher's layers and trained on its soft targets, halves depth-bound latency and size "
                                  "for a small quality cost"))
@@ -110,7 +110,7 @@ def make_plan(cfg: PlanConfig) -> Plan:
     # 2. pruning: pattern chosen by what the hardware can exploit.
     if cfg.hardware == "gpu-sparse":
         if trains:
-            steps.append(PlannedStep("prune", {"method": "2:4", "recover_steps": 500},
+            steps.append(PlannedStep("prune", {"method": "2:4", "recovery_steps": 500},
                                      "the GPU has 2:4 sparse tensor cores: half the weights in every group of four are "
                                      "zeroed in the pattern they skip, and short recovery training restores quality"))
         else:
@@ -120,7 +120,7 @@ def make_plan(cfg: PlanConfig) -> Plan:
         out.append(("prune 2:4", "no sparse hardware: 2:4 sparsity saves no time on a CPU"))
         if cfg.goal == "latency" and trains:
             heads, ffn = (0.2, 0.3) if tight else (0.3, 0.4)
-            steps.append(PlannedStep("prune", {"method": "structured", "heads": heads, "ffn": ffn, "recover_steps": 500},
+            steps.append(PlannedStep("prune", {"method": "structured", "heads": heads, "ffn": ffn, "recovery_steps": 500},
                                      "CPU latency: removing whole attention heads and FFN neurons makes every matrix "
                                      "smaller, which dense CPU kernels turn into time; recovery training restores quality"))
         elif cfg.goal == "latency":
@@ -132,16 +132,16 @@ def make_plan(cfg: PlanConfig) -> Plan:
     # 3. memory: the embeddings are the largest single matrix of a small encoder.
     if cfg.goal == "memory":
         if cfg.has_calibration_data:
-            steps.append(PlannedStep("vocab", {"keep": "used"},
+            steps.append(PlannedStep("vocab", {},
                                      "memory goal: keep only the tokens that in-domain text uses; the embedding matrix "
                                      "is a large share of a small encoder's bytes"))
-            steps.append(PlannedStep("gptq", {"bits": 4, "group_size": 128, "embeddings_bits": 8},
+            steps.append(PlannedStep("gptq", {"bits": 4, "group_size": 128, "embeddings": "int8"},
                                      "memory goal with calibration data: GPTQ 4-bit linear weights (error-compensated "
                                      "rounding) and 8-bit embeddings cut bytes about 6x with little quality loss"))
         else:
             out.append(("vocab", "no in-domain text to learn which tokens are used"))
             out.append(("gptq", "no calibration data: GPTQ needs activations from in-domain text"))
-            steps.append(PlannedStep("quantize", {"method": "weight-int8", "embeddings_bits": 8},
+            steps.append(PlannedStep("quantize", {"method": "rtn", "bits": 8, "embeddings": "int8"},
                                      "memory goal without calibration data: round-to-nearest 8-bit weights and "
                                      "embeddings need no data and store 4x fewer bytes"))
     else:
@@ -153,13 +153,13 @@ def make_plan(cfg: PlanConfig) -> Plan:
         per_channel = cfg.hardware == "cpu-vnni"
         why = ("INT8 matrix multiplies run on the VNNI int8 dot-product instructions; per-channel weight scales keep "
                "quality" if per_channel else
-               "dynamic INT8 of the linear layers needs no data and no training, and gives the largest CPU speed-up "
-               "per quality point")
+               "dynamic INT8 (ONNX Runtime, per-channel weights) of the linear layers needs no data and no training, "
+               "and gives the largest CPU speed-up per quality point; without VNNI the gain is smaller")
         if cfg.hardware == "gpu-sparse":
             why = "INT8 on top of 2:4 sparsity: the sparse tensor cores take int8 operands"
-        steps.append(PlannedStep("quantize", {"method": "dynamic-int8", "per_channel": per_channel}, why))
+        steps.append(PlannedStep("quantize", {"method": "dynamic-int8", "per_channel": True}, why))
     if trains and tight:
-        steps.append(PlannedStep("qat", {"steps": 300},
+        steps.append(PlannedStep("qat", {"qat_steps": 300},
                                  "a very tight quality floor and a budget: a short quantization-aware fine-tune "
                                  "recovers the last fraction of a point that PTQ loses"))
     elif trains:
@@ -174,9 +174,10 @@ def make_plan(cfg: PlanConfig) -> Plan:
 def backoff_variants(recipe: dict[str, Any], max_variants: int = 6) -> Iterator[tuple[str, dict[str, Any]]]:
     """Ever less aggressive versions of ``recipe``, each with what changed.
 
-    Order: (1) halve every pruning fraction (twice); (2) keep embeddings and the last layer in
-    higher precision; (3) 8-bit instead of 4-bit; (4) drop steps from the end, the riskiest
-    (pruning) first. Each variant carries all earlier changes.
+    Order: (1) halve the structured pruning fractions (twice); (2) keep the embeddings (and, for
+    static INT8, the most sensitive layers) in full precision; (3) 8-bit instead of 4-bit GPTQ;
+    (4) drop steps, the riskiest lever first (pruning, vocabulary, GPTQ, INT8, distillation).
+    Each variant carries all earlier changes.
     """
     cur = copy.deepcopy(recipe)
     n = 0
@@ -198,11 +199,14 @@ def backoff_variants(recipe: dict[str, Any], max_variants: int = 6) -> Iterator[
             yield from emit("halved the structured pruning fractions")
     changed = False
     for s in cur["steps"]:
-        if s["lever"] in ("quantize", "gptq") and not s.get("keep_full_precision"):
-            s["keep_full_precision"] = ["embeddings", "last_layer"]
+        if s["lever"] in ("quantize", "gptq") and s.get("embeddings", "fp32") != "fp32":
+            s["embeddings"] = "fp32"
+            changed = True
+        if s["lever"] == "quantize" and s.get("method") == "static":
+            s["fallback_layers"] = s.get("fallback_layers", 0) + 2
             changed = True
     if changed and n < max_variants:
-        yield from emit("kept embeddings and the last layer in full precision")
+        yield from emit("kept the embeddings (and the most sensitive layers) in full precision")
     changed = False
     for s in cur["steps"]:
         if s["lever"] == "gptq" and s.get("bits", 8) < 8:

@@ -1,0 +1,138 @@
+"""Planner: the recipe chosen for each situation, reasons for what is left out, backoff search."""
+
+from __future__ import annotations
+
+import pytest
+
+from encoderkit.compress.plan import PlanConfig, backoff_variants, make_plan, search_recipe
+from encoderkit.compress.plan import run as plan_run
+from encoderkit.compress.stack import load_recipe, validate_recipe
+from encoderkit.errors import EncoderkitError
+
+
+def _plan(**kw):
+    return make_plan(PlanConfig(**kw))
+
+
+def _left_out(plan) -> dict[str, str]:
+    return dict(plan.left_out)
+
+
+def test_no_budget_on_cpu_is_post_training_quantization_only():
+    plan = _plan(budget="none", teacher=True, hardware="cpu", goal="latency")
+    assert plan.levers() == ["quantize"]
+    assert plan.steps[0].params["method"] == "dynamic-int8"
+    out = _left_out(plan)
+    assert "no training budget" in out["distill"] and "no training budget" in out["qat"]
+    assert "CPU" in out["prune 2:4"]
+    assert "storage" in out["prune unstructured"] and "CPU time" in out["prune unstructured"]
+
+
+def test_budget_teacher_sparse_gpu_is_distill_then_2_4_then_int8():
+    plan = _plan(budget="some", teacher=True, hardware="gpu-sparse", goal="latency")
+    assert plan.levers() == ["distill", "prune", "quantize"]
+    assert plan.steps[1].params["method"] == "2:4" and plan.steps[1].params["recovery_steps"] > 0
+    assert "2:4" in plan.steps[1].reason
+
+
+def test_budget_teacher_cpu_latency_is_distill_structured_prune_int8():
+    plan = _plan(budget="some", teacher=True, hardware="cpu-vnni", goal="latency")
+    assert plan.levers() == ["distill", "prune", "quantize"]
+    prune = plan.steps[1].params
+    assert prune["method"] == "structured" and prune["heads"] > 0 and prune["ffn"] > 0
+    assert "VNNI" in plan.steps[2].reason and plan.steps[2].params["per_channel"] is True
+    assert "no sparse hardware" in _left_out(plan)["prune 2:4"]
+
+
+def test_memory_goal_prunes_vocabulary_and_uses_low_bit_weights():
+    plan = _plan(budget="none", hardware="cpu", goal="memory", has_calibration_data=True)
+    assert plan.levers() == ["vocab", "gptq"]
+    assert plan.steps[1].params["bits"] == 4 and plan.steps[1].params["embeddings"] == "int8"
+    no_data = _plan(budget="none", hardware="cpu", goal="memory", has_calibration_data=False)
+    assert no_data.levers() == ["quantize"] and no_data.steps[0].params["method"] == "rtn"
+    assert "calibration" in _left_out(no_data)["gptq"]
+
+
+def test_no_teacher_means_no_distillation_and_tight_floor_adds_qat():
+    plan = _plan(budget="some", teacher=False, hardware="cpu", goal="latency", max_quality_drop=0.005)
+    assert "distill" not in plan.levers() and "teacher" in _left_out(plan)["distill"]
+    assert plan.levers()[-1] == "qat"
+
+
+@pytest.mark.parametrize("budget", ["none", "some"])
+@pytest.mark.parametrize("hardware", ["cpu", "cpu-vnni", "gpu-sparse"])
+@pytest.mark.parametrize("goal", ["latency", "memory"])
+def test_every_planned_recipe_is_a_valid_recipe(budget, hardware, goal):
+    plan = _plan(budget=budget, teacher=True, hardware=hardware, goal=goal)
+    assert plan.steps, "every situation gets at least one lever"
+    steps = validate_recipe(plan.recipe(), source="planned")
+    assert [s.lever for s in steps] == plan.levers()
+    assert all(s.reason for s in plan.steps)
+    for _, variant in backoff_variants(plan.recipe()):
+        validate_recipe(variant, source="variant")
+
+
+def test_plan_writes_a_recipe_file_that_the_runner_accepts(tmp_path):
+    path = tmp_path / "r.yaml"
+    res = plan_run(PlanConfig(budget="some", teacher=True, hardware="cpu", write=str(path)))
+    steps = load_recipe(path)
+    assert [s.lever for s in steps] == ["distill", "prune", "quantize"]
+    text = res.summary()
+    assert "why:" in text and "Left out:" in text and str(path) in text
+
+
+def test_plan_run_needs_model_dev_and_out():
+    with pytest.raises(EncoderkitError, match="--model"):
+        PlanConfig(run=True, dev="d", out="o")
+
+
+def _fake_quality(recipe) -> float:
+    """A stand-in for running a recipe: pruning costs quality in proportion to its fractions,
+    4-bit costs 2 points, int8 embeddings 1 point."""
+    q = 0.90
+    for s in recipe["steps"]:
+        if s["lever"] == "prune":
+            q -= 0.1 * (s.get("heads", 0) + s.get("ffn", 0))
+        if s["lever"] == "gptq":
+            q -= 0.02 if s.get("bits") == 4 else 0.0
+            q -= 0.01 if s.get("embeddings") == "int8" else 0.0
+    return q
+
+
+def test_backoff_halves_pruning_until_the_floor_holds():
+    plan = _plan(budget="some", teacher=True, hardware="cpu", goal="latency")  # heads 0.3, ffn 0.4 -> -0.07
+    calls = []
+
+    def evaluate(recipe, tag):
+        calls.append(tag)
+        return _fake_quality(recipe)
+
+    res = search_recipe(plan.recipe(), evaluate, floor=0.86)
+    assert res.ok and len(calls) == 2  # as planned (0.83) fails, halved (0.865) holds
+    prune = next(s for s in res.recipe["steps"] if s["lever"] == "prune")
+    assert prune["heads"] == pytest.approx(0.15) and prune["ffn"] == pytest.approx(0.2)
+    assert res.tried[0]["ok"] is False and res.tried[1]["what"] == "halved the structured pruning fractions"
+
+
+def test_backoff_keeps_embeddings_in_full_precision_then_8_bit():
+    plan = _plan(budget="none", hardware="cpu", goal="memory")
+    res = search_recipe(plan.recipe(), lambda r, tag: _fake_quality(r), floor=0.895)
+    assert res.ok
+    gptq = next(s for s in res.recipe["steps"] if s["lever"] == "gptq")
+    assert gptq["embeddings"] == "fp32" and gptq["bits"] == 8
+    assert [t["ok"] for t in res.tried] == [False, False, True]
+
+
+def test_backoff_says_when_no_variant_holds():
+    plan = _plan(budget="some", teacher=True, hardware="cpu", goal="latency")
+    res = search_recipe(plan.recipe(), lambda r, tag: 0.5, floor=0.8, max_backoff=4)
+    assert not res.ok and len(res.tried) == 5
+    assert "no variant tried holds the floor" in res.summary()
+
+
+def test_cli_plan_prints_the_recipe(capsys):
+    from encoderkit.cli import main
+
+    assert main(["plan", "--budget", "none", "--hardware", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "1. quantize" in printed and "distill: no training budget" in printed

@@ -1,0 +1,50 @@
+"""Report: ratios against the starting model, the markdown table, a valid PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from encoderkit.report import markdown_table, with_ratios, write_report
+
+ROWS = [
+    {"step": 0, "lever": "start", "quality": 0.90, "metric": "accuracy", "params": 22_000_000, "bytes": 88_000_000,
+     "latency_b1_ms": 10.0, "latency_b32_ms": 320.0, "throughput_b32": 100.0},
+    {"step": 1, "lever": "distill", "quality": 0.88, "metric": "accuracy", "params": 11_000_000, "bytes": 44_000_000,
+     "latency_b1_ms": 5.0, "latency_b32_ms": 160.0, "throughput_b32": 200.0, "note": "3 layers"},
+    {"step": 2, "lever": "quantize", "quality": 0.873, "metric": "accuracy", "params": 11_000_000, "bytes": 8_800_000,
+     "latency_b1_ms": 2.5, "latency_b32_ms": 80.0, "throughput_b32": 400.0},
+]
+
+
+def test_ratios_are_against_the_first_row():
+    r = with_ratios(ROWS)
+    assert r[0]["quality_kept"] == pytest.approx(1.0) and r[0]["bytes_saved"] == pytest.approx(0.0)
+    assert r[2]["quality_kept"] == pytest.approx(0.873 / 0.90)
+    assert r[2]["bytes_saved"] == pytest.approx(0.9)
+    assert r[2]["speedup_b32"] == pytest.approx(4.0) and r[1]["speedup_b1"] == pytest.approx(2.0)
+    assert with_ratios([{"step": 0, "lever": "start", "quality": None}])[0]["quality_kept"] is None
+
+
+def test_markdown_table_has_one_row_per_step():
+    table = markdown_table(ROWS).splitlines()
+    assert len(table) == 2 + len(ROWS)
+    assert "| 2 | quantize | 0.8730 | 97.0% |" in table[-1]
+    assert "90.0%" in table[-1] and "4.00x" in table[-1]
+
+
+def test_write_report_writes_md_json_and_a_valid_png(tmp_path):
+    import matplotlib.image as mpimg
+
+    paths = write_report(tmp_path, ROWS, {"title": "t", "seq_len": 128, "threads": 2})
+    png = paths["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(paths["png"])
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 200
+    assert img[..., :3].std() > 0.01  # something was drawn
+    data = json.loads(paths["json"].read_text())
+    assert [s["step"] for s in data["steps"]] == [0, 1, 2] and data["meta"]["seq_len"] == 128
+    md = paths["md"].read_text()
+    assert "seq_len: 128" in md and "step 1 (distill): 3 layers" in md and "report.png" in md
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md", "report.png"]
