@@ -160,9 +160,9 @@ def check_servable(folder: str | Path, info: TaskInfo) -> None:
         )
 
 
-def load_torch_model(folder: str | Path, info: TaskInfo, dtype=None):
-    """The eval-mode ``transformers`` model for ``info.task`` (eager attention, so ONNX export can trace it)."""
-    kwargs = {"attn_implementation": "eager"}
+def load_torch_model(folder: str | Path, info: TaskInfo, dtype=None, attn: str = "eager"):
+    """The eval-mode ``transformers`` model for ``info.task``; ``attn="eager"`` traces cleanly for ONNX export."""
+    kwargs = {"attn_implementation": attn}
     if dtype is not None:
         kwargs["dtype"] = dtype
     try:

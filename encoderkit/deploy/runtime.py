@@ -1,0 +1,302 @@
+"""The Predictor: one task model behind one backend, with length-sorted batches.
+
+    p = Predictor.load("runs/sst2")                     # backend="auto": ONNX INT8 for classify/rerank/embed
+    p.classify(["a great movie", "dull"])               # [{"label": "positive", "score": 0.97, "scores": {...}}, ...]
+    p.embed(["a query"], dim=256)                        # (1, 256) float32, Matryoshka-truncated and renormalised
+
+Backends: ``torch-fp32``, ``torch-bf16`` (eager transformers), ``onnx-fp32``, ``onnx-int8``
+(onnxruntime on ``model.onnx`` / ``model.int8.onnx``). A folder without ONNX files is exported once
+into a cache folder (``ENCODERKIT_CACHE``, default ``~/.cache/encoderkit/onnx``). ``auto`` picks
+ONNX INT8 (per-channel weights) for ``classify``, ``rerank`` and ``embed`` (measured: mean cosine
+>= 0.99 to FP32 on MiniLM, see bench/encode_speed.py) and ONNX FP32 for ``ner`` and ``qa``, whose
+span decisions we have not measured under INT8.
+
+Long inputs: ``classify``, ``rerank`` and ``embed`` truncate to the model's maximum length (stated
+in ``Predictor.max_length``); ``extract`` and ``answer`` cut long texts into overlapping windows.
+Batches are formed after sorting inputs by token count (little padding) and results are returned
+in input order. ``threads`` sets onnxruntime's intra-op threads; torch threads are a process
+setting, left to the caller (``encoderkit --threads N``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from encoderkit.deploy.tasks import TaskInfo, check_servable, detect_task, load_torch_model, onnx_file
+from encoderkit.errors import EncoderkitError
+from encoderkit.io import output_dir, read_card
+
+BACKENDS = ("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8")
+INT8_TASKS = ("classify", "rerank", "embed")
+OUTPUTS = {"embed": ["last_hidden_state"], "classify": ["logits"], "rerank": ["logits"], "ner": ["logits"],
+           "qa": ["start_logits", "end_logits"]}
+
+
+class _TorchEngine:
+    """Eager transformers model; ``run`` maps int64 arrays (B, T) to the task's float32 outputs."""
+
+    def __init__(self, folder: Path, info: TaskInfo, bf16: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.task = info.task
+        self.model = load_torch_model(folder, info, dtype=torch.bfloat16 if bf16 else None, attn="sdpa")
+        self.input_names = ["input_ids", "attention_mask", "token_type_ids"]
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.model(**{k: torch.from_numpy(v) for k, v in inputs.items()})
+        return [out[name].float().numpy() for name in OUTPUTS[self.task]]
+
+
+class _OnnxEngine:
+    """onnxruntime session on one ``.onnx`` file."""
+
+    def __init__(self, path: Path, info: TaskInfo, threads: int | None) -> None:
+        from encoderkit.deploy.export import ort_session
+
+        self.session = ort_session(path, threads)
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.outputs = OUTPUTS[info.task]
+        missing = set(self.outputs) - {o.name for o in self.session.get_outputs()}
+        if missing or not {"input_ids", "attention_mask"} <= set(self.input_names):
+            raise EncoderkitError(f"{path}: graph inputs/outputs do not match a {info.task} model "
+                                  f"(missing {sorted(missing) or 'input_ids/attention_mask'}); re-run encoderkit export")
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(self.outputs, {k: v for k, v in inputs.items() if k in self.input_names})
+
+
+def cached_export(folder: Path, int8: bool) -> Path:
+    """``folder`` itself when it holds the wanted ONNX file, else a cache folder exported once from it."""
+    if onnx_file(folder, int8):
+        return folder
+    from encoderkit.deploy.export import copy_model_files, export_onnx
+
+    st = (folder / "config.json").stat()
+    weights = [p for p in (folder / "model.safetensors", folder / "pytorch_model.bin") if p.is_file()]
+    stamp = f"{folder.resolve()}|{st.st_mtime_ns}|{[(p.stat().st_size, p.stat().st_mtime_ns) for p in weights]}|{int8}"
+    root = Path(os.environ.get("ENCODERKIT_CACHE", Path.home() / ".cache" / "encoderkit")) / "onnx"
+    out = root / hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    if onnx_file(out, int8):
+        return out
+    with output_dir(out, overwrite=True) as tmp:
+        copy_model_files(folder, tmp)
+        export_onnx(folder, tmp, optimize=True, int8=int8)
+    return out
+
+
+def _pad(rows: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
+    """Right-pad 1-D int rows into int64 arrays (B, T) plus ``attention_mask``."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    types = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n], mask[i, :n] = r["input_ids"], 1
+        if "token_type_ids" in r:
+            types[i, :n] = r["token_type_ids"]
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    z = np.exp(x - x.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+class Predictor:
+    """A task model ready for inference; see the module docstring."""
+
+    def __init__(self, folder: Path, info: TaskInfo, tokenizer, engine, backend: str, max_batch: int,
+                 max_length: int) -> None:
+        self.folder, self.info, self.tokenizer, self.engine = folder, info, tokenizer, engine
+        self.task, self.backend, self.max_batch, self.max_length = info.task, backend, max_batch, max_length
+
+    @classmethod
+    def load(cls, folder: str | Path, backend: str = "auto", threads: int | None = None, max_batch: int = 32,
+             max_length: int | None = None) -> Predictor:
+        """Load ``folder`` (a task model, or its export) with ``backend``; see the module docstring."""
+        from transformers import AutoTokenizer
+
+        folder = Path(folder)
+        if backend not in BACKENDS:
+            raise EncoderkitError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if max_batch < 1:
+            raise EncoderkitError(f"max_batch must be at least 1, got {max_batch}")
+        info = detect_task(folder)
+        check_servable(folder, info)
+        if backend == "auto":
+            has_weights = (folder / "model.safetensors").is_file() or (folder / "pytorch_model.bin").is_file()
+            want_int8 = info.task in INT8_TASKS
+            if want_int8 and (onnx_file(folder, True) or has_weights):
+                backend = "onnx-int8"
+            else:
+                backend = "onnx-fp32"
+        if backend.startswith("onnx"):
+            int8 = backend == "onnx-int8"
+            src = cached_export(folder, int8)
+            engine: Any = _OnnxEngine(onnx_file(src, int8), info, threads)
+        else:
+            engine = _TorchEngine(folder, info, bf16=backend == "torch-bf16")
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        if not getattr(tokenizer, "is_fast", False):
+            raise EncoderkitError(f"{folder}: the runtime needs a fast tokenizer (tokenizer.json)")
+        limit = info.max_length if max_length is None else min(max_length, info.max_length)
+        return cls(folder, info, tokenizer, engine, backend, max_batch, limit)
+
+    # -- batching -------------------------------------------------------------------------
+    def _run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        """Run the model on 1-D token rows in length-sorted batches; per row, each output with its
+        padding cut off ((C,) for sequence outputs, (T_row, ...) for token outputs), in input order."""
+        order = np.argsort([len(r["input_ids"]) for r in rows], kind="stable")
+        results: list[list[np.ndarray]] = [[] for _ in rows]
+        pad_id = self.tokenizer.pad_token_id or 0
+        token_level = self.task in ("embed", "ner", "qa")  # outputs (B, T, ...) rather than (B, C)
+        for start in range(0, len(rows), self.max_batch):
+            idx = order[start:start + self.max_batch]
+            batch = _pad([rows[i] for i in idx], pad_id)
+            outs = self.engine.run(batch)
+            for j, i in enumerate(idx):
+                n = len(rows[i]["input_ids"])
+                results[i] = [o[j, :n] if token_level else o[j] for o in outs]
+        return results
+
+    def _encode(self, texts: Sequence[str], pairs: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
+        enc = self.tokenizer(list(texts), list(pairs) if pairs is not None else None, truncation=True,
+                             max_length=self.max_length)
+        keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
+        return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(texts))]
+
+    def _need(self, *tasks: str) -> None:
+        if self.task not in tasks:
+            raise EncoderkitError(f"{self.folder} is a {self.task!r} model; this call needs a {' or '.join(tasks)} model")
+
+    # -- tasks ----------------------------------------------------------------------------
+    def classify(self, inputs: Sequence[str | tuple[str, str] | list[str]]) -> list[dict[str, Any]]:
+        """Label, its probability and every label's probability for each text or (text, text_pair)."""
+        self._need("classify", "rerank")
+        if not inputs:
+            return []
+        if all(isinstance(x, str) for x in inputs):
+            rows = self._encode(inputs)  # type: ignore[arg-type]
+        else:
+            firsts = [x if isinstance(x, str) else x[0] for x in inputs]
+            seconds = ["" if isinstance(x, str) else x[1] for x in inputs]
+            rows = self._encode(firsts, seconds)
+        logits = np.stack([r[0] for r in self._run_rows(rows)])  # (N, C)
+        if logits.shape[1] == 1:  # one-logit head: sigmoid score
+            probs = 1.0 / (1.0 + np.exp(-logits[:, 0]))
+            return [{"label": "score", "score": float(p), "scores": {"score": float(p)}} for p in probs]
+        probs = _softmax(logits)
+        labels = self.info.labels or [f"LABEL_{i}" for i in range(logits.shape[1])]
+        return [{"label": labels[int(p.argmax())], "score": float(p.max()),
+                 "scores": {labels[c]: float(p[c]) for c in range(len(p))}} for p in probs]
+
+    def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
+        """Relevance logits (N,) of (query, passage) pairs for a ``rerank`` model (first logit; for a
+        two-label model, the last label's logit minus the first's)."""
+        self._need("rerank", "classify")
+        if not passages:
+            return np.zeros(0, dtype=np.float32)
+        logits = np.stack([r[0] for r in self._run_rows(self._encode(queries, passages))])
+        return logits[:, 0] if logits.shape[1] == 1 else logits[:, -1] - logits[:, 0]
+
+    def rerank(self, query: str, passages: Sequence[str]) -> list[dict[str, Any]]:
+        """Passages ranked by relevance to ``query``: [{"index", "score"}], best first."""
+        scores = self.score_pairs([query] * len(passages), passages)
+        order = np.argsort(-scores, kind="stable")
+        return [{"index": int(i), "score": float(scores[i])} for i in order]
+
+    def embed_raw(self, texts: Sequence[str]) -> np.ndarray:
+        """Pooled, un-normalised embeddings (N, H) float32 (mean or [CLS] pooling per the folder)."""
+        self._need("embed")
+        if not texts:
+            return np.zeros((0, 0), dtype=np.float32)
+        out = self._run_rows(self._encode(texts))
+        if self.info.pooling == "cls":
+            return np.stack([o[0][0] for o in out]).astype(np.float32)
+        return np.stack([o[0].mean(axis=0) for o in out]).astype(np.float32)
+
+    def embed(self, texts: Sequence[str], dim: int | None = None, normalize: bool | None = None) -> np.ndarray:
+        """Embeddings (N, dim or H) float32; ``dim`` keeps the first dims (Matryoshka) before normalising.
+        ``normalize`` defaults to the folder's setting (sentence-transformers ``Normalize`` module)."""
+        return finish_embeddings(self.embed_raw(texts), dim, self.info.normalize if normalize is None else normalize)
+
+    def extract(self, texts: Sequence[str], stride: int | None = None) -> list[list[dict[str, Any]]]:
+        """Entities per text: [{"entity", "label", "start", "end", "score"}], character offsets [start, end)."""
+        from encoderkit.tasks.ner import decode_entities, featurize_text
+
+        self._need("ner")
+        stride = stride if stride is not None else min(32, self.max_length // 4)
+        feats = [featurize_text(self.tokenizer, t, max_length=self.max_length, stride=stride) for t in texts]
+        rows = []
+        for f in feats:
+            for w in range(len(f.input_ids)):
+                n = int(f.attention_mask[w].sum())
+                rows.append({"input_ids": f.input_ids[w, :n], "token_type_ids": f.token_type_ids[w, :n]})
+        out = self._run_rows(rows) if rows else []
+        id2label = dict(enumerate(self.info.labels))
+        results, k = [], 0
+        for f in feats:
+            w_count, width = f.input_ids.shape
+            logits = np.zeros((w_count, width, len(id2label)), dtype=np.float32)
+            for w in range(w_count):
+                logits[w, : len(out[k][0])] = out[k][0]
+                k += 1
+            results.append([{"entity": e.text, "label": e.label, "start": e.start, "end": e.end, "score": float(e.score)}
+                            for e in decode_entities(f, logits, id2label)])
+        return results
+
+    def answer(self, questions: Sequence[str], contexts: Sequence[str], max_answer_length: int = 30,
+               n_best: int = 20) -> list[dict[str, Any]]:
+        """The best answer span per (question, context): {"answer", "start", "end", "score"}; an empty
+        answer with score None when no span fits."""
+        from encoderkit.tasks.qa import decode_answers, featurize_qa
+
+        self._need("qa")
+        if len(questions) != len(contexts):
+            raise EncoderkitError(f"{len(questions)} questions but {len(contexts)} contexts; give one context per question")
+        if not questions:
+            return []
+        q_len = min(64, self.max_length // 4)
+        feats = featurize_qa(self.tokenizer, questions, contexts, max_length=self.max_length,
+                             doc_stride=min(128, self.max_length // 4), max_question_length=q_len)
+        rows = []
+        for w in range(len(feats.input_ids)):
+            n = int(feats.attention_mask[w].sum())
+            rows.append({"input_ids": feats.input_ids[w, :n], "token_type_ids": feats.token_type_ids[w, :n]})
+        out = self._run_rows(rows)
+        width = feats.input_ids.shape[1]
+        start = np.full((len(rows), width), -1e9, dtype=np.float32)
+        end = np.full((len(rows), width), -1e9, dtype=np.float32)
+        for w, (s, e) in enumerate(out):
+            start[w, : len(s)], end[w, : len(e)] = s, e
+        best = decode_answers(feats, start, end, n_best=n_best, max_answer_length=max_answer_length)
+        return [{"answer": b[0].text, "start": b[0].start, "end": b[0].end, "score": float(b[0].score)} if b
+                else {"answer": "", "start": None, "end": None, "score": None} for b in best]
+
+
+def finish_embeddings(vectors: np.ndarray, dim: int | None, normalize: bool) -> np.ndarray:
+    """Keep the first ``dim`` dimensions (Matryoshka truncation) of (N, H) vectors, then L2-normalise."""
+    if dim is not None:
+        if not 1 <= dim <= vectors.shape[1]:
+            raise EncoderkitError(f"dim={dim} must be between 1 and the model's {vectors.shape[1]} dimensions")
+        vectors = vectors[:, :dim]
+    if normalize:
+        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def describe(p: Predictor) -> dict[str, Any]:
+    """What a loaded predictor is: task, backend, labels, limits (for /health and logs)."""
+    card = read_card(p.folder)
+    return {"folder": str(p.folder), "task": p.task, "backend": p.backend, "labels": p.info.labels,
+            "max_length": p.max_length, "max_batch": p.max_batch, "stage": card.get("stage")}
