@@ -96,3 +96,45 @@ def test_bad_settings_are_clear_errors(tiny_classifier, tmp_path) -> None:
     with pytest.raises(EncoderkitError, match="calib-data"):
         quantize(tiny_classifier, _cfg(method="gptq"), tmp_path / "g")
     assert not (tmp_path / "g").exists()
+
+
+def test_qat_trains_through_fake_quant_and_stores_int8(tiny_classifier, tmp_path) -> None:
+    data = tmp_path / "train.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{t}\t{i % 2}\n" for i, t in enumerate(TEXTS)))
+    rep = quantize(tiny_classifier, _cfg(method="qat", train_data=str(data), qat_steps=4, batch_size=8, lr=1e-3), tmp_path / "qat")
+    assert rep.details["qat"]["steps"] == 4
+    with safe_open(str(tmp_path / "qat" / QUANT_FILE), "pt") as f:
+        q = f.get_tensor("bert.encoder.layer.1.attention.self.query.weight.qweight")
+    assert q.dtype == torch.int8
+    trained = load_model(tmp_path / "qat").bert.encoder.layer[1].attention.self.query.weight
+    original = load_model(tiny_classifier).bert.encoder.layer[1].attention.self.query.weight
+    assert not torch.allclose(trained, original, atol=1e-4)  # the fine-tuning moved the weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{"method": "dynamic", "backend": "onnx"},
+                                {"method": "static", "calib_method": "minmax", "fallback_layers": 2}])
+def test_onnx_int8(tiny_classifier, tmp_path, kw) -> None:
+    import onnx
+    import onnxruntime as ort
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "o"
+    rep = quantize(tiny_classifier, QuantizeConfig(measure=True, calib_samples=32, **kw), out, calib=TEXTS)
+    graph = onnx.load(str(out / "model.int8.onnx")).graph
+    assert any(t.data_type == onnx.TensorProto.INT8 for t in graph.initializer)
+    ops = {n.op_type for n in graph.node}
+    assert ("DynamicQuantizeLinear" in ops) if kw["method"] == "dynamic" else ("QuantizeLinear" in ops)
+    assert rep.details["output_rel_error"] < 0.2
+    assert rep.after["latency"]["runtime"].startswith("onnxruntime") and rep.after["latency"]["batch32"]["ms"] > 0
+    if kw["method"] == "static":  # the excluded nodes really stay fp32: no int8 weight feeds them
+        assert len(rep.details["fp32_nodes"]) == 2
+        names = set(rep.details["fp32_nodes"])
+        assert all(n.op_type in ("MatMul", "Gemm") for n in graph.node if n.name in names)
+    tok = AutoTokenizer.from_pretrained(out)
+    sess = ort.InferenceSession(str(out / "model.int8.onnx"), providers=["CPUExecutionProvider"])
+    enc = tok(TEXTS[:4], padding=True, return_tensors="np")
+    got = sess.run(None, {i.name: enc[i.name].astype("int64") for i in sess.get_inputs()})[0]
+    assert got.shape == (4, 2)
+    with pytest.raises(EncoderkitError, match="already quantized"):
+        quantize(out, QuantizeConfig(measure=False), tmp_path / "again")

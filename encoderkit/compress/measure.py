@@ -175,7 +175,8 @@ def measure_folder(folder: str | Path, *, latency: bool = True, seq_len: int = 1
     onnx_files = sorted(folder.glob("*.onnx"))
     out: dict[str, Any] = {"bytes": bytes_on_disk(folder), "weight_bytes": bytes_on_disk(folder, only_weights=True)}
     if onnx_files and not any(folder.glob("*.safetensors")):
-        return {**out, **_measure_onnx(onnx_files[0], latency, seq_len, batch_sizes, repeats), **(
+        vocab = int(read_config(folder).get("vocab_size", 1000))
+        return {**out, **_measure_onnx(onnx_files[0], latency, seq_len, batch_sizes, repeats, vocab), **(
             {"quality": quality_fn(folder)} if quality_fn else {})}
     runtime = (read_config(folder).get(QUANT_KEY) or {}).get("runtime", "")
     model = load_model(folder)
@@ -194,7 +195,8 @@ def measure_folder(folder: str | Path, *, latency: bool = True, seq_len: int = 1
     return out
 
 
-def _measure_onnx(path: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
+def _measure_onnx(path: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, ...], repeats: int,
+                  vocab_size: int) -> dict[str, Any]:
     """Parameters (initializer elements) and ONNX Runtime CPU latency of an ONNX model file."""
     import numpy as np
     import onnx
@@ -211,7 +213,7 @@ def _measure_onnx(path: Path, latency: bool, seq_len: int, batch_sizes: tuple[in
     out["latency"] = {"seq_len": seq_len, "threads": torch.get_num_threads(), "runtime": f"onnxruntime-cpu ({path.name})"}
     rng = np.random.default_rng(0)
     for b in batch_sizes:
-        feed = {n: (rng.integers(5, 1000, (b, seq_len)) if n == "input_ids" else
+        feed = {n: (rng.integers(5, vocab_size, (b, seq_len)) if n == "input_ids" else
                     np.ones((b, seq_len)) if n == "attention_mask" else np.zeros((b, seq_len))).astype(np.int64)
                 for n in names}
         sess.run(None, feed)

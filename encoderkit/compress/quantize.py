@@ -165,6 +165,67 @@ def _weight_only(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig,
     return qtensors, {"layers": len(qtensors)}
 
 
+class FakeQuantLinear(torch.nn.Module):
+    """A Linear that trains through INT8 rounding (straight-through estimator).
+
+    Weights: symmetric per-channel (or per-tensor) INT8 with the scales :func:`rtn_quantize` will
+    store; activations ``x (..., in)``: per-tensor asymmetric UINT8 from the batch's range, as
+    ``torch.ao`` dynamic quantization does at run time. Rounding is skipped in the backward pass.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, per_channel: bool = True, activations: bool = True) -> None:
+        super().__init__()
+        self.linear, self.per_channel, self.activations = linear, per_channel, activations
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from encoderkit.compress.packing import scale_zero
+
+        w = self.linear.weight
+        rows = w if self.per_channel else w.reshape(1, -1)
+        scale, _ = scale_zero(rows.detach(), QuantSpec(8, -1, True))
+        scale = scale[:, None] if self.per_channel else scale
+        w_q = w + (torch.clamp(torch.round(w / scale), -127, 127) * scale - w).detach()
+        if self.activations:
+            lo = torch.clamp(x.detach().min(), max=0.0)
+            hi = torch.clamp(x.detach().max(), min=0.0)
+            s = torch.clamp((hi - lo) / 255, min=1e-8)
+            z = torch.round(-lo / s)
+            x = x + ((torch.clamp(torch.round(x / s) + z, 0, 255) - z) * s - x).detach()
+        return torch.nn.functional.linear(x, w_q, self.linear.bias)
+
+
+def _swap_linears(model: torch.nn.Module, wrap: bool, per_channel: bool = True) -> None:
+    """Wrap the encoder's Linear layers in :class:`FakeQuantLinear` (``wrap``) or unwrap them."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if wrap and isinstance(child, torch.nn.Linear) and ".encoder.layer." in f".{_path(model, child)}":
+                setattr(parent, name, FakeQuantLinear(child, per_channel))
+            elif not wrap and isinstance(child, FakeQuantLinear):
+                setattr(parent, name, child.linear)
+
+
+def _path(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def _qat(model: torch.nn.Module, model_dir: Path, tokenizer: Any, cfg: QuantizeConfig,
+         calib: list[Any] | None) -> tuple[dict[str, QTensor], dict[str, Any]]:
+    """Quantization-aware fine-tuning (KD from the fp32 model + task loss), then real INT8 codes."""
+    from encoderkit.compress.prune import recover
+
+    if not cfg.train_data:
+        raise EncoderkitError("quantize method=qat needs --train-data FILE (labelled .tsv/.jsonl of the task)")
+    teacher = load_model(model_dir)
+    _swap_linears(model, wrap=True, per_channel=cfg.per_channel)
+    try:
+        log = recover(model, teacher, tokenizer, cfg, {}, cfg.qat_steps)
+    finally:
+        _swap_linears(model, wrap=False)
+    qtensors, details = _weight_only(model, tokenizer, QuantizeConfig(method="dynamic", per_channel=cfg.per_channel,
+                                                                      measure=False), None)
+    return qtensors, {**details, "qat": log}
+
+
 @torch.no_grad()
 def _embedding_codes(model: torch.nn.Module, cfg: QuantizeConfig) -> dict[str, QTensor]:
     """Row-wise codes of the word embedding matrix when ``cfg.embeddings`` asks for them."""
@@ -177,3 +238,108 @@ def _embedding_codes(model: torch.nn.Module, cfg: QuantizeConfig) -> dict[str, Q
     qt = rtn_quantize(emb.weight, QuantSpec(bits, gs, True))
     emb.weight.copy_(qt.dequantize())
     return {name: qt}
+
+
+# -- ONNX Runtime: dynamic and static INT8 -----------------------------------------------------
+class _CalibReader:
+    """ORT ``CalibrationDataReader`` over tokenised batches (int64 numpy feeds)."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
+        self.feeds = feeds
+        self.i = 0
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self.i >= len(self.feeds):
+            return None
+        self.i += 1
+        return self.feeds[self.i - 1]
+
+    def rewind(self) -> None:
+        self.i = 0
+
+
+def _feeds(tokenizer: Any, texts: list[Any], input_names: list[str], seq_len: int, batch_size: int) -> list[dict[str, np.ndarray]]:
+    out = []
+    for batch in text_batches(tokenizer, texts, seq_len, batch_size):
+        out.append({n: batch[n].numpy().astype(np.int64) if n in batch else np.zeros_like(batch["input_ids"].numpy())
+                    for n in input_names})
+    return out
+
+
+def _output_error(ref_path: Path, q_path: Path, feeds: list[dict[str, np.ndarray]]) -> float:
+    """Relative error ``||y_q - y|| / ||y||`` of the first graph output over ``feeds``."""
+    from encoderkit.deploy.export import ort_session
+
+    ref, q = ort_session(ref_path), ort_session(q_path)
+    num = den = 0.0
+    for f in feeds:
+        a = ref.run(None, f)[0].astype(np.float64)
+        b = q.run(None, f)[0].astype(np.float64)
+        num += float(((a - b) ** 2).sum())
+        den += float((a ** 2).sum())
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def _weight_matmuls(path: Path) -> list[str]:
+    """Names of the MatMul nodes whose second input is a weight (initializer)."""
+    import onnx
+
+    g = onnx.load(str(path)).graph
+    inits = {t.name for t in g.initializer}
+    return [n.name for n in g.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in inits]
+
+
+def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, model_dir: Path, out: Path,
+                   calib: list[Any] | None) -> dict[str, Any]:
+    """Export ``model_dir`` to ONNX (the deploy exporter) and write ``out/model.int8.onnx``.
+
+    dynamic: ORT ``quantize_dynamic`` (per-channel INT8 weights, activations scaled at run time).
+    static: ORT QDQ ``quantize_static`` (U8 activations / S8 weights) with the chosen calibration
+    method; with ``fallback_layers=N`` the N weight MatMuls whose quantization alone hurts the
+    output most stay in fp32 (``nodes_to_exclude``).
+    """
+    import onnxruntime as ort
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+    from encoderkit.deploy.export import export_onnx
+    from encoderkit.deploy.tasks import ONNX_FP32, ONNX_INT8
+
+    details: dict[str, Any] = {"runtime": "onnxruntime"}
+    with tempfile.TemporaryDirectory(prefix="encoderkit-onnx-") as work:
+        work = Path(work)
+        details["export"] = export_onnx(model_dir, work)
+        fp32 = work / ONNX_FP32
+        names = [i.name for i in ort.InferenceSession(str(fp32), providers=["CPUExecutionProvider"]).get_inputs()]
+        texts = calibration_texts(cfg, calib) if (cfg.method == "static" or calib or cfg.calib_data) else []
+        feeds = _feeds(tokenizer, texts, names, cfg.calib_seq_len, cfg.batch_size) if texts else []
+        if cfg.method == "dynamic":
+            quantize_dynamic(str(fp32), str(out / ONNX_INT8), per_channel=cfg.per_channel, weight_type=QuantType.QInt8)
+        else:
+            method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+                      "percentile": CalibrationMethod.Percentile}[cfg.calib_method]
+
+            def static(dst: Path, nodes_to_quantize: list[str] | None = None, exclude: list[str] | None = None,
+                       use: list[dict[str, np.ndarray]] | None = None) -> None:
+                quantize_static(str(fp32), str(dst), _CalibReader(use or feeds), quant_format=QuantFormat.QDQ,
+                                op_types_to_quantize=["MatMul", "Gemm"], per_channel=cfg.per_channel,
+                                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                                nodes_to_quantize=nodes_to_quantize, nodes_to_exclude=exclude or [],
+                                calibrate_method=method)
+
+            excluded: list[str] = []
+            if cfg.fallback_layers > 0:
+                probe = feeds[: max(1, 16 // cfg.batch_size)]
+                sensitivity = {}
+                for node in tqdm(_weight_matmuls(fp32), desc="layer sensitivity", disable=None):
+                    static(work / "one.onnx", nodes_to_quantize=[node], use=probe)
+                    sensitivity[node] = _output_error(fp32, work / "one.onnx", probe)
+                excluded = sorted(sensitivity, key=sensitivity.get, reverse=True)[: cfg.fallback_layers]
+                details["sensitivity_top"] = {n: round(sensitivity[n], 5) for n in excluded}
+            static(out / ONNX_INT8, exclude=excluded)
+            details["fp32_nodes"] = excluded
+            details["calib_method"] = cfg.calib_method
+        if feeds:
+            details["output_rel_error"] = round(_output_error(fp32, out / ONNX_INT8, feeds), 5)
+    copy_side_files(model_dir, out)
+    (out / "config.json").write_text((model_dir / "config.json").read_text(encoding="utf-8"), encoding="utf-8")
+    return details
