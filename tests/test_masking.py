@@ -14,12 +14,16 @@ from encoderkit.tokenizer import load_tokenizer, word_start_table
 
 SEQ_LEN = 128
 # in the tiny tokenizer's vocabulary, plus words it splits into pieces (zebra -> z ##e ##b ##r ##a)
-TINY_WORDS = "the a of to and in is was it that movie film story good bad zebra quokka xylophone".split()
+TINY_WORDS = [
+    "the", "a", "of", "to", "and", "in", "is", "was", "it", "that",
+    "movie", "film", "story", "good", "bad", "zebra", "quokka", "xylophone",
+]
 
 
 def gutenberg_text(shared_data, name: str = "gitenberg/1342-0.txt.gz", chars: int = 150_000) -> str:
     """A slice of a Gutenberg book's body (after the licence header)."""
-    text = gzip.open(shared_data / "mlm_corpus_gutenberg" / name, "rt", encoding="utf-8").read()
+    with gzip.open(shared_data / "mlm_corpus_gutenberg" / name, "rt", encoding="utf-8") as f:
+        text = f.read()
     start = text.find("*** START OF")
     return text[text.find("\n", start) + 1:][:chars]
 
@@ -167,7 +171,8 @@ def test_mask_tokens_with_generator(tiny_masker_and_blocks):
     ids = torch.as_tensor(blocks).long()
     special = torch.isin(ids, torch.tensor(tok.all_special_ids))
     random_ids = torch.tensor([i for i in range(len(tok)) if i not in set(tok.all_special_ids)])
-    kw = dict(spec=MaskingSpec(rate=0.4), special_mask=special, mask_id=tok.mask_token_id, random_ids=random_ids)
+    kw = {"spec": MaskingSpec(rate=0.4), "special_mask": special, "mask_id": tok.mask_token_id,
+          "random_ids": random_ids}
     a = mask_tokens(ids, generator=torch.Generator().manual_seed(5), **kw)
     b = mask_tokens(ids, generator=torch.Generator().manual_seed(5), **kw)
     c = mask_tokens(ids, generator=torch.Generator().manual_seed(6), **kw)
@@ -192,6 +197,6 @@ def test_short_padded_rows_keep_the_rate_on_average(tiny_masker_and_blocks):
 
 def test_spec_validation():
     MaskingSpec(rate=0.4)
-    for bad in (dict(rate=0.0), dict(rate=1.0), dict(mask_frac=0.9, random_frac=0.2), dict(random_frac=-0.1)):
+    for bad in ({"rate": 0.0}, {"rate": 1.0}, {"mask_frac": 0.9, "random_frac": 0.2}, {"random_frac": -0.1}):
         with pytest.raises(EncoderkitError):
             MaskingSpec(**bad)

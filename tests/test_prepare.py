@@ -10,13 +10,25 @@ import numpy as np
 import pytest
 
 from encoderkit import cli
-from encoderkit.data.prepare import (PrepareConfig, decode_blocks, ensure_prepared, heldout_flags, open_blocks,
-                                     open_documents, read_meta, run)
-from encoderkit.data.readers import iter_documents
+from encoderkit.data.prepare import (
+    PrepareConfig,
+    decode_blocks,
+    ensure_prepared,
+    heldout_flags,
+    open_blocks,
+    open_documents,
+    read_meta,
+    run,
+    text_batches,
+)
+from encoderkit.data.readers import Document, iter_documents
 from encoderkit.errors import EncoderkitError
 from encoderkit.tokenizer import load_tokenizer
 
-TINY_WORDS = "the a of to and in is was it that movie film story good bad zebra quokka data model".split()
+TINY_WORDS = [
+    "the", "a", "of", "to", "and", "in", "is", "was", "it", "that",
+    "movie", "film", "story", "good", "bad", "zebra", "quokka", "data", "model",
+]
 
 
 def write_corpus(folder: Path, n_files: int = 3, docs_per_file: int = 15, seed: int = 0) -> list[Path]:
@@ -33,8 +45,8 @@ def write_corpus(folder: Path, n_files: int = 3, docs_per_file: int = 15, seed: 
 
 
 def prep_cfg(corpus, tokenizer, out, **kw) -> PrepareConfig:
-    base = dict(corpus=[str(c) for c in corpus], tokenizer=str(tokenizer), out=str(out), seq_len=16,
-                heldout=0.2, doc_split="blank_line")
+    base = {"corpus": [str(c) for c in corpus], "tokenizer": str(tokenizer), "out": str(out), "seq_len": 16,
+                "heldout": 0.2, "doc_split": "blank_line"}
     base.update(kw)
     return PrepareConfig(**base)
 
@@ -63,7 +75,8 @@ def test_packing_round_trip_and_heldout_split(tmp_path, tiny_tokenizer_dir):
     ids = meta["special_ids"]
     docs, _ = expected_streams(cfg, tok)
     tokens, offsets, heldout = open_documents(cfg.out)
-    assert len(offsets) == len(docs) + 1 and [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(docs))] == docs
+    assert len(offsets) == len(docs) + 1
+    assert [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(docs))] == docs
     assert 0 < heldout.sum() < len(docs)
     for split, member in (("train", ~heldout), ("heldout", heldout)):
         blocks = open_blocks(cfg.out, split)
@@ -97,6 +110,13 @@ def test_heldout_flags_fraction_minimum_and_determinism():
     assert np.array_equal(heldout_flags(30_000, 0.05, seed=3)[:20_000], flags)
 
 
+def test_text_batches_bound_documents_and_characters():
+    docs = [Document("x" * n, "f", i) for i, n in enumerate([5, 5, 5, 30, 1, 1, 1, 1])]
+    batches = list(text_batches(docs, max_docs=3, max_chars=12))
+    assert [len(t) for b in batches for t in b] == [5, 5, 5, 30, 1, 1, 1, 1]  # order kept, nothing lost
+    assert [len(b) for b in batches] == [2, 1, 1, 3, 1]  # a longer-than-budget document goes alone
+
+
 def mtimes(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
 
@@ -123,7 +143,8 @@ def test_cache_hit_rebuild_and_refusal(tmp_path, tiny_tokenizer_dir, capsys):
     assert read_meta(out)["fingerprint"] != fp
     # a changed input file's content shows in the counts
     corpus[0].write_text("zebra zebra zebra\n")
-    assert run(prep_cfg(corpus, tiny_tokenizer_dir, out, seq_len=32, overwrite=True)).meta["counts"] != rebuilt.meta["counts"]
+    changed = run(prep_cfg(corpus, tiny_tokenizer_dir, out, seq_len=32, overwrite=True))
+    assert changed.meta["counts"] != rebuilt.meta["counts"]
 
 
 def test_existing_folder_is_refused_and_errors_leave_nothing(tmp_path, tiny_tokenizer_dir):
@@ -155,6 +176,8 @@ def test_ensure_prepared_keys_the_cache_by_fingerprint(tmp_path, tiny_tokenizer_
     assert mtimes(first) == before
     second = ensure_prepared(prep_cfg(corpus, tiny_tokenizer_dir, "", seq_len=24), cache)
     assert second != first and open_blocks(second).shape[1] == 24 and open_blocks(first).shape[1] == 16
+    no_heldout = ensure_prepared(prep_cfg(corpus, tiny_tokenizer_dir, "", heldout=0.0), cache)
+    assert open_blocks(no_heldout, "heldout").shape == (0, 16) and read_meta(no_heldout)["counts"]["train"]["docs"] == 8
 
 
 def test_cli_prepare_and_inspect(tmp_path, tiny_tokenizer_dir, capsys):
@@ -181,7 +204,8 @@ def test_gutenberg_with_minilm_and_worker_processes(tmp_path, shared_data, minil
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for name in ("11-0.txt.gz", "35-0.txt.gz"):
-        text = gzip.open(shared_data / "mlm_corpus_gutenberg" / "gitenberg" / name, "rt", encoding="utf-8").read()
+        with gzip.open(shared_data / "mlm_corpus_gutenberg" / "gitenberg" / name, "rt", encoding="utf-8") as f:
+            text = f.read()
         (corpus / name.replace(".gz", "")).write_text(text[:120_000])
     cfg = prep_cfg([corpus], minilm_dir, tmp_path / "a", seq_len=128, heldout=0.05, batch_size=64)
     a = run(cfg)

@@ -194,7 +194,8 @@ class Masker:
             not spec.whole_word or word_start_table is not None,
             "whole-word masking needs the tokenizer's word-start table",
         )
-        self.word_start_table = None if word_start_table is None else torch.from_numpy(np.asarray(word_start_table, dtype=bool))
+        self.word_start_table = (None if word_start_table is None
+                                 else torch.from_numpy(np.asarray(word_start_table, dtype=bool)))
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, spec: MaskingSpec, seed: int) -> Masker:

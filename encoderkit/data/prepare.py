@@ -36,6 +36,7 @@ import hashlib
 import itertools
 import json
 import sys
+from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -47,8 +48,14 @@ import numpy as np
 from tqdm import tqdm
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.data.readers import (BUILTIN_PREFIX, DOC_SPLITS, HF_PREFIX, estimate_bytes, iter_documents,
-                                     resolve_sources)
+from encoderkit.data.readers import (
+    BUILTIN_PREFIX,
+    DOC_SPLITS,
+    HF_PREFIX,
+    estimate_bytes,
+    iter_documents,
+    resolve_sources,
+)
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, write_card, write_json_atomic
 from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -58,13 +65,13 @@ SPLITS = ("train", "heldout")
 # the files whose contents define a tokenizer (model weights and configs of a model folder are not hashed)
 HASHED_TOKENIZER_FILES = TOKENIZER_FILES + ("merges.txt", "added_tokens.json", "tokenizer_config.json",
                                             "special_tokens_map.json")
-_TOKEN_FLUSH = 1 << 22  # ids buffered in RAM before an append to tokens.bin
 
 
 @dataclass
 class PrepareConfig(StageConfig):
-    corpus: list[str] = arg(help="Text files, folders, globs, hf:NAME[:CONFIG][:SPLIT] or builtin:stdlib.", required=True)
-    tokenizer: str = arg(help="Tokenizer folder (from `encoderkit tokenizer train` or any HF model folder).", required=True)
+    corpus: list[str] = arg(  # noqa: RUF009 (arg() builds a dataclass field)
+        help="Text files, folders, globs, hf:NAME[:CONFIG][:SPLIT] or builtin:stdlib.", required=True)
+    tokenizer: str = arg(help="Tokenizer folder (`encoderkit tokenizer train` or any HF model).", required=True)
     out: str = arg("", help="Output folder for the token store (required for `data prepare`).")
     seq_len: int = arg(128, help="Tokens per packed block, [CLS] and [SEP]s included.")
     heldout: float = arg(0.01, help="Fraction of documents held out (at least one when > 0); 0 for none.")
@@ -117,8 +124,9 @@ def tokenizer_hash(folder: str | Path) -> str:
                            "or pass a model folder")
     h = hashlib.sha256()
     found = [n for n in HASHED_TOKENIZER_FILES if (folder / n).is_file()]
-    check(any(n in TOKENIZER_FILES for n in found), f"tokenizer folder {folder} holds none of {', '.join(TOKENIZER_FILES)}; "
-                       "pass a folder made by `encoderkit tokenizer train` or a Hugging Face model folder")
+    check(any(n in TOKENIZER_FILES for n in found),
+          f"tokenizer folder {folder} holds none of {', '.join(TOKENIZER_FILES)}; "
+          "pass a folder made by `encoderkit tokenizer train` or a Hugging Face model folder")
     for name in found:
         h.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
     return h.hexdigest()
@@ -187,9 +195,18 @@ def encode_batches(backend: Any, batches: Iterable[list[str]], num_workers: int)
             yield pending.popleft().result()
 
 
-def _batched(it: Iterable[Any], n: int) -> Iterator[list[Any]]:
-    it = iter(it)
-    while batch := list(itertools.islice(it, n)):
+def text_batches(docs: Iterable[Any], max_docs: int, max_chars: int = 1 << 24) -> Iterator[list[str]]:
+    """Texts of ``docs`` in batches of at most ``max_docs`` documents and (unless one document is
+    longer) ``max_chars`` characters, so that whole-file documents never pile up in RAM."""
+    batch: list[str] = []
+    chars = 0
+    for doc in docs:
+        if batch and (len(batch) >= max_docs or chars + len(doc.text) > max_chars):
+            yield batch
+            batch, chars = [], 0
+        batch.append(doc.text)
+        chars += len(doc.text)
+    if batch:
         yield batch
 
 
@@ -200,30 +217,24 @@ def tokenize_corpus(cfg: PrepareConfig, backend: Any, tokens_path: Path, dtype: 
                           text_column=cfg.text_column, skip_bad_encoding=cfg.skip_bad_encoding,
                           on_skip=lambda src, why: tqdm.write(f"skipped {src}: {why}", file=sys.stderr))
     bar = tqdm(total=estimate_bytes(cfg.corpus), unit="B", unit_scale=True, desc="tokenising", disable=None)
-    lengths: list[int] = []
-    buffer: list[np.ndarray] = []
-    buffered = 0
+    lengths = array("q")  # tokens per document: 8 bytes each, the only per-document state kept in RAM
+    n_tokens = 0
 
     def texts_with_progress() -> Iterator[list[str]]:
-        for batch in _batched(docs, cfg.batch_size):
-            bar.update(sum(len(d.text) for d in batch))
-            yield [d.text for d in batch]
+        for texts in text_batches(docs, cfg.batch_size):
+            bar.update(sum(map(len, texts)))
+            yield texts
 
-    with open(tokens_path, "wb") as f, bar:
+    with open(tokens_path, "wb", buffering=1 << 22) as f, bar:
         for ids in encode_batches(backend, texts_with_progress(), cfg.num_workers):
-            for seq in ids:
-                if seq:
-                    buffer.append(np.asarray(seq, dtype=dtype))
-                    lengths.append(len(seq))
-                    buffered += len(seq)
-            if buffered >= _TOKEN_FLUSH:
-                f.write(np.concatenate(buffer).tobytes())
-                buffer, buffered = [], 0
-            bar.set_postfix(docs=len(lengths), tokens=int(np.sum(lengths)) if lengths else 0, refresh=False)
-        if buffer:
-            f.write(np.concatenate(buffer).tobytes())
-    check(bool(lengths), f"the corpus {', '.join(cfg.corpus)} yields no tokens with tokenizer {cfg.tokenizer}")
-    return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))])
+            batch_lengths = [len(seq) for seq in ids]
+            flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=sum(batch_lengths))
+            f.write(flat.astype(dtype).tobytes())
+            lengths.extend(n for n in batch_lengths if n)
+            n_tokens += len(flat)
+            bar.set_postfix(docs=len(lengths), tokens=n_tokens, refresh=False)
+    check(n_tokens > 0, f"the corpus {', '.join(cfg.corpus)} yields no tokens with tokenizer {cfg.tokenizer}")
+    return np.concatenate([[0], np.cumsum(np.frombuffer(lengths, dtype=np.int64))])
 
 
 # -- splitting and packing -------------------------------------------------------------------------
@@ -341,12 +352,13 @@ def run(cfg: PrepareConfig) -> PrepareResult:
         for split, members in (("train", ~flags), ("heldout", flags)):
             doc_ids = np.flatnonzero(members)
             n_blocks = pack_split(tokens, offsets, doc_ids, tmp / f"{split}.npy", cfg.seq_len, ids, f"packing {split}")
-            counts[split] = {"docs": int(len(doc_ids)), "tokens": int((offsets[doc_ids + 1] - offsets[doc_ids]).sum()),
+            counts[split] = {"docs": len(doc_ids), "tokens": int((offsets[doc_ids + 1] - offsets[doc_ids]).sum()),
                              "blocks": n_blocks}
         del tokens
         tokenizer.save_pretrained(str(tmp))
         meta = {"format": FORMAT_VERSION, "fingerprint": fp, "seq_len": cfg.seq_len, "dtype": dtype.name,
-                "vocab_size": vocab_size, "special_ids": ids, "all_special_ids": [int(i) for i in tokenizer.all_special_ids],
+                "vocab_size": vocab_size, "special_ids": ids,
+                "all_special_ids": [int(i) for i in tokenizer.all_special_ids],
                 "last_block": "padded", "tokenizer": {"source": str(Path(cfg.tokenizer).resolve()), "sha256": tok_hash},
                 "counts": counts, "inputs": inputs, "config": cfg.result_dict()}
         write_json_atomic(tmp / "meta.json", meta)
