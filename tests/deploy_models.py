@@ -1,0 +1,43 @@
+"""Tiny task model folders for the deploy tests (export, runtime, serve): 2 layers, hidden 32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import tiny_bert_config
+
+TASK_CLASSES = {
+    "classify": "BertForSequenceClassification",
+    "rerank": "BertForSequenceClassification",
+    "ner": "BertForTokenClassification",
+    "qa": "BertForQuestionAnswering",
+    "embed": "BertModel",
+}
+LABELS = {"classify": ["negative", "positive"], "ner": ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]}
+
+
+def make_task_model(root: Path, tokenizer_dir: Path, task: str, seed: int = 0) -> Path:
+    """A randomly initialised tiny BERT with ``task``'s head, its tokenizer and encoderkit.json."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    from encoderkit.io import write_card
+
+    out = root / f"tiny_{task}"
+    if (out / "encoderkit.json").is_file():
+        return out
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    labels = LABELS.get(task, [])
+    kw = {}
+    if task == "rerank":
+        kw = {"num_labels": 1}
+    elif labels:
+        kw = {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "label2id": {v: i for i, v in enumerate(labels)}}
+    torch.manual_seed(seed)
+    model = getattr(transformers, TASK_CLASSES[task])(tiny_bert_config(len(tok), **kw))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    extra = {"pooling": "mean", "normalize": True} if task == "embed" else {}
+    write_card(out, "finetune", None, {}, task=task, labels=labels, **extra)
+    return out
