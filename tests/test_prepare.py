@@ -17,8 +17,10 @@ from encoderkit.data.prepare import (
     heldout_flags,
     open_blocks,
     open_documents,
+    pack_split,
     read_meta,
     run,
+    split_stream,
     text_batches,
 )
 from encoderkit.data.readers import Document, iter_documents
@@ -108,6 +110,22 @@ def test_heldout_flags_fraction_minimum_and_determinism():
     assert heldout_flags(10, 0.0, seed=0).sum() == 0 and heldout_flags(1, 0.3, seed=0).sum() == 0
     # adding documents never moves an earlier one between splits
     assert np.array_equal(heldout_flags(30_000, 0.05, seed=3)[:20_000], flags)
+
+
+def test_pack_split_layout(tmp_path):
+    """[CLS] + 3 stream tokens per block (seq_len 4); the stream is doc, [SEP], doc, [SEP]...; last block padded."""
+    cls, sep, pad = 101, 102, 0
+    tokens = np.arange(1, 12, dtype=np.uint16)  # docs: [1 2 3 4 5] [6 7] [8 9 10 11]
+    offsets = np.array([0, 5, 7, 11])
+    ids = {"cls": cls, "sep": sep, "pad": pad}
+    assert pack_split(tokens, offsets, np.array([0, 2]), tmp_path / "a.npy", 4, ids, "test") == 4
+    assert np.load(tmp_path / "a.npy").tolist() == [
+        [cls, 1, 2, 3], [cls, 4, 5, sep], [cls, 8, 9, 10], [cls, 11, sep, pad]]
+    assert pack_split(tokens, offsets, np.array([1]), tmp_path / "b.npy", 4, ids, "test") == 1
+    assert np.load(tmp_path / "b.npy").tolist() == [[cls, 6, 7, sep]]
+    pieces = list(split_stream(tokens, offsets, np.array([0, 1, 2]), sep, chunk=2))
+    assert max(map(len, pieces)) == 2  # a long document is read in slices
+    assert np.concatenate(pieces).tolist() == [1, 2, 3, 4, 5, sep, 6, 7, sep, 8, 9, 10, 11, sep]
 
 
 def test_text_batches_bound_documents_and_characters():

@@ -255,6 +255,17 @@ def heldout_flags(n_docs: int, fraction: float, seed: int) -> np.ndarray:
     return flags
 
 
+def split_stream(tokens: np.ndarray, offsets: np.ndarray, doc_ids: np.ndarray, sep: int,
+                 chunk: int = 1 << 20) -> Iterator[np.ndarray]:
+    """A split's token stream in pieces: each document (in slices of at most ``chunk`` ids, so a
+    huge document is never read whole) followed by [SEP]."""
+    sep_piece = np.array([sep], dtype=tokens.dtype)
+    for d in doc_ids:
+        for start in range(int(offsets[d]), int(offsets[d + 1]), chunk):
+            yield tokens[start:min(start + chunk, int(offsets[d + 1]))]
+        yield sep_piece
+
+
 def pack_split(tokens: np.ndarray, offsets: np.ndarray, doc_ids: np.ndarray, out_path: Path, seq_len: int,
                ids: dict[str, int], desc: str) -> int:
     """Write the blocks of the documents ``doc_ids`` (in order) to ``out_path`` as an (N, seq_len) .npy.
@@ -262,43 +273,40 @@ def pack_split(tokens: np.ndarray, offsets: np.ndarray, doc_ids: np.ndarray, out
     tokens: (T,) memmap; offsets: (n_docs + 1,) int64. Returns N.
     """
     body = seq_len - 1
-    lengths = offsets[doc_ids + 1] - offsets[doc_ids]
-    n_stream = int(lengths.sum()) + len(doc_ids)
+    n_stream = int((offsets[doc_ids + 1] - offsets[doc_ids]).sum()) + len(doc_ids)
     n_blocks = -(-n_stream // body)
     blocks = np.lib.format.open_memmap(out_path, mode="w+", dtype=tokens.dtype, shape=(n_blocks, seq_len))
-    if n_blocks == 0:
-        del blocks
-        return 0
-    blocks[:, 0] = ids["cls"]
-    sep = np.array([ids["sep"]], dtype=tokens.dtype)
-    row, carry = 0, np.zeros(0, dtype=tokens.dtype)
     rows_per_write = max(1, (1 << 20) // body)
+    row = 0
+
+    def write_rows(stream: np.ndarray, n_rows: int) -> None:
+        nonlocal row
+        rows = np.empty((n_rows, seq_len), dtype=tokens.dtype)
+        rows[:, 0] = ids["cls"]
+        rows[:, 1:] = stream[:n_rows * body].reshape(n_rows, body)
+        blocks[row:row + n_rows] = rows
+        row += n_rows
+        bar.update(n_rows)
+
     with tqdm(total=n_blocks, unit="block", desc=desc, disable=None) as bar:
-        pieces: list[np.ndarray] = [carry]
+        pieces: list[np.ndarray] = []
         have = 0
-        for d in doc_ids:
-            pieces += [tokens[offsets[d]:offsets[d + 1]], sep]
-            have += int(offsets[d + 1] - offsets[d]) + 1
+        for piece in split_stream(tokens, offsets, doc_ids, ids["sep"]):
+            pieces.append(piece)
+            have += len(piece)
             if have >= rows_per_write * body:
                 stream = np.concatenate(pieces)
                 full = len(stream) // body
-                blocks[row:row + full, 1:] = stream[:full * body].reshape(full, body)
-                row += full
-                bar.update(full)
+                write_rows(stream, full)
                 pieces, have = [stream[full * body:]], len(stream) - full * body
-        stream = np.concatenate(pieces)
-        full = len(stream) // body
-        blocks[row:row + full, 1:] = stream[:full * body].reshape(full, body)
-        row += full
-        if len(stream) > full * body:  # the last partial block, padded at its end
-            rest = stream[full * body:]
-            blocks[row, 1:1 + len(rest)] = rest
-            blocks[row, 1 + len(rest):] = ids["pad"]
-            row += 1
-        bar.update(n_blocks - bar.n)
+        if have:
+            stream = np.concatenate(pieces)
+            full = len(stream) // body
+            write_rows(stream, full)
+            if len(stream) > full * body:  # the last partial block, padded at its end
+                write_rows(np.concatenate([stream[full * body:], np.full(body, ids["pad"], tokens.dtype)]), 1)
     assert row == n_blocks, (row, n_blocks)
     blocks.flush()
-    del blocks
     return n_blocks
 
 
