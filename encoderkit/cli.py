@@ -35,6 +35,9 @@ STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("plan",): ("encoderkit.compress.plan:PlanConfig:run", "plan a compression recipe for a situation, with reasons; --run backs off"),
     ("finetune",): ("encoderkit.train.finetune:FinetuneConfig:run", "train a task head: classify, ner, qa, rerank, embed"),
     ("evaluate",): ("encoderkit.evaluate.run:EvaluateConfig:run", "task metrics of a model folder on labelled data (JSON)"),
+    ("export",): ("encoderkit.deploy.export:ExportConfig:run", "export a task model to ONNX (fused, optional INT8), parity-checked"),
+    ("predict",): ("encoderkit.deploy.runtime:PredictConfig:run", "run a task model over a .txt/.jsonl file into JSONL results"),
+    ("serve",): ("encoderkit.deploy.serve:ServeConfig:run", "HTTP service with micro-batching: classify/extract/answer/rerank/embed"),
 }
 
 
