@@ -23,11 +23,13 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.tasks import TaskInfo, check_servable, detect_task, load_torch_model, onnx_file
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, read_card
@@ -300,3 +302,107 @@ def describe(p: Predictor) -> dict[str, Any]:
     card = read_card(p.folder)
     return {"folder": str(p.folder), "task": p.task, "backend": p.backend, "labels": p.info.labels,
             "max_length": p.max_length, "max_batch": p.max_batch, "stage": card.get("stage")}
+
+
+# -- `encoderkit predict` ---------------------------------------------------------------------
+
+@dataclass
+class PredictConfig(StageConfig):
+    """Settings of ``encoderkit predict``."""
+
+    model: str = arg(help="Task model folder (or its ONNX export).", required=True)
+    input: str = arg(help="Input: .txt (one text per line) or .jsonl with text / text_pair / question+context "
+                          "/ query+passages fields.", required=True)
+    output: str = arg(help="Output .jsonl file: one result per input record, in order.", required=True)
+    backend: str = arg("auto", help="Inference backend.", choices=BACKENDS)
+    dim: int | None = arg(None, help="embed: keep the first dim dimensions (Matryoshka), then renormalise.")
+    overwrite: bool = arg(False, help="Replace an existing --output file.")
+    threads: int | None = arg(None, help="onnxruntime intra-op threads.", speed=True)
+    max_batch: int = arg(32, help="Texts per model call.", speed=True)
+
+    def validate(self) -> None:
+        check(self.max_batch >= 1, "--max-batch must be at least 1")
+
+
+@dataclass
+class PredictResult:
+    output: Path
+    records: int
+    task: str
+    backend: str
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        return {"output": str(self.output), "records": self.records, "task": self.task, "backend": self.backend,
+                "seconds": round(self.seconds, 3), "records_per_s": round(self.records / max(self.seconds, 1e-9), 1)}
+
+
+def read_records(path: Path, task: str) -> list[dict[str, Any]]:
+    """Input records: a .txt file gives {"text": line} per non-empty line; .jsonl one object per line."""
+    import json
+
+    if not path.is_file():
+        raise EncoderkitError(f"input file {path} does not exist")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise EncoderkitError(f"{path} is not UTF-8 text ({e}); re-encode it as UTF-8") from e
+    need = {"qa": ("question", "context"), "rerank": ("query", "passages")}.get(task, ("text",))
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            if task in ("qa", "rerank"):
+                raise EncoderkitError(f"{path}: a {task} model needs a .jsonl input with fields {', '.join(need)}")
+            records.append({"text": line})
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EncoderkitError(f"{path}:{n}: not valid JSON ({e})") from e
+        if not isinstance(rec, dict) or any(not rec.get(k) for k in need):
+            raise EncoderkitError(f"{path}:{n}: a {task} record needs non-empty fields {', '.join(need)}")
+        records.append(rec)
+    if not records:
+        raise EncoderkitError(f"{path} holds no records")
+    return records
+
+
+def predict_records(p: Predictor, records: list[dict[str, Any]], dim: int | None = None) -> list[dict[str, Any]]:
+    """One result dict per input record (the record's ``id`` is copied when present)."""
+    if p.task == "classify":
+        pairs = [(r["text"], r["text_pair"]) if r.get("text_pair") else r["text"] for r in records]
+        results = p.classify(pairs)
+    elif p.task == "ner":
+        results = [{"entities": e} for e in p.extract([r["text"] for r in records])]
+    elif p.task == "qa":
+        results = p.answer([r["question"] for r in records], [r["context"] for r in records])
+    elif p.task == "rerank":
+        results = [{"ranking": p.rerank(r["query"], list(r["passages"]))} for r in records]
+    else:
+        vectors = p.embed([r["text"] for r in records], dim=dim)
+        results = [{"embedding": v.tolist()} for v in vectors]
+    return [({"id": r["id"]} if "id" in r else {}) | res for r, res in zip(records, results, strict=True)]
+
+
+def run(cfg: PredictConfig) -> PredictResult:
+    """Run a task model over a file of texts and write one JSON result per line.
+
+    Example: encoderkit predict --model runs/sst2 --input reviews.txt --output preds.jsonl
+    """
+    import json
+    import time
+
+    from encoderkit.io import write_text_atomic
+
+    out = Path(cfg.output)
+    if out.exists() and not cfg.overwrite:
+        raise EncoderkitError(f"output file {out} exists; pass --overwrite to replace it")
+    p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.max_batch)
+    records = read_records(Path(cfg.input), p.task)
+    start = time.perf_counter()
+    results = predict_records(p, records, cfg.dim)
+    seconds = time.perf_counter() - start
+    write_text_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
+    return PredictResult(out, len(results), p.task, p.backend, seconds)
