@@ -74,6 +74,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cfg_cls: type[StageConfig]
             continue
         if typing.get_origin(base) is list:
             kwargs["nargs"] = "+"
+            kwargs["action"] = "extend"  # --model a --model b == --model a b
             kwargs["metavar"] = f.name.upper()
         elif meta.get("choices"):
             kwargs["choices"] = list(meta["choices"])
