@@ -197,6 +197,9 @@ def test_short_padded_rows_keep_the_rate_on_average(tiny_masker_and_blocks):
 
 def test_spec_validation():
     MaskingSpec(rate=0.4)
+    with pytest.raises(EncoderkitError, match="word_start"):
+        mask_tokens(torch.zeros(1, 4, dtype=torch.long), spec=MaskingSpec(whole_word=True),
+                    special_mask=torch.zeros(1, 4, dtype=torch.bool), mask_id=1, random_ids=torch.tensor([2]))
     for bad in ({"rate": 0.0}, {"rate": 1.0}, {"mask_frac": 0.9, "random_frac": 0.2}, {"random_frac": -0.1}):
         with pytest.raises(EncoderkitError):
             MaskingSpec(**bad)

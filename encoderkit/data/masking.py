@@ -112,7 +112,9 @@ def apply_masking(
     n_eligible = eligible.sum(dim=1).double()  # (B,)
     exact = spec.rate * n_eligible
     budget = (exact.floor() + (draws[1][:, 0].double() < exact - exact.floor()).double()).long()  # (B,)
-    if spec.whole_word and word_start is not None:
+    check(not spec.whole_word or word_start is not None, "whole-word masking needs word_start (B, L): which tokens "
+                                                            "begin a word (encoderkit.tokenizer.word_start_table)")
+    if spec.whole_word:
         picked = _pick_whole_words(eligible, word_start.bool(), draws[0], budget)
     else:
         picked = _pick_tokens(eligible, draws[0], budget)
@@ -227,7 +229,7 @@ class Masker:
         check(len(block_index) == B, f"got {B} blocks but {len(block_index)} block indices")
         draws = block_draws(self.seed, epoch, np.asarray(block_index), L)
         word_start = None
-        if self.spec.whole_word and self.word_start_table is not None:
+        if self.spec.whole_word:
             word_start = self.word_start_table[ids.clamp(0, len(self.word_start_table) - 1)]
         masked, labels = apply_masking(ids, spec=self.spec, eligible=~self.special_mask(ids), mask_id=self.mask_id,
                                        random_ids=self.random_ids, word_start=word_start, draws=draws)
