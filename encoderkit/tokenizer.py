@@ -37,6 +37,7 @@ DEFAULT_SPECIALS: dict[str, dict[str, str]] = {
     "bpe": {"cls": "<s>", "pad": "<pad>", "sep": "</s>", "unk": "<unk>", "mask": "<mask>"},
 }
 BYTE_ALPHABET = 256
+TRAIN_PIECE_CHARS = 1 << 16  # long documents reach the trainer in pieces of at most this many characters
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
                    "tokenizer.model")
 
@@ -69,14 +70,12 @@ class TokenizerConfig(StageConfig):
     text_column: str = arg("text", help="CSV / TSV / Parquet column that holds the text.")
     skip_bad_encoding: bool = arg(False, help="Leave out files that are not UTF-8 (counted) instead of stopping.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
-    batch_size: int = arg(1000, help="Documents handed to the trainer per batch.", speed=True)
 
     def validate(self) -> None:
         check(self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}")
         check(self.min_frequency >= 1, "min_frequency must be at least 1")
         check(self.model_max_length >= 8, "model_max_length must be at least 8")
         check(self.max_documents >= 0, "max_documents must be 0 (all) or positive")
-        check(self.batch_size >= 1, "batch_size must be at least 1")
         roles, extra = special_token_roles(self.kind, self.special_tokens)
         n_special = len(roles) + len(extra)
         need = n_special + (BYTE_ALPHABET if self.kind == "bpe" else 1)
@@ -189,26 +188,37 @@ def wrap_fast(tok: Any, kind: str, roles: dict[str, str], extra: list[str], mode
                                    padding_side="right", truncation_side="right", **kw)
 
 
-def _text_batches(cfg: TokenizerConfig, stats: ReadStats) -> Iterator[list[str]]:
-    """Lists of up to ``cfg.batch_size`` document texts, with a progress bar over the corpus bytes."""
+def split_long_text(text: str, max_chars: int = TRAIN_PIECE_CHARS) -> Iterator[str]:
+    """``text`` in pieces of at most about ``max_chars`` characters, cut just after a newline (or,
+    for a single huge line, after a space), so the words the pre-tokenizer sees do not change."""
+    start = 0
+    while len(text) - start > max_chars:
+        cut = text.rfind("\n", start, start + max_chars)
+        if cut < 0:
+            cut = text.rfind(" ", start, start + max_chars)
+        end = cut + 1 if cut >= start else start + max_chars
+        yield text[start:end]
+        start = end
+    if start < len(text):
+        yield text[start:]
+
+
+def _training_texts(cfg: TokenizerConfig, stats: ReadStats) -> Iterator[str]:
+    """The corpus as a stream of strings of at most ``TRAIN_PIECE_CHARS`` characters (the trainer
+    buffers a few hundred items ahead, so bounded pieces bound memory), with a progress bar."""
     from tqdm.auto import tqdm
 
     docs = iter_documents(cfg.corpus, doc_split=cfg.doc_split, text_field=cfg.text_field,
                           text_column=cfg.text_column, skip_bad_encoding=cfg.skip_bad_encoding,
                           on_skip=lambda src, why: tqdm.write(f"skipped {src}: {why}"), stats=stats)
     total = estimate_bytes(cfg.corpus)
-    batch: list[str] = []
     with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizer: reading corpus", disable=None) as bar:
         for doc in docs:
-            batch.append(doc.text)
-            bar.update(len(doc.text.encode("utf-8")))
-            if len(batch) >= cfg.batch_size:
-                yield batch
-                batch = []
+            for piece in split_long_text(doc.text):
+                yield piece
+                bar.update(len(piece.encode("utf-8")))
             if cfg.max_documents and stats.documents >= cfg.max_documents:
                 break
-        if batch:
-            yield batch
 
 
 def run(cfg: TokenizerConfig) -> Result:
@@ -222,15 +232,17 @@ def run(cfg: TokenizerConfig) -> Result:
     stats = ReadStats()
     with output_dir(cfg.out, cfg.overwrite) as tmp:
         tok, _ = build_backend(cfg.kind, cfg.is_lowercase, roles)
-        tok.train_from_iterator(_text_batches(cfg, stats), trainer=_trainer(cfg, special_tokens))
+        tok.train_from_iterator(_training_texts(cfg, stats), trainer=_trainer(cfg, special_tokens))
         size = tok.get_vocab_size(with_added_tokens=True)
         if size > cfg.vocab_size:
             raise EncoderkitError(
                 f"vocab_size={cfg.vocab_size} is too small for this corpus: the {len(special_tokens)} special "
                 f"tokens and the corpus alphabet (characters, and their '##' forms) already take {size}; "
                 f"raise --vocab-size above {size} or lower --limit-alphabet")
-        for t in special_tokens:
-            check(tok.token_to_id(t) is not None, f"special token {t!r} missing after training (internal error)")
+        check([tok.token_to_id(t) for t in special_tokens] == list(range(len(special_tokens))),
+              "special tokens did not get the first ids after training (internal error)")
+        if cfg.kind == "wordpiece":
+            renumber_wordpiece(tok, special_tokens, roles["unk"])
         tok.post_processor = _post_processor(cfg.kind, tok, roles)
         fast = wrap_fast(tok, cfg.kind, roles, extra, cfg.model_max_length)
         fast.save_pretrained(str(tmp))
@@ -248,6 +260,26 @@ def run(cfg: TokenizerConfig) -> Result:
     return Result(out=str(cfg.out), kind=cfg.kind, vocab_size=size, documents=stats.documents,
                   text_bytes=stats.text_bytes, skipped_files=stats.skipped_files,
                   seconds=round(time.perf_counter() - started, 2), notes=notes)
+
+
+def renumber_wordpiece(tok: Any, special_tokens: list[str], unk_token: str) -> None:
+    """Give a trained WordPiece vocabulary canonical ids: special tokens first (in their order), then
+    the rest sorted by (piece length without ``##``, continuation or not, text).
+
+    The HF WordPiece trainer numbers the ``##`` pieces in hash-map order (huggingface/tokenizers#1794),
+    so two runs on the same corpus number the same vocabulary differently. WordPiece encodes by
+    vocabulary membership alone, so renumbering changes the ids and nothing else; with it, equal
+    vocabularies give byte-identical tokenizers. (Ties between equally frequent merges can still pick
+    different pieces on a tiny corpus; byte-level BPE training is deterministic.)
+    """
+    from tokenizers import models
+
+    vocab = tok.get_vocab(with_added_tokens=False)
+    specials = set(special_tokens)
+    rest = sorted((t for t in vocab if t not in specials),
+                  key=lambda t: (len(t.removeprefix("##")), t.startswith("##"), t))
+    tok.model = models.WordPiece(vocab={t: i for i, t in enumerate(special_tokens + rest)}, unk_token=unk_token,
+                                 continuing_subword_prefix="##", max_input_chars_per_word=100)
 
 
 def _portable_class_name(folder: Path) -> None:
