@@ -208,7 +208,9 @@ def run_lever(lever: str, call: dict[str, Any], model_dir: Path, out_dir: Path, 
     if lever == "distill":
         fn(cls.from_dict({**call, "teacher": str(model_dir), "out": str(out_dir)}, source=where))
     else:
-        cfg = cls.from_dict({**call, "model": str(model_dir), "out": str(out_dir)}, source=where)
+        # the runner measures every step itself; the lever's own before/after timing would double the time
+        quiet = {"measure": False} if "measure" in {f.name for f in dataclasses.fields(cls)} else {}
+        cfg = cls.from_dict({**quiet, **call, "model": str(model_dir), "out": str(out_dir)}, source=where)
         fn(model_dir, cfg, out_dir)
 
 
