@@ -216,6 +216,23 @@ def test_cli_prepare_and_inspect(tmp_path, tiny_tokenizer_dir, capsys):
     assert cli.main(argv[:-1] + ["line"]) == 2 and "--overwrite" in capsys.readouterr().err
 
 
+def test_large_vocab_is_stored_as_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {w: i for i, w in enumerate(specials + [f"w{i}" for i in range(70_000)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                            sep_token="[SEP]", mask_token="[MASK]").save_pretrained(tmp_path / "big_tok")
+    (tmp_path / "c.txt").write_text("w1 w69999 w65600\n\nw70 w65535 w65536\n")
+    result = run(prep_cfg([tmp_path / "c.txt"], tmp_path / "big_tok", tmp_path / "store", heldout=0.0))
+    assert result.meta["dtype"] == "uint32"
+    stream = unpack(np.asarray(open_blocks(result.out)), 2, 0)
+    assert stream == [6, 70_004, 65_605, 3, 75, 65_540, 65_541, 3]
+
+
 @pytest.mark.slow
 def test_gutenberg_with_minilm_and_worker_processes(tmp_path, shared_data, minilm_dir):
     """Real text, the real WordPiece vocabulary; two tokenising processes give the same store."""
