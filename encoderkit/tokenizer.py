@@ -9,8 +9,8 @@ Two kinds, both trained with HF ``tokenizers`` and saved as a standard HF tokeni
 - ``bpe``: RoBERTa-style byte-level BPE: every byte is in the alphabet, so no input is ever
   unknown and ``decode(encode(x)) == x``; ``<s> A </s>`` / ``<s> A </s></s> B </s>``.
 
-The corpus is streamed (documents are read, batched and handed to the trainer; nothing holds the
-whole corpus). :func:`word_start_table` says which token ids begin a word, for whole-word masking.
+The corpus is streamed: documents are read one at a time and reach the trainer in pieces of at
+most ``TRAIN_PIECE_CHARS`` characters, so memory holds the word counts, never the corpus. :func:`word_start_table` says which token ids begin a word, for whole-word masking.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ class TokenizerConfig(StageConfig):
 
 
 def special_token_roles(kind: str, overrides: list[str]) -> tuple[dict[str, str], list[str]]:
-    """``(role -> token in id order, extra special tokens)`` from the kind's defaults and ``ROLE=TOKEN``
-    overrides (an override moves its role to the given position of the order)."""
+    """``(role -> token, extra special tokens)`` from the kind's defaults and ``ROLE=TOKEN`` overrides.
+    The dict's order is the id order: overridden roles first, in the order given, then the other
+    defaults; extra tokens follow them."""
     given: dict[str, str] = {}
     extra: list[str] = []
     for item in overrides:
@@ -129,9 +130,9 @@ class Result:
         return {k: v for k, v in self.__dict__.items() if k != "notes" or v}
 
 
-def build_backend(kind: str, lowercase: bool, roles: dict[str, str]) -> tuple[Any, Any]:
-    """An untrained ``tokenizers.Tokenizer`` (normalizer, pre-tokenizer, decoder) and its model class
-    name; the post-processor is added after training, when the special token ids are known."""
+def build_backend(kind: str, lowercase: bool, roles: dict[str, str]) -> Any:
+    """An untrained ``tokenizers.Tokenizer`` (model, normalizer, pre-tokenizer, decoder); the
+    post-processor is added after training, when the special token ids are known."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     if kind == "wordpiece":
@@ -146,7 +147,7 @@ def build_backend(kind: str, lowercase: bool, roles: dict[str, str]) -> tuple[An
             tok.normalizer = normalizers.Lowercase()
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
-    return tok, kind
+    return tok
 
 
 def _trainer(cfg: TokenizerConfig, special_tokens: list[str]) -> Any:
@@ -231,7 +232,7 @@ def run(cfg: TokenizerConfig) -> Result:
     started = time.perf_counter()
     stats = ReadStats()
     with output_dir(cfg.out, cfg.overwrite) as tmp:
-        tok, _ = build_backend(cfg.kind, cfg.is_lowercase, roles)
+        tok = build_backend(cfg.kind, cfg.is_lowercase, roles)
         tok.train_from_iterator(_training_texts(cfg, stats), trainer=_trainer(cfg, special_tokens))
         size = tok.get_vocab_size(with_added_tokens=True)
         if size > cfg.vocab_size:
