@@ -201,9 +201,9 @@ def test_parse_hf_spec():
 
 
 def test_builtin_stdlib_is_deterministic_and_skips_tests():
-    first = list(itertools.islice(iter_documents(["builtin:stdlib"]), 25))
-    again = list(itertools.islice(iter_documents(["builtin:stdlib"]), 25))
-    assert first == again and len(first) == 25
+    first = list(itertools.islice(iter_documents(["builtin:stdlib"]), 6))
+    again = list(itertools.islice(iter_documents(["builtin:stdlib"]), 6))
+    assert first == again and len(first) == 6
     assert all(d.text.strip() and d.source.startswith("builtin:stdlib/") for d in first)
     assert [d.source for d in first] == sorted(d.source for d in first)
     assert not any("/test/" in f.as_posix() or "/idlelib/" in f.as_posix() for f in stdlib_files())
