@@ -41,3 +41,22 @@ def make_task_model(root: Path, tokenizer_dir: Path, task: str, seed: int = 0) -
     extra = {"pooling": "mean", "normalize": True} if task == "embed" else {}
     write_card(out, "finetune", None, {}, task=task, labels=labels, **extra)
     return out
+
+
+def export_task_model(root: Path, tokenizer_dir: Path, task: str) -> Path:
+    """``make_task_model`` exported to ONNX FP32 and INT8 (``model.onnx`` + ``model.int8.onnx``); reused per session."""
+    from encoderkit.deploy.export import ExportConfig, run
+
+    out = root / f"tiny_{task}_onnx"
+    if not (out / "encoderkit.json").is_file():
+        src = make_task_model(root, tokenizer_dir, task)
+        # the fusion pass is slow; it is exercised on two tasks only
+        run(ExportConfig(model=str(src), out=str(out), optimize=task in ("classify", "qa"), quantize="int8-dynamic"))
+    return out
+
+
+def tiny_root(tmp_path_factory) -> Path:
+    """One folder per test session for the tiny task models, so each is built and exported once."""
+    root = tmp_path_factory.getbasetemp() / "deploy_models"
+    root.mkdir(exist_ok=True)
+    return root

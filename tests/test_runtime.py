@@ -1,0 +1,172 @@
+"""Predictor: same results on every backend, independent of batch order and padding; NER/QA structure; predict CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from deploy_models import export_task_model, make_task_model, tiny_root
+
+from encoderkit.cli import main
+from encoderkit.deploy.runtime import Predictor, finish_embeddings
+from encoderkit.errors import EncoderkitError
+
+TEXTS = ["the movie was great fun", "dull", "a boring story that never ends , and the worst film of all time",
+         "she said that he had a good time", "python code and data", "love it !"]
+LONG = " ".join(["the man said that paris was a great city"] * 30)  # ~300 tokens, over the tiny model's 128
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_tokenizer_dir):
+    root = tiny_root(tmp_path_factory)
+    return {t: export_task_model(root, tiny_tokenizer_dir, t) for t in ("classify", "rerank", "ner", "qa", "embed")}
+
+
+def _load_all(folder, **kw):
+    return {b: Predictor.load(folder, backend=b, **kw) for b in ("torch-fp32", "onnx-fp32", "onnx-int8")}
+
+
+def test_classify_backends_agree_and_order_does_not_matter(folders):
+    ps = _load_all(folders["classify"], max_batch=2)
+    ref = ps["torch-fp32"].classify(TEXTS)
+    for name, p in ps.items():
+        got = p.classify(TEXTS)
+        tol = 2e-2 if name == "onnx-int8" else 1e-5
+        for r, g in zip(ref, got, strict=True):
+            assert set(g) == {"label", "score", "scores"} and set(g["scores"]) == {"negative", "positive"}
+            assert abs(sum(g["scores"].values()) - 1) < 1e-5
+            assert abs(r["scores"]["positive"] - g["scores"]["positive"]) < tol
+    # shuffled inputs, other batch size: each result follows its text
+    perm = np.random.default_rng(0).permutation(len(TEXTS))
+    big = Predictor.load(folders["classify"], backend="onnx-fp32", max_batch=64)
+    shuffled = big.classify([TEXTS[i] for i in perm])
+    for k, i in enumerate(perm):
+        assert abs(shuffled[k]["score"] - ref[i]["score"]) < 1e-5
+    # a text alone equals the same text batched with a long one (padding does not leak)
+    alone = big.classify([TEXTS[1]])[0]["scores"]["positive"]
+    assert abs(alone - big.classify([LONG, TEXTS[1]])[1]["scores"]["positive"]) < 1e-5
+
+
+def test_classify_truncates_long_text_and_takes_pairs(folders):
+    p = Predictor.load(folders["classify"], backend="onnx-fp32")
+    ids = p.tokenizer(LONG, truncation=True, max_length=p.max_length)["input_ids"]
+    cut = p.tokenizer.decode(ids[1:-1])
+    assert p.max_length == 128 and len(p.tokenizer(LONG)["input_ids"]) > 128
+    assert abs(p.classify([LONG])[0]["score"] - p.classify([cut])[0]["score"]) < 1e-5
+    pair = p.classify([("the movie", "was great")])[0]
+    assert abs(pair["score"] - p.classify(["the movie"])[0]["score"]) > 1e-7  # the pair's second text counts
+
+
+def test_embed_backends_matryoshka_and_pooling(folders):
+    ps = _load_all(folders["embed"], max_batch=3)
+    ref = ps["torch-fp32"].embed(TEXTS)
+    assert ref.shape == (6, 32) and np.allclose(np.linalg.norm(ref, axis=1), 1, atol=1e-5)
+    np.testing.assert_allclose(ps["onnx-fp32"].embed(TEXTS), ref, atol=1e-5)
+    assert ((ps["onnx-int8"].embed(TEXTS) * ref).sum(1) > 0.98).all()
+    p = ps["onnx-fp32"]
+    raw = p.embed_raw(TEXTS)
+    small = p.embed(TEXTS, dim=8)
+    np.testing.assert_allclose(small, raw[:, :8] / np.linalg.norm(raw[:, :8], axis=1, keepdims=True), atol=1e-6)
+    np.testing.assert_allclose(p.embed(TEXTS, normalize=False), raw, atol=1e-6)
+    with pytest.raises(EncoderkitError, match="dim=64"):
+        finish_embeddings(raw, 64, True)
+    # mean pooling over real tokens only: the same text alone or beside a long one
+    np.testing.assert_allclose(p.embed([TEXTS[1]]), p.embed([LONG, TEXTS[1]])[1:], atol=1e-5)
+
+
+def test_rerank_scores_and_ranking(folders):
+    ps = _load_all(folders["rerank"])
+    scores = ps["torch-fp32"].score_pairs(["good movie"] * len(TEXTS), TEXTS)
+    np.testing.assert_allclose(ps["onnx-fp32"].score_pairs(["good movie"] * len(TEXTS), TEXTS), scores, atol=1e-5)
+    ranking = ps["onnx-fp32"].rerank("good movie", TEXTS)
+    assert sorted(r["index"] for r in ranking) == list(range(len(TEXTS)))
+    assert [r["index"] for r in ranking] == list(np.argsort(-scores, kind="stable"))
+
+
+def test_extract_spans_and_striding(folders):
+    ps = _load_all(folders["ner"], max_batch=2)
+    texts = ["Angela said that Paris was great", LONG]
+    ref = ps["torch-fp32"].extract(texts)
+    got = ps["onnx-fp32"].extract(texts)
+    assert [[(e["start"], e["end"], e["label"]) for e in ents] for ents in got] == \
+        [[(e["start"], e["end"], e["label"]) for e in ents] for ents in ref]
+    assert all(abs(a["score"] - b["score"]) < 1e-5 for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=True))
+    labels = {"PER", "LOC"}
+    for text, ents in zip(texts, ref, strict=True):
+        for e in ents:
+            assert set(e) == {"entity", "label", "start", "end", "score"}
+            assert text[e["start"]:e["end"]] == e["entity"] and e["label"] in labels and 0 <= e["score"] <= 1
+    # the long text is cut into windows, not truncated: words past the first window are tagged too
+    p = ps["onnx-fp32"]
+    first_window_chars = len(p.tokenizer.decode(p.tokenizer(LONG, truncation=True, max_length=128)["input_ids"][1:-1]))
+    tagged = {(e["start"], e["end"]) for e in ref[1]}
+    assert tagged and max(s for s, _ in tagged) > first_window_chars
+
+
+def test_answer_spans_and_long_context(folders):
+    ps = _load_all(folders["qa"])
+    questions = ["who was in paris ?", "what was great ?"]
+    contexts = ["the man was in paris and it was great", LONG]
+    ref = ps["torch-fp32"].answer(questions, contexts)
+    got = ps["onnx-fp32"].answer(questions, contexts)
+    for c, r, g in zip(contexts, ref, got, strict=True):
+        assert set(r) == {"answer", "start", "end", "score"}
+        assert c[r["start"]:r["end"]] == r["answer"] and r["answer"]
+        assert (g["start"], g["end"]) == (r["start"], r["end"]) and abs(g["score"] - r["score"]) < 1e-4
+    with pytest.raises(EncoderkitError, match="2 questions but 1 contexts"):
+        ps["onnx-fp32"].answer(questions, contexts[:1])
+
+
+def test_auto_backend_and_wrong_task_calls(folders, tmp_path_factory, tiny_tokenizer_dir):
+    assert Predictor.load(folders["classify"]).backend == "onnx-int8"
+    assert Predictor.load(folders["ner"]).backend == "onnx-fp32"
+    with pytest.raises(EncoderkitError, match="is a 'ner' model"):
+        Predictor.load(folders["ner"], backend="onnx-fp32").classify(["x"])
+    with pytest.raises(EncoderkitError, match="backend 'gpu'"):
+        Predictor.load(folders["ner"], backend="gpu")
+
+
+def test_auto_exports_a_plain_folder_once(tmp_path_factory, tiny_tokenizer_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+    src = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+    p = Predictor.load(src)
+    assert p.backend == "onnx-int8"
+    cached = list((tmp_path / "cache" / "onnx").iterdir())
+    assert len(cached) == 1 and (cached[0] / "model.int8.onnx").is_file() and (cached[0] / "model.onnx").is_file()
+    Predictor.load(src, backend="onnx-fp32")
+    assert list((tmp_path / "cache" / "onnx").iterdir()) == cached  # reused, not exported again
+
+
+def test_predict_cli_txt_and_jsonl(folders, tmp_path):
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS[:3]) + "\n\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["predict", "--model", str(folders["classify"]), "--input", str(tmp_path / "in.txt"),
+                 "--output", str(out), "--backend", "onnx-fp32", "--max-batch", "2"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ref = Predictor.load(folders["classify"], backend="onnx-fp32").classify(TEXTS[:3])
+    assert [r["label"] for r in rows] == [r["label"] for r in ref]
+    assert main(["predict", "--model", str(folders["classify"]), "--input", str(tmp_path / "in.txt"),
+                 "--output", str(out)]) == 2  # exists, no --overwrite
+    qa_in = tmp_path / "qa.jsonl"
+    qa_in.write_text(json.dumps({"id": 7, "question": "who ?", "context": "the man"}) + "\n")
+    assert main(["predict", "--model", str(folders["qa"]), "--input", str(qa_in), "--output", str(tmp_path / "qa.out")]) == 0
+    row = json.loads((tmp_path / "qa.out").read_text())
+    assert row["id"] == 7 and "the man"[row["start"]:row["end"]] == row["answer"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "who ?"}\n')
+    assert main(["predict", "--model", str(folders["qa"]), "--input", str(bad), "--output", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.slow
+def test_minilm_int8_matches_sentence_transformers(minilm_dir, shared_data, tmp_path, monkeypatch):
+    from sentence_transformers import SentenceTransformer
+
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+    lines = (shared_data / "glue_sst2" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:129]
+    texts = [line.split("\t")[0] for line in lines]
+    ref = SentenceTransformer(str(minilm_dir), device="cpu").encode(texts, normalize_embeddings=True)
+    p = Predictor.load(minilm_dir)
+    assert p.backend == "onnx-int8" and p.info.pooling == "mean" and p.max_length == 256
+    cos = (p.embed(texts) * ref).sum(1)
+    assert cos.mean() >= 0.99 and cos.min() >= 0.95
