@@ -1,0 +1,213 @@
+"""Fine-tuning end to end on tiny models: each head learns an easy synthetic task, its folder
+loads in plain transformers (and sentence-transformers for embed) with the same predictions,
+and bad input fails with a clear error and no output folder."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.train.finetune import FinetuneConfig, run
+
+POS, NEG, FILL = ["good", "great", "best", "love", "fun"], ["bad", "worst", "dull", "boring"], ["the", "a", "movie", "film", "story", "was", "it"]
+TOPICS = ["python", "data", "code", "movie", "love", "time", "man", "story"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread (and far faster on a shared machine); restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _tsv(path: Path, n: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    lines = ["sentence\tlabel"]
+    for _ in range(n):
+        y = rng.randint(0, 1)
+        words = rng.sample(FILL, 3) + [rng.choice(POS if y else NEG)]
+        rng.shuffle(words)
+        lines.append(" ".join(words) + f"\t{'pos' if y else 'neg'}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _cfg(tmp_path: Path, model: Path, **kw) -> FinetuneConfig:
+    base = dict(model=str(model), out=str(tmp_path / "out"), lr=1e-3, epochs=3, batch_size=16, eval_batch_size=64, seed=0)
+    base.update(kw)
+    return FinetuneConfig(**base)
+
+
+@pytest.mark.slow
+def test_classify_learns_saves_and_loads_in_plain_transformers(tmp_path, tiny_bert_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+
+    train, dev = _tsv(tmp_path / "train.tsv", 320, 0), _tsv(tmp_path / "dev.tsv", 64, 1)
+    res = run(_cfg(tmp_path, tiny_bert_dir, task="classify", train=str(train), dev=str(dev), epochs=5))
+    assert res.metrics["accuracy"] >= 0.95  # chance is ~0.5: the keyword decides the label
+    card = json.loads((res.out / "encoderkit.json").read_text())
+    assert card["task"] == "classify" and card["labels"] == ["neg", "pos"] and card["pooling"] == "first"
+    model = AutoModelForSequenceClassification.from_pretrained(res.out).eval()
+    assert model.config.id2label == {0: "neg", 1: "pos"}
+    tok = AutoTokenizer.from_pretrained(res.out)
+    with torch.no_grad():
+        logits = model(**tok(["the movie was great", "the film was dull"], return_tensors="pt", padding=True)).logits
+    assert logits.argmax(-1).tolist() == [1, 0]
+    ev = evaluate(EvaluateConfig(model=str(res.out), data=str(dev)))  # task from encoderkit.json
+    assert ev.task == "classify" and ev.metrics["accuracy"] == pytest.approx(res.metrics["accuracy"])
+
+
+@pytest.mark.slow
+def test_ner_learns_and_loads(tmp_path, tiny_bert_dir):
+    from transformers import AutoModelForTokenClassification
+
+    rng = random.Random(0)
+
+    def conll(path: Path, n: int) -> Path:
+        lines = []
+        for _ in range(n):
+            for _ in range(rng.randint(3, 7)):
+                r = rng.random()
+                if r < 0.2:
+                    lines += ["python X I-LANG", "code X I-LANG"]
+                elif r < 0.4:
+                    lines.append(f"{rng.choice(['he', 'she', 'man'])} X I-PER")
+                else:
+                    lines.append(f"{rng.choice(FILL)} X O")
+            lines.append("")
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    train, dev = conll(tmp_path / "train.conll", 240), conll(tmp_path / "dev.conll", 40)
+    res = run(_cfg(tmp_path, tiny_bert_dir, task="ner", train=str(train), dev=str(dev), max_length=16, stride=4,
+                   epochs=10, lr=3e-3))
+    assert res.metrics["f1"] >= 0.8  # an untrained head finds almost no entity
+    model = AutoModelForTokenClassification.from_pretrained(res.out)
+    assert set(model.config.id2label.values()) == {"O", "B-LANG", "I-LANG", "B-PER", "I-PER"}
+
+
+@pytest.mark.slow
+def test_qa_learns_and_loads(tmp_path, tiny_bert_dir):
+    from transformers import AutoModelForQuestionAnswering
+
+    rng = random.Random(0)
+
+    def squad(path: Path, n: int) -> Path:
+        paras = []
+        for i in range(n):
+            words = rng.sample(FILL + ["he", "she", "time", "story"], 8)
+            ans = rng.choice(["python", "data", "code"])
+            words.insert(rng.randint(0, 8), ans)
+            ctx = " ".join(words)
+            paras.append({"context": ctx, "qas": [{"id": str(i), "question": "which one ?",
+                                                   "answers": [{"text": ans, "answer_start": ctx.index(ans)}]}]})
+        path.write_text(json.dumps({"data": [{"title": f"t{j}", "paragraphs": paras[j::4]} for j in range(4)]}))
+        return path
+
+    train, dev = squad(tmp_path / "train.json", 320), squad(tmp_path / "dev.json", 48)
+    res = run(_cfg(tmp_path, tiny_bert_dir, task="qa", train=str(train), dev=str(dev), max_length=32, doc_stride=8))
+    assert res.metrics["exact_match"] >= 0.9
+    assert isinstance(AutoModelForQuestionAnswering.from_pretrained(res.out).qa_outputs, torch.nn.Linear)
+
+
+def _pairs(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        topic, *others = rng.sample(TOPICS, 4)
+        passage = lambda t: " ".join(rng.sample(FILL, 3) + [t])  # noqa: E731
+        rows.append({"query": topic, "positive": passage(topic), "negatives": [passage(t) for t in others]})
+    return rows
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.slow
+def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    from encoderkit.tasks.common import load_tokenizer
+    from encoderkit.tasks.rerank import score_pairs
+
+    train, dev = _jsonl(tmp_path / "train.jsonl", _pairs(320, 0)), _jsonl(tmp_path / "dev.jsonl", _pairs(40, 1))
+    res = run(_cfg(tmp_path, tiny_bert_dir, task="rerank", train=str(train), dev=str(dev), max_length=16, epochs=10, lr=3e-3))
+    assert res.metrics["mrr@10"] >= 0.7  # chance MRR over 4 candidates is ~0.52
+    model = AutoModelForSequenceClassification.from_pretrained(res.out)
+    assert model.config.num_labels == 1
+    s = score_pairs(model, load_tokenizer(res.out), "python", ["the movie python", "the movie data"], 16)
+    assert s[0] > s[1]
+
+
+@pytest.mark.slow
+def test_embed_learns_and_loads_in_sentence_transformers(tmp_path, tiny_bert_dir):
+    st = pytest.importorskip("sentence_transformers")
+    from encoderkit.tasks.common import load_tokenizer
+    from encoderkit.tasks.embed import encode, load_bi_encoder
+
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    rows = _pairs(40, 1)
+    docs = {f"d{i}": r["positive"] for i, r in enumerate(rows)}
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n" for k, v in docs.items()))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": r["query"]}) + "\n" for i, r in enumerate(rows)))
+    # every document on the query's topic is relevant
+    qrels = [f"q{i}\td{j}\t1" for i, r in enumerate(rows) for j, s in enumerate(rows) if s["positive"].split()[-1] == r["query"]]
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(qrels) + "\n")
+    train = _jsonl(tmp_path / "train.jsonl", _pairs(320, 0))
+    res = run(_cfg(tmp_path, tiny_bert_dir, task="embed", train=str(train), dev=f"{beir}#test", max_length=16,
+                   matryoshka_dims=[16], epochs=2))
+    assert res.metrics["ndcg@10"] >= 0.9
+    for f in ("modules.json", "1_Pooling/config.json", "sentence_bert_config.json"):
+        assert (res.out / f).is_file()
+    texts = ["the movie python", "a story data"]
+    ours = encode(load_bi_encoder(res.out), load_tokenizer(res.out), texts, 16)
+    theirs = st.SentenceTransformer(str(res.out), device="cpu").encode(texts)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+# -- bad input: clear errors, no output ------------------------------------------------------
+
+
+def test_bad_inputs_raise_and_leave_no_output(tmp_path, tiny_bert_dir):
+    train = _tsv(tmp_path / "train.tsv", 64, 0)
+    out = tmp_path / "out"
+    with pytest.raises(EncoderkitError, match=r"no column 'text'.*--label-column"):
+        run(_cfg(tmp_path, tiny_bert_dir, task="classify", train=str(train), label_column="text"))
+    dev = tmp_path / "dev.tsv"
+    dev.write_text("sentence\tlabel\nthe movie\tneutral\n")
+    with pytest.raises(EncoderkitError, match=r"dev.tsv:2: label 'neutral' does not occur in the training data"):
+        run(_cfg(tmp_path, tiny_bert_dir, task="classify", train=str(train), dev=str(dev)))
+    dev.write_text("sentence\tlabel\n  \tpos\n")
+    with pytest.raises(EncoderkitError, match=r"dev.tsv:2: column 'sentence' is empty"):
+        run(_cfg(tmp_path, tiny_bert_dir, task="classify", train=str(train), dev=str(dev)))
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text((tiny_bert_dir / "config.json").read_text())
+    with pytest.raises(EncoderkitError, match="no tokenizer files"):
+        run(_cfg(tmp_path, no_tok, task="classify", train=str(train)))
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_long_texts_are_truncated_for_classify(tiny_bert_dir):
+    from encoderkit.tasks.classify import featurize
+    from encoderkit.tasks.common import load_tokenizer
+
+    tok = load_tokenizer(tiny_bert_dir)
+    rows = featurize(tok, ["the movie " * 100, "good"], ["a story " * 100, "fun"], max_length=24)
+    assert len(rows[0]["input_ids"]) == 24 and rows[0]["input_ids"][-1] == tok.sep_token_id
+    assert 1 in rows[0]["token_type_ids"]  # the pair's second text survives truncation
+    assert len(rows[1]["input_ids"]) == 5  # [CLS] good [SEP] fun [SEP]
