@@ -18,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from encoderkit.compress.packing import QTensor, QuantSpec, quantize_codes, scale_zero
+from encoderkit.compress.packing import QTensor, QuantSpec, scale_zero
 from encoderkit.errors import EncoderkitError
 
 
@@ -47,7 +48,7 @@ class HessianAccumulator:
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, act_order: bool = True,
                   damp: float = 0.01, block_size: int = 128) -> QTensor:
     """Quantize ``weight (out, in)`` given the Hessian ``H (in, in)`` of its inputs; returns codes + scales."""
-    W = weight.detach().double().clone()
+    W = weight.detach().float().clone()
     H = H.double().clone()
     out_f, in_f = W.shape
     if H.shape != (in_f, in_f):
@@ -58,37 +59,45 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, act
     perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(in_f)
     W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.mean(torch.diag(H)) * torch.eye(in_f, dtype=H.dtype)
-    try:
-        U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    try:  # U: upper Cholesky factor of H^-1 (float64 for the factorisations, float32 for the sweep)
+        Hinv = torch.cholesky_solve(torch.eye(in_f, dtype=H.dtype), torch.linalg.cholesky(H))
+        U = torch.linalg.cholesky(Hinv, upper=True).float()
     except torch.linalg.LinAlgError as e:
         raise EncoderkitError("GPTQ: the Hessian is not positive definite; raise --damp (e.g. 0.1) "
                               "or use more calibration samples") from e
 
+    # The column sweep runs in NumPy on the transposed matrix (columns as contiguous rows): it is
+    # thousands of tiny rank-1 updates, where torch's intra-op threading costs more than the math.
     gs = in_f if spec.group_size <= 0 else spec.group_size
-    codes = torch.zeros_like(W)
+    lo, hi = spec.qrange()
+    Wt = W.T.contiguous().numpy()  # (in, out), permuted column order
+    Un = U.numpy()
+    codes = np.zeros_like(Wt)
     scales: list[torch.Tensor] = []
     zeros: list[torch.Tensor] = []
-    scale = zero = None
+    scale = zero = np.zeros(out_f, dtype=np.float32)
     for i1 in range(0, in_f, block_size):
         i2 = min(i1 + block_size, in_f)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
+        W1 = Wt[i1:i2].copy()
+        Err1 = np.zeros_like(W1)
+        U1 = Un[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
             if col % gs == 0:  # new group: range from its (error-updated) columns
-                group = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :gs]
-                scale, zero = scale_zero(group.float(), spec)
-                scales.append(scale)
-                zeros.append(zero if zero is not None else torch.zeros_like(scale))
-            w = W1[:, i]
-            q = quantize_codes(w[:, None].float(), scale, zero, spec)[:, 0].double()
-            deq = (q - (zero.double() if zero is not None else 0.0)) * scale.double()
-            codes[:, col] = q
-            err = (w - deq) / U1[i, i]
-            W1[:, i:] -= err[:, None] @ U1[i, i:][None, :]
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+                group = np.concatenate([W1[i:], Wt[i2:]], axis=0)[:gs]
+                s_t, z_t = scale_zero(torch.from_numpy(np.ascontiguousarray(group.T)), spec)
+                scales.append(s_t)
+                zeros.append(z_t if z_t is not None else torch.zeros_like(s_t))
+                scale = s_t.numpy()
+                zero = z_t.numpy() if z_t is not None else np.zeros_like(scale)
+            w = W1[i]
+            q = np.clip(np.rint(w / scale) + zero, lo, hi)
+            codes[col] = q
+            err = (w - (q - zero) * scale) / U1[i, i]
+            W1[i:] -= np.outer(U1[i, i:], err)
+            Err1[i] = err
+        Wt[i2:] -= Un[i1:i2, i2:].T @ Err1
+    codes = torch.from_numpy(codes.T.copy())
 
     inv = torch.argsort(perm)
     g_idx = (torch.arange(in_f) // gs)[inv] if act_order and spec.group_size > 0 else None
