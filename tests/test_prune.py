@@ -133,3 +133,26 @@ def test_bad_inputs_are_clear_errors(tiny_classifier, tmp_path) -> None:
     with pytest.raises(EncoderkitError, match="calib-data"):
         prune(tiny_classifier, _cfg(method="heads", importance="taylor"), tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.gpu
+def test_two_four_runs_on_semi_structured_kernels() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("2:4 semi-structured kernels need a CUDA GPU")
+    from transformers import BertForSequenceClassification
+
+    from encoderkit.compress.prune import to_semi_structured_gpu
+
+    torch.manual_seed(0)  # kernel shape limits: sizes multiple of 64
+    model = BertForSequenceClassification(tiny_bert_config(256, hidden_size=128, intermediate_size=256)).eval()
+    with torch.no_grad():
+        for name, mask in semi_structured_masks(model).items():
+            model.get_submodule(name).weight.mul_(mask)
+    dense = BertForSequenceClassification(model.config).eval()
+    dense.load_state_dict(model.state_dict())
+    dense = dense.half().cuda()
+    model = model.half().cuda()
+    assert to_semi_structured_gpu(model) == 12
+    x = torch.randint(5, 250, (32, 64), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=x).logits, dense(input_ids=x).logits, atol=2e-2, rtol=2e-2)

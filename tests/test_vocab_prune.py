@@ -63,3 +63,25 @@ def test_vocab_prune_keeps_tokenisation_and_predictions(tiny_classifier, tmp_pat
 def test_vocab_prune_needs_data(tiny_classifier, tmp_path) -> None:
     with pytest.raises(EncoderkitError, match="vocab-data"):
         prune(tiny_classifier, PruneConfig(method="vocab", measure=False), tmp_path / "v")
+
+
+@pytest.mark.slow
+def test_vocab_prune_real_minilm_on_sst2_dev(minilm_dir, shared_data, tmp_path) -> None:
+    """On all-MiniLM-L6-v2 with SST-2 dev: identical tokens and embeddings, far fewer bytes."""
+    from transformers import AutoModel, AutoTokenizer
+
+    dev = shared_data / "glue_sst2" / "dev.tsv"
+    rep = prune(minilm_dir, PruneConfig(method="vocab", vocab_data=[str(dev)], measure=False), tmp_path / "v")
+    texts = [line.split("\t")[0] for line in dev.read_text().splitlines()[1:]]
+    old_tok, new_tok = AutoTokenizer.from_pretrained(minilm_dir), AutoTokenizer.from_pretrained(tmp_path / "v")
+    old_ids, new_ids = old_tok(texts)["input_ids"], new_tok(texts)["input_ids"]
+    assert [old_tok.convert_ids_to_tokens(r) for r in old_ids] == [new_tok.convert_ids_to_tokens(r) for r in new_ids]
+    assert rep.details["vocab_size"][0] == 30522 and rep.details["vocab_size"][1] < 6000
+    assert rep.after["weight_bytes"] < 0.7 * rep.before["weight_bytes"]
+    enc_old = old_tok(texts[:16], padding=True, return_tensors="pt")
+    enc_new = new_tok(texts[:16], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        a = AutoModel.from_pretrained(minilm_dir)(**enc_old).last_hidden_state
+        b = AutoModel.from_pretrained(tmp_path / "v")(**enc_new).last_hidden_state
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert (tmp_path / "v" / "modules.json").is_file()  # still a sentence-transformers folder

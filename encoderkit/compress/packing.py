@@ -215,9 +215,14 @@ def read_config(folder: str | Path) -> dict[str, Any]:
 
 
 def is_quantized(folder: str | Path) -> bool:
-    """True when ``folder`` holds an encoderkit-quantized (or ONNX-int8) model."""
+    """True when ``folder`` holds an encoderkit-quantized model or only an INT8 ONNX graph.
+
+    A folder with fp32 weights *and* an exported ``model.int8.onnx`` beside them is not: its
+    weights can still be quantized.
+    """
     folder = Path(folder)
-    return QUANT_KEY in read_config(folder) or (folder / QUANT_FILE).is_file() or (folder / "model.int8.onnx").is_file()
+    onnx_only = (folder / "model.int8.onnx").is_file() and not (folder / "model.safetensors").is_file()
+    return QUANT_KEY in read_config(folder) or (folder / QUANT_FILE).is_file() or onnx_only
 
 
 def model_class(config: Any) -> Any:

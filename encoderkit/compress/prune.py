@@ -231,7 +231,9 @@ def to_semi_structured_gpu(model: torch.nn.Module) -> int:
         raise EncoderkitError("2:4 semi-structured kernels need a CUDA GPU; on CPU the masked model runs dense")
     n = 0
     for _, lin in _linears(model):
-        lin.weight = torch.nn.Parameter(to_sparse_semi_structured(lin.weight.detach().half().cuda()), requires_grad=False)
+        w = lin.weight.detach()
+        w = w if w.dtype in (torch.float16, torch.bfloat16) else w.half()
+        lin.weight = torch.nn.Parameter(to_sparse_semi_structured(w.cuda()), requires_grad=False)
         n += 1
     return n
 
