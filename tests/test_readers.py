@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import gzip
+import io
 import itertools
 import json
 import re
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -130,6 +132,41 @@ def test_headerless_tsv_by_column_number(shared_data):
     docs = list(iter_documents(str(src), text_column="1"))
     assert [d.text for d in docs] == [r.split("\t")[1].strip() for r in rows]
     assert docs[0].line == 1
+
+
+def test_zip_members_by_extension_sorted(shared_data, tmp_path):
+    src = shared_data / "scifact" / "scifact_hf_export.zip"
+    archive = tmp_path / "claims.zip"
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(archive, "w") as out:
+        for name in ("claims_validation.csv", "claims_test.csv"):  # written unsorted on purpose
+            out.writestr(name, z.read(name))
+        out.writestr("__MACOSX/._claims_test.csv", b"\x00\x05junk")
+        out.writestr("notes.txt", "A plain note.\n")
+    with zipfile.ZipFile(src) as z:
+        expected = [r["claim"].strip() for name in ("claims_test.csv", "claims_validation.csv")
+                    for r in csv.DictReader(io.StringIO(z.read(name).decode("utf-8")))]
+    docs = list(iter_documents(str(archive), text_column="claim", doc_split="line"))
+    assert [d.text for d in docs] == expected + ["A plain note."]
+    assert docs[0].source == f"{archive}::claims_test.csv" and docs[0].line == 2
+    assert docs[-1].source == f"{archive}::notes.txt"
+    with pytest.raises(EncoderkitError, match=r"claims\.zip::claims_test\.csv:1: no column 'title'"):
+        list(iter_documents(str(archive), text_column="title"))
+    with zipfile.ZipFile(archive) as z:
+        assert estimate_bytes(str(archive)) == sum(i.file_size for i in z.infolist())
+
+
+def test_tar_gz_of_peps_one_document_per_member(shared_data):
+    src = shared_data / "domain_corpus_python_peps" / "peps.tar.gz"
+    listed = (shared_data / "domain_corpus_python_peps" / "SHA256SUMS.peps").read_text().split("\n")
+    names = [line.split()[1] for line in listed if line.strip()]
+    stats = ReadStats()
+    docs = list(iter_documents(str(src), stats=stats))
+    assert [d.source.split("::peps/")[1] for d in docs] == names  # archive order, one per member
+    assert stats.files == len(names) == 703
+    with tarfile.open(src) as tar:
+        raw = tar.extractfile("peps/pep-0008.rst").read().decode("utf-8")  # type: ignore[union-attr]
+    pep8 = next(d for d in docs if d.source.endswith("pep-0008.rst"))
+    assert pep8.text == raw.replace("\r\n", "\n").strip()
 
 
 def test_parquet(tmp_path):
@@ -278,6 +315,10 @@ def test_table_without_the_column_lists_columns(tmp_path):
     with pytest.raises(EncoderkitError, match=r"t\.csv:1: no column 'text'.*columns found: id, body"):
         list(iter_documents(str(csv_path)))
     assert [d.text for d in iter_documents(str(csv_path), text_column="body")] == ["hello, world"]
+    headerless = tmp_path / "h.csv"
+    headerless.write_text('1,"a, b"\n2,"multi\nline"\n3,c\n', encoding="utf-8")
+    docs = list(iter_documents(str(headerless), text_column="1"))
+    assert [(d.text, d.line) for d in docs] == [("a, b", 1), ("multi\nline", 2), ("c", 4)]
     tsv_path = tmp_path / "t.tsv"
     tsv_path.write_text("id\tbody\n1\tfine\n2\n", encoding="utf-8")
     with pytest.raises(EncoderkitError, match=r"t\.tsv:3: 1 tab-separated field"):

@@ -11,6 +11,9 @@ came from) so that nothing holds a whole corpus in memory. A *source* is one of:
   means a CSV/TSV file without a header row, and the column of that 0-based index. **Any other
   extension is read as plain UTF-8 text**, split into documents by ``doc_split``: ``"file"`` (the
   whole file is one document), ``"blank_line"`` (paragraphs separated by blank lines) or ``"line"``.
+- an archive (``.zip``, ``.tar``, ``.tar.gz``, ``.tgz``): every non-hidden member, read by its own
+  extension as above and named ``ARCHIVE::MEMBER`` in documents and errors (zip members in sorted
+  order, tar members in archive order);
 - a folder: every non-hidden file below it, recursively, in sorted order;
 - a glob (``data/**/*.txt``), expanded in sorted order; it must match something;
 - ``hf:NAME[:CONFIG][:SPLIT]``: a dataset through ``datasets.load_dataset`` (streamed from the hub),
@@ -27,8 +30,11 @@ from __future__ import annotations
 import csv
 import glob
 import gzip
+import io
 import json
 import struct
+import tarfile
+import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +48,9 @@ HF_PREFIX = "hf:"
 BUILTIN_PREFIX = "builtin:"
 _GLOB_CHARS = "*?["
 
+ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
+MEMBER_SEP = "::"  # an archive member's source name: ARCHIVE::MEMBER
+Opener = Callable[[], BinaryIO]
 SkipCallback = Callable[[str, str], None]
 """Called as ``on_skip(source, reason)`` for each file left out (``skip_bad_encoding=True``)."""
 
@@ -141,13 +150,13 @@ def estimate_bytes(sources: str | Path | Iterable[str | Path]) -> int | None:
     for src in resolve_sources(sources):
         if src.startswith((HF_PREFIX, BUILTIN_PREFIX)):
             return None
-        total += _uncompressed_size(Path(src))
+        total += _archive_bytes(Path(src)) if is_archive(src) else _uncompressed_size(Path(src))
     return total
 
 
 def _uncompressed_size(path: Path) -> int:
     size = path.stat().st_size
-    if path.suffix.lower() != ".gz" or size < 18:
+    if not path.name.lower().endswith((".gz", ".tgz")) or size < 18:
         return size
     with open(path, "rb") as f:  # ISIZE: the last 4 bytes, the uncompressed size mod 2**32 (an estimate)
         f.seek(-4, 2)
@@ -184,16 +193,21 @@ def iter_documents(
 def _iter_resolved(files: list[str], doc_split: str, text_field: str, text_column: str,
                    skip_bad_encoding: bool, on_skip: SkipCallback | None, stats: ReadStats) -> Iterator[Document]:
     for src in files:
-        stats.files += 1
-        if skip_bad_encoding and not src.startswith((HF_PREFIX, BUILTIN_PREFIX)) and source_format(src) != "parquet":
-            bad = first_bad_utf8_offset(src)
-            if bad is not None:
-                stats.skipped_files += 1
-                reason = f"not UTF-8 (first bad byte at offset {bad})"
-                if on_skip is not None:
-                    on_skip(src, reason)
-                continue
-        for doc in _read_one(src, doc_split, text_field, text_column):
+        if src.startswith(HF_PREFIX):
+            stats.files += 1
+            docs: Iterable[Document] = read_hf(src, text_field)
+        elif src.startswith(BUILTIN_PREFIX):
+            from encoderkit.data.builtin_corpus import BUILTIN_CORPORA
+
+            stats.files += 1
+            docs = BUILTIN_CORPORA[src[len(BUILTIN_PREFIX):]]()
+        elif is_archive(src):
+            docs = (doc for name, opener in iter_archive(src)
+                    for doc in _read_file(f"{src}{MEMBER_SEP}{name}", doc_split, text_field, text_column,
+                                          skip_bad_encoding, on_skip, stats, opener))
+        else:
+            docs = _read_file(src, doc_split, text_field, text_column, skip_bad_encoding, on_skip, stats)
+        for doc in docs:
             stats.documents += 1
             stats.text_bytes += len(doc.text.encode("utf-8"))
             yield doc
@@ -204,39 +218,79 @@ def _iter_resolved(files: list[str], doc_split: str, text_field: str, text_colum
                               "and that the files are not empty")
 
 
-def _read_one(src: str, doc_split: str, text_field: str, text_column: str) -> Iterator[Document]:
-    if src.startswith(HF_PREFIX):
-        yield from read_hf(src, text_field)
-    elif src.startswith(BUILTIN_PREFIX):
-        from encoderkit.data.builtin_corpus import BUILTIN_CORPORA
-
-        yield from BUILTIN_CORPORA[src[len(BUILTIN_PREFIX):]]()
+def _read_file(path: str, doc_split: str, text_field: str, text_column: str, skip_bad_encoding: bool,
+               on_skip: SkipCallback | None, stats: ReadStats, opener: Opener | None = None) -> Iterator[Document]:
+    """The documents of one file (or archive member ``path`` = ``ARCHIVE::MEMBER`` opened by ``opener``)."""
+    stats.files += 1
+    fmt = source_format(path)
+    if skip_bad_encoding and fmt != "parquet":
+        bad = first_bad_utf8_offset(path, opener)
+        if bad is not None:
+            stats.skipped_files += 1
+            if on_skip is not None:
+                on_skip(path, f"not UTF-8 (first bad byte at offset {bad})")
+            return
+    if fmt == "jsonl":
+        yield from read_jsonl(path, text_field, opener)
+    elif fmt in ("csv", "tsv"):
+        yield from read_table(path, text_column, "," if fmt == "csv" else "\t", opener)
+    elif fmt == "parquet":
+        yield from read_parquet(path, text_column, opener)
     else:
-        fmt = source_format(src)
-        if fmt == "jsonl":
-            yield from read_jsonl(src, text_field)
-        elif fmt in ("csv", "tsv"):
-            yield from read_table(src, text_column, delimiter="," if fmt == "csv" else "\t")
-        elif fmt == "parquet":
-            yield from read_parquet(src, text_column)
-        else:
-            yield from read_text(src, doc_split)
+        yield from read_text(path, doc_split, opener)
+
+
+# -- archives --------------------------------------------------------------------------------------
+def is_archive(path: str) -> bool:
+    return path.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def _hidden(name: str) -> bool:
+    return any(part.startswith(".") or part == "__MACOSX" for part in name.split("/") if part)
+
+
+def iter_archive(path: str) -> Iterator[tuple[str, Opener]]:
+    """``(member name, opener)`` for each regular, non-hidden file of a .zip (in sorted name order) or a
+    .tar/.tar.gz/.tgz (in archive order, read in one pass; each member is held in memory while read)."""
+    try:
+        if path.lower().endswith(".zip"):
+            with zipfile.ZipFile(path) as z:
+                names = sorted(i.filename for i in z.infolist() if not i.is_dir() and not _hidden(i.filename))
+                for name in names:
+                    yield name, lambda n=name: z.open(n)  # type: ignore[misc]
+            return
+        with tarfile.open(path, "r:*") as tar:
+            for member in tar:
+                if member.isfile() and not _hidden(member.name):
+                    data = tar.extractfile(member).read()  # type: ignore[union-attr]
+                    yield member.name, lambda d=data: io.BytesIO(d)  # type: ignore[misc]
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError, gzip.BadGzipFile) as e:
+        raise EncoderkitError(f"cannot read archive {path}: {e}; check that the file is complete") from e
+
+
+def _archive_bytes(path: Path) -> int:
+    if path.name.lower().endswith(".zip"):
+        with zipfile.ZipFile(path) as z:
+            return sum(i.file_size for i in z.infolist())
+    return _uncompressed_size(path)
 
 
 # -- bytes to lines ------------------------------------------------------------------------------
-def _open_binary(path: str) -> BinaryIO:
-    if path.lower().endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
+def _open_binary(path: str, opener: Opener | None = None) -> BinaryIO:
+    """``path`` (or the archive member ``opener`` opens) as a binary stream, gunzipped if it ends in .gz."""
+    if opener is None:
+        return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")  # type: ignore[return-value]
+    raw = opener()
+    return gzip.GzipFile(fileobj=raw, mode="rb") if path.lower().endswith(".gz") else raw  # type: ignore[return-value]
 
 
-def decoded_lines(path: str, keep_ends: bool = False) -> Iterator[tuple[int, str]]:
+def decoded_lines(path: str, keep_ends: bool = False, opener: Opener | None = None) -> Iterator[tuple[int, str]]:
     """Yield ``(line_number, text)`` for each line of a (possibly gzipped) UTF-8 file, with the line
     ending (``\\n`` or ``\\r\\n``) removed unless ``keep_ends``, and a leading BOM dropped. A byte that is not UTF-8 raises
     :class:`EncoderkitError` with its line and byte offset (in the uncompressed stream)."""
     offset = 0
     try:
-        with _open_binary(path) as f:
+        with _open_binary(path, opener) as f:
             for number, raw in enumerate(f, start=1):
                 try:
                     line = raw.decode("utf-8")
@@ -246,7 +300,7 @@ def decoded_lines(path: str, keep_ends: bool = False) -> Iterator[tuple[int, str
                 if number == 1 and line.startswith("\ufeff"):
                     line = line[1:]
                 yield number, line if keep_ends or not line.endswith("\n") else line.rstrip("\r\n")
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, gzip.BadGzipFile, zipfile.BadZipFile, tarfile.TarError) as e:
         raise EncoderkitError(f"cannot read {path}: {e}; check that the file is complete (a .gz file "
                               "must be a gzip stream)") from e
 
@@ -257,7 +311,7 @@ def _encoding_error(path: str, line: int, offset: int) -> EncoderkitError:
                            "or pass --skip-bad-encoding to leave such files out")
 
 
-def first_bad_utf8_offset(path: str) -> int | None:
+def first_bad_utf8_offset(path: str, opener: Opener | None = None) -> int | None:
     """Byte offset (uncompressed) of the first invalid UTF-8 byte of a file, or ``None`` if it is clean.
     Reads in 1 MiB chunks with an incremental decoder, so no line is held twice."""
     import codecs
@@ -265,24 +319,24 @@ def first_bad_utf8_offset(path: str) -> int | None:
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0  # bytes of the stream handed to the decoder so far
     try:
-        with _open_binary(path) as f:
+        with _open_binary(path, opener) as f:
             while chunk := f.read(1 << 20):
                 offset += len(chunk)
                 decoder.decode(chunk)
             decoder.decode(b"", final=True)
     except UnicodeDecodeError as e:  # e.object = the decoder's pending bytes + the last chunk
         return offset - len(e.object) + e.start
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, gzip.BadGzipFile, zipfile.BadZipFile, tarfile.TarError) as e:
         raise EncoderkitError(f"cannot read {path}: {e}") from e
     return None
 
 
 # -- the formats ---------------------------------------------------------------------------------
-def read_text(path: str, doc_split: str = "file") -> Iterator[Document]:
+def read_text(path: str, doc_split: str = "file", opener: Opener | None = None) -> Iterator[Document]:
     """Documents of a plain-text file: the whole file, each blank-line-separated block, or each line."""
     if doc_split == "file":
         parts, first = [], None
-        for number, line in decoded_lines(path):
+        for number, line in decoded_lines(path, opener=opener):
             if first is None and line.strip():
                 first = number
             parts.append(line)
@@ -290,13 +344,13 @@ def read_text(path: str, doc_split: str = "file") -> Iterator[Document]:
         if text:
             yield Document(text, path, first or 1)
     elif doc_split == "line":
-        for number, line in decoded_lines(path):
+        for number, line in decoded_lines(path, opener=opener):
             if line.strip():
                 yield Document(line.strip(), path, number)
     else:
         block: list[str] = []
         start = 0
-        for number, line in decoded_lines(path):
+        for number, line in decoded_lines(path, opener=opener):
             if line.strip():
                 if not block:
                     start = number
@@ -308,9 +362,9 @@ def read_text(path: str, doc_split: str = "file") -> Iterator[Document]:
             yield Document("\n".join(block).strip(), path, start)
 
 
-def read_jsonl(path: str, text_field: str = "text") -> Iterator[Document]:
+def read_jsonl(path: str, text_field: str = "text", opener: Opener | None = None) -> Iterator[Document]:
     """One document per JSON object (one per line; a ``.json`` file starting with ``[`` is an array)."""
-    lines = decoded_lines(path)
+    lines = decoded_lines(path, opener=opener)
     first = next(lines, None)
     if first is None:
         return
@@ -360,10 +414,11 @@ def _field(rec: Any, name: str, where: str) -> str:
     return value.strip()
 
 
-def read_table(path: str, text_column: str = "text", delimiter: str = ",") -> Iterator[Document]:
+def read_table(path: str, text_column: str = "text", delimiter: str = ",",
+               opener: Opener | None = None) -> Iterator[Document]:
     """Rows of a CSV (``csv`` module, quotes honoured) or TSV (plain tab split, no quoting) file with a
     header row; the text is the column named ``text_column``."""
-    lines = decoded_lines(path, keep_ends=delimiter != "\t")  # csv needs the ends inside quoted fields
+    lines = decoded_lines(path, keep_ends=delimiter != "\t", opener=opener)  # csv needs the ends inside quoted fields
     if delimiter == "\t":
         head = next(lines, None)
         if head is None:
@@ -392,7 +447,7 @@ def read_table(path: str, text_column: str = "text", delimiter: str = ",") -> It
         if header is None:
             return
         col, has_header = _column_index(header, text_column, path)
-        start = numbers[0] + 1
+        start = numbers[0] + 1 if has_header else 1
         for row in reader if has_header else _chain([header], reader):
             if row and len(row) <= col:
                 raise EncoderkitError(f"{path}:{start}: {len(row)} field(s), but column {text_column!r} is "
@@ -418,13 +473,13 @@ def _column_index(columns: list[str], name: str, path: str) -> tuple[int, bool]:
                           "file without a header row)")
 
 
-def read_parquet(path: str, text_column: str = "text") -> Iterator[Document]:
+def read_parquet(path: str, text_column: str = "text", opener: Opener | None = None) -> Iterator[Document]:
     """Rows of a Parquet file (needs ``pyarrow``), read in record batches; ``line`` is the row number."""
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise EncoderkitError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from e
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(opener() if opener else path)
     names = pf.schema_arrow.names
     if text_column not in names:
         raise EncoderkitError(f"{path}: no column {text_column!r} (columns found: {', '.join(names)}); "
