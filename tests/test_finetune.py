@@ -211,3 +211,29 @@ def test_long_texts_are_truncated_for_classify(tiny_bert_dir):
     assert len(rows[0]["input_ids"]) == 24 and rows[0]["input_ids"][-1] == tok.sep_token_id
     assert 1 in rows[0]["token_type_ids"]  # the pair's second text survives truncation
     assert len(rows[1]["input_ids"]) == 5  # [CLS] good [SEP] fun [SEP]
+
+
+def test_early_stopping_wrapper_stops_after_patience():
+    from encoderkit.train.finetune import _EarlyStop, _with_early_stopping
+
+    values = iter([0.5, 0.7, 0.6, 0.65, 0.9])
+    wrapped = _with_early_stopping(lambda m: {"accuracy": next(values)}, ("accuracy", "max"), patience=2)
+    assert wrapped(None)["accuracy"] == 0.5
+    assert wrapped(None)["accuracy"] == 0.7
+    assert wrapped(None)["accuracy"] == 0.6  # one evaluation without improvement: go on
+    with pytest.raises(_EarlyStop) as stop:
+        wrapped(None)  # two in a row: stop, reporting the best metrics seen
+    assert stop.value.args[1] == {"accuracy": 0.7}
+
+
+def test_freeze_prefix_must_match(tiny_bert_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    from encoderkit.train.finetune import _freeze
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir, num_labels=2)
+    _freeze(model, ["bert.embeddings"])
+    assert not any(p.requires_grad for n, p in model.named_parameters() if n.startswith("bert.embeddings"))
+    assert all(p.requires_grad for n, p in model.named_parameters() if n.startswith("classifier"))
+    with pytest.raises(EncoderkitError, match="matches no parameter"):
+        _freeze(model, ["encoder.nope"])
