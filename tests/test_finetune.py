@@ -41,7 +41,7 @@ def _tsv(path: Path, n: int, seed: int) -> Path:
 
 
 def _cfg(tmp_path: Path, model: Path, **kw) -> FinetuneConfig:
-    base = dict(model=str(model), out=str(tmp_path / "out"), lr=1e-3, epochs=3, batch_size=16, eval_batch_size=64, seed=0)
+    base = {"model": str(model), "out": str(tmp_path / "out"), "lr": 1e-3, "epochs": 3, "batch_size": 16, "eval_batch_size": 64, "seed": 0}
     base.update(kw)
     return FinetuneConfig(**base)
 
@@ -126,7 +126,7 @@ def _pairs(n: int, seed: int) -> list[dict]:
     rows = []
     for _ in range(n):
         topic, *others = rng.sample(TOPICS, 4)
-        passage = lambda t: " ".join(rng.sample(FILL, 3) + [t])  # noqa: E731
+        passage = lambda t: " ".join(rng.sample(FILL, 3) + [t])
         rows.append({"query": topic, "positive": passage(topic), "negatives": [passage(t) for t in others]})
     return rows
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from encoderkit.errors import EncoderkitError
 
-_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.S)
+_LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
 
 
 @dataclass
@@ -125,7 +125,7 @@ def _beir_folder(path: Path, split: str) -> Retrieval:
     return Retrieval(corpus, queries, qrels)
 
 
-def _jsonl(path: Path):  # noqa: ANN202
+def _jsonl(path: Path):
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if line.strip():

@@ -105,7 +105,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         drows = featurize(tokenizer, dtexts, dpairs, (cfg.max_length or DEFAULT_MAX_LENGTH))
         dy = _targets(dlabels, names, cfg.multi_label)
 
-        def evaluate(module) -> dict[str, float]:  # noqa: F811
+        def evaluate(module) -> dict[str, float]:
             return scores(predict_logits(module, drows, tokenizer.pad_token_id, cfg.eval_batch_size), dy, cfg.multi_label)
 
     model = AutoModelForSequenceClassification.from_pretrained(
@@ -146,7 +146,7 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
     return {**scores(logits, _targets(labels, names, multi), multi), "examples": len(rows)}
 
 
-def _subset(limit: int, seed: int, *columns):  # noqa: ANN202
+def _subset(limit: int, seed: int, *columns):
     """A seeded random subset of ``limit`` rows (all rows when ``limit`` is 0), kept in file order."""
     n = len(columns[0])
     if not limit or limit >= n:

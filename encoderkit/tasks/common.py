@@ -32,7 +32,7 @@ def resolve_model(name: str | Path) -> Path:
     return path
 
 
-def load_tokenizer(folder: Path, tokenizer: str | None = None):  # noqa: ANN201
+def load_tokenizer(folder: Path, tokenizer: str | None = None):
     """The folder's own fast tokenizer (or ``tokenizer`` if given); a clear error when there is none."""
     from transformers import AutoTokenizer
 

@@ -77,7 +77,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
             raise EncoderkitError(f"--dev {cfg.dev}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
         dev = load_retrieval(cfg.dev)
 
-        def evaluate(module: BiEncoder) -> dict[str, float]:  # noqa: F811
+        def evaluate(module: BiEncoder) -> dict[str, float]:
             return retrieval_scores(retrieve(module, tokenizer, dev, max_length, cfg.max_query_length, cfg.eval_batch_size), dev.qrels)
 
     def save(module: BiEncoder, folder: Path) -> None:

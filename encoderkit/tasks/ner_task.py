@@ -89,7 +89,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         _check_types(types, dev, cfg.dev)
         dev_feats = featurize(tokenizer, dev, cfg)
 
-        def evaluate(module) -> dict[str, float]:  # noqa: F811
+        def evaluate(module) -> dict[str, float]:
             pred = predict_tags(module, tokenizer, dev_feats, dict(enumerate(labels)), cfg.eval_batch_size)
             return entity_scores([s.tags for s in dev], pred)
 

@@ -82,7 +82,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         dev, _ = read_squad(cfg.dev, "heldout" if same_file else "all")
         dev = _subset(dev, cfg.max_dev_examples, cfg.seed)
 
-        def evaluate(module) -> dict[str, float]:  # noqa: F811
+        def evaluate(module) -> dict[str, float]:
             return scores(module, tokenizer, dev, cfg, cfg.eval_batch_size)
 
     model = AutoModelForQuestionAnswering.from_pretrained(model_dir)

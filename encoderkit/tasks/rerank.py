@@ -113,7 +113,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(groups))
 
 
-def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = None, limit: int | None = None):  # noqa: ANN201
+def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = None, limit: int | None = None):
     """``(evaluate(module) -> metrics, primary)`` for a BEIR source or a triples JSONL."""
     spec = data_spec or cfg.dev
     limit = cfg.max_dev_examples if limit is None else limit

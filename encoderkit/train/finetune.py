@@ -160,7 +160,7 @@ def _freeze(module, prefixes: list[str]) -> None:
         raise EncoderkitError(f"--freeze {', '.join(missing)} matches no parameter; names start like: {', '.join(names)}")
 
 
-def _with_early_stopping(evaluate, primary: tuple[str, str], patience: int):  # noqa: ANN202
+def _with_early_stopping(evaluate, primary: tuple[str, str], patience: int):
     """Wrap ``evaluate`` so that ``patience`` evaluations without improvement stop training
     (the best checkpoint is already on disk when that happens)."""
     if not patience:
