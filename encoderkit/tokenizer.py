@@ -247,6 +247,7 @@ def run(cfg: TokenizerConfig) -> Result:
         tok.post_processor = _post_processor(cfg.kind, tok, roles)
         fast = wrap_fast(tok, cfg.kind, roles, extra, cfg.model_max_length)
         fast.save_pretrained(str(tmp))
+        tok.model.save(str(tmp))  # vocab.txt (wordpiece) or vocab.json + merges.txt (bpe), for other tools
         _portable_class_name(tmp)
         notes = []
         if size < cfg.vocab_size:

@@ -87,6 +87,15 @@ def test_wordpiece_word_start_table_matches_continuation_prefix(wordpiece_dir):
     assert int(table[ids].sum()) == 2 and table[ids[0]]
 
 
+def test_classic_vocab_files_give_the_same_ids(wordpiece_dir, bpe_dir):
+    from transformers import BertTokenizer, RobertaTokenizer
+
+    assert (wordpiece_dir / "vocab.txt").is_file() and (bpe_dir / "merges.txt").is_file()
+    for folder, cls in ((wordpiece_dir, BertTokenizer), (bpe_dir, RobertaTokenizer)):
+        auto, classic = AutoTokenizer.from_pretrained(folder), cls.from_pretrained(folder)
+        assert auto(SAMPLE, "a second text") == classic(SAMPLE, "a second text")
+
+
 # -- byte-level BPE ----------------------------------------------------------------------------------
 def test_bpe_round_trips_exactly_and_has_roberta_format(bpe_dir, alice):
     tok = AutoTokenizer.from_pretrained(bpe_dir)
