@@ -44,6 +44,7 @@ class PretrainConfig(TrainArgs):
     tokenizer: str = arg("", help="Tokenizer folder for --corpus.")
     seq_len: int = arg(128, help="Block length when preparing --corpus.")
     heldout: float = arg(0.01, help="Held-out document fraction when preparing --corpus.")
+    doc_split: str = arg("file", help="How --corpus text files become documents.", choices=("file", "blank_line", "line"))
     model: str = arg("", help="HF model folder to continue pretraining from (instead of --preset).")
     preset: str = arg("", help="Architecture preset for a model from scratch.", choices=("", *PRESETS))
     arch: str = arg("bert", help="Architecture family for a model from scratch.", choices=ARCHS)
@@ -103,7 +104,7 @@ def resolve_data(cfg: PretrainConfig, dist: dist_util.DistInfo) -> Path:
         read_meta(cfg.data)
         return Path(cfg.data)
     prep = PrepareConfig(corpus=cfg.corpus, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len, heldout=cfg.heldout,
-                         seed=cfg.seed)
+                         doc_split=cfg.doc_split, seed=cfg.seed)
     cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_CACHE
     folder = ensure_prepared(prep, cache) if dist.is_main else None
     dist.barrier()
