@@ -396,3 +396,9 @@ def gradual_magnitude(model: torch.nn.Module, teacher: torch.nn.Module, tokenize
         logs.append({"sparsity": round(amount_k, 4), **recover(model, teacher, tokenizer, cfg, masks,
                                                                max(1, cfg.recovery_steps // stages))})
     return masks, {"stages": logs}
+
+
+def run(cfg: PruneConfig) -> LeverReport:
+    """Prune a model folder (unstructured, 2:4, attention heads, FFN neurons or vocabulary)."""
+    check(bool(cfg.model) and bool(cfg.out), "prune: --model and --out are required")
+    return prune(cfg.model, cfg, cfg.out)

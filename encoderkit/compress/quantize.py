@@ -47,7 +47,7 @@ class QuantizeConfig(StageConfig):
     method: str = arg("dynamic", help="dynamic | static | qat | gptq | rtn", choices=METHODS)
     backend: str = arg("torch", help="dynamic: 'torch' (int8 safetensors) or 'onnx' (ORT int8 model.int8.onnx); static always uses onnx",
                        choices=("torch", "onnx"))
-    bits: int = arg(8, help="Weight bits (gptq/rtn: 8 or 4; dynamic/static/qat: 8)", choices=(8, 4))
+    bits: int = arg(8, help="Weight bits: 8 or 4 (4 only for gptq/rtn)")
     group_size: int = arg(128, help="Input columns sharing one scale (gptq/rtn); -1 = one scale per output row")
     symmetric: bool = arg(True, help="Symmetric quantization (no zero point); False stores uint zero points (gptq/rtn)")
     act_order: bool = arg(True, help="gptq: quantize columns in order of decreasing Hessian diagonal")
@@ -70,6 +70,7 @@ class QuantizeConfig(StageConfig):
     measure: bool = arg(True, help="Measure latency (batch 1 and 32, seq 128) before and after", speed=True)
 
     def validate(self) -> None:
+        check(self.bits in (4, 8), f"bits must be 8 or 4, got {self.bits}")
         check(self.bits == 8 or self.method in ("gptq", "rtn"),
               f"bits={self.bits} is only supported by method gptq or rtn; {self.method} is INT8 only")
         check(self.group_size == -1 or self.group_size >= 8, f"group_size must be -1 or >= 8, got {self.group_size}")
@@ -343,3 +344,9 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
     copy_side_files(model_dir, out)
     (out / "config.json").write_text((model_dir / "config.json").read_text(encoding="utf-8"), encoding="utf-8")
     return details
+
+
+def run(cfg: QuantizeConfig) -> LeverReport:
+    """Quantize a model folder (PTQ dynamic/static INT8, QAT, GPTQ or RTN at 8/4 bits)."""
+    check(bool(cfg.model) and bool(cfg.out), "quantize: --model and --out are required")
+    return quantize(cfg.model, cfg, cfg.out)
