@@ -40,6 +40,14 @@ def _tsv(path: Path, n: int, seed: int) -> Path:
     return path
 
 
+def _evaluate(model: Path, data: Path | str) -> dict:
+    """`encoderkit evaluate` on a saved folder (task from its encoderkit.json)."""
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+
+    return evaluate(EvaluateConfig(model=str(model), data=str(data))).metrics
+
+
 def _cfg(tmp_path: Path, model: Path, **kw) -> FinetuneConfig:
     base = {"model": str(model), "out": str(tmp_path / "out"), "lr": 1e-3, "epochs": 3, "batch_size": 16, "eval_batch_size": 64, "seed": 0}
     base.update(kw)
@@ -95,6 +103,7 @@ def test_ner_learns_and_loads(tmp_path, tiny_bert_dir):
     assert res.metrics["f1"] >= 0.8  # an untrained head finds almost no entity
     model = AutoModelForTokenClassification.from_pretrained(res.out)
     assert set(model.config.id2label.values()) == {"O", "B-LANG", "I-LANG", "B-PER", "I-PER"}
+    assert _evaluate(res.out, dev)["f1"] == pytest.approx(res.metrics["f1"])
 
 
 @pytest.mark.slow
@@ -119,6 +128,7 @@ def test_qa_learns_and_loads(tmp_path, tiny_bert_dir):
     res = run(_cfg(tmp_path, tiny_bert_dir, task="qa", train=str(train), dev=str(dev), max_length=32, doc_stride=8))
     assert res.metrics["exact_match"] >= 0.9
     assert isinstance(AutoModelForQuestionAnswering.from_pretrained(res.out).qa_outputs, torch.nn.Linear)
+    assert _evaluate(res.out, dev)["exact_match"] == pytest.approx(res.metrics["exact_match"])
 
 
 def _pairs(n: int, seed: int) -> list[dict]:
@@ -150,6 +160,7 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir):
     assert model.config.num_labels == 1
     s = score_pairs(model, load_tokenizer(res.out), "python", ["the movie python", "the movie data"], 16)
     assert s[0] > s[1]
+    assert _evaluate(res.out, dev)["mrr@10"] == pytest.approx(res.metrics["mrr@10"])
 
 
 @pytest.mark.slow
@@ -177,6 +188,7 @@ def test_embed_learns_and_loads_in_sentence_transformers(tmp_path, tiny_bert_dir
     ours = encode(load_bi_encoder(res.out), load_tokenizer(res.out), texts, 16)
     theirs = st.SentenceTransformer(str(res.out), device="cpu").encode(texts)
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    assert _evaluate(res.out, f"{beir}#test")["ndcg@10"] == pytest.approx(res.metrics["ndcg@10"], abs=1e-6)
 
 
 # -- bad input: clear errors, no output ------------------------------------------------------
