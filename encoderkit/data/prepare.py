@@ -69,8 +69,8 @@ HASHED_TOKENIZER_FILES = TOKENIZER_FILES + ("merges.txt", "added_tokens.json", "
 
 @dataclass
 class PrepareConfig(StageConfig):
-    corpus: list[str] = arg(  # noqa: RUF009 (arg() builds a dataclass field)
-        help="Text files, folders, globs, hf:NAME[:CONFIG][:SPLIT] or builtin:stdlib.", required=True)
+    corpus: list[str] = arg(help="Text files, folders, globs, hf:NAME[:CONFIG][:SPLIT] or builtin:stdlib.",
+                            required=True)
     tokenizer: str = arg(help="Tokenizer folder (`encoderkit tokenizer train` or any HF model).", required=True)
     out: str = arg("", help="Output folder for the token store (required for `data prepare`).")
     seq_len: int = arg(128, help="Tokens per packed block, [CLS] and [SEP]s included.")
