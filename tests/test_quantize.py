@@ -138,3 +138,16 @@ def test_onnx_int8(tiny_classifier, tmp_path, kw) -> None:
     assert got.shape == (4, 2)
     with pytest.raises(EncoderkitError, match="already quantized"):
         quantize(out, QuantizeConfig(measure=False), tmp_path / "again")
+
+
+def test_cli_quantize_and_prune(tiny_classifier, tmp_path, capsys) -> None:
+    from encoderkit.cli import main
+
+    assert main(["quantize", "--model", str(tiny_classifier), "--out", str(tmp_path / "q"), "--method", "rtn",
+                 "--bits", "4", "--group-size", "16", "--no-measure"]) == 0
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["encoderkit_quantization"]["bits"] == 4
+    assert main(["prune", "--model", str(tiny_classifier), "--out", str(tmp_path / "p"), "--method", "ffn",
+                 "--amount", "0.5", "--importance", "magnitude", "--no-measure"]) == 0
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["intermediate_size"] == 32
+    assert main(["prune", "--model", str(tiny_classifier), "--out", str(tmp_path / "x"), "--amount", "1"]) == 2
+    assert "[0, 1)" in capsys.readouterr().err

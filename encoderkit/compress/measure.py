@@ -161,6 +161,9 @@ def torch_latency(model: torch.nn.Module, batch_size: int, seq_len: int, repeats
     return {"ms": round(ms, 2), "items_per_s": round(batch_size / (ms / 1000), 1)}
 
 
+_MEASURED: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
 def measure_folder(folder: str | Path, *, latency: bool = True, seq_len: int = 128,
                    batch_sizes: tuple[int, ...] = (1, 32), quality_fn: QualityFn | None = None,
                    repeats: int = 5) -> dict[str, Any]:
@@ -168,7 +171,20 @@ def measure_folder(folder: str | Path, *, latency: bool = True, seq_len: int = 1
 
     The model is loaded with :func:`encoderkit.compress.packing.load_model` (quantized and
     head-pruned folders included) and timed in PyTorch on CPU at ``torch.get_num_threads()``.
+    Results are remembered per folder state (path, file sizes and times) within the process, so
+    a lever's "before" reuses the previous lever's "after" in a stack.
     """
+    if not Path(folder).is_dir():
+        raise EncoderkitError(f"model folder {folder} does not exist")
+    files = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(folder).iterdir() if p.is_file()))
+    key = (str(Path(folder).resolve()), files, latency, seq_len, batch_sizes, quality_fn, repeats, torch.get_num_threads())
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure(Path(folder), latency, seq_len, batch_sizes, quality_fn, repeats)
+    return dict(_MEASURED[key])
+
+
+def _measure(folder: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, ...],
+             quality_fn: QualityFn | None, repeats: int) -> dict[str, Any]:
     from encoderkit.compress.packing import QUANT_KEY, load_model, read_config
 
     folder = Path(folder)
