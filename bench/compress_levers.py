@@ -133,7 +133,10 @@ def main() -> None:
     ap.add_argument("--work", default="runs/bench-compress")
     ap.add_argument("--only", nargs="+", default=["ptq", "gptq", "prune", "size"])
     ap.add_argument("--recovery-steps", type=int, default=150)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     work = Path(args.work)
     model = Path(args.model)
     if not (model / "config.json").is_file():
