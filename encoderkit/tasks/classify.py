@@ -24,7 +24,7 @@ import numpy as np
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import classification_scores, multilabel_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, check_labels, run_batches
+from encoderkit.tasks.common import TaskRun, check_labels, run_batches, seeded_subset
 from encoderkit.tasks.tabular import column, read_rows, text_column
 
 DEFAULT_MAX_LENGTH = 128
@@ -147,12 +147,6 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
 
 
 def _subset(limit: int, seed: int, *columns):
-    """A seeded random subset of ``limit`` rows (all rows when ``limit`` is 0), kept in file order."""
-    n = len(columns[0])
-    if not limit or limit >= n:
-        return columns
-    keep = np.sort(np.random.default_rng(seed).permutation(n)[:limit])
+    """The same seeded subset of rows (see :func:`seeded_subset`) from each column (None stays None)."""
+    keep = seeded_subset(list(range(len(columns[0]))), limit, seed)
     return tuple(None if c is None else [c[i] for i in keep] for c in columns)
-
-
-

@@ -102,6 +102,14 @@ def run_batches(
     return result  # type: ignore[return-value]
 
 
+def seeded_subset(items: list, limit: int, seed: int) -> list:
+    """A seeded random subset of ``limit`` items (all when ``limit`` is 0), kept in their order."""
+    if not limit or limit >= len(items):
+        return items
+    keep = np.sort(np.random.default_rng(seed).permutation(len(items))[:limit])
+    return [items[i] for i in keep]
+
+
 def check_labels(train_labels: set[str], dev_labels: Sequence[str], where: Sequence[str]) -> None:
     """Dev labels never seen in training are an error (the head has no output for them)."""
     for label, w in zip(dev_labels, where, strict=True):

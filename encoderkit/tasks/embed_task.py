@@ -17,7 +17,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import retrieval_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.beir import is_beir_source, load_retrieval, read_triples
-from encoderkit.tasks.common import TaskRun
+from encoderkit.tasks.common import TaskRun, seeded_subset
 from encoderkit.tasks.embed import (
     BiEncoder,
     folder_max_length,
@@ -45,9 +45,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     else:
         groups = read_triples(cfg.train)
         k = min((len(g.negatives) for g in groups), default=0) if cfg.negatives == "mined" else 0
-    rng = np.random.default_rng(cfg.seed)
-    if cfg.max_train_examples and cfg.max_train_examples < len(groups):
-        groups = [groups[i] for i in np.sort(rng.permutation(len(groups))[: cfg.max_train_examples])]
+    groups = seeded_subset(groups, cfg.max_train_examples, cfg.seed)
     if len(groups) < cfg.batch_size:
         raise EncoderkitError(f"{cfg.train}: {len(groups)} training pairs, fewer than one batch ({cfg.batch_size}); lower --batch-size")
     q_rows = tokenize(tokenizer, [g.query for g in groups], cfg.max_query_length)

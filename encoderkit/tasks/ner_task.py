@@ -17,7 +17,7 @@ import numpy as np
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import entity_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, run_batches
+from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
 from encoderkit.tasks.conll import Sentence, entity_types, read_ner
 from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words
 
@@ -76,7 +76,7 @@ def _check_types(train_types: list[str], sents: list[Sentence], path: str) -> No
 def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     from transformers import AutoModelForTokenClassification
 
-    train = _subset(read_ner(cfg.train, cfg.tag_scheme), cfg.max_train_examples, cfg.seed)
+    train = seeded_subset(read_ner(cfg.train, cfg.tag_scheme), cfg.max_train_examples, cfg.seed)
     types = entity_types(train)
     if not types:
         raise EncoderkitError(f"{cfg.train}: no entity in the training data; check the tag column (the last one)")
@@ -85,7 +85,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     rows, _ = window_rows(featurize(tokenizer, train, cfg, label2id), with_labels=True)
     evaluate = None
     if cfg.dev:
-        dev = _subset(read_ner(cfg.dev, cfg.tag_scheme), cfg.max_dev_examples, cfg.seed)
+        dev = seeded_subset(read_ner(cfg.dev, cfg.tag_scheme), cfg.max_dev_examples, cfg.seed)
         _check_types(types, dev, cfg.dev)
         dev_feats = featurize(tokenizer, dev, cfg)
 
@@ -113,16 +113,9 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
 
     model = AutoModelForTokenClassification.from_pretrained(model_dir)
     id2label = {int(k): v for k, v in model.config.id2label.items()}
-    sents = _subset(read_ner(data, cfg.tag_scheme), cfg.max_examples, cfg.seed)
+    sents = seeded_subset(read_ner(data, cfg.tag_scheme), cfg.max_examples, cfg.seed)
     _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data))
     cfg.max_length = card.get("max_length", cfg.max_length)
     cfg.stride = card.get("stride", cfg.stride)
     pred = predict_tags(model, tokenizer, featurize(tokenizer, sents, cfg), id2label, cfg.batch_size)
     return {**entity_scores([s.tags for s in sents], pred), "sentences": len(sents)}
-
-
-def _subset(items: list, limit: int, seed: int) -> list:
-    if not limit or limit >= len(items):
-        return items
-    keep = np.sort(np.random.default_rng(seed).permutation(len(items))[:limit])
-    return [items[i] for i in keep]

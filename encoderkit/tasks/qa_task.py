@@ -15,7 +15,7 @@ import numpy as np
 
 from encoderkit.evaluate.metrics import squad_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, run_batches
+from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
 from encoderkit.tasks.qa import QaFeatures, decode_answers, featurize_qa
 from encoderkit.tasks.squad import QaExample, read_squad
 
@@ -75,12 +75,12 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
 
     same_file = bool(cfg.dev) and Path(cfg.train).resolve() == Path(cfg.dev).resolve()
     train, _ = read_squad(cfg.train, "train" if same_file else cfg.qa_split)
-    train = _subset(train, cfg.max_train_examples, cfg.seed)
+    train = seeded_subset(train, cfg.max_train_examples, cfg.seed)
     rows = _rows(featurize(tokenizer, train, cfg, with_answers=True), True)
     evaluate = None
     if cfg.dev:
         dev, _ = read_squad(cfg.dev, "heldout" if same_file else "all")
-        dev = _subset(dev, cfg.max_dev_examples, cfg.seed)
+        dev = seeded_subset(dev, cfg.max_dev_examples, cfg.seed)
 
         def evaluate(module) -> dict[str, float]:
             return scores(module, tokenizer, dev, cfg, cfg.eval_batch_size)
@@ -108,12 +108,5 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
         if key in card:
             setattr(cfg, field, card[key])
     examples, skipped = read_squad(data, cfg.qa_split)
-    examples = _subset(examples, cfg.max_examples, cfg.seed)
+    examples = seeded_subset(examples, cfg.max_examples, cfg.seed)
     return {**scores(model, tokenizer, examples, cfg, cfg.batch_size), "questions": len(examples), "skipped_answers": skipped}
-
-
-def _subset(items: list, limit: int, seed: int) -> list:
-    if not limit or limit >= len(items):
-        return items
-    keep = np.sort(np.random.default_rng(seed).permutation(len(items))[:limit])
-    return [items[i] for i in keep]

@@ -23,7 +23,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import retrieval_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.beir import Retrieval, Triple, is_beir_source, load_retrieval, read_triples
-from encoderkit.tasks.common import TaskRun, resolve_model, run_batches
+from encoderkit.tasks.common import TaskRun, resolve_model, run_batches, seeded_subset
 
 CANDIDATES = 100
 MINE_FROM, MINE_TO = 3, 30
@@ -81,7 +81,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
 
     max_length = cfg.max_length or 256
     groups = groups_from_beir(load_retrieval(cfg.train), cfg) if is_beir_source(cfg.train) else read_triples(cfg.train)
-    groups = _subset(groups, cfg.max_train_examples, cfg.seed)
+    groups = seeded_subset(groups, cfg.max_train_examples, cfg.seed)
     k = cfg.num_negatives
     short = [g for g in groups if len(g.negatives) < k]
     if short:
@@ -120,7 +120,7 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
     if is_beir_source(spec):
         data = load_retrieval(spec)
         if limit:
-            keep = set(_subset(sorted(data.qrels), limit, cfg.seed))
+            keep = set(seeded_subset(sorted(data.qrels), limit, cfg.seed))
             data.qrels = {q: r for q, r in data.qrels.items() if q in keep}
         first = candidates(data, cfg.miner, cfg, CANDIDATES)
 
@@ -132,7 +132,7 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
             return retrieval_scores(ranked, data.qrels)
 
         return evaluate, ("ndcg@10", "max")
-    triples = _subset(read_triples(spec), limit, cfg.seed)
+    triples = seeded_subset(read_triples(spec), limit, cfg.seed)
 
     def evaluate_triples(module) -> dict[str, float]:
         rr, top1 = [], []
@@ -153,10 +153,3 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
     cfg.eval_batch_size = cfg.batch_size
     evaluate, _ = dev_evaluator(cfg, tokenizer, card.get("max_length", cfg.max_length or 256), str(data), cfg.max_examples)
     return evaluate(model)
-
-
-def _subset(items: list, limit: int, seed: int) -> list:
-    if not limit or limit >= len(items):
-        return items
-    keep = np.sort(np.random.default_rng(seed).permutation(len(items))[:limit])
-    return [items[i] for i in keep]
