@@ -136,3 +136,42 @@ def test_cli_plan_prints_the_recipe(capsys):
     assert main(["plan", "--budget", "none", "--hardware", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "1. quantize" in printed and "distill: no training budget" in printed
+
+
+def test_plan_run_backs_off_on_real_levers(tmp_path, tiny_tokenizer_dir):
+    """`plan --run` on a tiny model: the levers really run (vocab + GPTQ); a stand-in measurer
+    scores 4-bit folders low, so the search must end at 8-bit with fp32 embeddings."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from encoderkit.compress.stack import run_recipe_for_plan
+    from tests.conftest import WORDS, tiny_bert_config
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    BertForSequenceClassification(tiny_bert_config(len(tok), num_labels=2)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "train.tsv"
+    data.write_text("sentence\tlabel\n" + "".join(f"{WORDS[i]} {WORDS[-i]} \t{i % 2}\n" for i in range(1, 40)))
+
+    def fake_measure(folder):
+        quant = json.loads((folder / "config.json").read_text()).get("encoderkit_quantization") or {}
+        layers = quant.get("layers", {})
+        q = 1.0 - 0.3 * any(m.get("bits") == 4 for m in layers.values())
+        q -= 0.05 * any("word_embeddings" in name for name in layers)
+        return {"quality": q, "metric": "accuracy", "params": 1, "bytes": 1}
+
+    cfg = PlanConfig(budget="none", goal="memory", run=True, model=str(model_dir), dev=str(data), train=str(data),
+                     out=str(tmp_path / "out"), max_quality_drop=0.03)
+    res = run_recipe_for_plan(make_plan(cfg).recipe(), cfg, measure=fake_measure)
+    assert res.ok and [t["ok"] for t in res.tried] == [False, False, True]
+    gptq = res.recipe["steps"][-1]
+    assert gptq["bits"] == 8 and gptq["embeddings"] == "fp32"
+    record = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert record["ok"] and record["floor"] == pytest.approx(0.97)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["plan.json", "try0", "try1", "try2"]
+    assert (tmp_path / "out" / "try2" / "02-gptq" / "encoderkit.json").is_file()
+    assert (tmp_path / "out" / "try2" / "report.md").is_file()

@@ -243,6 +243,8 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
                    {**card.get("metrics", {}), "recipe_measurement": {k: v for k, v in row.items() if k not in ("step", "folder")}},
                    **{**extra, "recipe_step": step.index, "recipe_params": step.params})
         rows.append(row)
+        tqdm.write(f"step {step.index} ({step.lever}): quality {row.get('quality')} params {row.get('params')} "
+                   f"bytes {row.get('bytes')} b1 {row.get('latency_b1_ms')} ms b32 {row.get('latency_b32_ms')} ms")
         cur, cur_final = dst, final / step.name
     return rows
 
@@ -288,15 +290,17 @@ class StepMeasurer:
         quant, heads = config.get(QUANT_KEY), config.get(HEADS_KEY)
         int8_onnx = onnx_file(folder, True)
         threads = torch.get_num_threads()
-        model = load_model(folder)
-        row: dict[str, Any] = {"params": count_parameters(model), "folder_bytes": bytes_on_disk(folder),
+        has_torch_weights = any((folder / f).is_file() for f in ("model.safetensors", "model.quantized.safetensors"))
+        model = load_model(folder) if has_torch_weights else None
+        params = count_parameters(model) if model is not None else onnx_parameters(int8_onnx or folder / "model.onnx")
+        row: dict[str, Any] = {"params": params, "folder_bytes": bytes_on_disk(folder),
                                "seq_len": self.seq_len, "threads": threads}
         if int8_onnx is not None:
             row["bytes"] = sum(p.stat().st_size for p in folder.glob(int8_onnx.name + "*"))
         else:
             weights = folder / ("model.quantized.safetensors" if quant else "model.safetensors")
             row["bytes"] = weights.stat().st_size
-        use_deploy = self.runtime == "deploy" and (int8_onnx is not None or (quant is None and heads is None))
+        use_deploy = int8_onnx is not None or (self.runtime == "deploy" and quant is None and heads is None)
         vocab = int(config.get("vocab_size", 1000))
         g = torch.Generator().manual_seed(0)
         if use_deploy:
@@ -350,6 +354,16 @@ class StepMeasurer:
             row[f"latency_b{b}_ms"] = round(1000 * sorted(times)[len(times) // 2], 2)
         row["throughput_b32"] = round(32 / (row["latency_b32_ms"] / 1000), 1)
         return row
+
+
+def onnx_parameters(path: Path) -> int:
+    """Number of weight entries in an ONNX graph (initializers, quantization scales and zero points left out)."""
+    import numpy as np
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return int(sum(np.prod(t.dims) for t in graph.initializer
+                   if not t.name.endswith(("_scale", "_zero_point", "scale", "zero_point"))))
 
 
 def make_measure(cfg: CompressConfig) -> StepMeasurer:
