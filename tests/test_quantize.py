@@ -151,3 +151,14 @@ def test_cli_quantize_and_prune(tiny_classifier, tmp_path, capsys) -> None:
     assert json.loads((tmp_path / "p" / "config.json").read_text())["intermediate_size"] == 32
     assert main(["prune", "--model", str(tiny_classifier), "--out", str(tmp_path / "x"), "--amount", "1"]) == 2
     assert "[0, 1)" in capsys.readouterr().err
+
+
+def test_head_pruned_model_quantizes_and_reloads(tiny_classifier, tmp_path) -> None:
+    from encoderkit.compress.prune import PruneConfig, prune
+
+    prune(tiny_classifier, PruneConfig(method="heads", amount=0.5, importance="magnitude", measure=False), tmp_path / "h")
+    quantize(tmp_path / "h", _cfg(method="gptq", bits=4, group_size=16), tmp_path / "hq", calib=TEXTS)
+    model = load_model(tmp_path / "hq")
+    assert model.bert.encoder.layer[0].attention.self.query.weight.shape == (16, 32)
+    ref, got = _logits(tmp_path / "h"), _logits(tmp_path / "hq")
+    assert (got - ref).abs().max() < 0.5 and (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75

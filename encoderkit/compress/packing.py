@@ -278,6 +278,7 @@ def load_model(folder: str | Path, model_cls: Any = None, int8_runtime: bool = F
         model = cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)
         if heads is not None:
             shrink_heads(model, heads, config.hidden_size // config.num_attention_heads)
+            model.config.__dict__[HEADS_KEY] = heads  # kept, so saving the model again keeps its shape
         weights = folder / (QUANT_FILE if quant is not None else "model.safetensors")
         if not weights.is_file():
             raise EncoderkitError(f"{folder}: {weights.name} is missing; the folder is incomplete, re-run the lever")
