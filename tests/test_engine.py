@@ -35,7 +35,7 @@ def source() -> IndexedBatches:
 
 
 def settings(**kw) -> TrainSettings:
-    base = dict(lr=3e-2, epochs=2, batch_size=8, grad_accum=2, warmup=2, progress=False, log_every=1)
+    base = {"lr": 3e-2, "epochs": 2, "batch_size": 8, "grad_accum": 2, "warmup": 2, "progress": False, "log_every": 1}
     return TrainSettings(**{**base, **kw})
 
 

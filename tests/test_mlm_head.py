@@ -34,7 +34,7 @@ def test_masked_only_loss_and_grads_equal_full_head(arch: str) -> None:
     full.backward()
     full_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    loss, correct, count = MaskedOnlyMLM(model)(ids, labels, attention)
+    loss, _correct, count = MaskedOnlyMLM(model)(ids, labels, attention)
     loss.backward()
     assert count.item() == int((labels != -100).sum())
     assert torch.allclose(loss, full, atol=1e-5), (loss.item(), full.item())
@@ -67,7 +67,7 @@ def test_evaluate_mlm_weights_by_tokens_and_counts_accuracy() -> None:
     assert metrics["perplexity"] == pytest.approx(torch.tensor(metrics["loss"]).exp().item(), rel=1e-5)
 
 
-def BertForMaskedLM_tiny():  # noqa: N802
+def BertForMaskedLM_tiny():
     from transformers import BertForMaskedLM
 
     torch.manual_seed(0)

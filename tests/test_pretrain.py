@@ -35,8 +35,8 @@ def repetitive_store(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
 
 def tiny_cfg(store: Path, out: Path, **kw) -> PretrainConfig:
-    base = dict(data=str(store), out=str(out), layers=2, hidden=32, heads=4, ffn=64, dropout=0.0, batch_size=8,
-                lr=5e-3, max_steps=12, warmup=2, mask_rate=0.2, eval_blocks=16, bf16="off")
+    base = {"data": str(store), "out": str(out), "layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "dropout": 0.0, "batch_size": 8,
+                "lr": 5e-3, "max_steps": 12, "warmup": 2, "mask_rate": 0.2, "eval_blocks": 16, "bf16": "off"}
     return PretrainConfig(**{**base, **kw})
 
 
@@ -118,8 +118,9 @@ def test_gutenberg_heldout_loss_falls(shared_data, minilm_dir, tmp_path) -> None
     """A tiny model on a real Gutenberg slice through --corpus (prepared into a cache)."""
     import gzip
 
-    book = sorted((shared_data / "mlm_corpus_gutenberg" / "gitenberg").glob("*.gz"))[0]
-    text = gzip.open(book, "rt", encoding="utf-8", errors="replace").read()[20_000:220_000]
+    book = min((shared_data / "mlm_corpus_gutenberg" / "gitenberg").glob("*.gz"))
+    with gzip.open(book, "rt", encoding="utf-8", errors="replace") as f:
+        text = f.read()[20_000:220_000]
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "book.txt").write_text(text)

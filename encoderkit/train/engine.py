@@ -436,7 +436,7 @@ def _append_jsonl(path: Path, record: dict[str, Any], is_main: bool) -> None:
         f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()}) + "\n")
 
 
-def _progress(settings: TrainSettings, is_main: bool, start: int, total: int):  # noqa: ANN202
+def _progress(settings: TrainSettings, is_main: bool, start: int, total: int):
     if not (settings.progress and is_main):
         return None
     from tqdm.auto import tqdm
