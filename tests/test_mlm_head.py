@@ -56,7 +56,7 @@ def test_wrapper_keeps_standard_state_dict_and_loads_in_transformers(tmp_path) -
 
 
 def test_evaluate_mlm_weights_by_tokens_and_counts_accuracy() -> None:
-    model = BertForMaskedLM_tiny()
+    model = tiny_masked_lm()
     ids, attention, labels = _batch(100, seed=2)
     metrics = evaluate_mlm(MaskedOnlyMLM(model), [{"input_ids": ids, "attention_mask": attention, "labels": labels}])
     with torch.no_grad():
@@ -67,7 +67,7 @@ def test_evaluate_mlm_weights_by_tokens_and_counts_accuracy() -> None:
     assert metrics["perplexity"] == pytest.approx(torch.tensor(metrics["loss"]).exp().item(), rel=1e-5)
 
 
-def BertForMaskedLM_tiny():
+def tiny_masked_lm():
     from transformers import BertForMaskedLM
 
     torch.manual_seed(0)
