@@ -148,7 +148,8 @@ def main() -> None:
     ow = {"overwrite": True}
     t0 = time.time()
     if "ptq" in args.only:
-        for name, kw in {"dyn_torch": dict(method="dynamic"), "dyn_onnx": dict(method="dynamic", backend="onnx")}.items():
+        for name, kw in {"dyn_torch": dict(method="dynamic"), "dyn_onnx": dict(method="dynamic", backend="onnx"),
+                         "static_onnx": dict(method="static", calib_method="percentile", calib_samples=64)}.items():
             r = quantize(model, QuantizeConfig(**kw, **ow), work / name, calib=calib, quality_fn=accuracy_fn)
             results[name] = brief(r)
             print(name, json.dumps(results[name]), flush=True)
