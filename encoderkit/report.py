@@ -144,8 +144,8 @@ def write_report(folder: Path, rows: list[dict[str, Any]], meta: dict[str, Any])
             lines.append(f"- {k}: {v}")
     lines += [
         "",
-        "Every row is re-measured on that step's own model: quality on the dev set, parameters, "
-        "bytes of the folder's weight files on disk, and wall-clock latency of the deploy runtime.",
+        ("Every row is re-measured on that step's own model: quality on the dev set, parameters, bytes of "
+         "the weight file the runtime loads, and wall-clock latency (median, tokenisation excluded)."),
         "",
         markdown_table(rows),
         "",

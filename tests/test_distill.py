@@ -218,15 +218,20 @@ def test_agnostic_distillation_on_mlm_blocks(tiny_tokenizer_dir, tmp_path, monke
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     teacher = tmp_path / "mlm_teacher"
     torch.manual_seed(2)
-    BertForMaskedLM(tiny_bert_config(len(tok), num_hidden_layers=4)).save_pretrained(teacher)
+    model = BertForMaskedLM(tiny_bert_config(len(tok), num_hidden_layers=4))
+    with torch.no_grad():  # a teacher with a clear preference per token, so there is something to learn
+        model.cls.predictions.bias.copy_(3.0 * torch.randn(len(tok), generator=torch.Generator().manual_seed(0)))
+    model.save_pretrained(teacher)
     tok.save_pretrained(teacher)
     rng = np.random.default_rng(0)
     blocks = rng.integers(5, len(tok), size=(64, 16))
     blocks[:, 0], blocks[:, -1] = tok.cls_token_id, tok.sep_token_id
     monkeypatch.setattr(distill_mod, "load_blocks", lambda data: blocks)
     init = tmp_path / "init"
-    build_student_from_teacher(load_task_model(teacher), [0, 2]).save_pretrained(init)
-    cfg = DistillConfig(teacher=str(teacher), out=str(tmp_path / "s"), mode="agnostic", data="unused",
+    torch.manual_seed(7)
+    BertForMaskedLM(tiny_bert_config(len(tok), num_hidden_layers=2)).save_pretrained(init)
+    tok.save_pretrained(init)
+    cfg = DistillConfig(teacher=str(teacher), out=str(tmp_path / "s"), mode="agnostic", data="unused", student=str(init),
                         max_steps=30, lr=3e-3, batch_size=16, warmup=0.0, bf16=False)
     res = distill(cfg)
     assert set(res.train_logs) >= {"kl", "hard", "cos"}
@@ -240,4 +245,4 @@ def test_agnostic_distillation_on_mlm_blocks(tiny_tokenizer_dir, tmp_path, monke
             t = load_task_model(teacher).eval()(input_ids=ids).logits
         return float(soft_target_kl(s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1]), 1.0))
 
-    assert kl(tmp_path / "s") < kl(init)
+    assert kl(tmp_path / "s") < 0.5 * kl(init)

@@ -230,7 +230,7 @@ class DistillModule(nn.Module):
         return self.loss(out, teacher_out, batch)
 
 
-def make_loss_fn(teacher: nn.Module, want_hidden: bool):  # noqa: ANN201
+def make_loss_fn(teacher: nn.Module, want_hidden: bool):
     """``loss_fn(module, batch)`` for :func:`encoderkit.train.engine.fit`: teacher outputs under
     ``no_grad`` (teacher in eval mode: no dropout), then the student and the loss."""
 
