@@ -72,7 +72,7 @@ def reference(args, model_dir: Path, out: Path) -> tuple[float, float]:
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
     targs = TrainingArguments(
         output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=128, learning_rate=args.lr, warmup_ratio=args.warmup, weight_decay=0.01,
+        per_device_eval_batch_size=128, learning_rate=args.lr, warmup_steps=args.warmup, weight_decay=0.01,
         lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=max(1, args.steps // 5), save_strategy="no",
         report_to="none", use_cpu=True, seed=args.seed, disable_tqdm=False,
     )
