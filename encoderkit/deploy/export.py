@@ -116,7 +116,7 @@ def torch_outputs(model, task: str, inputs: dict[str, np.ndarray]) -> list[np.nd
     return [out[name].float().numpy() for name in OUTPUT_NAMES[task]]
 
 
-def ort_session(path: Path, threads: int | None = None):
+def ort_session(path: Path, threads: int | None = None, spin: bool = True):
     """An onnxruntime CPU session for ``path``; a corrupt file raises EncoderkitError."""
     import onnxruntime as ort
 
@@ -125,6 +125,8 @@ def ort_session(path: Path, threads: int | None = None):
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+    if not spin:  # idle worker threads sleep instead of spinning: better when the CPU is shared (a server)
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/InvalidProtobuf types

@@ -61,10 +61,10 @@ class _TorchEngine:
 class _OnnxEngine:
     """onnxruntime session on one ``.onnx`` file."""
 
-    def __init__(self, path: Path, info: TaskInfo, threads: int | None) -> None:
+    def __init__(self, path: Path, info: TaskInfo, threads: int | None, spin: bool = True) -> None:
         from encoderkit.deploy.export import ort_session
 
-        self.session = ort_session(path, threads)
+        self.session = ort_session(path, threads, spin)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.outputs = OUTPUTS[info.task]
         missing = set(self.outputs) - {o.name for o in self.session.get_outputs()}
@@ -124,8 +124,9 @@ class Predictor:
 
     @classmethod
     def load(cls, folder: str | Path, backend: str = "auto", threads: int | None = None, max_batch: int = 32,
-             max_length: int | None = None) -> Predictor:
-        """Load ``folder`` (a task model, or its export) with ``backend``; see the module docstring."""
+             max_length: int | None = None, spin: bool = True) -> Predictor:
+        """Load ``folder`` (a task model, or its export) with ``backend``; see the module docstring.
+        ``spin=False`` lets onnxruntime's idle threads sleep (a server sharing the CPU with its HTTP loop)."""
         from transformers import AutoTokenizer
 
         folder = Path(folder)
@@ -145,7 +146,7 @@ class Predictor:
         if backend.startswith("onnx"):
             int8 = backend == "onnx-int8"
             src = cached_export(folder, int8)
-            engine: Any = _OnnxEngine(onnx_file(src, int8), info, threads)
+            engine: Any = _OnnxEngine(onnx_file(src, int8), info, threads, spin)
         else:
             engine = _TorchEngine(folder, info, bf16=backend == "torch-bf16")
         tokenizer = AutoTokenizer.from_pretrained(str(folder))

@@ -390,7 +390,7 @@ class ServeConfig(StageConfig):
 
 
 def load_models(specs: list[str], backend: str = "auto", threads: int | None = None, max_batch: int = 32) -> dict[str, Predictor]:
-    return {name: Predictor.load(folder, backend=backend, threads=threads, max_batch=max_batch)
+    return {name: Predictor.load(folder, backend=backend, threads=threads, max_batch=max_batch, spin=False)
             for name, folder in parse_models(specs).items()}
 
 
