@@ -56,9 +56,8 @@ def test_cli_refuses_wrong_task_and_mlm_folders(tmp_path_factory, tiny_tokenizer
     import json
 
     import torch
-    from transformers import BertForMaskedLM
-
     from conftest import tiny_bert_config
+    from transformers import BertForMaskedLM
 
     src = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")
     wrong = tmp_path / "wrong"

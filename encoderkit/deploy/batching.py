@@ -116,7 +116,7 @@ class MicroBatcher:
                 results = await loop.run_in_executor(self._executor, self.fn, items)
                 if len(results) != len(items):
                     raise RuntimeError(f"{self.name}: batched call returned {len(results)} results for {len(items)} items")
-            except Exception as e:  # every caller of this batch gets the error; the worker goes on
+            except Exception as e:  # noqa: BLE001 -- every caller of this batch gets the error; the worker goes on
                 for job in jobs:
                     if not job.future.done():
                         job.future.set_exception(e)

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
+from encoderkit.deploy.tasks import ONNX_FP32, ONNX_INT8, TaskInfo, check_servable, detect_task, load_torch_model
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, read_card, write_card
-from encoderkit.deploy.tasks import ONNX_FP32, ONNX_INT8, TaskInfo, check_servable, detect_task, load_torch_model
 
 OUTPUT_NAMES = {
     "embed": ["last_hidden_state"],
@@ -182,7 +182,7 @@ def _optimize(src: Path, dst: Path, config: dict[str, Any]) -> bool:
                                            hidden_size=int(config.get("hidden_size", 0)))
         opt.save_model_to_file(str(dst))
         return True
-    except Exception as e:  # the optimizer is best effort: keep the plain graph
+    except Exception as e:  # noqa: BLE001 -- the optimizer is best effort: keep the plain graph
         warnings.warn(f"onnxruntime optimizer failed ({e}); keeping the unfused graph", stacklevel=2)
         shutil.copyfile(src, dst)
         return False

@@ -53,7 +53,7 @@ def _task_from_architectures(config: dict[str, Any], folder: Path) -> str:
             return "ner"
         if arch.endswith("ForQuestionAnswering"):
             return "qa"
-        if arch.endswith("ForMaskedLM") or arch.endswith("ForPreTraining"):
+        if arch.endswith(("ForMaskedLM", "ForPreTraining")):
             return "mlm"
         if arch.endswith("Model"):
             return "embed"
@@ -115,7 +115,7 @@ def detect_task(folder: str | Path) -> TaskInfo:
     if card.get("max_length"):
         max_length = min(max_pos, int(card["max_length"]))
     info.max_length = max_length
-    if info.pooling not in ("mean", "cls"):
+    if info.task == "embed" and info.pooling not in ("mean", "cls"):  # task heads pool inside the model
         raise EncoderkitError(f"{folder}: pooling {info.pooling!r} is not supported; use 'mean' or 'cls'")
     return info
 
