@@ -132,7 +132,7 @@ def main() -> None:
     ap.add_argument("--model", default="runs/sst2-minilm")
     ap.add_argument("--work", default="runs/bench-compress")
     ap.add_argument("--only", nargs="+", default=["ptq", "gptq", "prune", "size"])
-    ap.add_argument("--recovery-steps", type=int, default=150)
+    ap.add_argument("--recovery-steps", type=int, default=100)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     args = ap.parse_args()
     if args.threads:
@@ -163,14 +163,16 @@ def main() -> None:
             print(name, json.dumps(results[name]), flush=True)
         results["layer_err"] = layer_errors(model, dirs, dev_set()[0][:64])
         print("layer_err", results["layer_err"], flush=True)
-    if "prune" in args.only:
-        for name, kw in {"heads50": dict(method="heads", amount=0.5), "ffn50": dict(method="ffn", amount=0.5)}.items():
-            r = prune(model, PruneConfig(**kw, calib_data=train, calib_samples=128, recovery_data=train,
-                                         recovery_steps=args.recovery_steps, batch_size=32, seq_len=64, **ow),
-                      work / name, quality_fn=accuracy_fn)
-            results[name] = brief(r)
-            results[name]["speedup_b32"] = round(r.before["latency"]["batch32"]["ms"] / r.after["latency"]["batch32"]["ms"], 2)
-            print(name, json.dumps(results[name]), flush=True)
+    levers = {"heads50": dict(method="heads", amount=0.5), "ffn50": dict(method="ffn", amount=0.5)}
+    for name, kw in levers.items():
+        if "prune" in args.only or name in args.only:
+                r = prune(model, PruneConfig(**kw, calib_data=train, calib_samples=128, recovery_data=train,
+                                             recovery_steps=args.recovery_steps, batch_size=32, seq_len=64, **ow),
+                          work / name, quality_fn=accuracy_fn)
+                results[name] = brief(r)
+                results[name]["speedup_b32"] = round(r.before["latency"]["batch32"]["ms"] / r.after["latency"]["batch32"]["ms"], 2)
+                results[name]["speedup_b1"] = round(r.before["latency"]["batch1"]["ms"] / r.after["latency"]["batch1"]["ms"], 2)
+                print(name, json.dumps(results[name]), flush=True)
     if "size" in args.only:
         r1 = prune(model, PruneConfig(method="vocab", vocab_data=[train, str(SST2 / "dev.tsv")], measure=False, **ow),
                    work / "vocab", quality_fn=accuracy_fn)
@@ -181,7 +183,7 @@ def main() -> None:
         results["size_reduction"] = round(1 - r2.after["bytes"] / r1.before["bytes"], 4)
         print("size", json.dumps({k: results[k] for k in ("vocab", "vocab_gptq4_emb4", "size_reduction")}), flush=True)
     results["seconds"] = round(time.time() - t0)
-    (work / "results.json").write_text(json.dumps(results, indent=2))
+    (work / f"results-{'-'.join(args.only)}.json").write_text(json.dumps(results, indent=2))
     flat = " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in results.items())
     print("RESULT " + flat)
 
