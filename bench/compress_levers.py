@@ -133,6 +133,7 @@ def main() -> None:
     ap.add_argument("--work", default="runs/bench-compress")
     ap.add_argument("--only", nargs="+", default=["ptq", "gptq", "prune", "size"])
     ap.add_argument("--recovery-steps", type=int, default=100)
+    ap.add_argument("--recovery-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     args = ap.parse_args()
     if args.threads:
@@ -167,7 +168,7 @@ def main() -> None:
     for name, kw in levers.items():
         if "prune" in args.only or name in args.only:
                 r = prune(model, PruneConfig(**kw, calib_data=train, calib_samples=128, recovery_data=train,
-                                             recovery_steps=args.recovery_steps, batch_size=32, seq_len=64, **ow),
+                                             recovery_steps=args.recovery_steps, batch_size=args.recovery_batch, seq_len=64, **ow),
                           work / name, quality_fn=accuracy_fn)
                 results[name] = brief(r)
                 results[name]["speedup_b32"] = round(r.before["latency"]["batch32"]["ms"] / r.after["latency"]["batch32"]["ms"], 2)

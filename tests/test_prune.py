@@ -89,6 +89,15 @@ def test_unstructured_prune_reports_dense_bytes(tiny_classifier, tmp_path) -> No
     assert rep.after["nonzero_params"] < rep.before["nonzero_params"]
 
 
+def test_gradual_magnitude_follows_the_cubic_schedule(tiny_classifier, train_tsv, tmp_path) -> None:
+    cfg = _cfg(method="magnitude", amount=0.5, scope="global", schedule="gradual", recovery_data=str(train_tsv),
+               recovery_steps=4)
+    rep = prune(tiny_classifier, cfg, tmp_path / "g")
+    stages = [s["sparsity"] for s in rep.details["recovery"]["stages"]]
+    assert stages == sorted(stages) and len(stages) == 4 and stages[-1] == 0.5
+    assert abs(sparsity(load_model(tmp_path / "g")) - 0.5) < 0.005
+
+
 @pytest.mark.parametrize("importance", ["magnitude", "taylor"])
 def test_heads_are_physically_removed_and_reload(tiny_classifier, tmp_path, importance) -> None:
     out = tmp_path / "h"
