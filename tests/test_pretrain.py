@@ -131,3 +131,11 @@ def test_gutenberg_heldout_loss_falls(shared_data, minilm_dir, tmp_path) -> None
     start, end = result.metrics["initial_heldout_loss"], result.metrics["heldout_loss"]
     assert start > 9.5  # ~ln(30522): an untrained model
     assert end < start - 2.5, (start, end)
+
+
+def test_cli_prints_a_clear_error_and_exits_2(tmp_path, capsys) -> None:
+    from encoderkit.cli import main
+
+    code = main(["pretrain", "--out", str(tmp_path / "o"), "--preset", "tiny", "--data", str(tmp_path / "missing")])
+    assert code == 2
+    assert "is not a token store" in capsys.readouterr().err
