@@ -119,8 +119,9 @@ def test_answer_spans_and_long_context(folders):
 
 
 def test_auto_backend_and_wrong_task_calls(folders, tmp_path_factory, tiny_tokenizer_dir):
-    assert Predictor.load(folders["classify"]).backend == "onnx-int8"
+    assert Predictor.load(folders["classify"]).backend == "onnx-fp32"
     assert Predictor.load(folders["ner"]).backend == "onnx-fp32"
+    assert Predictor.load(folders["embed"]).backend == "onnx-int8"
     with pytest.raises(EncoderkitError, match="is a 'ner' model"):
         Predictor.load(folders["ner"], backend="onnx-fp32").classify(["x"])
     with pytest.raises(EncoderkitError, match="backend 'gpu'"):
