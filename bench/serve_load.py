@@ -93,6 +93,17 @@ async def load(url: str, texts: list[str], clients: int, seconds: float, max_req
             "4xx": sum(n for s, n in statuses.items() if 400 <= s < 500), "errors": errors, "seconds": elapsed}
 
 
+def mean_batch(url: str) -> float:
+    """Mean texts per model call, from the service's /metrics batch-size histogram."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(("encoderkit_batch_size_sum", "encoderkit_batch_size_count")):
+            values[line.split("{")[0]] = float(line.split()[-1])
+    return values.get("encoderkit_batch_size_sum", 0.0) / max(values.get("encoderkit_batch_size_count", 0.0), 1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="embed model folder (default: all-MiniLM-L6-v2)")
@@ -115,12 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             asyncio.run(load(url, texts, 4, 3.0, 200))  # warm-up
             runs[name] = asyncio.run(load(url, texts, args.clients, args.seconds, args.max_requests))
+            runs[name]["mean_batch"] = mean_batch(url)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
         r = runs[name]
         print(f"{name} (max_batch={max_batch}): {r['rps']:.1f} req/s, p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms, "
-              f"{r['ok']} ok, 5xx {r['5xx']}, 4xx {r['4xx']}, client errors {r['errors']}", flush=True)
+              f"{r['ok']} ok, 5xx {r['5xx']}, 4xx {r['4xx']}, client errors {r['errors']}, "
+              f"mean texts per model call {r['mean_batch']:.1f}", flush=True)
     b, s = runs["batched"], runs["single"]
     print(f"RESULT clients={args.clients} seconds={args.seconds:.0f} rps_batched={b['rps']:.1f} rps_single={s['rps']:.1f} "
           f"speedup={b['rps'] / max(s['rps'], 1e-9):.2f} p50_ms={b['p50_ms']:.0f} p99_ms={b['p99_ms']:.0f} "
