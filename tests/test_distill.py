@@ -246,3 +246,23 @@ def test_agnostic_distillation_on_mlm_blocks(tiny_tokenizer_dir, tmp_path, monke
         return float(soft_target_kl(s.reshape(-1, s.shape[-1]), t.reshape(-1, t.shape[-1]), 1.0))
 
     assert kl(tmp_path / "s") < 0.5 * kl(init)
+
+
+def test_narrow_student_matches_hidden_states_through_a_projection(teacher_dir):
+    from encoderkit.compress.distill import DistillModule, build_narrow_student, make_loss_fn
+
+    teacher = load_task_model(teacher_dir).eval()
+    student = build_narrow_student(teacher, hidden_size=16, num_layers=2, generator_seed=0)
+    assert student.config.hidden_size == 16 and student.config.num_hidden_layers == 2
+    assert student.config.hidden_size % student.config.num_attention_heads == 0
+    state = torch.random.get_rng_state()
+    build_narrow_student(teacher, 16, 2, generator_seed=1)
+    assert torch.equal(state, torch.random.get_rng_state())  # the global RNG is left as it was
+    module = DistillModule(student, DistillLoss(LossWeights(kl=1.0, hard=0.5, cos=1.0), 16, teacher.config.hidden_size, mlm=False))
+    batch = {"input_ids": torch.tensor([[2, 10, 11, 3], [2, 12, 3, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+             "labels": torch.tensor([0, 1])}
+    loss, parts = make_loss_fn(teacher, want_hidden=True)(module, batch)
+    assert set(parts) == {"kl", "hard", "cos"} and torch.isfinite(loss)
+    loss.backward()
+    assert module.loss.proj.weight.grad is not None
+    assert all(p.grad is None for p in teacher.parameters())

@@ -20,6 +20,7 @@ and the student reads the teacher's inputs); a mismatch is an error that says wh
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,7 @@ class DistillModule(nn.Module):
         return self.loss(out, teacher_out, batch)
 
 
-def make_loss_fn(teacher: nn.Module, want_hidden: bool):
+def make_loss_fn(teacher: nn.Module, want_hidden: bool) -> Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]:
     """``loss_fn(module, batch)`` for :func:`encoderkit.train.engine.fit`: teacher outputs under
     ``no_grad`` (teacher in eval mode: no dropout), then the student and the loss."""
 
