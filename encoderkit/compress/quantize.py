@@ -54,7 +54,7 @@ class QuantizeConfig(StageConfig):
     damp: float = arg(0.01, help="gptq: dampening added to the Hessian diagonal, as a fraction of its mean")
     block_size: int = arg(128, help="gptq: columns per lazy batch update")
     per_channel: bool = arg(True, help="dynamic/static/qat: one weight scale per output channel (else per tensor)")
-    embeddings: str = arg("fp32", help="Also store the word embedding matrix in int8/int4 (rows quantized, dequantized at load)",
+    embeddings: str = arg("fp32", help="Also store word/position embeddings and the pooler in int8/int4 (rows quantized, RTN)",
                           choices=("fp32", "int8", "int4"))
     calib_data: str = arg("", help="Calibration texts (.txt, .tsv with 'sentence' column, or .jsonl 'text'): static/gptq/qat")
     calib_samples: int = arg(128, help="Number of calibration texts")
@@ -229,16 +229,25 @@ def _qat(model: torch.nn.Module, model_dir: Path, tokenizer: Any, cfg: QuantizeC
 
 @torch.no_grad()
 def _embedding_codes(model: torch.nn.Module, cfg: QuantizeConfig) -> dict[str, QTensor]:
-    """Row-wise codes of the word embedding matrix when ``cfg.embeddings`` asks for them."""
+    """Row-wise codes of the word and position embeddings (and the pooler's dense weight, a plain
+    (H, H) matrix outside the encoder) when ``cfg.embeddings`` asks for them."""
     if cfg.embeddings == "fp32":
         return {}
-    emb = model.get_input_embeddings()
-    name = {m: n for n, m in model.named_modules()}[emb] + ".weight"
+    names = {m: n for n, m in model.named_modules()}
     bits = 8 if cfg.embeddings == "int8" else 4
     gs = cfg.group_size if bits == 4 and cfg.group_size > 0 else -1
-    qt = rtn_quantize(emb.weight, QuantSpec(bits, gs, True))
-    emb.weight.copy_(qt.dequantize())
-    return {name: qt}
+    base = getattr(model, "base_model", model)
+    targets = [model.get_input_embeddings(), getattr(getattr(base, "embeddings", None), "position_embeddings", None)]
+    pooler = getattr(base, "pooler", None)
+    targets.append(getattr(pooler, "dense", None))
+    out = {}
+    for mod in targets:
+        if mod is None or mod.weight.shape[1] % max(gs, 1):
+            continue
+        qt = rtn_quantize(mod.weight, QuantSpec(bits, gs, True))
+        mod.weight.copy_(qt.dequantize())
+        out[names[mod] + ".weight"] = qt
+    return out
 
 
 # -- ONNX Runtime: dynamic and static INT8 -----------------------------------------------------
