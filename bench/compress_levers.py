@@ -149,14 +149,14 @@ def main() -> None:
     ow = {"overwrite": True}
     t0 = time.time()
     if "ptq" in args.only:
-        for name, kw in {"dyn_torch": dict(method="dynamic"), "dyn_onnx": dict(method="dynamic", backend="onnx"),
-                         "static_onnx": dict(method="static", calib_method="percentile", calib_samples=64)}.items():
+        for name, kw in {"dyn_torch": {"method": "dynamic"}, "dyn_onnx": {"method": "dynamic", "backend": "onnx"},
+                         "static_onnx": {"method": "static", "calib_method": "percentile", "calib_samples": 64}}.items():
             r = quantize(model, QuantizeConfig(**kw, **ow), work / name, calib=calib, quality_fn=accuracy_fn)
             results[name] = brief(r)
             print(name, json.dumps(results[name]), flush=True)
     if "gptq" in args.only:
         dirs = {}
-        for name, kw in {"rtn4": dict(method="rtn"), "gptq4": dict(method="gptq")}.items():
+        for name, kw in {"rtn4": {"method": "rtn"}, "gptq4": {"method": "gptq"}}.items():
             r = quantize(model, QuantizeConfig(bits=4, group_size=128, measure=False, **kw, **ow), work / name,
                          calib=calib, quality_fn=accuracy_fn)
             dirs[name] = work / name
@@ -164,7 +164,7 @@ def main() -> None:
             print(name, json.dumps(results[name]), flush=True)
         results["layer_err"] = layer_errors(model, dirs, dev_set()[0][:64])
         print("layer_err", results["layer_err"], flush=True)
-    levers = {"heads50": dict(method="heads", amount=0.5), "ffn50": dict(method="ffn", amount=0.5)}
+    levers = {"heads50": {"method": "heads", "amount": 0.5}, "ffn50": {"method": "ffn", "amount": 0.5}}
     for name, kw in levers.items():
         if "prune" in args.only or name in args.only:
                 r = prune(model, PruneConfig(**kw, calib_data=train, calib_samples=128, recovery_data=train,

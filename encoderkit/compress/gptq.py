@@ -139,7 +139,7 @@ def gptq_encoder(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tenso
         accs = {name: HessianAccumulator(mod.in_features) for name, mod in linears}
         hooks = []
         for name, mod in linears:
-            def hook(_m: Any, inputs: tuple[torch.Tensor, ...], _o: Any, name: str = name) -> None:
+            def hook(_m: Any, inputs: tuple[torch.Tensor, ...], _o: Any, name: str = name, accs: dict = accs) -> None:
                 x = inputs[0]  # (B, T, in)
                 accs[name].add(x[current_mask["m"].bool()])
             hooks.append(mod.register_forward_hook(hook))

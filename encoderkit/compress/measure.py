@@ -105,10 +105,10 @@ def read_texts(path: str | Path, limit: int | None = None) -> list[str | tuple[s
             cols = {c: i for i, c in enumerate(header)}
             if "sentence1" in cols and "sentence2" in cols:
                 i1, i2 = cols["sentence1"], cols["sentence2"]
-                pick = lambda r: (r[i1], r[i2])  # noqa: E731
+                pick = lambda r: (r[i1], r[i2])
             else:
                 i = cols.get("sentence", cols.get("text", 0))
-                pick = lambda r: r[i].strip()  # noqa: E731
+                pick = lambda r: r[i].strip()
             for n, row in enumerate(reader, start=2):
                 if not row:
                     continue

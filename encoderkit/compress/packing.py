@@ -104,7 +104,7 @@ def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
 def rtn_quantize(w: torch.Tensor, spec: QuantSpec) -> QTensor:
     """Round-to-nearest quantization of ``w (out, in)`` with groups of ``spec.group_size`` columns."""
     w = w.detach().float()
-    out_f, in_f = w.shape
+    in_f = w.shape[1]
     gs = in_f if spec.group_size <= 0 else spec.group_size
     q = torch.empty_like(w)
     scales, zeros = [], []
@@ -155,7 +155,7 @@ def to_storage(name: str, qt: QTensor) -> dict[str, torch.Tensor]:
 def from_storage(name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> QTensor:
     """Rebuild the :class:`QTensor` of ``name`` from its safetensors entries and its metadata."""
     spec = QuantSpec(meta["bits"], meta["group_size"], meta["symmetric"])
-    out_f, in_f = meta["shape"]
+    in_f = meta["shape"][1]
     stored = tensors[f"{name}.qweight"]
     if spec.bits == 8:
         q = stored.to(torch.int32)

@@ -21,7 +21,6 @@ model as teacher (KD on logits) through the training engine.
 
 from __future__ import annotations
 
-import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from encoderkit.compress.measure import LeverReport, QualityFn, count_parameters, measure_folder, read_texts, text_batches
+from encoderkit.compress.measure import (
+    LeverReport,
+    QualityFn,
+    measure_folder,
+    read_texts,
+    text_batches,
+)
 from encoderkit.compress.packing import HEADS_KEY, copy_side_files, is_quantized, load_model, read_config
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError

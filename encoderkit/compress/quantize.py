@@ -30,7 +30,15 @@ import torch
 from tqdm.auto import tqdm
 
 from encoderkit.compress.measure import LeverReport, QualityFn, measure_folder, read_texts, text_batches
-from encoderkit.compress.packing import QTensor, QuantSpec, copy_side_files, is_quantized, load_model, rtn_quantize, save_quantized
+from encoderkit.compress.packing import (
+    QTensor,
+    QuantSpec,
+    copy_side_files,
+    is_quantized,
+    load_model,
+    rtn_quantize,
+    save_quantized,
+)
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
