@@ -148,9 +148,11 @@ def main() -> None:
     results: dict[str, object] = {"model": str(model), "threads": torch.get_num_threads(), "seq_len": 128}
     ow = {"overwrite": True}
     t0 = time.time()
-    if "ptq" in args.only:
+    if "ptq" in args.only or "static_onnx" in args.only:
         for name, kw in {"dyn_torch": {"method": "dynamic"}, "dyn_onnx": {"method": "dynamic", "backend": "onnx"},
                          "static_onnx": {"method": "static", "calib_method": "percentile", "calib_samples": 64}}.items():
+            if "ptq" not in args.only and name not in args.only:
+                continue
             r = quantize(model, QuantizeConfig(**kw, **ow), work / name, calib=calib, quality_fn=accuracy_fn)
             results[name] = brief(r)
             print(name, json.dumps(results[name]), flush=True)

@@ -277,8 +277,15 @@ class _CalibReader:
 
 
 def _feeds(tokenizer: Any, texts: list[Any], input_names: list[str], seq_len: int, batch_size: int) -> list[dict[str, np.ndarray]]:
+    """Calibration feeds padded to ``seq_len``: ORT's histogram calibrators need equal shapes."""
     out = []
-    for batch in text_batches(tokenizer, texts, seq_len, batch_size):
+    for i in range(0, len(texts), batch_size):
+        chunk = list(texts[i:i + batch_size])
+        if isinstance(chunk[0], (tuple, list)):
+            a, b = zip(*chunk)
+            batch = tokenizer(list(a), list(b), truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
+        else:
+            batch = tokenizer(chunk, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
         out.append({n: batch[n].numpy().astype(np.int64) if n in batch else np.zeros_like(batch["input_ids"].numpy())
                     for n in input_names})
     return out
