@@ -78,6 +78,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cfg_cls: type[StageConfig]
             kwargs["metavar"] = f.name.upper()
         elif meta.get("choices"):
             kwargs["choices"] = list(meta["choices"])
+            if base in (int, float):  # argparse compares choices after type conversion
+                kwargs["type"] = base
         else:
             kwargs["metavar"] = f.name.upper()
         group.add_argument(flag, **kwargs)

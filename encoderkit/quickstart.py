@@ -28,9 +28,9 @@ class QuickstartConfig(StageConfig):
     vocab_size: int = arg(8000, help="WordPiece vocabulary size.")
     preset: str = arg("tiny", help="Architecture preset of the model trained from scratch.")
     seq_len: int = arg(128, help="Tokens per packed block.")
-    steps: int = arg(300, help="Pretraining optimizer steps.")
-    batch_size: int = arg(32, help="Blocks per step.")
-    lr: float = arg(1e-3, help="Peak learning rate.")
+    steps: int = arg(150, help="Pretraining optimizer steps.")
+    batch_size: int = arg(16, help="Blocks per step.")
+    lr: float = arg(2e-3, help="Peak learning rate.")
     seed: int = arg(0, help="Seed for the split, initialisation, data order and masks.")
     overwrite: bool = arg(False, help="Replace an existing --out.")
 

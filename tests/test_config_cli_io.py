@@ -119,3 +119,21 @@ def test_card_lineage_follows_parents(tmp_path):
     chain = lineage(b)
     assert [c["stage"] for c in chain] == ["finetune", "pretrain"]
     assert chain[0]["task"] == "classify" and chain[1]["metrics"]["loss"] == 2.0
+
+
+@dataclass
+class BitsConfig(StageConfig):
+    bits: int = arg(8, help="bits", choices=(4, 8))
+
+
+def bits_run(cfg: BitsConfig):
+    """Bits stage."""
+    return {"bits": cfg.bits}
+
+
+def test_cli_integer_choices(monkeypatch, capsys):
+    monkeypatch.setitem(cli.STAGES, ("bits",), f"{__name__}:BitsConfig:bits_run")
+    assert cli.main(["bits", "--bits", "4"]) == 0
+    assert '"bits": 4' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["bits", "--bits", "3"])
