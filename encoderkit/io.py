@@ -99,15 +99,22 @@ def write_card(folder: Path, stage: str, parent: str | Path | None, config: dict
     write_json_atomic(Path(folder) / CARD, card)
 
 
-def read_card(folder: str | Path) -> dict[str, Any]:
-    """The folder's ``encoderkit.json``, or an empty dict for a plain HF folder."""
-    p = Path(folder) / CARD
+def read_json(path: str | Path, missing: str, fix: str = "remove or fix it") -> Any:
+    """A JSON file; ``missing`` is the error message when it does not exist, ``fix`` says what to do
+    when it is not valid JSON."""
+    p = Path(path)
     if not p.is_file():
-        return {}
+        raise EncoderkitError(missing)
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise EncoderkitError(f"{p} is not valid JSON ({e}); remove or fix it") from e
+        raise EncoderkitError(f"{p} is not valid JSON ({e}); {fix}") from e
+
+
+def read_card(folder: str | Path) -> dict[str, Any]:
+    """The folder's ``encoderkit.json``, or an empty dict for a plain HF folder."""
+    p = Path(folder) / CARD
+    return read_json(p, "") if p.is_file() else {}
 
 
 def lineage(folder: str | Path) -> list[dict[str, Any]]:

@@ -19,7 +19,6 @@ INT8 kernels instead).
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,13 +204,9 @@ def copy_side_files(src: Path, out: Path) -> None:
 
 # -- loading ---------------------------------------------------------------------------------
 def read_config(folder: str | Path) -> dict[str, Any]:
-    p = Path(folder) / "config.json"
-    if not p.is_file():
-        raise EncoderkitError(f"{folder} is not a model folder: config.json is missing")
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise EncoderkitError(f"{p} is not valid JSON ({e})") from e
+    from encoderkit.io import read_json
+
+    return read_json(Path(folder) / "config.json", f"{folder} is not a model folder: config.json is missing")
 
 
 def is_quantized(folder: str | Path) -> bool:

@@ -57,7 +57,7 @@ from encoderkit.data.readers import (
     resolve_sources,
 )
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import output_dir, write_card, write_json_atomic
+from encoderkit.io import output_dir, read_json, write_card, write_json_atomic
 from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 FORMAT_VERSION = 1
@@ -399,13 +399,9 @@ def ensure_prepared(cfg: PrepareConfig, cache_root: str | Path) -> Path:
 # -- reading a store -------------------------------------------------------------------------------
 def read_meta(folder: str | Path) -> dict[str, Any]:
     """The store's ``meta.json``."""
-    p = Path(folder) / "meta.json"
-    if not p.is_file():
-        raise EncoderkitError(f"{folder} is not a token store (no meta.json); make one with `encoderkit data prepare`")
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise EncoderkitError(f"{p} is not valid JSON ({e}); re-run `encoderkit data prepare --overwrite`") from e
+    return read_json(Path(folder) / "meta.json",
+                     f"{folder} is not a token store (no meta.json); make one with `encoderkit data prepare`",
+                     fix="re-run `encoderkit data prepare --overwrite`")
 
 
 def open_blocks(folder: str | Path, split: str = "train") -> np.ndarray:
