@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from encoderkit.errors import EncoderkitError
 

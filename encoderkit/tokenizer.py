@@ -46,7 +46,7 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", 
 class TokenizerConfig(StageConfig):
     """Settings of ``encoderkit tokenizer train``."""
 
-    corpus: list[str] = arg(  # noqa: RUF009 (arg() builds a dataclass field)
+    corpus: list[str] = arg(
         help="Text files, folders, globs, hf:NAME[:CONFIG][:SPLIT] or builtin:stdlib.", required=True)
     out: str = arg(help="Output folder for the tokenizer (HF layout).", required=True)
     kind: str = arg("wordpiece", help="wordpiece (BERT-style) or bpe (RoBERTa-style byte-level BPE).",
@@ -58,7 +58,7 @@ class TokenizerConfig(StageConfig):
     min_frequency: int = arg(2, help="A merge must occur at least this often in the corpus.")
     limit_alphabet: int = arg(1000, help="wordpiece: keep at most this many distinct characters (the rarest "
                                          "become [UNK]). bpe always uses the 256 bytes.")
-    special_tokens: list[str] = arg(  # noqa: RUF009
+    special_tokens: list[str] = arg(
         [], help="Override special tokens as ROLE=TOKEN (roles: pad unk cls sep mask); overridden roles "
                  "take the first ids, in the order given; a bare TOKEN adds an extra special token. Default: "
                  "[PAD] [UNK] [CLS] [SEP] [MASK] for wordpiece, <s> <pad> </s> <unk> <mask> for bpe.")

@@ -87,23 +87,20 @@ def test_cli_bad_config_exits_2_with_message(demo_stage, tmp_path, capsys):
 
 def test_output_dir_is_atomic_and_refuses_existing(tmp_path):
     out = tmp_path / "model"
-    with pytest.raises(RuntimeError):
-        with output_dir(out) as tmp:
-            (tmp / "half.bin").write_bytes(b"x")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), output_dir(out) as tmp:
+        (tmp / "half.bin").write_bytes(b"x")
+        raise RuntimeError("boom")
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
     with output_dir(out) as tmp:
         (tmp / "a.txt").write_text("first")
     assert (out / "a.txt").read_text() == "first"
-    with pytest.raises(EncoderkitError, match="--overwrite"):
-        with output_dir(out):
-            pass
+    with pytest.raises(EncoderkitError, match="--overwrite"), output_dir(out):
+        pass
     # a failed overwrite keeps the previous good folder
-    with pytest.raises(RuntimeError):
-        with output_dir(out, overwrite=True) as tmp:
-            (tmp / "a.txt").write_text("second")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), output_dir(out, overwrite=True) as tmp:
+        (tmp / "a.txt").write_text("second")
+        raise RuntimeError("boom")
     assert (out / "a.txt").read_text() == "first"
     with output_dir(out, overwrite=True) as tmp:
         (tmp / "b.txt").write_text("second")
