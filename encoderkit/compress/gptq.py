@@ -111,7 +111,7 @@ class _StopForward(Exception):
 
 def quantizable_linears(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Linear]]]:
     """Per encoder layer, the (state-dict prefix, Linear) pairs GPTQ/RTN quantize."""
-    from encoderkit.compress.prune import encoder_layers
+    from encoderkit.models.rebuild import encoder_layers
 
     names = {m: n for n, m in model.named_modules()}
     return [[(names[m], m) for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in encoder_layers(model)]
@@ -126,7 +126,7 @@ def gptq_encoder(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tenso
     After the call the model's Linear weights hold their dequantized values; the returned dict
     maps ``"<module>.weight"`` to the codes to store. Padding tokens are left out of the Hessians.
     """
-    from encoderkit.compress.prune import encoder_layers
+    from encoderkit.models.rebuild import encoder_layers
 
     batches = list(batches)
     if not batches:

@@ -40,29 +40,9 @@ from encoderkit.compress.packing import HEADS_KEY, copy_side_files, is_quantized
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
+from encoderkit.models.rebuild import encoder_layers, slice_linear
 
 METHODS = ("magnitude", "2:4", "heads", "ffn", "vocab")
-
-
-def encoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of a BERT-like encoder (``<base>.encoder.layer``)."""
-    base = getattr(model, "base_model", model)
-    enc = getattr(base, "encoder", None)
-    layers = getattr(enc, "layer", None)
-    if layers is None:
-        raise EncoderkitError(f"{type(model).__name__}: no encoder.layer list found; only BERT-like encoders "
-                              "(BERT, MiniLM, RoBERTa, ...) can be pruned or GPTQ-quantized")
-    return list(layers)
-
-
-def slice_linear(lin: torch.nn.Linear, idx: torch.Tensor, dim: int) -> torch.nn.Linear:
-    """A new Linear keeping ``idx`` of the output rows (``dim=0``) or of the input columns (``dim=1``)."""
-    w = lin.weight.detach().index_select(dim, idx).clone()
-    new = torch.nn.Linear(w.shape[1], w.shape[0], bias=lin.bias is not None, dtype=w.dtype)
-    new.weight.data.copy_(w)
-    if lin.bias is not None:
-        new.bias.data.copy_(lin.bias.detach()[idx] if dim == 0 else lin.bias.detach())
-    return new
 
 
 @dataclass

@@ -161,12 +161,24 @@ def check_servable(folder: str | Path, info: TaskInfo) -> None:
 
 
 def load_torch_model(folder: str | Path, info: TaskInfo, dtype=None, attn: str = "eager"):
-    """The eval-mode ``transformers`` model for ``info.task``; ``attn="eager"`` traces cleanly for ONNX export."""
+    """The eval-mode ``transformers`` model for ``info.task``; ``attn="eager"`` traces cleanly for ONNX export.
+
+    Quantized and head-pruned folders (written by the compression levers) are rebuilt through
+    :func:`encoderkit.models.rebuild.load_model` (the class named in ``config.architectures``,
+    which :func:`check_servable` has matched to the task; weights dequantized to fp32).
+    """
+    from encoderkit.models.rebuild import load_model, needs_rebuild
+
     kwargs = {"attn_implementation": attn}
     if dtype is not None:
         kwargs["dtype"] = dtype
     try:
-        model = auto_class(info.task).from_pretrained(str(folder), **kwargs)
+        if needs_rebuild(folder):  # quantized or head-pruned: rebuilt from the records in config.json
+            model = load_model(folder, attn_implementation=attn)
+            if dtype is not None:
+                model = model.to(dtype)
+        else:
+            model = auto_class(info.task).from_pretrained(str(folder), **kwargs)
     except (OSError, ValueError) as e:
         raise EncoderkitError(f"{folder}: could not load the {info.task} model ({e})") from e
     model.eval()
