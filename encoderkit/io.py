@@ -111,6 +111,18 @@ def read_json(path: str | Path, missing: str, fix: str = "remove or fix it") -> 
         raise EncoderkitError(f"{p} is not valid JSON ({e}); {fix}") from e
 
 
+def json_line(line: str, where: str) -> dict[str, Any]:
+    """One JSONL line as a dict; ``where`` ("file:line") names it in the error."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise EncoderkitError(f"{where}: not a JSON object ({e.msg} at column {e.colno}); "
+                              "JSONL needs one object per line") from e
+    if not isinstance(rec, dict):
+        raise EncoderkitError(f"{where}: not a JSON object (got {type(rec).__name__}); JSONL needs one object per line")
+    return rec
+
+
 def read_card(folder: str | Path) -> dict[str, Any]:
     """The folder's ``encoderkit.json``, or an empty dict for a plain HF folder."""
     p = Path(folder) / CARD

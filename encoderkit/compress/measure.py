@@ -92,7 +92,8 @@ def read_texts(path: str | Path, limit: int | None = None) -> list[str | tuple[s
     else its first column. A JSONL takes the ``text`` key (or ``text``+``text_pair``).
     """
     import csv
-    import json
+
+    from encoderkit.io import json_line
 
     p = Path(path)
     if not p.is_file():
@@ -122,10 +123,7 @@ def read_texts(path: str | Path, limit: int | None = None) -> list[str | tuple[s
             for n, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise EncoderkitError(f"{p}:{n}: not valid JSON ({e})") from e
+                rec = json_line(line, f"{p}:{n}")
                 if "text" not in rec:
                     raise EncoderkitError(f"{p}:{n}: expected a 'text' key")
                 out.append((rec["text"], rec["text_pair"]) if "text_pair" in rec else rec["text"])

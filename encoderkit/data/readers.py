@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import json_line
 
 DOC_SPLITS = ("file", "blank_line", "line")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -384,11 +385,7 @@ def read_jsonl(path: str, text_field: str = "text", opener: Opener | None = None
     for number, line in _chain([first], lines):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EncoderkitError(f"{path}:{number}: not a JSON object ({e.msg} at column {e.colno}); "
-                                  "JSONL needs one object per line") from e
+        rec = json_line(line, f"{path}:{number}")
         text_value = _field(rec, text_field, f"{path}:{number}")
         if text_value:
             yield Document(text_value, path, number)

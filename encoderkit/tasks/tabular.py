@@ -11,12 +11,12 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import json_line
 
 
 @dataclass
@@ -54,13 +54,7 @@ def read_rows(path: str | Path) -> list[Row]:
                 for n, line in enumerate(f, 1):
                     if not line.strip():
                         continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise EncoderkitError(f"{path}:{n}: not valid JSON ({e}); each line must be one JSON object") from e
-                    if not isinstance(rec, dict):
-                        raise EncoderkitError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
-                    rows.append(Row(rec, f"{path}:{n}"))
+                    rows.append(Row(json_line(line, f"{path}:{n}"), f"{path}:{n}"))
             else:
                 lines = (line.rstrip("\r\n") for line in f) if fmt == "tsv" else None
                 reader = (ln.split("\t") for ln in lines) if fmt == "tsv" else csv.reader(f)
