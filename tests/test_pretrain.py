@@ -139,3 +139,24 @@ def test_cli_prints_a_clear_error_and_exits_2(tmp_path, capsys) -> None:
     code = main(["pretrain", "--out", str(tmp_path / "o"), "--preset", "tiny", "--data", str(tmp_path / "missing")])
     assert code == 2
     assert "is not a token store" in capsys.readouterr().err
+
+
+def test_evaluate_mlm_reproduces_the_heldout_metrics_and_checks_the_store(repetitive_store, tmp_path) -> None:
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+
+    result = run(tiny_cfg(repetitive_store, tmp_path / "m", max_steps=6))
+    ev = evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(repetitive_store), max_examples=16, batch_size=5, mask_rate=0.2))
+    assert ev.task == "mlm"  # read from the card
+    from encoderkit.data.prepare import open_blocks
+
+    assert ev.metrics["blocks"] == min(16, len(open_blocks(repetitive_store, "heldout")))
+    capped = evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(repetitive_store), max_examples=3, batch_size=2))
+    assert capped.metrics["blocks"] == 3
+    # the same blocks and epoch-0 masks as pretrain's own held-out evaluation
+    assert ev.metrics["loss"] == pytest.approx(result.metrics["heldout_loss"], rel=1e-5)
+    assert ev.metrics["accuracy"] == pytest.approx(result.metrics["heldout_accuracy"])
+    other = evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(repetitive_store), max_examples=16, seed=1, mask_rate=0.2))
+    assert other.metrics["loss"] != pytest.approx(ev.metrics["loss"], rel=1e-6)  # another seed, other masks
+    with pytest.raises(EncoderkitError, match="not a token store"):
+        evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(tmp_path), task="mlm"))

@@ -27,11 +27,15 @@ from encoderkit.tasks.options import TaskDataOptions
 class EvaluateConfig(TaskDataOptions):
     """Evaluate a model folder on a task's labelled data."""
 
-    task: str = arg("", help="Task (default: from the folder's encoderkit.json or its architecture).", choices=("",) + TASKS)
+    task: str = arg("", help="Task (default: from the folder's encoderkit.json or its architecture). 'mlm': held-out "
+                    "masked-LM loss/accuracy/perplexity on a token store from `encoderkit data prepare` (--data STORE; "
+                    "--max-examples caps the blocks).", choices=("",) + TASKS + ("mlm",))
     model: str = arg(help="Model folder to evaluate ('minilm' = all-MiniLM-L6-v2).", required=True)
-    data: str = arg(help="Labelled data in the task's format (see `encoderkit finetune --help`).", required=True)
+    data: str = arg(help="Labelled data in the task's format (see `encoderkit finetune --help`); mlm: a token store folder.",
+                    required=True)
     tokenizer: str = arg("", help="Tokenizer folder (default: the model folder's own).")
     max_examples: int = arg(0, help="Evaluate a seeded random subset of this many examples (0: all).")
+    mask_rate: float = arg(0.15, help="mlm: fraction of tokens picked for prediction (80/10/10 as in pretraining).")
     miner: str = arg("minilm", help="rerank: bi-encoder that proposes the top-100 candidates on a BEIR source.")
     batch_size: int = arg(64, help="Inference batch size.", speed=True)
     eval_batch_size: int = arg(64, help="(same as --batch-size; kept for shared task code)", speed=True)
@@ -49,8 +53,11 @@ class EvaluateResult:
         return {"model": self.model, "task": self.task, "data": self.data, "seconds": round(self.seconds, 1), **self.metrics}
 
 
+MODULES = {**TASK_MODULES, "mlm": "encoderkit.train.pretrain"}
+
+
 def infer_task(folder: Path, card: dict) -> str:
-    if card.get("task") in TASKS:
+    if card.get("task") in MODULES:
         return card["task"]
     if (folder / "modules.json").is_file():
         return "embed"
@@ -62,6 +69,8 @@ def infer_task(folder: Path, card: dict) -> str:
         return "ner"
     if "ForQuestionAnswering" in arch:
         return "qa"
+    if "ForMaskedLM" in arch:
+        return "mlm"
     raise EncoderkitError(f"{folder}: cannot tell the task from config.json (architectures {arch or 'missing'}); pass --task")
 
 
@@ -74,5 +83,5 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
     cfg.eval_batch_size = cfg.batch_size
     tokenizer = load_tokenizer(folder, cfg.tokenizer or None)
     t0 = time.perf_counter()
-    metrics = importlib.import_module(TASK_MODULES[task]).evaluate_folder(folder, tokenizer, cfg.data, cfg, card)
+    metrics = importlib.import_module(MODULES[task]).evaluate_folder(folder, tokenizer, cfg.data, cfg, card)
     return EvaluateResult(str(folder), task, cfg.data, metrics, time.perf_counter() - t0)

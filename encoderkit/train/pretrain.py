@@ -145,8 +145,31 @@ def heldout_batches(folder: Path, masker: Masker, n_blocks: int, batch_size: int
 
     blocks = open_blocks(folder, "heldout")
     n = len(blocks) if n_blocks <= 0 else min(n_blocks, len(blocks))
-    return [masker(np.asarray(blocks[i:i + batch_size]), np.arange(i, min(i + batch_size, n)), 0)
+    return [masker(np.asarray(blocks[i:min(i + batch_size, n)]), np.arange(i, min(i + batch_size, n)), 0)
             for i in range(0, n, batch_size)]
+
+
+def evaluate_folder(model_dir: Path, tokenizer: Any, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
+    """``encoderkit evaluate --task mlm``: held-out MLM loss, masked-token accuracy and perplexity
+    of a model folder on a token store's held-out blocks (epoch-0 masks of ``cfg.seed``, the same
+    masks ``pretrain`` evaluates with at the same ``cfg.mask_rate``). ``cfg.max_examples`` caps the blocks (0: all)."""
+    from encoderkit.data.prepare import read_meta
+    from encoderkit.tokenizer import load_tokenizer
+
+    store = Path(data)
+    if not (store / "meta.json").is_file():
+        raise EncoderkitError(f"{store}: not a token store; --task mlm takes a folder made by `encoderkit data prepare`")
+    meta = read_meta(store)
+    store_tokenizer = load_tokenizer(store)
+    _check_same_tokenizer(Path(model_dir), store_tokenizer)
+    model = load_encoder(model_dir, vocab_size=int(meta["vocab_size"]), seq_len=int(meta["seq_len"]))
+    masker = Masker.from_tokenizer(store_tokenizer, MaskingSpec(rate=cfg.mask_rate), seed=cfg.seed)
+    batches = heldout_batches(store, masker, cfg.max_examples, cfg.batch_size)
+    if not batches:
+        raise EncoderkitError(f"{store}: the token store has no held-out blocks; prepare it with --heldout > 0")
+    with torch.no_grad():
+        metrics = evaluate_mlm(MaskedOnlyMLM(model).eval(), batches)
+    return {**metrics, "blocks": sum(len(b["input_ids"]) for b in batches)}
 
 
 def run(cfg: PretrainConfig) -> PretrainResult:
