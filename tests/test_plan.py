@@ -39,10 +39,17 @@ def test_budget_teacher_cpu_latency_is_distill_structured_prune_int8():
     plan = _plan(budget="some", teacher=True, hardware="cpu-vnni", goal="latency")
     assert plan.levers() == ["distill", "prune", "quantize"]
     prune = plan.steps[1].params
-    assert prune["method"] == "structured" and prune["ffn"] > 0 and "heads" not in prune
-    assert "ONNX" in _left_out(plan)["prune heads"]
+    assert prune["method"] == "structured" and prune["ffn"] > 0 and 0 < prune["heads"] < 0.5
+    assert "prune heads" not in _left_out(plan)
     assert "VNNI" in plan.steps[2].reason and plan.steps[2].params["per_channel"] is True
     assert "no sparse hardware" in _left_out(plan)["prune 2:4"]
+
+
+def test_tight_quality_floor_prunes_ffn_neurons_only():
+    plan = _plan(budget="some", teacher=True, hardware="cpu", goal="latency", max_quality_drop=0.005)
+    prune = next(s for s in plan.steps if s.lever == "prune").params
+    assert prune["ffn"] > 0 and "heads" not in prune
+    assert "under 1 point" in _left_out(plan)["prune heads"]
 
 
 def test_memory_goal_prunes_vocabulary_and_uses_low_bit_weights():
@@ -101,17 +108,17 @@ def _fake_quality(recipe) -> float:
 
 
 def test_backoff_halves_pruning_until_the_floor_holds():
-    plan = _plan(budget="some", teacher=True, hardware="cpu", goal="latency")  # ffn 0.4 -> -0.04
+    plan = _plan(budget="some", teacher=True, hardware="cpu", goal="latency")  # ffn 0.4 + heads 0.25 -> -0.065
     calls = []
 
     def evaluate(recipe, tag):
         calls.append(tag)
         return _fake_quality(recipe)
 
-    res = search_recipe(plan.recipe(), evaluate, floor=0.875)
-    assert res.ok and len(calls) == 2  # as planned (0.86) fails, halved (0.88) holds
+    res = search_recipe(plan.recipe(), evaluate, floor=0.86)
+    assert res.ok and len(calls) == 2  # as planned (0.835) fails, halved (0.8675) holds
     prune = next(s for s in res.recipe["steps"] if s["lever"] == "prune")
-    assert prune["ffn"] == pytest.approx(0.2)
+    assert prune["ffn"] == pytest.approx(0.2) and prune["heads"] == pytest.approx(0.125)
     assert res.tried[0]["ok"] is False and res.tried[1]["what"] == "halved the structured pruning fractions"
 
 

@@ -163,3 +163,18 @@ def test_head_pruned_model_quantizes_and_reloads(tiny_classifier, tmp_path) -> N
     assert model.bert.encoder.layer[0].attention.self.query.weight.shape == (16, 32)
     ref, got = _logits(tmp_path / "h"), _logits(tmp_path / "hq")
     assert (got - ref).abs().max() < 0.5 and (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+def test_head_and_ffn_pruned_model_goes_through_onnx_int8(tiny_classifier, tmp_path) -> None:
+    """The planner puts head pruning before ONNX INT8: the smaller attention must survive the export."""
+    import onnx
+
+    from encoderkit.compress.prune import PruneConfig, prune
+
+    prune(tiny_classifier, PruneConfig(method="heads", amount=0.5, importance="magnitude", measure=False), tmp_path / "h")
+    prune(tmp_path / "h", PruneConfig(method="ffn", amount=0.5, importance="magnitude", measure=False), tmp_path / "hf")
+    rep = quantize(tmp_path / "hf", QuantizeConfig(method="dynamic", backend="onnx", measure=False), tmp_path / "q", calib=TEXTS)
+    graph = onnx.load(str(tmp_path / "q" / "model.int8.onnx")).graph
+    shapes = {tuple(t.dims) for t in graph.initializer if t.data_type == onnx.TensorProto.INT8}
+    assert (32, 16) in shapes and (32, 32) in shapes  # Q/K/V: 2 of 4 heads kept; FFN 64 -> 32
+    assert rep.details["output_rel_error"] < 0.3

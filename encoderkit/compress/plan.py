@@ -120,12 +120,17 @@ def make_plan(cfg: PlanConfig) -> Plan:
         out.append(("prune 2:4", "no sparse hardware: 2:4 sparsity saves no time on a CPU"))
         if cfg.goal == "latency" and trains:
             ffn = 0.3 if tight else 0.4
-            steps.append(PlannedStep("prune", {"method": "structured", "ffn": ffn, "recovery_steps": 500},
-                                     "CPU latency: removing whole FFN neurons makes the FFN matrices (2/3 of a layer's "
-                                     "weights) smaller, which dense CPU kernels turn into time; recovery training "
-                                     "restores quality"))
-            out.append(("prune heads", "the INT8 step runs through an ONNX export, which does not take head-pruned "
-                                       "folders yet; add `heads:` to the prune step when serving in torch"))
+            params: dict[str, Any] = {"method": "structured", "ffn": ffn, "recovery_steps": 500}
+            reason = ("CPU latency: removing whole FFN neurons makes the FFN matrices (2/3 of a layer's weights) "
+                      "smaller, which dense CPU kernels turn into time; recovery training restores quality")
+            if tight:
+                out.append(("prune heads", ("a quality floor under 1 point: only FFN neurons are removed, the larger and "
+                                           "more forgiving part of each layer")))
+            else:
+                params["heads"] = 0.25
+                reason += ("; a quarter of the attention heads go too (smaller Q/K/V/output matrices and less "
+                           "attention work; the folder still exports to ONNX for the INT8 step)")
+            steps.append(PlannedStep("prune", params, reason))
         elif cfg.goal == "latency":
             out.append(("prune structured", "no training budget: structured pruning without recovery training loses too much quality"))
         else:
