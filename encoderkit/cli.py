@@ -142,7 +142,29 @@ def build_parser(words: tuple[str, ...]) -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so that output folders being written are cleaned up."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one stage; SIGTERM (e.g. a scheduler's kill) unwinds like Ctrl-C, so nothing is left half-written."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     words, end = _find_stage(argv)
     if words is None:
@@ -173,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     except EncoderkitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted; nothing half-written was left under the output name", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; nothing half-written was left "
+              "under the output name", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     if result is not None:
         summary = result.summary() if hasattr(result, "summary") else result
         if isinstance(summary, str):

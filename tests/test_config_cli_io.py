@@ -134,3 +134,30 @@ def test_cli_integer_choices(monkeypatch, capsys):
     assert '"bits": 4' in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["bits", "--bits", "3"])
+
+
+@dataclass
+class SlowWriteConfig(StageConfig):
+    out: str = arg(help="output folder", required=True)
+
+
+def slow_write_run(cfg: SlowWriteConfig):
+    """Writes half an output folder, then gets SIGTERM (as from a scheduler) before finishing."""
+    import os
+    import signal
+
+    with output_dir(cfg.out) as tmp:
+        (tmp / "half.bin").write_bytes(b"x" * 10)
+        os.kill(os.getpid(), signal.SIGTERM)
+        (tmp / "never.bin").write_bytes(b"y")
+
+
+def test_sigterm_unwinds_and_leaves_nothing_half_written(monkeypatch, tmp_path, capsys):
+    import signal
+
+    monkeypatch.setitem(cli.STAGES, ("slowwrite",), f"{__name__}:SlowWriteConfig:slow_write_run")
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["slowwrite", "--out", str(tmp_path / "o")]) == 143
+    assert "terminated" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # neither the output nor a hidden temporary folder
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
