@@ -50,6 +50,36 @@ def output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
     replace_dir(tmp, out)
 
 
+def relocate_paths(folder: Path, old: Path, new: Path) -> int:
+    """Rewrite paths under ``old`` to ``new`` in the JSON files below ``folder`` (cards, store
+    metadata), for stages that build sub-folders inside a temporary output folder. Returns how
+    many files changed."""
+    pairs = [(str(old.resolve()), str(new.resolve())), (str(old), str(new))]
+
+    def fix(v: Any) -> Any:
+        if isinstance(v, str):
+            for a, b in pairs:
+                v = v.replace(a, b)
+            return v
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        if isinstance(v, dict):
+            return {k: fix(x) for k, x in v.items()}
+        return v
+
+    changed = 0
+    for path in sorted(Path(folder).rglob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        fixed = fix(data)
+        if fixed != data:
+            write_text_atomic(path, json.dumps(fixed, indent=2) + "\n")
+            changed += 1
+    return changed
+
+
 def replace_dir(src: Path, dst: Path) -> None:
     """Move the finished folder ``src`` to ``dst``, replacing an old ``dst`` with no gap in which
     neither a complete old nor a complete new folder exists under a known name."""

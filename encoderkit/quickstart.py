@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.io import output_dir
+from encoderkit.io import output_dir, relocate_paths
 
 
 @dataclass
@@ -79,6 +79,7 @@ def run(cfg: QuickstartConfig) -> QuickstartResult:
                 lines.append(f"  held-out masked-token {k:<10} {before:9.3f} -> {after:9.3f}")
         lines += _fill_mask_demo(tmp / "model")
         shutil.rmtree(tmp / "model-run", ignore_errors=True)  # checkpoints: only needed to resume
+        relocate_paths(tmp, tmp, Path(cfg.out))  # cards name the final folders, not the temporary one
         del data
     lines.append(f"done in {time.perf_counter() - t0:.0f} s; load it with "
                  f"transformers.AutoModelForMaskedLM.from_pretrained('{cfg.out}/model')")
