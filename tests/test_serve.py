@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import json
 import threading
 import time
 
@@ -14,7 +15,7 @@ from deploy_models import export_task_model, tiny_root
 
 from encoderkit.deploy.batching import MicroBatcher
 from encoderkit.deploy.runtime import Predictor
-from encoderkit.deploy.serve import BackgroundServer, Limits, create_app, parse_models
+from encoderkit.deploy.serve import BackgroundServer, FastJSONResponse, Limits, create_app, parse_models
 from encoderkit.deploy.tasks import TaskInfo
 from encoderkit.errors import EncoderkitError
 
@@ -66,6 +67,17 @@ def test_each_endpoint_answers_like_the_predictor(server, predictors):
     assert health["status"] == "ok" and health["models"]["ner"]["task"] == "ner"
     assert server.get("/openapi.json").json()["paths"].keys() >= {"/v1/classify", "/v1/embed"}
     assert server.get("/docs").status_code == 200
+
+
+def test_fast_json_gives_the_same_values_as_json_dumps():
+    from fastapi.responses import JSONResponse
+
+    vectors = np.random.default_rng(0).standard_normal((3, 384)).astype(np.float32)
+    vectors[0, :4] = [1e-5, -3.2e-7, 1e16, 0.0]  # exponent forms, where the text of the two writers differs
+    content = {"model": "m\u00e9", "dim": 384, "embeddings": vectors.tolist()}
+    fast, slow = FastJSONResponse(content).body, JSONResponse(content).body
+    assert json.loads(fast) == json.loads(slow) == content  # every float parses back to the same value
+    assert len(fast) < len(slow) * 1.01
 
 
 def test_concurrent_requests_each_get_their_own_result_in_shared_batches(server, predictors):
@@ -179,6 +191,20 @@ def test_graceful_shutdown_finishes_requests_in_flight():
     for t in threads:
         t.join(timeout=30)
     assert results == [200, 200, 200]
+
+
+def test_serve_run_uses_the_fast_http_stack_and_no_access_log(monkeypatch):
+    import uvicorn
+
+    from encoderkit.deploy import serve
+
+    seen = []
+    monkeypatch.setattr(serve, "load_models", lambda *a, **k: {"slow": _SlowClassifier()})
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.append(kw))
+    serve.run(serve.ServeConfig(model=["x"]))
+    serve.run(serve.ServeConfig(model=["x"], access_log=True))
+    assert [kw["access_log"] for kw in seen] == [False, True]
+    assert seen[0]["loop"] == seen[0]["http"] == "auto"  # uvloop + httptools when installed (uvicorn[standard])
 
 
 def test_micro_batcher_groups_and_splits_results():
