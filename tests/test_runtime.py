@@ -9,7 +9,7 @@ import pytest
 from deploy_models import export_task_model, make_task_model, tiny_root
 
 from encoderkit.cli import main
-from encoderkit.deploy.runtime import Predictor, finish_embeddings
+from encoderkit.deploy.runtime import Predictor, finish_embeddings, length_batches
 from encoderkit.errors import EncoderkitError
 
 TEXTS = ["the movie was great fun", "dull", "a boring story that never ends , and the worst film of all time",
@@ -25,6 +25,30 @@ def folders(tmp_path_factory, tiny_tokenizer_dir):
 
 def _load_all(folder, **kw):
     return {b: Predictor.load(folder, backend=b, **kw) for b in ("torch-fp32", "onnx-fp32", "onnx-int8")}
+
+
+def _cost(lengths, groups, call_cost):
+    return sum(call_cost + len(g) * max(lengths[i] for i in g) for g in groups)
+
+
+def test_length_batches_are_the_cheapest_cuts_of_the_sorted_rows():
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        n, max_batch = int(rng.integers(1, 11)), int(rng.integers(1, 6))
+        lengths = [int(x) for x in rng.integers(3, 60, n)]
+        groups = length_batches(lengths, max_batch, call_cost=8)
+        assert sorted(int(i) for g in groups for i in g) == list(range(n))  # every row once
+        assert all(1 <= len(g) <= max_batch for g in groups)
+        order = sorted(range(n), key=lambda i: lengths[i])
+        best = min(  # brute force over every way to cut the sorted order into runs of <= max_batch
+            _cost(lengths, [order[a:b] for a, b in zip((0, *cuts), (*cuts, n), strict=True)], 8)
+            for mask in range(2 ** (n - 1))
+            for cuts in [tuple(k + 1 for k in range(n - 1) if mask >> k & 1)]
+            if all(b - a <= max_batch for a, b in zip((0, *cuts), (*cuts, n), strict=True)))
+        assert _cost(lengths, groups, 8) == best, (trial, lengths, max_batch)
+    assert [len(g) for g in length_batches([20] * 70, 32)] == [32, 32, 6]  # like lengths: full batches
+    assert [len(g) for g in length_batches([5] * 16 + [60] * 16, 32)] == [16, 16]  # no padding 5 -> 60
+    assert length_batches([], 4) == []
 
 
 def test_classify_backends_agree_and_order_does_not_matter(folders):
