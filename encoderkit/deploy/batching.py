@@ -83,7 +83,7 @@ class MicroBatcher:
                     break
                 try:
                     job = await asyncio.wait_for(self._queue.get(), timeout)
-                except TimeoutError:
+                except (TimeoutError, asyncio.TimeoutError):  # two classes before Python 3.11
                     break
             if job is None:
                 stop = True
