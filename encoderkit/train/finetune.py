@@ -50,7 +50,10 @@ class FinetuneConfig(TaskDataOptions):
     freeze: list[str] = arg([], help="Parameter name prefixes to freeze (e.g. bert.embeddings); default: nothing frozen.")
     max_train_examples: int = arg(0, help="Use a seeded random subset of this many training examples (0: all).")
     max_dev_examples: int = arg(0, help="Use a seeded random subset of this many dev examples (0: all).")
-    resume: bool = arg(False, help="Continue an interrupted run with the same settings.")
+    resume: bool = arg(False, help="Continue an interrupted run (its checkpoints are in .<out>.run beside --out) with the "
+                                   "same settings: same data order, no replay.")
+    save_every: int = arg(0, help="Checkpoint every N steps, so --resume loses at most N steps (0: checkpoints only "
+                                  "when the dev metric improves and at the end).", speed=True)
     negatives: str = arg("sampled", help="rerank/embed from BEIR: negatives drawn at random or mined by a bi-encoder.", choices=("sampled", "mined"))
     num_negatives: int = arg(3, help="rerank: negatives per query (the cross-encoder sees 1 positive + N negatives).")
     miner: str = arg(DEFAULT_MODEL, help="rerank/embed --negatives mined: bi-encoder folder used to mine hard negatives.")
@@ -86,6 +89,11 @@ class _EarlyStop(Exception):
     pass
 
 
+def _identity(cfg: FinetuneConfig) -> dict[str, Any]:
+    """What makes a run this run: the result settings, less how it was started."""
+    return {k: v for k, v in cfg.result_dict().items() if k not in ("resume", "overwrite")}
+
+
 def run(cfg: FinetuneConfig) -> FinetuneResult:
     """Fine-tune a model on a task and write the best checkpoint as a model folder."""
     import torch
@@ -97,7 +105,9 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
     model_dir = resolve_model(cfg.model)
     tokenizer = load_tokenizer(model_dir, cfg.tokenizer or None)
     task = importlib.import_module(TASK_MODULES[cfg.task])
-    tr = task.build(cfg, tokenizer, model_dir)
+    with torch.random.fork_rng(devices=[]):  # the new head's initialisation follows --seed
+        torch.manual_seed(cfg.seed)
+        tr = task.build(cfg, tokenizer, model_dir)
     _freeze(tr.module, cfg.freeze)
 
     steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)
@@ -105,7 +115,7 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
         lr=cfg.lr, weight_decay=cfg.weight_decay, warmup=cfg.warmup, schedule="linear", max_steps=cfg.max_steps,
         epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, clip_norm=cfg.clip_norm,
         betas=(0.9, 0.999), eps=1e-8, eval_every=(cfg.eval_every or steps_per_epoch) if tr.evaluate else 0,
-        seed=cfg.seed, bf16=cfg.bf16, log_every=max(1, min(50, steps_per_epoch // 10)),
+        seed=cfg.seed, bf16=cfg.bf16, log_every=max(1, min(50, steps_per_epoch // 10)), save_every=cfg.save_every,
     )
     evaluate = _with_early_stopping(tr.evaluate, tr.primary, cfg.early_stopping) if tr.evaluate else None
     run_dir = out.parent / f".{out.name}.run"
@@ -115,7 +125,7 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
     stopped_early = False
     try:
         result = fit(tr.module, tr.loss_fn, tr.source, settings, run_dir, evaluate=evaluate, primary=tr.primary,
-                     fingerprint={"config": cfg.result_dict()}, resume=cfg.resume)
+                     fingerprint={"config": _identity(cfg)}, resume=cfg.resume)
         steps, best_metrics = result.steps, result.best_metrics
         best = result.best_checkpoint
     except _EarlyStop as stop:
