@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         d, td = timed(fn, doc_texts)
         s, ts = timed(fn, sst)
         q, _ = timed(fn, query_texts)
-        results[name] = dict(docs=d, sst=s, queries=q, docs_per_s=len(doc_texts) / td, sst_per_s=len(sst) / ts,
-                             per_s=(len(doc_texts) + len(sst)) / (td + ts))
+        results[name] = {"docs": d, "sst": s, "queries": q, "docs_per_s": len(doc_texts) / td, "sst_per_s": len(sst) / ts,
+                             "per_s": (len(doc_texts) + len(sst)) / (td + ts)}
         print(f"{name}: scifact {results[name]['docs_per_s']:.1f} docs/s, sst2 {results[name]['sst_per_s']:.1f} sent/s",
               flush=True)
     cos_docs = (results["ours"]["docs"] * results["st"]["docs"]).sum(1)

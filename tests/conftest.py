@@ -45,8 +45,8 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
 def tiny_bert_config(vocab_size: int, **kw):
     from transformers import BertConfig
 
-    base = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=64, max_position_embeddings=128, type_vocab_size=2)
+    base = {"vocab_size": vocab_size, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "intermediate_size": 64, "max_position_embeddings": 128, "type_vocab_size": 2}
     base.update(kw)
     return BertConfig(**base)
 
