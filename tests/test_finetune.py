@@ -272,30 +272,15 @@ ft.run(ft.FinetuneConfig(**json.loads(sys.argv[1])))
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_finetune_killed_and_resumed_matches_uninterrupted(tmp_path, tiny_bert_dir):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from safetensors.torch import load_file
+
+    from tests.kill import run_until_then_kill
 
     train, dev = _tsv(tmp_path / "train.tsv", 160, 0), _tsv(tmp_path / "dev.tsv", 32, 1)
     settings = {"model": str(tiny_bert_dir), "task": "classify", "train": str(train), "dev": str(dev), "lr": 1e-3,
                 "max_steps": 14, "batch_size": 8, "eval_every": 5, "save_every": 2, "seed": 0}
-    script = tmp_path / "child.py"
-    script.write_text(KILLED_CHILD)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    child = subprocess.Popen([sys.executable, str(script), json.dumps({**settings, "out": str(tmp_path / "killed")})],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    checkpoints = tmp_path / ".killed.run" / "checkpoints"
-    deadline = time.monotonic() + 200
-    while not (checkpoints / "step-0000006").exists():
-        assert child.poll() is None, child.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "the child made no checkpoint in time"
-        time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    marker = tmp_path / ".killed.run" / "checkpoints" / "step-0000006"
+    run_until_then_kill(KILLED_CHILD, {**settings, "out": str(tmp_path / "killed")}, marker, tmp_path, 1, timeout=200)
     assert not (tmp_path / "killed").exists()  # nothing half-written under the output name
     resumed = run(FinetuneConfig(**settings, out=str(tmp_path / "killed"), resume=True))
     reference = run(FinetuneConfig(**settings, out=str(tmp_path / "reference")))

@@ -3,13 +3,7 @@ uninterrupted run (same thread count, so the arithmetic is the same)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from encoderkit.train.pretrain import PretrainConfig, run
+from tests.kill import run_until_then_kill
 from tests.test_pretrain import SENTENCE, make_store
 
 CHILD = textwrap.dedent('''
@@ -41,19 +36,8 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_tokenizer_dir)
     settings = {"data": str(store), "layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "dropout": 0.1, "batch_size": 4, "grad_accum": 2,
                     "lr": 3e-3, "max_steps": 16, "warmup": 3, "save_every": 2, "eval_blocks": 8, "bf16": "off"}
     killed = dict(settings, out=str(tmp_path / "killed"))
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    child = subprocess.Popen([sys.executable, str(script), json.dumps(killed)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     checkpoints = tmp_path / "killed-run" / "checkpoints"
-    deadline = time.monotonic() + 150
-    while not (checkpoints / "step-0000006").exists():
-        assert child.poll() is None, child.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "the child made no checkpoint in time"
-        time.sleep(0.05)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    run_until_then_kill(CHILD, killed, checkpoints / "step-0000006", tmp_path, torch.get_num_threads())
     assert not (tmp_path / "killed").exists()  # nothing half-written under the output name
     last = max(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*"))
     assert 6 <= last < 16
