@@ -225,6 +225,28 @@ def test_long_texts_are_truncated_for_classify(tiny_bert_dir):
     assert len(rows[1]["input_ids"]) == 5  # [CLS] good [SEP] fun [SEP]
 
 
+def test_max_length_default_fits_the_model_and_a_longer_request_is_refused(tmp_path, tiny_bert_dir):
+    from encoderkit.tasks.common import model_positions, settle_max_length
+
+    assert model_positions(tiny_bert_dir) == 128
+    assert settle_max_length(0, 256, tiny_bert_dir) == 128  # the embed/qa/rerank default, cut to the model
+    assert settle_max_length(0, 64, tiny_bert_dir) == 64 and settle_max_length(100, 256, tiny_bert_dir) == 100
+    train = _tsv(tmp_path / "train.tsv", 32, 0)
+    with pytest.raises(EncoderkitError, match=r"--max-length 512 is longer than the 128 positions"):
+        run(_cfg(tmp_path, tiny_bert_dir, task="classify", train=str(train), max_length=512))
+    assert not (tmp_path / "out").exists()
+
+
+def test_rerank_pairs_cut_a_query_longer_than_max_length(tiny_bert_dir):
+    from encoderkit.tasks.common import load_tokenizer
+    from encoderkit.tasks.rerank import pair_rows
+
+    tok = load_tokenizer(tiny_bert_dir)
+    rows = pair_rows(tok, ["python data " * 40, "python"], ["the movie " * 40, "the movie"], 24)
+    assert [len(r["input_ids"]) for r in rows] == [24, 6]
+    assert 1 in rows[0]["token_type_ids"]  # the passage keeps a share of the window
+
+
 def test_early_stopping_wrapper_stops_after_patience():
     from encoderkit.train.finetune import _EarlyStop, _with_early_stopping
 

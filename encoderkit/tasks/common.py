@@ -52,6 +52,35 @@ def load_tokenizer(folder: Path, tokenizer: str | None = None):
     return tok
 
 
+def model_positions(folder: Path) -> int | None:
+    """Sub-tokens the model can take at once (``max_position_embeddings``, less RoBERTa's offset of
+    pad id + 1); None when config.json does not say."""
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int):
+        return None
+    if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+        positions -= int(config.get("pad_token_id", 1)) + 1
+    return positions
+
+
+def settle_max_length(requested: int, default: int, folder: Path) -> int:
+    """``--max-length``: the request (refused beyond the model's positions) or, when 0, the task's
+    default cut to what the model takes."""
+    positions = model_positions(folder)
+    if requested:
+        if positions and requested > positions:
+            raise EncoderkitError(f"--max-length {requested} is longer than the {positions} positions of {folder}; "
+                                  f"use --max-length {positions} or less")
+        return requested
+    return min(default, positions) if positions else default
+
+
 def is_sentence_transformers(folder: Path) -> bool:
     return (folder / "modules.json").is_file()
 

@@ -31,6 +31,11 @@ from encoderkit.tasks.embed import (
 from encoderkit.tasks.rerank import groups_from_beir
 
 
+def default_max_length(folder: Path) -> int:
+    """A sentence-transformers folder's own max_seq_length, else 256."""
+    return folder_max_length(folder) or 256
+
+
 def max_length_for(cfg: Any, folder: Path) -> int:
     return cfg.max_length or folder_max_length(folder) or 256
 

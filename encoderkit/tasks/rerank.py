@@ -25,12 +25,16 @@ from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.beir import Retrieval, Triple, is_beir_source, load_retrieval, read_triples
 from encoderkit.tasks.common import TaskRun, resolve_model, run_batches, seeded_subset
 
+DEFAULT_MAX_LENGTH = 256
+
 CANDIDATES = 100
 MINE_FROM, MINE_TO = 3, 30
 
 
 def pair_rows(tokenizer, queries: list[str], passages: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
-    enc = tokenizer(queries, passages, truncation="only_second", max_length=max_length)
+    # longest_first: the passage is cut first; a query longer than the passage is cut too (only_second
+    # fails outright on a query longer than max_length). The deploy runtime truncates the same way.
+    enc = tokenizer(queries, passages, truncation="longest_first", max_length=max_length)
     keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
     return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(queries))]
 
@@ -79,7 +83,7 @@ def groups_from_beir(data: Retrieval, cfg: Any) -> list[Triple]:
 def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     from transformers import AutoModelForSequenceClassification
 
-    max_length = cfg.max_length or 256
+    max_length = cfg.max_length or DEFAULT_MAX_LENGTH
     groups = groups_from_beir(load_retrieval(cfg.train), cfg) if is_beir_source(cfg.train) else read_triples(cfg.train)
     groups = seeded_subset(groups, cfg.max_train_examples, cfg.seed)
     k = cfg.num_negatives
@@ -151,5 +155,5 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
 
     model = AutoModelForSequenceClassification.from_pretrained(model_dir)
     cfg.eval_batch_size = cfg.batch_size
-    evaluate, _ = dev_evaluator(cfg, tokenizer, card.get("max_length", cfg.max_length or 256), str(data), cfg.max_examples)
+    evaluate, _ = dev_evaluator(cfg, tokenizer, card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH), str(data), cfg.max_examples)
     return evaluate(model)
