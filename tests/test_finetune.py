@@ -313,3 +313,31 @@ def test_finetune_killed_and_resumed_matches_uninterrupted(tmp_path, tiny_bert_d
     for name in a:
         assert torch.allclose(a[name], b[name], rtol=0, atol=1e-6), name
     assert not (tmp_path / ".killed.run").exists()  # checkpoints go once the output is written
+
+
+def test_corpus_embeddings_are_cached_per_model_and_texts(tmp_path, tiny_bert_dir, monkeypatch):
+    from transformers import AutoModel
+
+    from encoderkit.tasks import embed
+    from encoderkit.tasks.common import load_tokenizer
+
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = embed.encode
+    monkeypatch.setattr(embed, "encode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, tok = embed.load_bi_encoder(tiny_bert_dir, "mean"), load_tokenizer(tiny_bert_dir)
+    texts = ["the movie python", "a story data", "it was fun"]
+    first = embed.encode_cached(model, tok, texts, 16, 8, False, tiny_bert_dir)
+    again = embed.encode_cached(model, tok, texts, 16, 8, False, tiny_bert_dir)
+    assert len(calls) == 1 and np.array_equal(first, again)  # the second call read the cache
+    embed.encode_cached(model, tok, texts[:2], 16, 8, False, tiny_bert_dir)
+    embed.encode_cached(model, tok, texts, 12, 8, False, tiny_bert_dir)
+    assert len(calls) == 3  # other texts, other max_length: encoded afresh
+    other = tmp_path / "other"  # same architecture, other weights
+    changed = AutoModel.from_pretrained(tiny_bert_dir)
+    with torch.no_grad():
+        changed.embeddings.word_embeddings.weight.mul_(2)
+    changed.save_pretrained(other)
+    tok.save_pretrained(other)
+    out = embed.encode_cached(embed.load_bi_encoder(other, "mean"), tok, texts, 16, 8, False, other)
+    assert len(calls) == 4 and not np.allclose(out, first)

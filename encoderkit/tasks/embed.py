@@ -15,7 +15,9 @@ sentence-transformers layout, and score retrieval.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -146,11 +148,53 @@ def search(query_emb: np.ndarray, doc_emb: np.ndarray, doc_ids: list[str], query
     return out
 
 
+def _digest(h: Any, path: Path) -> None:
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+
+
+def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int, batch_size: int, progress: bool,
+                  folder: Path) -> np.ndarray:
+    """:func:`encode`, with the result kept in ``$ENCODERKIT_CACHE/embeddings`` (default
+    ``~/.cache/encoderkit``) under a hash of the saved model's weight and tokenizer files, the
+    pooling, the tokenizer, ``max_length`` and the texts: evaluating a model and mining with it encode a corpus once.
+    The cache holds plain ``.npy`` arrays (read without pickle)."""
+    h = hashlib.sha256(json.dumps({"pooling": model.pooling, "max_length": max_length, "n": len(texts)}).encode())
+    for name in sorted(p.name for p in Path(folder).iterdir() if p.suffix == ".safetensors"):
+        h.update(name.encode())
+        _digest(h, Path(folder) / name)
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # the tokenizer actually used, not the folder's file
+    if backend is not None:  # less the truncation/padding state that each call sets
+        spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+        h.update(json.dumps(spec, sort_keys=True).encode())
+    else:
+        h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    for t in texts:
+        h.update(t.encode("utf-8", "surrogatepass") + b"\0")
+    path = Path(os.environ.get("ENCODERKIT_CACHE", Path.home() / ".cache" / "encoderkit")) / "embeddings" / f"{h.hexdigest()}.npy"
+    if path.is_file():
+        cached = np.load(path, allow_pickle=False)
+        if cached.shape[0] == len(texts):
+            return cached
+    out = encode(model, tokenizer, texts, max_length, batch_size, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, out, allow_pickle=False)
+    os.replace(tmp, path)
+    return out
+
+
 def retrieve(model: BiEncoder, tokenizer, data: Any, max_length: int, max_query_length: int, batch_size: int = 64,
-             k: int = 100, progress: bool = False) -> dict[str, list[str]]:
-    """Top-k documents of every judged query of a :class:`~encoderkit.tasks.beir.Retrieval`."""
+             k: int = 100, progress: bool = False, cache_for: Path | None = None) -> dict[str, list[str]]:
+    """Top-k documents of every judged query of a :class:`~encoderkit.tasks.beir.Retrieval`.
+    ``cache_for``: the saved folder ``model`` was loaded from, to reuse its corpus embeddings
+    (:func:`encode_cached`); None while weights are changing (evaluation during training)."""
     doc_ids = list(data.corpus)
-    docs = encode(model, tokenizer, [data.doc_text(d) for d in doc_ids], max_length, batch_size, progress)
+    texts = [data.doc_text(d) for d in doc_ids]
+    docs = (encode_cached(model, tokenizer, texts, max_length, batch_size, progress, cache_for) if cache_for is not None
+            else encode(model, tokenizer, texts, max_length, batch_size, progress))
     qids = list(data.qrels)
     queries = encode(model, tokenizer, [data.queries[q] for q in qids], max_query_length, batch_size)
     return search(queries, docs, doc_ids, qids, k)

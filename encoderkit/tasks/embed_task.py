@@ -98,5 +98,6 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
     model = load_bi_encoder(model_dir, pooling if pooling != "auto" else "auto")
     ds = load_retrieval(str(data))
     max_length = card.get("max_length") or max_length_for(cfg, model_dir)
-    ranked = retrieve(model, tokenizer, ds, max_length, card.get("max_query_length", cfg.max_query_length), cfg.batch_size, progress=True)
+    ranked = retrieve(model, tokenizer, ds, max_length, card.get("max_query_length", cfg.max_query_length), cfg.batch_size,
+                      progress=True, cache_for=model_dir)
     return {**retrieval_scores(ranked, ds.qrels), "queries": len(ds.qrels), "documents": len(ds.corpus)}

@@ -54,7 +54,8 @@ def candidates(data: Retrieval, miner: str | Path, cfg: Any, k: int) -> dict[str
     folder = resolve_model(miner)
     model = load_bi_encoder(folder)
     tok = load_tokenizer(folder)
-    return retrieve(model, tok, data, folder_max_length(folder) or 256, cfg.max_query_length, cfg.eval_batch_size, k=k, progress=True)
+    return retrieve(model, tok, data, folder_max_length(folder) or 256, cfg.max_query_length, cfg.eval_batch_size, k=k,
+                    progress=True, cache_for=folder)
 
 
 def groups_from_beir(data: Retrieval, cfg: Any) -> list[Triple]:
