@@ -163,21 +163,45 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir):
     assert _evaluate(res.out, dev)["mrr@10"] == pytest.approx(res.metrics["mrr@10"])
 
 
-@pytest.mark.slow
-def test_embed_learns_and_loads_in_sentence_transformers(tmp_path, tiny_bert_dir):
-    st = pytest.importorskip("sentence_transformers")
-    from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.embed import encode, load_bi_encoder
-
+def _beir(tmp_path: Path) -> Path:
+    """A tiny BEIR folder: 40 one-topic queries; every document on the query's topic is relevant."""
     beir = tmp_path / "beir"
     (beir / "qrels").mkdir(parents=True)
     rows = _pairs(40, 1)
     docs = {f"d{i}": r["positive"] for i, r in enumerate(rows)}
     (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n" for k, v in docs.items()))
     (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": r["query"]}) + "\n" for i, r in enumerate(rows)))
-    # every document on the query's topic is relevant
     qrels = [f"q{i}\td{j}\t1" for i, r in enumerate(rows) for j, s in enumerate(rows) if s["positive"].split()[-1] == r["query"]]
     (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(qrels) + "\n")
+    return beir
+
+
+def test_rerank_on_beir_reorders_the_first_stage_top_k(tmp_path, tiny_bert_dir, monkeypatch):
+    from transformers import AutoModelForSequenceClassification
+
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+    beir, ce = _beir(tmp_path), tmp_path / "ce"
+    AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir, num_labels=1).save_pretrained(ce)
+    for f in tiny_bert_dir.iterdir():
+        if "token" in f.name or f.name == "vocab.txt":
+            (ce / f.name).write_bytes(f.read_bytes())
+    common = {"model": str(ce), "data": f"{beir}#test", "task": "rerank", "miner": str(tiny_bert_dir), "max_length": 16}
+    one = evaluate(EvaluateConfig(**common, candidates=1)).metrics
+    assert one["ndcg@10"] == pytest.approx(one["first_stage_ndcg@10"])  # one candidate: nothing to reorder
+    five = evaluate(EvaluateConfig(**common, candidates=5)).metrics
+    assert five["recall@100"] == pytest.approx(five["first_stage_recall@100"])  # the same 5 documents, reordered
+
+
+@pytest.mark.slow
+def test_embed_learns_and_loads_in_sentence_transformers(tmp_path, tiny_bert_dir):
+    st = pytest.importorskip("sentence_transformers")
+    from encoderkit.tasks.common import load_tokenizer
+    from encoderkit.tasks.embed import encode, load_bi_encoder
+
+    beir = _beir(tmp_path)
     train = _jsonl(tmp_path / "train.jsonl", _pairs(320, 0))
     res = run(_cfg(tmp_path, tiny_bert_dir, task="embed", train=str(train), dev=f"{beir}#test", max_length=16,
                    matryoshka_dims=[16], epochs=2))

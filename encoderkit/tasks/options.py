@@ -37,4 +37,6 @@ class TaskDataOptions(StageConfig):
     pooling: str = arg("auto", help=(
         "embed: 'mean' or 'first' (CLS) pooling; 'auto' takes a sentence-transformers folder's own pooling, "
         "else mean. classify always uses the HF head's first-token pooling (see docs)."), choices=("auto", "mean", "first"))
+    candidates: int = arg(100, help="rerank on a BEIR source: the bi-encoder's top-K documents per query that the "
+                                    "cross-encoder reorders.")
     seed: int = arg(0, help="Seed of the new head's initialisation, shuffling, subsets, negative sampling and dropout.")

@@ -127,14 +127,15 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
         if limit:
             keep = set(seeded_subset(sorted(data.qrels), limit, cfg.seed))
             data.qrels = {q: r for q, r in data.qrels.items() if q in keep}
-        first = candidates(data, cfg.miner, cfg, CANDIDATES)
+        first = candidates(data, cfg.miner, cfg, getattr(cfg, "candidates", CANDIDATES))
+        before = {f"first_stage_{k}": v for k, v in retrieval_scores(first, data.qrels).items()}
 
         def evaluate(module) -> dict[str, float]:
             ranked = {}
             for qid, docs in first.items():
                 s = score_pairs(module, tokenizer, data.queries[qid], [data.doc_text(d) for d in docs], max_length, cfg.eval_batch_size)
                 ranked[qid] = [docs[i] for i in np.argsort(-s, kind="stable")]
-            return retrieval_scores(ranked, data.qrels)
+            return {**retrieval_scores(ranked, data.qrels), **before}
 
         return evaluate, ("ndcg@10", "max")
     triples = seeded_subset(read_triples(spec), limit, cfg.seed)
