@@ -102,7 +102,12 @@ def test_qat_trains_through_fake_quant_and_stores_int8(tiny_classifier, tmp_path
     data = tmp_path / "train.tsv"
     data.write_text("sentence\tlabel\n" + "".join(f"{t}\t{i % 2}\n" for i, t in enumerate(TEXTS)))
     rep = quantize(tiny_classifier, _cfg(method="qat", train_data=str(data), qat_steps=4, batch_size=8, lr=1e-3), tmp_path / "qat")
-    assert rep.details["qat"]["steps"] == 4
+    assert rep.details["qat"]["steps"] == 4 and rep.details["qat"]["kd_alpha"] == 0.5
+    pure = quantize(tiny_classifier, _cfg(method="qat", train_data=str(data), qat_steps=2, batch_size=8, kd_alpha=1.0),
+                    tmp_path / "qat-kd")
+    assert pure.details["qat"]["kd_alpha"] == 1.0  # the fp32 model's logits only
+    with pytest.raises(EncoderkitError, match="kd_alpha"):
+        _cfg(method="qat", kd_alpha=1.5)
     with safe_open(str(tmp_path / "qat" / QUANT_FILE), "pt") as f:
         q = f.get_tensor("bert.encoder.layer.1.attention.self.query.weight.qweight")
     assert q.dtype == torch.int8

@@ -72,6 +72,8 @@ class QuantizeConfig(StageConfig):
     train_data: str = arg("", help="qat: labelled training file for the quantization-aware fine-tuning")
     qat_steps: int = arg(200, help="qat: optimisation steps")
     lr: float = arg(2e-5, help="qat: learning rate")
+    kd_alpha: float = arg(0.5, help="qat: loss = alpha * KD from the fp32 model's logits + (1 - alpha) * task loss "
+                                    "(1: match the fp32 model only)")
     batch_size: int = arg(16, help="qat: training batch size; static/gptq: calibration batch size")
     overwrite: bool = arg(False, help="Replace an existing output folder")
     seed: int = arg(0, help="Seed for calibration sampling and QAT")
@@ -85,6 +87,7 @@ class QuantizeConfig(StageConfig):
         check(0 <= self.damp < 1, f"damp must be in [0, 1), got {self.damp}")
         check(self.calib_samples > 0 and self.calib_seq_len >= 8, "calib_samples must be > 0 and calib_seq_len >= 8")
         check(self.fallback_layers >= 0, "fallback_layers must be >= 0")
+        check(0 <= self.kd_alpha <= 1, f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
 
 
 def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
