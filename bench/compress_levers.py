@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--recovery-steps", type=int, default=100)
     ap.add_argument("--recovery-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    ap.add_argument("--calib", type=int, default=128, help="calibration texts (the first N SST-2 training sentences)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -144,7 +145,7 @@ def main() -> None:
         print(f"{model} not found: using the MiniLM quick-head stand-in (mechanics only)")
         model = quick_head_model(work / "minilm-quickhead")
     train = str(SST2 / "train.tsv")
-    calib = read_texts(train, limit=128)
+    calib = read_texts(train, limit=args.calib)
     results: dict[str, object] = {"model": str(model), "threads": torch.get_num_threads(), "seq_len": 128}
     ow = {"overwrite": True}
     t0 = time.time()
@@ -159,7 +160,7 @@ def main() -> None:
     if "gptq" in args.only:
         dirs = {}
         for name, kw in {"rtn4": {"method": "rtn"}, "gptq4": {"method": "gptq"}}.items():
-            r = quantize(model, QuantizeConfig(bits=4, group_size=128, measure=False, **kw, **ow), work / name,
+            r = quantize(model, QuantizeConfig(bits=4, group_size=128, measure=False, calib_samples=args.calib, **kw, **ow), work / name,
                          calib=calib, quality_fn=accuracy_fn)
             dirs[name] = work / name
             results[name] = brief(r)

@@ -181,9 +181,13 @@ class FakeQuantLinear(torch.nn.Module):
     """A Linear that trains through INT8 rounding (straight-through estimator).
 
     Weights: symmetric per-channel (or per-tensor) INT8 with the scales :func:`rtn_quantize` will
-    store; activations ``x (..., in)``: per-tensor asymmetric UINT8 from the batch's range, as
-    ``torch.ao`` dynamic quantization does at run time. Rounding is skipped in the backward pass.
+    store; activations ``x (..., in)``: per-tensor asymmetric from the batch's range with
+    ``ACT_LEVELS`` steps, as ``torch.ao`` dynamic quantization does at run time (its x86 kernels
+    quantize activations with ``reduce_range=True``: 0..127, not 0..255). Rounding is skipped in
+    the backward pass.
     """
+
+    ACT_LEVELS = 127
 
     def __init__(self, linear: torch.nn.Linear, per_channel: bool = True, activations: bool = True) -> None:
         super().__init__()
@@ -200,9 +204,9 @@ class FakeQuantLinear(torch.nn.Module):
         if self.activations:
             lo = torch.clamp(x.detach().min(), max=0.0)
             hi = torch.clamp(x.detach().max(), min=0.0)
-            s = torch.clamp((hi - lo) / 255, min=1e-8)
+            s = torch.clamp((hi - lo) / self.ACT_LEVELS, min=1e-8)
             z = torch.round(-lo / s)
-            x = x + ((torch.clamp(torch.round(x / s) + z, 0, 255) - z) * s - x).detach()
+            x = x + ((torch.clamp(torch.round(x / s) + z, 0, self.ACT_LEVELS) - z) * s - x).detach()
         return torch.nn.functional.linear(x, w_q, self.linear.bias)
 
 

@@ -199,6 +199,7 @@ def load_model(folder: str | Path, model_cls: Any = None, int8_runtime: bool = F
             raise EncoderkitError(f"{weights}: weights do not match the config (missing {missing[:3]}, unexpected "
                                   f"{unexpected[:3]}); the folder was not written by this version of encoderkit")
     model.eval()
-    if int8_runtime:
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    if int8_runtime:  # per-channel weights, as stored (the default qconfig would re-quantize them per tensor)
+        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8)
     return model

@@ -24,7 +24,7 @@ import numpy as np
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import classification_scores, multilabel_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, check_labels, run_batches, seeded_subset
+from encoderkit.tasks.common import TaskRun, check_labels, load_task_model, run_batches, seeded_subset
 from encoderkit.tasks.tabular import column, read_rows, text_column
 
 DEFAULT_MAX_LENGTH = 128
@@ -134,7 +134,7 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
     """Metrics of a saved classifier on a labelled file."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    model = load_task_model(model_dir, AutoModelForSequenceClassification)
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
     multi = model.config.problem_type == "multi_label_classification"
     cfg.multi_label = multi

@@ -81,6 +81,15 @@ def settle_max_length(requested: int, default: int, folder: Path) -> int:
     return min(default, positions) if positions else default
 
 
+def load_task_model(folder: Path, auto_cls: Any) -> nn.Module:
+    """A saved task model for evaluation: ``auto_cls.from_pretrained``, or for a quantized or
+    head-pruned folder (written by the compression levers) the model rebuilt from its records
+    (:func:`encoderkit.models.rebuild.load_model`; weights dequantized to fp32, as the torch runtime does)."""
+    from encoderkit.models.rebuild import load_model, needs_rebuild
+
+    return load_model(folder) if needs_rebuild(folder) else auto_cls.from_pretrained(folder)
+
+
 def is_sentence_transformers(folder: Path) -> bool:
     return (folder / "modules.json").is_file()
 

@@ -17,7 +17,7 @@ import numpy as np
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import entity_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
+from encoderkit.tasks.common import TaskRun, load_task_model, run_batches, seeded_subset
 from encoderkit.tasks.conll import Sentence, entity_types, read_ner
 from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words
 
@@ -111,7 +111,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
 def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
     from transformers import AutoModelForTokenClassification
 
-    model = AutoModelForTokenClassification.from_pretrained(model_dir)
+    model = load_task_model(model_dir, AutoModelForTokenClassification)
     id2label = {int(k): v for k, v in model.config.id2label.items()}
     sents = seeded_subset(read_ner(data, cfg.tag_scheme), cfg.max_examples, cfg.seed)
     _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data))

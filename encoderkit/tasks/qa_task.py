@@ -15,7 +15,7 @@ import numpy as np
 
 from encoderkit.evaluate.metrics import squad_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
+from encoderkit.tasks.common import TaskRun, load_task_model, run_batches, seeded_subset
 from encoderkit.tasks.qa import QaFeatures, decode_answers, featurize_qa
 from encoderkit.tasks.squad import QaExample, read_squad
 
@@ -102,7 +102,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
 def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
     from transformers import AutoModelForQuestionAnswering
 
-    model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    model = load_task_model(model_dir, AutoModelForQuestionAnswering)
     for key, field in (("max_length", "max_length"), ("doc_stride", "doc_stride"), ("max_answer_length", "max_answer_length"),
                        ("max_question_length", "max_query_length")):
         if key in card:

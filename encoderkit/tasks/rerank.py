@@ -23,7 +23,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import retrieval_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.beir import Retrieval, Triple, is_beir_source, load_retrieval, read_triples
-from encoderkit.tasks.common import TaskRun, resolve_model, run_batches, seeded_subset
+from encoderkit.tasks.common import TaskRun, load_task_model, resolve_model, run_batches, seeded_subset
 
 DEFAULT_MAX_LENGTH = 256
 
@@ -155,7 +155,7 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
 def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    model = load_task_model(model_dir, AutoModelForSequenceClassification)
     cfg.eval_batch_size = cfg.batch_size
     evaluate, _ = dev_evaluator(cfg, tokenizer, card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH), str(data), cfg.max_examples)
     return evaluate(model)
