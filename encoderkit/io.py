@@ -26,6 +26,12 @@ from encoderkit.errors import EncoderkitError
 CARD = "encoderkit.json"
 
 
+def cache_dir(name: str) -> Path:
+    """``$ENCODERKIT_CACHE/name`` (default ``~/.cache/encoderkit/name``): prepared corpora, ONNX
+    exports, corpus embeddings."""
+    return Path(os.environ.get("ENCODERKIT_CACHE", Path.home() / ".cache" / "encoderkit")) / name
+
+
 def check_output_dir(out: str | Path, overwrite: bool) -> Path:
     """Refuse an existing non-empty output folder unless ``overwrite``."""
     out = Path(out)

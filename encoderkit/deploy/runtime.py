@@ -22,7 +22,6 @@ setting, left to the caller (``encoderkit --threads N``).
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ import numpy as np
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.tasks import TaskInfo, check_servable, detect_task, load_torch_model, onnx_file
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import output_dir, read_card
+from encoderkit.io import cache_dir, output_dir, read_card
 
 BACKENDS = ("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8")
 INT8_TASKS = ("embed",)
@@ -86,7 +85,7 @@ def cached_export(folder: Path, int8: bool) -> Path:
     st = (folder / "config.json").stat()
     weights = [p for p in (folder / "model.safetensors", folder / "pytorch_model.bin") if p.is_file()]
     stamp = f"{folder.resolve()}|{st.st_mtime_ns}|{[(p.stat().st_size, p.stat().st_mtime_ns) for p in weights]}"
-    root = Path(os.environ.get("ENCODERKIT_CACHE", Path.home() / ".cache" / "encoderkit")) / "onnx"
+    root = cache_dir("onnx")
     out = root / hashlib.sha256(stamp.encode()).hexdigest()[:16]
     if onnx_file(out, int8):
         return out

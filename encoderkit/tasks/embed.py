@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from encoderkit.io import write_json_atomic
+from encoderkit.io import cache_dir, write_json_atomic
 from encoderkit.tasks.batching import encode_batch, sorted_batches
 
 
@@ -157,8 +157,8 @@ def _digest(h: Any, path: Path) -> None:
 def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int, batch_size: int, progress: bool,
                   folder: Path) -> np.ndarray:
     """:func:`encode`, with the result kept in ``$ENCODERKIT_CACHE/embeddings`` (default
-    ``~/.cache/encoderkit``) under a hash of the saved model's weight and tokenizer files, the
-    pooling, the tokenizer, ``max_length`` and the texts: evaluating a model and mining with it encode a corpus once.
+    ``~/.cache/encoderkit``) under a hash of the saved model's weight files, the tokenizer, the
+    pooling, ``max_length`` and the texts: evaluating a model and mining with it encode a corpus once.
     The cache holds plain ``.npy`` arrays (read without pickle)."""
     h = hashlib.sha256(json.dumps({"pooling": model.pooling, "max_length": max_length, "n": len(texts)}).encode())
     for name in sorted(p.name for p in Path(folder).iterdir() if p.suffix == ".safetensors"):
@@ -172,7 +172,7 @@ def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int
         h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
     for t in texts:
         h.update(t.encode("utf-8", "surrogatepass") + b"\0")
-    path = Path(os.environ.get("ENCODERKIT_CACHE", Path.home() / ".cache" / "encoderkit")) / "embeddings" / f"{h.hexdigest()}.npy"
+    path = cache_dir("embeddings") / f"{h.hexdigest()}.npy"
     if path.is_file():
         cached = np.load(path, allow_pickle=False)
         if cached.shape[0] == len(texts):

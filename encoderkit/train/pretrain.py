@@ -15,7 +15,6 @@ standard HF folder (``AutoModelForMaskedLM``, ``pipeline("fill-mask")``) with th
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,14 +25,14 @@ import torch
 from encoderkit.config import arg, check
 from encoderkit.data.masking import Masker, MaskingSpec
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import check_output_dir, output_dir, write_card
+from encoderkit.io import cache_dir, check_output_dir, output_dir, write_card
 from encoderkit.models.load import build_encoder, check_fits, load_encoder
 from encoderkit.models.mlm import MaskedOnlyMLM, evaluate_mlm, mlm_loss_fn
 from encoderkit.models.presets import ARCHS, PRESETS, build_config
 from encoderkit.train import distributed as dist_util
 from encoderkit.train.engine import FitResult, IndexedBatches, TrainArgs, fit
 
-DEFAULT_CACHE = Path(os.environ.get("ENCODERKIT_CACHE", Path.home() / ".cache" / "encoderkit")) / "prepared"
+DEFAULT_CACHE = cache_dir("prepared")
 
 
 @dataclass
