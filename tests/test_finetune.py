@@ -163,6 +163,30 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir):
     assert _evaluate(res.out, dev)["mrr@10"] == pytest.approx(res.metrics["mrr@10"])
 
 
+def test_rerank_draws_fresh_negatives_each_epoch(tmp_path, tiny_bert_dir):
+    from encoderkit.tasks.common import load_tokenizer
+    from encoderkit.tasks.rerank import build
+
+    rows = [{"query": f"q{i}", "positive": f"pos {i}", "negatives": [f"neg {i} {j}" for j in range(12)]} for i in range(8)]
+    cfg = _cfg(tmp_path, tiny_bert_dir, task="rerank", train=str(_jsonl(tmp_path / "t.jsonl", rows)), max_length=16,
+               num_negatives=2, batch_size=2)
+    tok = load_tokenizer(tiny_bert_dir)
+    task = build(cfg, tok, tiny_bert_dir)
+    idx = np.arange(8)
+
+    def texts(epoch: int) -> list[str]:
+        ids = task.source.make_batch(idx, epoch)["input_ids"]
+        return [tok.decode(r, skip_special_tokens=True) for r in ids]
+
+    e0, e1 = texts(0), texts(1)
+    assert e0 == texts(0)  # seeded by (seed, epoch, row): reproducible, so --resume stays exact
+    assert all(t.endswith(f"pos {i // 3}") for i, t in enumerate(e0) if i % 3 == 0)  # the positive leads each group
+    negs0 = {t for i, t in enumerate(e0) if i % 3}
+    negs1 = {t for i, t in enumerate(e1) if i % 3}
+    assert all(" neg " in f" {t}" for t in negs0 | negs1)
+    assert len(negs0) == 16 and negs0 != negs1  # 2 distinct per row, and a new draw next epoch
+
+
 def _beir(tmp_path: Path) -> Path:
     """A tiny BEIR folder: 40 one-topic queries; every document on the query's topic is relevant."""
     beir = tmp_path / "beir"

@@ -5,7 +5,10 @@ is cross-entropy over the group's scores with the positive as the target (listwi
 Data: JSONL ``{query, positive, negatives}`` (each row needs at least ``num_negatives``
 negatives) or a BEIR source (each judged (query, doc) pair is a row; negatives ``sampled`` at
 random from the corpus, or ``mined``: drawn from ranks 4-30 of a bi-encoder's results, leaving
-out judged documents, so near-misses teach the model what relevance is not).
+out judged documents, so near-misses teach the model what relevance is not). Each group keeps a
+pool of negatives (a row's list, the mined ranks, or ``SAMPLED_POOL`` x N random documents) and
+every epoch draws a fresh ``num_negatives`` from it, seeded by (seed, epoch, row), so a run of
+several epochs sees several times as many distinct negatives.
 
 Evaluation on a BEIR source reranks the bi-encoder's top 100 per query (nDCG@10, MRR@10);
 on JSONL it ranks each row's positive among its negatives (MRR, accuracy@1).
@@ -29,6 +32,7 @@ DEFAULT_MAX_LENGTH = 256
 
 CANDIDATES = 100
 MINE_FROM, MINE_TO = 3, 30
+SAMPLED_POOL = 8  # random negatives kept per group, as a multiple of num_negatives
 
 
 def pair_rows(tokenizer, queries: list[str], passages: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
@@ -58,22 +62,27 @@ def candidates(data: Retrieval, miner: str | Path, cfg: Any, k: int) -> dict[str
                     progress=True, cache_for=folder)
 
 
-def groups_from_beir(data: Retrieval, cfg: Any) -> list[Triple]:
-    """One group per judged (query, doc) pair, with sampled or mined negatives."""
+def groups_from_beir(data: Retrieval, cfg: Any, pool: bool = False) -> list[Triple]:
+    """One group per judged (query, doc) pair, with sampled or mined negatives: ``num_negatives``
+    of them, or with ``pool`` the whole pool to draw from (every mined one, or ``SAMPLED_POOL``
+    times as many random documents)."""
     rng = np.random.default_rng(cfg.seed)
     doc_ids = list(data.corpus)
     mined = candidates(data, cfg.miner, cfg, MINE_TO) if cfg.negatives == "mined" else {}
     out = []
     for qid, rels in data.qrels.items():
-        pool = [d for d in mined.get(qid, [])[MINE_FROM:] if d not in rels]
+        ranked = [d for d in mined.get(qid, [])[MINE_FROM:] if d not in rels]
+        want = cfg.num_negatives * (SAMPLED_POOL if pool and not ranked else 1)
         for d, r in rels.items():
             if r <= 0:
                 continue
-            if pool:
-                negs = list(rng.choice(pool, size=min(cfg.num_negatives, len(pool)), replace=False))
+            if ranked and pool:
+                negs = list(ranked)
+            elif ranked:
+                negs = list(rng.choice(ranked, size=min(cfg.num_negatives, len(ranked)), replace=False))
             else:
                 negs = []
-            while len(negs) < cfg.num_negatives:
+            while len(negs) < want and len(negs) < len(doc_ids) - len(rels):
                 cand = doc_ids[int(rng.integers(len(doc_ids)))]
                 if cand not in rels and cand not in negs:
                     negs.append(cand)
@@ -85,24 +94,29 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     from transformers import AutoModelForSequenceClassification
 
     max_length = cfg.max_length or DEFAULT_MAX_LENGTH
-    groups = groups_from_beir(load_retrieval(cfg.train), cfg) if is_beir_source(cfg.train) else read_triples(cfg.train)
+    if is_beir_source(cfg.train):
+        groups = groups_from_beir(load_retrieval(cfg.train), cfg, pool=True)
+    else:
+        groups = read_triples(cfg.train)
     groups = seeded_subset(groups, cfg.max_train_examples, cfg.seed)
     k = cfg.num_negatives
     short = [g for g in groups if len(g.negatives) < k]
     if short:
         raise EncoderkitError(f"{short[0].where}: {len(short[0].negatives)} negatives, fewer than --num-negatives {k}; "
                               "add negatives or lower --num-negatives")
-    rows = []
-    for g in groups:
-        pr = pair_rows(tokenizer, [g.query] * (k + 1), [g.positive] + g.negatives[:k], max_length)
-        rows.append(pr)
     pad_id = tokenizer.pad_token_id
 
-    def make_batch(idx: np.ndarray, epoch: int):
-        return encode_batch([r for i in idx for r in rows[i]], pad_id)
+    def group_rows(i: int, epoch: int) -> list[dict[str, np.ndarray]]:
+        g = groups[i]
+        pick = np.random.default_rng([cfg.seed, epoch, i]).choice(len(g.negatives), size=k, replace=False)
+        return pair_rows(tokenizer, [g.query] * (k + 1), [g.positive] + [g.negatives[j] for j in pick], max_length)
 
-    source = BucketedBatches(np.asarray([max(len(r["input_ids"]) for r in g) for g in rows]), cfg.batch_size, make_batch,
-                             seed=cfg.seed, bucket=cfg.bucket)
+    def make_batch(idx: np.ndarray, epoch: int):
+        return encode_batch([r for i in idx for r in group_rows(int(i), epoch)], pad_id)
+
+    # bucket by the query + positive length (negatives change every epoch)
+    lengths = [len(r["input_ids"]) for r in pair_rows(tokenizer, [g.query for g in groups], [g.positive for g in groups], max_length)]
+    source = BucketedBatches(np.asarray(lengths), cfg.batch_size, make_batch, seed=cfg.seed, bucket=cfg.bucket)
 
     def loss_fn(module, batch):
         scores = module(**batch).logits.view(-1, k + 1).float()  # (B, 1+k), positive first
