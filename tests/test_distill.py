@@ -266,3 +266,25 @@ def test_narrow_student_matches_hidden_states_through_a_projection(teacher_dir):
     loss.backward()
     assert module.loss.proj.weight.grad is not None
     assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_task_batches_group_similar_lengths(teacher_dir, tmp_path):
+    """Batches are length-bucketed: each holds rows of similar length, so little is padding."""
+    import random
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from encoderkit.compress.distill import task_batches
+
+    rng = random.Random(0)
+    lines = ["sentence\tlabel"] + [" ".join(rng.choices(WORDS, k=rng.randint(1, 40))) + f"\t{i % 2}" for i in range(400)]
+    tsv = tmp_path / "mixed.tsv"
+    tsv.write_text("\n".join(lines) + "\n")
+    tok = AutoTokenizer.from_pretrained(teacher_dir)
+    source, n, has_labels = task_batches(str(tsv), tok, AutoConfig.from_pretrained(teacher_dir), 8, 64, seed=0)
+    assert n == 400 and has_labels
+    batches = list(source(0, 0, 1))
+    seen = sorted(int(b["labels"].shape[0]) for b in batches)
+    assert sum(seen) == 400 and set(seen) == {8}
+    padding = sum(float((b["attention_mask"] == 0).float().mean()) for b in batches) / len(batches)
+    assert padding < 0.1  # random batches of lengths 1..40 words are ~40% padding

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -295,10 +296,12 @@ def read_labels(path: str | Path, label2id: dict[str, int] | None, n: int) -> li
 def task_batches(path: str, tokenizer: Any, teacher_config: Any, batch_size: int, seq_len: int, seed: int,
                  limit: int = 0) -> tuple[Any, int, bool]:
     """An engine batch source over a task file: input_ids/attention_mask (and token_type_ids,
-    labels when present) per micro-batch, padded to the batch's longest row. Returns the
-    source, the number of examples and whether gold labels were found."""
+    labels when present) per micro-batch, padded to the batch's longest row; batches are
+    length-bucketed (rows of similar length together, batch order shuffled), which halves the
+    padding on short-sentence data. Returns the source, the number of examples and whether gold
+    labels were found."""
     from encoderkit.compress.measure import read_texts
-    from encoderkit.train.engine import IndexedBatches
+    from encoderkit.tasks.batching import BucketedBatches
 
     texts = read_texts(path, limit=limit or None)
     if isinstance(texts[0], tuple):
@@ -321,7 +324,8 @@ def task_batches(path: str, tokenizer: Any, teacher_config: Any, batch_size: int
         return batch
 
     check(len(texts) >= batch_size, f"{path}: {len(texts)} examples, fewer than one batch of {batch_size}")
-    return IndexedBatches(len(texts), batch_size, make_batch, seed=seed), len(texts), labels is not None
+    lengths = np.asarray([len(r) for r in enc["input_ids"]])
+    return BucketedBatches(lengths, batch_size, make_batch, seed=seed), len(texts), labels is not None
 
 
 def agnostic_batches(data: str, tokenizer: Any, batch_size: int, mask_rate: float, seed: int,
