@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -144,6 +145,50 @@ def test_onnx_int8(tiny_classifier, tmp_path, kw) -> None:
     assert got.shape == (4, 2)
     with pytest.raises(EncoderkitError, match="already quantized"):
         quantize(out, QuantizeConfig(measure=False), tmp_path / "again")
+
+
+def test_onnx_int4_word_embeddings(tiny_classifier, tmp_path) -> None:
+    """embeddings=int4 on ONNX: the word-embedding Gather becomes packed uint4 blocks
+    (GatherBlockQuantized), the folder shrinks, and the model still predicts like INT8 alone."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+    from transformers import AutoTokenizer
+
+    from encoderkit.compress.onnx_embeddings import dequantize_uint4, uint4_blocks
+
+    w = np.random.default_rng(0).normal(size=(10, 64)).astype(np.float32)
+    codes, scale, zero = uint4_blocks(w, 16)
+    assert codes.max() <= 15 and scale.dtype == np.float16
+    back = dequantize_uint4(codes, scale, zero, 16)
+    step = scale.astype(np.float32).repeat(16, axis=1)
+    assert (np.abs(back - w) <= step * 0.51 + 1e-6).all()  # round to nearest: within half a step
+
+    outs = {}
+    for emb in ("fp32", "int4"):
+        outs[emb] = tmp_path / emb
+        quantize(tiny_classifier, QuantizeConfig(method="dynamic", backend="onnx", embeddings=emb, group_size=16, measure=False),
+                 outs[emb], calib=TEXTS)
+    graph = onnx.load(str(outs["int4"] / "model.int8.onnx")).graph
+    node = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    packed = next(t for t in graph.initializer if t.name == node.input[0])
+    vocab, hidden = packed.dims
+    assert hidden == 32 and vocab > 100
+    assert packed.data_type == onnx.TensorProto.UINT4 and len(packed.raw_data) == vocab * hidden // 2  # two codes a byte
+    assert not any(t.name.startswith("bert.embeddings.word_embeddings.weight") and t.data_type == onnx.TensorProto.FLOAT
+                   for t in graph.initializer if t.name != node.input[2])
+    size = {k: (v / "model.int8.onnx").stat().st_size for k, v in outs.items()}
+    assert size["fp32"] - size["int4"] >= vocab * hidden * 0.4  # uint8 -> uint4 + fp16 scales per 16 columns
+    tok = AutoTokenizer.from_pretrained(outs["int4"])
+    enc = tok(TEXTS[:8], padding=True, return_tensors="np")
+    logits = {}
+    for k, v in outs.items():
+        sess = ort.InferenceSession(str(v / "model.int8.onnx"), providers=["CPUExecutionProvider"])
+        logits[k] = sess.run(None, {i.name: enc[i.name].astype("int64") for i in sess.get_inputs()})[0]
+    assert np.abs(logits["int4"] - logits["fp32"]).max() < 0.5
+    assert (logits["int4"].argmax(-1) == logits["fp32"].argmax(-1)).mean() >= 0.75
+    with pytest.raises(EncoderkitError, match="group-size"):
+        QuantizeConfig(method="dynamic", backend="onnx", embeddings="int4", group_size=48)
 
 
 def test_cli_quantize_and_prune(tiny_classifier, tmp_path, capsys) -> None:

@@ -62,7 +62,10 @@ class QuantizeConfig(StageConfig):
     damp: float = arg(0.01, help="gptq: dampening added to the Hessian diagonal, as a fraction of its mean")
     block_size: int = arg(128, help="gptq: columns per lazy batch update")
     per_channel: bool = arg(True, help="dynamic/static/qat: one weight scale per output channel (else per tensor)")
-    embeddings: str = arg("fp32", help="Also store word/position embeddings and the pooler in int8/int4 (rows quantized, RTN)",
+    embeddings: str = arg("fp32", help="torch/gptq/rtn: also store word/position embeddings and the pooler in int8/int4 (rows "
+                                       "quantized, RTN, int4 in groups of --group-size). onnx: 'int4' stores the word embeddings "
+                                       "as packed uint4 blocks of --group-size columns (ORT GatherBlockQuantized); ORT dynamic "
+                                       "INT8 already stores them in uint8",
                           choices=("fp32", "int8", "int4"))
     calib_data: str = arg("", help="Calibration texts (.txt, .tsv with 'sentence' column, or .jsonl 'text'): static/gptq/qat")
     calib_samples: int = arg(128, help="Number of calibration texts")
@@ -88,6 +91,9 @@ class QuantizeConfig(StageConfig):
         check(self.calib_samples > 0 and self.calib_seq_len >= 8, "calib_samples must be > 0 and calib_seq_len >= 8")
         check(self.fallback_layers >= 0, "fallback_layers must be >= 0")
         check(0 <= self.kd_alpha <= 1, f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
+        onnx = self.method == "static" or self.method == "dynamic" and self.backend == "onnx"
+        check(not onnx or self.embeddings != "int4" or self.group_size in (16, 32, 64, 128, 256),
+              f"embeddings=int4 on ONNX needs --group-size 16, 32, 64, 128 or 256 (columns per block), got {self.group_size}")
 
 
 def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
@@ -340,19 +346,24 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
     with tempfile.TemporaryDirectory(prefix="encoderkit-onnx-") as work:
         work = Path(work)
         details["export"] = export_onnx(model_dir, work)
-        fp32 = work / ONNX_FP32
+        fp32 = src = work / ONNX_FP32
+        if cfg.embeddings == "int4":
+            from encoderkit.compress.onnx_embeddings import int4_word_embeddings
+
+            src = work / "model.emb4.onnx"
+            details.update(int4_word_embeddings(fp32, src, cfg.group_size))
         names = [i.name for i in ort.InferenceSession(str(fp32), providers=["CPUExecutionProvider"]).get_inputs()]
         texts = calibration_texts(cfg, calib) if (cfg.method == "static" or calib or cfg.calib_data) else []
         feeds = _feeds(tokenizer, texts, names, cfg.calib_seq_len, cfg.batch_size) if texts else []
         if cfg.method == "dynamic":
-            quantize_dynamic(str(fp32), str(out / ONNX_INT8), per_channel=cfg.per_channel, weight_type=QuantType.QInt8)
+            quantize_dynamic(str(src), str(out / ONNX_INT8), per_channel=cfg.per_channel, weight_type=QuantType.QInt8)
         else:
             method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                       "percentile": CalibrationMethod.Percentile}[cfg.calib_method]
 
             def static(dst: Path, nodes_to_quantize: list[str] | None = None, exclude: list[str] | None = None,
                        use: list[dict[str, np.ndarray]] | None = None) -> None:
-                quantize_static(str(fp32), str(dst), _CalibReader(use or feeds), quant_format=QuantFormat.QDQ,
+                quantize_static(str(src), str(dst), _CalibReader(use or feeds), quant_format=QuantFormat.QDQ,
                                 op_types_to_quantize=["MatMul", "Gemm"], per_channel=cfg.per_channel,
                                 activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                                 nodes_to_quantize=nodes_to_quantize, nodes_to_exclude=exclude or [],
@@ -362,7 +373,7 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
             if cfg.fallback_layers > 0:
                 probe = feeds[: max(1, 16 // cfg.batch_size)]
                 sensitivity = {}
-                for node in tqdm(_weight_matmuls(fp32), desc="layer sensitivity", disable=None):
+                for node in tqdm(_weight_matmuls(src), desc="layer sensitivity", disable=None):
                     static(work / "one.onnx", nodes_to_quantize=[node], use=probe)
                     sensitivity[node] = _output_error(fp32, work / "one.onnx", probe)
                 excluded = sorted(sensitivity, key=sensitivity.get, reverse=True)[: cfg.fallback_layers]

@@ -1,0 +1,91 @@
+"""4-bit word embeddings inside an ONNX graph (ONNX Runtime's ``GatherBlockQuantized``).
+
+A BERT's word-embedding matrix is half of MiniLM's parameters, and ORT's dynamic quantization
+stores it as per-tensor uint8. This swaps the ``Gather(word_embeddings, input_ids)`` node of an
+fp32 export for ``com.microsoft.GatherBlockQuantized``: rows stored as packed uint4 (two per byte)
+in blocks of ``block_size`` columns, each block with an fp16 scale and a uint4 zero point
+(asymmetric round-to-nearest), dequantized on the fly for the looked-up rows only. Run this on
+the fp32 graph before ``quantize_dynamic``, which leaves the new node alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from encoderkit.errors import EncoderkitError
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+def uint4_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes uint8 in 0..15, scales fp16, zero points uint8 in 0..15) of a (V, H) matrix, one
+    scale/zero point per ``block_size`` consecutive columns of a row."""
+    v, h = weight.shape
+    blocks = weight.astype(np.float32).reshape(v, h // block_size, block_size)
+    lo, hi = np.minimum(blocks.min(-1), 0.0), np.maximum(blocks.max(-1), 0.0)  # 0 stays exact
+    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float16)  # an all-zero block: any scale
+    s = scale.astype(np.float32)
+    zero = np.clip(np.round(-lo / s), 0, 15)
+    codes = np.clip(np.round(blocks / s[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
+    return codes.reshape(v, h), scale, zero.astype(np.uint8)
+
+
+def dequantize_uint4(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, block_size: int) -> np.ndarray:
+    v, h = codes.shape
+    c = codes.reshape(v, h // block_size, block_size).astype(np.float32)
+    return ((c - zero[..., None].astype(np.float32)) * scale.astype(np.float32)[..., None]).reshape(v, h)
+
+
+def _pack(codes: np.ndarray) -> bytes:
+    flat = codes.reshape(-1)
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8).tobytes()
+
+
+def int4_word_embeddings(src: str | Path, dst: str | Path, block_size: int = 64) -> dict[str, float]:
+    """Rewrite ``src`` (an fp32 ONNX export) into ``dst`` with 4-bit word embeddings.
+
+    The word-embedding Gather is the one whose data is an initializer fed by the ``input_ids``
+    graph input. Returns what changed (rows, block size, the mean absolute dequantization error).
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    if block_size not in BLOCK_SIZES:
+        raise EncoderkitError(f"int4 embeddings: block size {block_size} not supported; use one of {BLOCK_SIZES}")
+    model = onnx.load(str(src))
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    node = next((n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits and n.input[1] == "input_ids"), None)
+    if node is None:
+        raise EncoderkitError(f"{src}: no Gather of an embedding matrix by input_ids; cannot store the embeddings in int4")
+    weight = numpy_helper.to_array(inits[node.input[0]])
+    v, h = weight.shape
+    if h % block_size:
+        raise EncoderkitError(f"int4 embeddings: hidden size {h} is not a multiple of the block size {block_size}")
+    codes, scale, zero = uint4_blocks(weight, block_size)
+    name = node.input[0]
+    graph.initializer.remove(inits[name])
+    nb = h // block_size
+    graph.initializer.extend([
+        helper.make_tensor(f"{name}_uint4", TensorProto.UINT4, [v, h], _pack(codes), raw=True),
+        numpy_helper.from_array(scale, f"{name}_scale"),
+        helper.make_tensor(f"{name}_zero", TensorProto.UINT4, [v, nb], _pack(zero), raw=True),
+    ])
+    half = f"{node.output[0]}_fp16"
+    gbq = helper.make_node("GatherBlockQuantized", [f"{name}_uint4", node.input[1], f"{name}_scale", f"{name}_zero"], [half],
+                           name=f"{node.name}_int4", domain="com.microsoft", gather_axis=0, quantize_axis=1,
+                           block_size=block_size)
+    cast = helper.make_node("Cast", [half], [node.output[0]], name=f"{node.name}_cast", to=TensorProto.FLOAT)
+    at = list(graph.node).index(node)
+    graph.node.remove(node)
+    graph.node.insert(at, cast)
+    graph.node.insert(at, gbq)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    onnx.save(model, str(dst))
+    err = float(np.abs(dequantize_uint4(codes, scale, zero, block_size) - weight).mean())
+    return {"int4_embedding_rows": v, "int4_block_size": block_size, "int4_embedding_mean_abs_error": round(err, 6)}
