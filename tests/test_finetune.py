@@ -237,6 +237,11 @@ def test_embed_learns_and_loads_in_sentence_transformers(tmp_path, tiny_bert_dir
     theirs = st.SentenceTransformer(str(res.out), device="cpu").encode(texts)
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
     assert _evaluate(res.out, f"{beir}#test")["ndcg@10"] == pytest.approx(res.metrics["ndcg@10"], abs=1e-6)
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+
+    some = evaluate(EvaluateConfig(model=str(res.out), data=f"{beir}#test", max_examples=7)).metrics
+    assert some["queries"] == 7 and some["documents"] == 40  # fewer queries, the whole corpus
 
 
 # -- bad input: clear errors, no output ------------------------------------------------------

@@ -34,7 +34,8 @@ class EvaluateConfig(TaskDataOptions):
     data: str = arg(help="Labelled data in the task's format (see `encoderkit finetune --help`); mlm: a token store folder.",
                     required=True)
     tokenizer: str = arg("", help="Tokenizer folder (default: the model folder's own).")
-    max_examples: int = arg(0, help="Evaluate a seeded random subset of this many examples (0: all).")
+    max_examples: int = arg(0, help="Evaluate a seeded random subset of this many examples (0: all); rerank/embed: of the judged "
+                                "queries, searching the whole corpus.")
     mask_rate: float = arg(0.15, help="mlm: fraction of tokens picked for prediction (80/10/10 as in pretraining).")
     miner: str = arg("minilm", help="rerank: bi-encoder that proposes the top-100 candidates on a BEIR source.")
     batch_size: int = arg(64, help="Inference batch size.", speed=True)

@@ -97,6 +97,9 @@ def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card
     pooling = card.get("pooling") or folder_pooling(model_dir) or cfg.pooling
     model = load_bi_encoder(model_dir, pooling if pooling != "auto" else "auto")
     ds = load_retrieval(str(data))
+    if cfg.max_examples:  # a seeded subset of the judged queries; the whole corpus stays searchable
+        keep = set(seeded_subset(sorted(ds.qrels), cfg.max_examples, cfg.seed))
+        ds.qrels = {q: r for q, r in ds.qrels.items() if q in keep}
     max_length = card.get("max_length") or max_length_for(cfg, model_dir)
     ranked = retrieve(model, tokenizer, ds, max_length, card.get("max_query_length", cfg.max_query_length), cfg.batch_size,
                       progress=True, cache_for=model_dir)
