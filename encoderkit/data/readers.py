@@ -29,17 +29,21 @@ from __future__ import annotations
 
 import csv
 import glob
-import gzip
-import io
 import json
-import struct
-import tarfile
-import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
+from encoderkit.data.files import (
+    MEMBER_SEP,
+    Opener,
+    decoded_lines,
+    first_bad_utf8_offset,
+    is_archive,
+    iter_archive,
+    source_bytes,
+)
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import json_line
 
@@ -49,9 +53,6 @@ HF_PREFIX = "hf:"
 BUILTIN_PREFIX = "builtin:"
 _GLOB_CHARS = "*?["
 
-ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
-MEMBER_SEP = "::"  # an archive member's source name: ARCHIVE::MEMBER
-Opener = Callable[[], BinaryIO]
 SkipCallback = Callable[[str, str], None]
 """Called as ``on_skip(source, reason)`` for each file left out (``skip_bad_encoding=True``)."""
 
@@ -151,18 +152,8 @@ def estimate_bytes(sources: str | Path | Iterable[str | Path]) -> int | None:
     for src in resolve_sources(sources):
         if src.startswith((HF_PREFIX, BUILTIN_PREFIX)):
             return None
-        total += _archive_bytes(Path(src)) if is_archive(src) else _uncompressed_size(Path(src))
+        total += source_bytes(src)
     return total
-
-
-def _uncompressed_size(path: Path) -> int:
-    size = path.stat().st_size
-    if not path.name.lower().endswith((".gz", ".tgz")) or size < 18:
-        return size
-    with open(path, "rb") as f:  # ISIZE: the last 4 bytes, the uncompressed size mod 2**32 (an estimate)
-        f.seek(-4, 2)
-        isize = struct.unpack("<I", f.read(4))[0]
-    return max(isize, size)
 
 
 # -- the entry point -------------------------------------------------------------------------------
@@ -239,97 +230,6 @@ def _read_file(path: str, doc_split: str, text_field: str, text_column: str, ski
         yield from read_parquet(path, text_column, opener)
     else:
         yield from read_text(path, doc_split, opener)
-
-
-# -- archives --------------------------------------------------------------------------------------
-def is_archive(path: str) -> bool:
-    return path.lower().endswith(ARCHIVE_SUFFIXES)
-
-
-def _hidden(name: str) -> bool:
-    return any(part.startswith(".") or part == "__MACOSX" for part in name.split("/") if part)
-
-
-def iter_archive(path: str) -> Iterator[tuple[str, Opener]]:
-    """``(member name, opener)`` for each regular, non-hidden file of a .zip (in sorted name order) or a
-    .tar/.tar.gz/.tgz (in archive order, read in one pass; each member is held in memory while read)."""
-    try:
-        if path.lower().endswith(".zip"):
-            with zipfile.ZipFile(path) as z:
-                names = sorted(i.filename for i in z.infolist() if not i.is_dir() and not _hidden(i.filename))
-                for name in names:
-                    yield name, lambda n=name: z.open(n)  # type: ignore[misc]
-            return
-        with tarfile.open(path, "r:*") as tar:
-            for member in tar:
-                if member.isfile() and not _hidden(member.name):
-                    data = tar.extractfile(member).read()  # type: ignore[union-attr]
-                    yield member.name, lambda d=data: io.BytesIO(d)  # type: ignore[misc]
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, gzip.BadGzipFile) as e:
-        raise EncoderkitError(f"cannot read archive {path}: {e}; check that the file is complete") from e
-
-
-def _archive_bytes(path: Path) -> int:
-    if path.name.lower().endswith(".zip"):
-        with zipfile.ZipFile(path) as z:
-            return sum(i.file_size for i in z.infolist())
-    return _uncompressed_size(path)
-
-
-# -- bytes to lines ------------------------------------------------------------------------------
-def _open_binary(path: str, opener: Opener | None = None) -> BinaryIO:
-    """``path`` (or the archive member ``opener`` opens) as a binary stream, gunzipped if it ends in .gz."""
-    if opener is None:
-        return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")  # type: ignore[return-value]
-    raw = opener()
-    return gzip.GzipFile(fileobj=raw, mode="rb") if path.lower().endswith(".gz") else raw  # type: ignore[return-value]
-
-
-def decoded_lines(path: str, keep_ends: bool = False, opener: Opener | None = None) -> Iterator[tuple[int, str]]:
-    """Yield ``(line_number, text)`` for each line of a (possibly gzipped) UTF-8 file, with the line
-    ending (``\\n`` or ``\\r\\n``) removed unless ``keep_ends``, and a leading BOM dropped. A byte that is not UTF-8 raises
-    :class:`EncoderkitError` with its line and byte offset (in the uncompressed stream)."""
-    offset = 0
-    try:
-        with _open_binary(path, opener) as f:
-            for number, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise _encoding_error(path, number, offset + e.start) from e
-                offset += len(raw)
-                if number == 1 and line.startswith("\ufeff"):
-                    line = line[1:]
-                yield number, line if keep_ends or not line.endswith("\n") else line.rstrip("\r\n")
-    except (OSError, EOFError, gzip.BadGzipFile, zipfile.BadZipFile, tarfile.TarError) as e:
-        raise EncoderkitError(f"cannot read {path}: {e}; check that the file is complete (a .gz file "
-                              "must be a gzip stream)") from e
-
-
-def _encoding_error(path: str, line: int, offset: int) -> EncoderkitError:
-    where = "uncompressed byte offset" if path.lower().endswith(".gz") else "byte offset"
-    return EncoderkitError(f"{path}:{line}: not UTF-8 ({where} {offset}); convert it (e.g. iconv -f latin1 -t utf-8) "
-                           "or pass --skip-bad-encoding to leave such files out")
-
-
-def first_bad_utf8_offset(path: str, opener: Opener | None = None) -> int | None:
-    """Byte offset (uncompressed) of the first invalid UTF-8 byte of a file, or ``None`` if it is clean.
-    Reads in 1 MiB chunks with an incremental decoder, so no line is held twice."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0  # bytes of the stream handed to the decoder so far
-    try:
-        with _open_binary(path, opener) as f:
-            while chunk := f.read(1 << 20):
-                offset += len(chunk)
-                decoder.decode(chunk)
-            decoder.decode(b"", final=True)
-    except UnicodeDecodeError as e:  # e.object = the decoder's pending bytes + the last chunk
-        return offset - len(e.object) + e.start
-    except (OSError, EOFError, gzip.BadGzipFile, zipfile.BadZipFile, tarfile.TarError) as e:
-        raise EncoderkitError(f"cannot read {path}: {e}") from e
-    return None
 
 
 # -- the formats ---------------------------------------------------------------------------------
