@@ -135,7 +135,7 @@ def main() -> None:
     ap.add_argument("--recovery-steps", type=int, default=100)
     ap.add_argument("--recovery-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
-    ap.add_argument("--calib", type=int, default=128, help="calibration texts (the first N SST-2 training sentences)")
+    ap.add_argument("--calib", type=int, default=4096, help="GPTQ calibration texts (the first N SST-2 training sentences)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -152,7 +152,6 @@ def test_onnx_int4_word_embeddings(tiny_classifier, tmp_path) -> None:
     (GatherBlockQuantized), the folder shrinks, and the model still predicts like INT8 alone."""
     import onnx
     import onnxruntime as ort
-    from onnx import numpy_helper
     from transformers import AutoTokenizer
 
     from encoderkit.compress.onnx_embeddings import dequantize_uint4, uint4_blocks

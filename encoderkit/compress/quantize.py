@@ -44,6 +44,9 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
 
 METHODS = ("dynamic", "static", "qat", "gptq", "rtn")
+# GPTQ-4 on the SST-2 MiniLM teacher: 128 calibration sentences 0.8899 dev accuracy, 512 0.8922, 4096 0.9014
+# (RTN-4 0.8956): a Hessian per Linear (up to 1536 x 1536) needs tens of thousands of tokens.
+CALIB_DEFAULT = {"gptq": 4096}
 
 
 @dataclass
@@ -68,7 +71,8 @@ class QuantizeConfig(StageConfig):
                                        "INT8 already stores them in uint8",
                           choices=("fp32", "int8", "int4"))
     calib_data: str = arg("", help="Calibration texts (.txt, .tsv with 'sentence' column, or .jsonl 'text'): static/gptq/qat")
-    calib_samples: int = arg(128, help="Number of calibration texts")
+    calib_samples: int = arg(0, help="Number of calibration texts (0: the method's default: gptq 4096, a Hessian per "
+                                     "Linear needs many tokens and short texts give few; static/qat 128)")
     calib_seq_len: int = arg(128, help="Max tokens per calibration text")
     calib_method: str = arg("minmax", help="static: activation range calibration", choices=("minmax", "entropy", "percentile"))
     fallback_layers: int = arg(0, help="static: keep this many most sensitive MatMuls in fp32 (measured by output error)")
@@ -88,7 +92,7 @@ class QuantizeConfig(StageConfig):
               f"bits={self.bits} is only supported by method gptq or rtn; {self.method} is INT8 only")
         check(self.group_size == -1 or self.group_size >= 8, f"group_size must be -1 or >= 8, got {self.group_size}")
         check(0 <= self.damp < 1, f"damp must be in [0, 1), got {self.damp}")
-        check(self.calib_samples > 0 and self.calib_seq_len >= 8, "calib_samples must be > 0 and calib_seq_len >= 8")
+        check(self.calib_samples >= 0 and self.calib_seq_len >= 8, "calib_samples must be >= 0 and calib_seq_len >= 8")
         check(self.fallback_layers >= 0, "fallback_layers must be >= 0")
         check(0 <= self.kd_alpha <= 1, f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
         onnx = self.method == "static" or self.method == "dynamic" and self.backend == "onnx"
@@ -135,10 +139,11 @@ def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
 
 def calibration_texts(cfg: QuantizeConfig, calib: list[Any] | None) -> list[Any]:
     """``calib`` if given, else the first ``cfg.calib_samples`` texts of ``cfg.calib_data``."""
+    n = cfg.calib_samples or CALIB_DEFAULT.get(cfg.method, 128)
     if calib is not None:
-        texts = list(calib)[: cfg.calib_samples]
+        texts = list(calib)[:n]
     elif cfg.calib_data:
-        texts = read_texts(cfg.calib_data, limit=cfg.calib_samples)
+        texts = read_texts(cfg.calib_data, limit=n)
     else:
         raise EncoderkitError(f"quantize method={cfg.method} needs calibration texts: pass --calib-data FILE "
                               "(.txt, .tsv or .jsonl from the task's training data)")
