@@ -92,13 +92,17 @@ def _base_type(hint: Any) -> Any:
     return hint
 
 
-def config_from_args(cfg_cls: type[StageConfig], ns: argparse.Namespace) -> StageConfig:
+def config_from_args(cfg_cls: type[StageConfig], ns: argparse.Namespace, seed: int | None = None) -> StageConfig:
+    """The stage config from its flags over its ``--config`` file; a global ``seed`` fills the
+    stage's own ``seed`` when neither gives one."""
     data: dict[str, Any] = load_mapping(ns.config) if getattr(ns, "config", None) else {}
     hints = typing.get_type_hints(cfg_cls)
     for f in fields(cfg_cls):
         value = getattr(ns, f.name, None)
         if value is not None:
             data[f.name] = coerce(value, hints[f.name], "--" + f.name.replace("_", "-"))
+    if seed is not None and "seed" in hints and "seed" not in data:
+        data["seed"] = seed
     return cfg_cls.from_dict(data, source=ns.config or "command line")
 
 
@@ -125,7 +129,7 @@ def _top_help() -> str:
     for words, value in STAGES.items():
         lines.append(f"  {' '.join(words):<20} {_spec(value)[1]}")
     lines += ["", "global flags:", "  --threads N          CPU threads for torch (default: torch's choice)",
-              "  --seed N             global seed for Python, NumPy and torch", "",
+              "  --seed N             global seed for Python, NumPy and torch, and the stage's --seed unless given", "",
               "`encoderkit COMMAND --help` explains every flag of a command."]
     return "\n".join(lines)
 
@@ -190,7 +194,7 @@ def _main(argv: list[str] | None = None) -> int:
 
             seed_everything(g.seed)
         cfg_cls, fn = _load(_spec(STAGES[words])[0])
-        cfg = config_from_args(cfg_cls, ns)
+        cfg = config_from_args(cfg_cls, ns, g.seed)
         result = fn(cfg)
     except EncoderkitError as e:
         print(f"error: {e}", file=sys.stderr)

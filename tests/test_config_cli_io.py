@@ -19,6 +19,7 @@ class DemoConfig(StageConfig):
     kind: str = arg("wordpiece", help="tokenizer kind", choices=("wordpiece", "bpe"))
     lowercase: bool = arg(True, help="lowercase text")
     threads: int | None = arg(None, help="CPU threads", speed=True)
+    seed: int = arg(0, help="seed")
 
     def validate(self) -> None:
         check(self.seq_len >= 8, f"seq_len must be at least 8, got {self.seq_len}")
@@ -75,6 +76,21 @@ def test_cli_config_file_and_flag_override(demo_stage, tmp_path, capsys, suffix,
     assert cli.main(["demo", "--config", str(f), "--seq-len", "48", "--no-lowercase"]) == 0
     out = capsys.readouterr().out
     assert '"seq_len": 48' in out and '"kind": "bpe"' in out and '"lowercase": false' in out
+
+
+def test_global_seed_fills_the_stage_seed_unless_given(demo_stage, tmp_path, capsys):
+    import json
+
+    def seed(argv: list[str]) -> int:
+        assert cli.main(argv) == 0
+        return json.loads(capsys.readouterr().out)["seed"]
+
+    assert seed(["demo", "--corpus", "x"]) == 0
+    assert seed(["--seed", "7", "demo", "--corpus", "x"]) == 7
+    assert seed(["--seed", "7", "demo", "--corpus", "x", "--seed", "3"]) == 3  # the stage's own flag wins
+    f = tmp_path / "c.yaml"
+    f.write_text("corpus: [x]\nseed: 5\n")
+    assert seed(["--seed", "7", "demo", "--config", str(f)]) == 5  # so does its config file
 
 
 def test_cli_bad_config_exits_2_with_message(demo_stage, tmp_path, capsys):
