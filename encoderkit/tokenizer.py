@@ -207,13 +207,13 @@ def split_long_text(text: str, max_chars: int = TRAIN_PIECE_CHARS) -> Iterator[s
 def _training_texts(cfg: TokenizerConfig, stats: ReadStats) -> Iterator[str]:
     """The corpus as a stream of strings of at most ``TRAIN_PIECE_CHARS`` characters (the trainer
     buffers a few hundred items ahead, so bounded pieces bound memory), with a progress bar."""
-    from tqdm.auto import tqdm
+    from encoderkit.progress import note, progress
 
     docs = iter_documents(cfg.corpus, doc_split=cfg.doc_split, text_field=cfg.text_field,
                           text_column=cfg.text_column, skip_bad_encoding=cfg.skip_bad_encoding,
-                          on_skip=lambda src, why: tqdm.write(f"skipped {src}: {why}"), stats=stats)
+                          on_skip=lambda src, why: note(f"skipped {src}: {why}"), stats=stats)
     total = estimate_bytes(cfg.corpus)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizer: reading corpus", disable=None) as bar:
+    with progress(total=total, unit="B", unit_scale=True, desc="tokenizer: reading corpus") as bar:
         for doc in docs:
             for piece in split_long_text(doc.text):
                 yield piece

@@ -151,21 +151,19 @@ def test_line_progress_for_log_files():
     """Without a terminal (nohup, CI) progress is a plain line per interval, not a hidden bar."""
     import io
 
-    from encoderkit.train.engine import LineProgress
+    from encoderkit.progress import LineProgress
 
     out = io.StringIO()
-    bar = LineProgress(total=40, initial=10, every=0.0, stream=out)
+    bar = LineProgress(total=40, initial=10, desc="train", every=0.0, stream=out)
     bar.set_postfix(loss="0.5000", tok_s="1,000")
     for _ in range(30):
         bar.update(1)
     lines = out.getvalue().splitlines()
     assert len(lines) == 30
-    assert lines[0].startswith("train step 11/40 (27.5%), loss=0.5000 tok_s=1,000,")
-    assert lines[-1].startswith("train step 40/40 (100.0%)") and lines[-1].endswith("0m00s left")
+    assert lines[0].startswith("train 11/40 (27.5%), loss=0.5000 tok_s=1,000, 0m00s elapsed,")
+    assert lines[-1].startswith("train 40/40 (100.0%)") and lines[-1].endswith("0m00s left")
     quiet = io.StringIO()
-    slow = LineProgress(total=40, every=3600.0, stream=quiet)
-    for _ in range(39):
-        slow.update(1)
-    assert quiet.getvalue() == ""  # nothing before the interval passes
-    slow.update(1)
-    assert quiet.getvalue().startswith("train step 40/40")  # the last step always reports
+    slow = LineProgress(range(40), desc="encode", every=3600.0, stream=quiet)
+    assert list(slow) == list(range(40))  # iterates like tqdm
+    assert quiet.getvalue().splitlines() == [slow.line(slow.last)]  # nothing before the interval, the end always
+    assert quiet.getvalue().startswith("encode 40/40 (100.0%)")

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from encoderkit.compress.packing import QTensor, QuantSpec, scale_zero
 from encoderkit.errors import EncoderkitError
+from encoderkit.progress import progress
 
 
 class HessianAccumulator:
@@ -135,7 +135,7 @@ def gptq_encoder(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tenso
     result: dict[str, QTensor] = {}
     current_mask: dict[str, torch.Tensor] = {}
     model.eval()
-    for li, linears in enumerate(tqdm(quantizable_linears(model), desc="GPTQ layers", disable=None)):
+    for li, linears in enumerate(progress(quantizable_linears(model), desc="GPTQ layers")):
         accs = {name: HessianAccumulator(mod.in_features) for name, mod in linears}
         hooks = []
         for name, mod in linears:

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from encoderkit.compress.measure import (
     LeverReport,
@@ -41,6 +40,7 @@ from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
 from encoderkit.models.rebuild import encoder_layers, slice_linear
+from encoderkit.progress import progress
 
 METHODS = ("magnitude", "2:4", "heads", "ffn", "vocab")
 
@@ -241,7 +241,7 @@ def taylor_scores(model: torch.nn.Module, tokenizer: Any, texts: list[Any], cfg:
     params = {n: p for n, p in model.named_parameters() if ".encoder.layer." in f".{n}" or n.startswith("encoder.layer.")}
     scores = {n: torch.zeros_like(p) for n, p in params.items()}
     model.eval()
-    for batch in tqdm(list(text_batches(tokenizer, texts, cfg.seq_len, cfg.batch_size)), desc="importance", disable=None):
+    for batch in progress(list(text_batches(tokenizer, texts, cfg.seq_len, cfg.batch_size)), desc="importance"):
         model.zero_grad(set_to_none=True)
         out = model(**batch)
         logits = getattr(out, "logits", None)

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from encoderkit.compress.measure import LeverReport, QualityFn, measure_folder, read_texts, text_batches
 from encoderkit.compress.packing import (
@@ -42,6 +41,7 @@ from encoderkit.compress.packing import (
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
+from encoderkit.progress import progress
 
 METHODS = ("dynamic", "static", "qat", "gptq", "rtn")
 # GPTQ-4 on the SST-2 MiniLM teacher: 128 calibration sentences 0.8899 dev accuracy, 512 0.8922, 4096 0.9014
@@ -378,7 +378,7 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
             if cfg.fallback_layers > 0:
                 probe = feeds[: max(1, 16 // cfg.batch_size)]
                 sensitivity = {}
-                for node in tqdm(_weight_matmuls(src), desc="layer sensitivity", disable=None):
+                for node in progress(_weight_matmuls(src), desc="layer sensitivity"):
                     static(work / "one.onnx", nodes_to_quantize=[node], use=probe)
                     sensitivity[node] = _output_error(fp32, work / "one.onnx", probe)
                 excluded = sorted(sensitivity, key=sensitivity.get, reverse=True)[: cfg.fallback_layers]

@@ -220,14 +220,13 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
     report rows (row 0 is the starting model). ``final`` is where ``work`` will be renamed to,
     so that lineage in the step cards points at the final folders. ``measure(folder) -> row``
     defaults to a :class:`StepMeasurer` on ``cfg.dev``."""
-    from tqdm.auto import tqdm
-
     from encoderkit.io import read_card, write_card
+    from encoderkit.progress import note, progress
 
     measure = measure or make_measure(cfg)
     rows = [{"step": 0, "lever": "start", "folder": str(Path(cfg.model).resolve()), **measure(Path(cfg.model))}]
     cur, cur_final = Path(cfg.model), Path(cfg.model).resolve()
-    for step in tqdm(steps, desc="recipe", unit="step", disable=None):
+    for step in progress(steps, desc="recipe", unit="step"):
         dst = work / step.name
         where = f"{cfg.recipe}: step {step.index} (lever '{step.lever}')"
         for j, call in enumerate(step.calls):
@@ -243,7 +242,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
                    {**card.get("metrics", {}), "recipe_measurement": {k: v for k, v in row.items() if k not in ("step", "folder")}},
                    **{**extra, "recipe_step": step.index, "recipe_params": step.params})
         rows.append(row)
-        tqdm.write(f"step {step.index} ({step.lever}): quality {row.get('quality')} params {row.get('params')} "
+        note(f"step {step.index} ({step.lever}): quality {row.get('quality')} params {row.get('params')} "
                    f"bytes {row.get('bytes')} b1 {row.get('latency_b1_ms')} ms b32 {row.get('latency_b32_ms')} ms")
         cur, cur_final = dst, final / step.name
     return rows

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.data.readers import (
@@ -58,6 +57,7 @@ from encoderkit.data.readers import (
 )
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, read_json, write_card, write_json_atomic
+from encoderkit.progress import note, progress
 from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 FORMAT_VERSION = 1
@@ -215,8 +215,8 @@ def tokenize_corpus(cfg: PrepareConfig, backend: Any, tokens_path: Path, dtype: 
     Documents that tokenise to nothing are left out."""
     docs = iter_documents(cfg.corpus, doc_split=cfg.doc_split, text_field=cfg.text_field,
                           text_column=cfg.text_column, skip_bad_encoding=cfg.skip_bad_encoding,
-                          on_skip=lambda src, why: tqdm.write(f"skipped {src}: {why}", file=sys.stderr))
-    bar = tqdm(total=estimate_bytes(cfg.corpus), unit="B", unit_scale=True, desc="tokenising", disable=None)
+                          on_skip=lambda src, why: note(f"skipped {src}: {why}"))
+    bar = progress(total=estimate_bytes(cfg.corpus), unit="B", unit_scale=True, desc="tokenising")
     lengths = array("q")  # tokens per document: 8 bytes each, the only per-document state kept in RAM
     n_tokens = 0
 
@@ -288,7 +288,7 @@ def pack_split(tokens: np.ndarray, offsets: np.ndarray, doc_ids: np.ndarray, out
         row += n_rows
         bar.update(n_rows)
 
-    with tqdm(total=n_blocks, unit="block", desc=desc, disable=None) as bar:
+    with progress(total=n_blocks, unit="block", desc=desc) as bar:
         pieces: list[np.ndarray] = []
         have = 0
         for piece in split_stream(tokens, offsets, doc_ids, ids["sep"]):

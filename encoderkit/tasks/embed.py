@@ -83,9 +83,9 @@ def encode(model: BiEncoder, tokenizer, texts: list[str], max_length: int, batch
     out = np.zeros((len(texts), 0), dtype=np.float32)
     batches = sorted_batches([len(r["input_ids"]) for r in rows], batch_size)
     if progress:
-        from tqdm.auto import tqdm
+        from encoderkit.progress import progress as bar
 
-        batches = tqdm(batches, desc="encode", unit="batch", disable=None)
+        batches = bar(batches, desc="encode", unit="batch")
     for idx in batches:
         batch = encode_batch([rows[i] for i in idx], tokenizer.pad_token_id)
         emb = model(**{k: v.to(device) for k, v in batch.items()}).float().cpu().numpy()

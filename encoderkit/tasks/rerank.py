@@ -145,8 +145,10 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
         before = {f"first_stage_{k}": v for k, v in retrieval_scores(first, data.qrels).items()}
 
         def evaluate(module) -> dict[str, float]:
+            from encoderkit.progress import progress
+
             ranked = {}
-            for qid, docs in first.items():
+            for qid, docs in progress(first.items(), total=len(first), desc="rerank", unit="query", leave=False):
                 s = score_pairs(module, tokenizer, data.queries[qid], [data.doc_text(d) for d in docs], max_length, cfg.eval_batch_size)
                 ranked[qid] = [docs[i] for i in np.argsort(-s, kind="stable")]
             return {**retrieval_scores(ranked, data.qrels), **before}

@@ -436,49 +436,9 @@ def _append_jsonl(path: Path, record: dict[str, Any], is_main: bool) -> None:
         f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()}) + "\n")
 
 
-class LineProgress:
-    """Progress for a log file (stderr not a terminal, e.g. under nohup): a plain line every
-    ``every`` seconds, ``train step 120/2104 (5.7%), loss=0.49 tok_s=436, 1m02s elapsed, 35m left``."""
-
-    def __init__(self, total: int, initial: int = 0, every: float = 60.0, stream: Any = None) -> None:
-        import sys
-
-        self.total, self.n, self.every = total, initial, every
-        self.stream = stream or sys.stderr
-        self.t0 = self.last = time.perf_counter()
-        self.start, self.postfix = initial, ""
-
-    def set_postfix(self, **kw: Any) -> None:
-        self.postfix = " ".join(f"{k}={v}" for k, v in kw.items())
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        now = time.perf_counter()
-        if now - self.last >= self.every or self.n == self.total:
-            self.last = now
-            done = now - self.t0
-            left = done / max(self.n - self.start, 1) * (self.total - self.n)
-            self.stream.write(f"train step {self.n}/{self.total} ({100 * self.n / max(self.total, 1):.1f}%), {self.postfix}, "
-                              f"{_clock(done)} elapsed, {_clock(left)} left\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        pass
-
-
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
-
-
 def _progress(settings: TrainSettings, is_main: bool, start: int, total: int):
-    import sys
-
     if not (settings.progress and is_main):
         return None
-    if not sys.stderr.isatty():
-        return LineProgress(total, start)
-    from tqdm.auto import tqdm
+    from encoderkit.progress import progress
 
-    return tqdm(total=total, initial=start, desc="train", unit="step", disable=None,
-                dynamic_ncols=True, leave=bool(os.environ.get("ENCODERKIT_KEEP_BARS")))
+    return progress(total=total, initial=start, desc="train", unit="step", leave=bool(os.environ.get("ENCODERKIT_KEEP_BARS")))
