@@ -165,6 +165,13 @@ def read_card(folder: str | Path) -> dict[str, Any]:
     return read_json(p, "") if p.is_file() else {}
 
 
+def inherited_card(folder_or_card: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """What a derived folder's card carries over from its parent's: the task facts (task, labels,
+    pooling, max_length...), not the parent's own stage, lineage, config, metrics or date."""
+    card = folder_or_card if isinstance(folder_or_card, dict) else read_card(folder_or_card)
+    return {k: v for k, v in card.items() if k not in ("stage", "parent", "config", "metrics", "created")}
+
+
 def lineage(folder: str | Path) -> list[dict[str, Any]]:
     """The cards of ``folder`` and its parents, newest first (stops where a parent has no card)."""
     out, seen = [], set()

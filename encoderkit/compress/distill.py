@@ -427,7 +427,7 @@ def run(cfg: DistillConfig) -> DistillResult:
 
     from transformers import AutoTokenizer
 
-    from encoderkit.io import output_dir, read_card, write_card
+    from encoderkit.io import inherited_card, output_dir, write_card
     from encoderkit.train.engine import TrainSettings, fit
 
     teacher = load_task_model(cfg.teacher).eval()
@@ -466,7 +466,7 @@ def run(cfg: DistillConfig) -> DistillResult:
                       fingerprint={"stage": "distill", **cfg.result_dict()})
         student.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        extra = {k: v for k, v in read_card(cfg.teacher).items() if k not in ("stage", "parent", "config", "metrics", "created")}
+        extra = inherited_card(cfg.teacher)
         metrics = {"train_" + k: v for k, v in res.train_logs.items()}
         write_card(tmp, "distill", cfg.teacher, cfg.result_dict(),
                    {**metrics, "examples": n_examples, "steps": res.steps}, layers_from_teacher=layers, **extra)

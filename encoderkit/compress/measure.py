@@ -45,6 +45,20 @@ class LeverReport:
                 "details": self.details}
 
 
+def finish_lever(tmp: Path, lever: str, method: str, model_dir: Path, out_dir: Path, config: dict[str, Any],
+                 before: dict[str, Any], details: dict[str, Any], *, latency: bool,
+                 quality_fn: QualityFn | None) -> LeverReport:
+    """Measure the lever's new folder ``tmp`` (to be renamed to ``out_dir``), write its card (the
+    parent's task facts carried over) and ``report.json``, and return the report."""
+    from encoderkit.io import inherited_card, write_card, write_json_atomic
+
+    after = measure_folder(tmp, latency=latency, quality_fn=quality_fn)
+    report = LeverReport(lever, method, str(model_dir), str(out_dir), before, after, details)
+    write_card(tmp, lever, model_dir, config, after, **inherited_card(model_dir))
+    write_json_atomic(tmp / "report.json", report.summary())
+    return report
+
+
 def bytes_on_disk(folder: str | Path, only_weights: bool = False) -> int:
     """Sum of the sizes of the files in ``folder`` (recursively), cards and reports left out.
 

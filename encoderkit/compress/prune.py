@@ -31,6 +31,7 @@ import torch
 from encoderkit.compress.measure import (
     LeverReport,
     QualityFn,
+    finish_lever,
     measure_folder,
     read_texts,
     text_batches,
@@ -38,7 +39,7 @@ from encoderkit.compress.measure import (
 from encoderkit.compress.packing import HEADS_KEY, copy_side_files, is_quantized, load_model, read_config
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
+from encoderkit.io import output_dir
 from encoderkit.models.rebuild import encoder_layers, slice_linear
 from encoderkit.progress import progress
 
@@ -132,11 +133,8 @@ def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
         details["bytes_note"] = "zeros are stored densely: unstructured / 2:4 sparsity does not shrink model.safetensors"
     with output_dir(out_dir, cfg.overwrite) as tmp:
         save_pruned(model, model_dir, tmp, heads)
-        after = measure_folder(tmp, latency=cfg.measure, quality_fn=quality_fn)
-        report = LeverReport("prune", cfg.method, str(model_dir), str(out_dir), before, after, details)
-        parent = {k: v for k, v in read_card(model_dir).items() if k not in ("stage", "parent", "config", "metrics", "created")}
-        write_card(tmp, "prune", model_dir, cfg.result_dict(), after, **parent)
-        write_json_atomic(tmp / "report.json", report.summary())
+        report = finish_lever(tmp, "prune", cfg.method, model_dir, out_dir, cfg.result_dict(), before, details,
+                              latency=cfg.measure, quality_fn=quality_fn)
     return report
 
 

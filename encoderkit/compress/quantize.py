@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from encoderkit.compress.measure import LeverReport, QualityFn, measure_folder, read_texts, text_batches
+from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, read_texts, text_batches
 from encoderkit.compress.packing import (
     QTensor,
     QuantSpec,
@@ -40,7 +40,7 @@ from encoderkit.compress.packing import (
 )
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
+from encoderkit.io import output_dir
 from encoderkit.progress import progress
 
 METHODS = ("dynamic", "static", "qat", "gptq", "rtn")
@@ -129,11 +129,8 @@ def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
             runtime = "torch-int8" if cfg.method in ("dynamic", "qat") else "dequantized-fp32"
             info = {"method": cfg.method, "bits": cfg.bits, "group_size": cfg.group_size, "runtime": runtime}
             save_quantized(model, model_dir, tmp, qtensors, info)
-        after = measure_folder(tmp, latency=cfg.measure, quality_fn=quality_fn)
-        report = LeverReport("quantize", cfg.method, str(model_dir), str(out_dir), before, after, details)
-        parent = {k: v for k, v in read_card(model_dir).items() if k not in ("stage", "parent", "config", "metrics", "created")}
-        write_card(tmp, "quantize", model_dir, cfg.result_dict(), after, **parent)
-        write_json_atomic(tmp / "report.json", report.summary())
+        report = finish_lever(tmp, "quantize", cfg.method, model_dir, out_dir, cfg.result_dict(), before, details,
+                              latency=cfg.measure, quality_fn=quality_fn)
     return report
 
 

@@ -220,7 +220,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
     report rows (row 0 is the starting model). ``final`` is where ``work`` will be renamed to,
     so that lineage in the step cards points at the final folders. ``measure(folder) -> row``
     defaults to a :class:`StepMeasurer` on ``cfg.dev``."""
-    from encoderkit.io import read_card, write_card
+    from encoderkit.io import inherited_card, read_card, write_card
     from encoderkit.progress import note, progress
 
     measure = measure or make_measure(cfg)
@@ -236,7 +236,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
         for j in range(len(step.calls) - 1):
             shutil.rmtree(work / f".{step.name}-part{j}", ignore_errors=True)
         card = read_card(dst)
-        extra = {k: v for k, v in card.items() if k not in ("stage", "parent", "config", "metrics", "created")}
+        extra = inherited_card(card)
         row = {"step": step.index, "lever": step.lever, "folder": str(final / step.name), **measure(dst)}
         write_card(dst, card.get("stage", step.lever), cur_final, card.get("config", step.params),
                    {**card.get("metrics", {}), "recipe_measurement": {k: v for k, v in row.items() if k not in ("step", "folder")}},

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from encoderkit.compress.measure import LeverReport, QualityFn, measure_folder, read_texts
+from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, read_texts
 from encoderkit.compress.packing import copy_side_files, load_model
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import output_dir, read_card, write_card, write_json_atomic
+from encoderkit.io import output_dir, write_json_atomic
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 
@@ -120,12 +120,9 @@ def prune_vocab(model_dir: str | Path, cfg: Any, out_dir: str | Path, quality_fn
         copy_side_files(model_dir, tmp)
         write_json_atomic(tmp / "tokenizer.json", new_json)
         (tmp / "vocab.txt").write_text("".join(inv[i] + "\n" for i in range(len(kept))), encoding="utf-8")
-        after = measure_folder(tmp, latency=cfg.measure, quality_fn=quality_fn)
         details = {"vocab_size": [old_vocab, len(kept)], "texts": len(texts)}
-        report = LeverReport("prune", "vocab", str(model_dir), str(out_dir), before, after, details)
-        parent = {k: v for k, v in read_card(model_dir).items() if k not in ("stage", "parent", "config", "metrics", "created")}
-        write_card(tmp, "prune", model_dir, cfg.result_dict(), after, **parent)
-        write_json_atomic(tmp / "report.json", report.summary())
+        report = finish_lever(tmp, "prune", "vocab", model_dir, out_dir, cfg.result_dict(), before, details,
+                              latency=cfg.measure, quality_fn=quality_fn)
     return report
 
 
