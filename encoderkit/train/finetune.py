@@ -55,7 +55,8 @@ class FinetuneConfig(TaskDataOptions):
     save_every: int = arg(0, help="Checkpoint every N steps, so --resume loses at most N steps (0: checkpoints only "
                                   "when the dev metric improves and at the end).", speed=True)
     negatives: str = arg("sampled", help="rerank/embed from BEIR: negatives drawn at random or mined by a bi-encoder.", choices=("sampled", "mined"))
-    num_negatives: int = arg(3, help="rerank: negatives per query (the cross-encoder sees 1 positive + N negatives).")
+    num_negatives: int = arg(3, help="rerank: negatives per query (the cross-encoder sees 1 positive + N negatives), drawn "
+                                     "afresh every epoch from the row's list, the mined ranks 4-30 or 8N random documents.")
     miner: str = arg(DEFAULT_MODEL, help="rerank/embed --negatives mined: bi-encoder folder used to mine hard negatives.")
     matryoshka_dims: list[int] = arg([], help="embed: also train these leading embedding sizes (Matryoshka loss), e.g. 64,128,256.")
     scale: float = arg(20.0, help="embed: similarity scale (1/temperature) of the in-batch contrastive loss.")
