@@ -215,6 +215,7 @@ def test_rerank_on_beir_reorders_the_first_stage_top_k(tmp_path, tiny_bert_dir, 
     common = {"model": str(ce), "data": f"{beir}#test", "task": "rerank", "miner": str(tiny_bert_dir), "max_length": 16}
     one = evaluate(EvaluateConfig(**common, candidates=1)).metrics
     assert one["ndcg@10"] == pytest.approx(one["first_stage_ndcg@10"])  # one candidate: nothing to reorder
+    assert one["fused_ndcg@10"] == pytest.approx(one["first_stage_ndcg@10"])
     five = evaluate(EvaluateConfig(**common, candidates=5)).metrics
     assert five["recall@100"] == pytest.approx(five["first_stage_recall@100"])  # the same 5 documents, reordered
 

@@ -15,6 +15,7 @@ from encoderkit.evaluate.metrics import (
     macro_f1,
     multilabel_scores,
     normalize_answer,
+    reciprocal_rank_fusion,
     retrieval_scores,
     squad_scores,
 )
@@ -76,3 +77,10 @@ def test_retrieval_by_hand():
     assert s["ndcg@10"] == pytest.approx((dcg / idcg + 0) / 2)  # q3 has no relevant doc: skipped
     assert s["mrr@10"] == pytest.approx((1 / 2 + 0) / 2)
     assert s["recall@2"] == pytest.approx((1 / 2 + 0) / 2)
+
+
+def test_reciprocal_rank_fusion_by_hand():
+    # a: 1/61 + 1/63, b: 1/62 + 1/61, c: 1/63 + 1/62, d: 1/64 (only in the first list)
+    assert reciprocal_rank_fusion([["a", "b", "c", "d"], ["b", "c", "a"]]) == ["b", "a", "c", "d"]
+    assert reciprocal_rank_fusion([["x", "y"]]) == ["x", "y"]  # one list: its own order
+    assert reciprocal_rank_fusion([["a", "b"], ["b", "a"]], k=1)[0] == "a"  # a tie keeps the first seen

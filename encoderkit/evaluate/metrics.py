@@ -143,6 +143,19 @@ def squad_scores(predictions: Sequence[str], golds: Sequence[Sequence[str]]) -> 
 # -- retrieval ------------------------------------------------------------------------------
 
 
+RRF_K = 60  # the constant of Cormack et al. (2009), used without tuning
+
+
+def reciprocal_rank_fusion(rankings: Sequence[Sequence[str]], k: int = RRF_K) -> list[str]:
+    """Documents ordered by the sum over ``rankings`` of ``1 / (k + rank)`` (rank from 1): the
+    parameter-free way to combine, e.g., a cross-encoder's order with the first stage's."""
+    score: dict[str, float] = {}
+    for ranking in rankings:
+        for i, d in enumerate(ranking):
+            score[d] = score.get(d, 0.0) + 1.0 / (k + i + 1)
+    return sorted(score, key=lambda d: -score[d])
+
+
 def retrieval_scores(
     ranked: Mapping[str, Sequence[str]],
     qrels: Mapping[str, Mapping[str, int]],

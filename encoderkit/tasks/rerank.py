@@ -10,7 +10,9 @@ pool of negatives (a row's list, the mined ranks, or ``SAMPLED_POOL`` x N random
 every epoch draws a fresh ``num_negatives`` from it, seeded by (seed, epoch, row), so a run of
 several epochs sees several times as many distinct negatives.
 
-Evaluation on a BEIR source reranks the bi-encoder's top 100 per query (nDCG@10, MRR@10);
+Evaluation on a BEIR source reranks the bi-encoder's top 100 per query (nDCG@10, MRR@10), and
+reports the first stage's metrics (``first_stage_*``) and those of the reciprocal-rank fusion of
+the two orders (``fused_*``, k = 60, nothing tuned);
 on JSONL it ranks each row's positive among its negatives (MRR, accuracy@1).
 """
 
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.evaluate.metrics import retrieval_scores
+from encoderkit.evaluate.metrics import reciprocal_rank_fusion, retrieval_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.beir import Retrieval, Triple, is_beir_source, load_retrieval, read_triples
 from encoderkit.tasks.common import TaskRun, load_task_model, resolve_model, run_batches, seeded_subset
@@ -151,7 +153,9 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
             for qid, docs in progress(first.items(), total=len(first), desc="rerank", unit="query", leave=False):
                 s = score_pairs(module, tokenizer, data.queries[qid], [data.doc_text(d) for d in docs], max_length, cfg.eval_batch_size)
                 ranked[qid] = [docs[i] for i in np.argsort(-s, kind="stable")]
-            return {**retrieval_scores(ranked, data.qrels), **before}
+            fused = {q: reciprocal_rank_fusion([ranked[q], first[q]]) for q in ranked}
+            return {**retrieval_scores(ranked, data.qrels), **before,
+                    **{f"fused_{k}": v for k, v in retrieval_scores(fused, data.qrels).items()}}
 
         return evaluate, ("ndcg@10", "max")
     triples = seeded_subset(read_triples(spec), limit, cfg.seed)
