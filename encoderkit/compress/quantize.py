@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, read_texts, text_batches
+from encoderkit.compress.onnx_embeddings import BLOCK_SIZES
 from encoderkit.compress.packing import (
     QTensor,
     QuantSpec,
@@ -96,8 +97,8 @@ class QuantizeConfig(StageConfig):
         check(self.fallback_layers >= 0, "fallback_layers must be >= 0")
         check(0 <= self.kd_alpha <= 1, f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
         onnx = self.method == "static" or self.method == "dynamic" and self.backend == "onnx"
-        check(not onnx or self.embeddings != "int4" or self.group_size in (16, 32, 64, 128, 256),
-              f"embeddings=int4 on ONNX needs --group-size 16, 32, 64, 128 or 256 (columns per block), got {self.group_size}")
+        check(not onnx or self.embeddings != "int4" or self.group_size in BLOCK_SIZES,
+              f"embeddings=int4 on ONNX needs --group-size in {BLOCK_SIZES} (columns per block), got {self.group_size}")
 
 
 def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
