@@ -13,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from encoderkit.compress.packing import QuantSpec, pack_int4, rtn_quantize
 from encoderkit.errors import EncoderkitError
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -21,15 +23,10 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 
 def uint4_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(codes uint8 in 0..15, scales fp16, zero points uint8 in 0..15) of a (V, H) matrix, one
-    scale/zero point per ``block_size`` consecutive columns of a row."""
-    v, h = weight.shape
-    blocks = weight.astype(np.float32).reshape(v, h // block_size, block_size)
-    lo, hi = np.minimum(blocks.min(-1), 0.0), np.maximum(blocks.max(-1), 0.0)  # 0 stays exact
-    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float16)  # an all-zero block: any scale
-    s = scale.astype(np.float32)
-    zero = np.clip(np.round(-lo / s), 0, 15)
-    codes = np.clip(np.round(blocks / s[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
-    return codes.reshape(v, h), scale, zero.astype(np.uint8)
+    scale/zero point per ``block_size`` consecutive columns of a row: the lever's own asymmetric
+    round-to-nearest (:func:`encoderkit.compress.packing.rtn_quantize`)."""
+    qt = rtn_quantize(torch.tensor(weight, dtype=torch.float32), QuantSpec(4, block_size, symmetric=False))
+    return qt.q.numpy().astype(np.uint8), qt.scale.half().numpy(), qt.zero.numpy().astype(np.uint8)
 
 
 def dequantize_uint4(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, block_size: int) -> np.ndarray:
@@ -39,10 +36,8 @@ def dequantize_uint4(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, blo
 
 
 def _pack(codes: np.ndarray) -> bytes:
-    flat = codes.reshape(-1)
-    if flat.size % 2:
-        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
-    return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8).tobytes()
+    """Two codes per byte, low nibble first, as ONNX stores UINT4."""
+    return pack_int4(torch.from_numpy(codes.reshape(1, -1))).numpy().tobytes()
 
 
 def int4_word_embeddings(src: str | Path, dst: str | Path, block_size: int = 64) -> dict[str, float]:

@@ -41,14 +41,20 @@ def scale_zero(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Te
     """
     lo, hi = spec.qrange()
     if spec.symmetric:
-        amax = w.abs().amax(dim=1).clamp(min=1e-8)
-        scale = (amax / hi).half().float()
-        return scale, None
+        amax = w.abs().amax(dim=1)
+        return _stored_scale(amax / hi), None
     wmin = w.amin(dim=1).clamp(max=0)
     wmax = w.amax(dim=1).clamp(min=0)
-    scale = ((wmax - wmin).clamp(min=1e-8) / hi).half().float()
+    scale = _stored_scale((wmax - wmin) / hi)
     zero = torch.round(-wmin / scale).clamp(lo, hi)
     return scale, zero
+
+
+def _stored_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` rounded to float16; a scale fp16 cannot hold (an all-zero row or group, or one
+    below 6e-8) becomes 1, so codes stay finite and dequantize to the zeros they came from."""
+    s = scale.half().float()
+    return torch.where(s > 0, s, torch.ones_like(s))
 
 
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
