@@ -147,7 +147,7 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.mark.slow
-def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir):
+def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch):
     from transformers import AutoModelForSequenceClassification
 
     from encoderkit.tasks.common import load_tokenizer
@@ -161,6 +161,17 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir):
     s = score_pairs(model, load_tokenizer(res.out), "python", ["the movie python", "the movie data"], 16)
     assert s[0] > s[1]
     assert _evaluate(res.out, dev)["mrr@10"] == pytest.approx(res.metrics["mrr@10"])
+
+    # evaluate reuses the saved max length (16) unless --max-length asks for another
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+    from encoderkit.tasks import rerank
+
+    seen, real = [], rerank.score_pairs
+    monkeypatch.setattr(rerank, "score_pairs", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
+    evaluate(EvaluateConfig(model=str(res.out), data=str(dev), max_examples=2))
+    evaluate(EvaluateConfig(model=str(res.out), data=str(dev), max_examples=2, max_length=24))
+    assert seen == [16, 16, 24, 24]
 
 
 def test_rerank_draws_fresh_negatives_each_epoch(tmp_path, tiny_bert_dir):

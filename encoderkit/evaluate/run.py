@@ -3,7 +3,8 @@
 The task comes from ``--task``, else the folder's ``encoderkit.json``, else its architecture
 (``*ForSequenceClassification`` with one label: rerank; with more: classify;
 ``*ForTokenClassification``: ner; ``*ForQuestionAnswering``: qa; a sentence-transformers folder:
-embed). Feature settings saved with the model (max length, strides) are reused.
+embed). Feature settings saved with the model (max length, strides) are reused; an explicit
+``--max-length`` overrides the saved one (e.g. to score a reranker on longer passages than it saw).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
     """Print the task metrics (JSON) of a model folder on labelled data."""
     folder = resolve_model(cfg.model)
     card = read_card(folder)
+    if cfg.max_length:
+        card = {**card, "max_length": cfg.max_length}
     task = cfg.task or infer_task(folder, card)
     cfg.task = task
     cfg.eval_batch_size = cfg.batch_size

@@ -23,7 +23,8 @@ class TaskDataOptions(StageConfig):
         "Sub-tokens per sequence (0: the task's default: classify 128, ner 128, qa 256, rerank 256, embed the "
         "sentence-transformers folder's max_seq_length or 256). classify/rerank/embed: longer texts are TRUNCATED. "
         "ner: longer sentences are split into overlapping windows (--stride), nothing is lost. "
-        "qa: the context is split into windows overlapping by --doc-stride."))
+        "qa: the context is split into windows overlapping by --doc-stride. evaluate: 0 keeps the length the "
+        "model was fine-tuned with; a value overrides it."))
     stride: int = arg(32, help="ner: sub-tokens shared by consecutive windows of a long sentence.")
     tag_scheme: str = arg("auto", help="ner: tag scheme of CoNLL files, converted to IOB2.", choices=("auto", "iob1", "iob2", "bioes"))
     doc_stride: int = arg(0, help="qa: sub-tokens shared by consecutive context windows (0: a quarter of --max-length).")
