@@ -147,7 +147,7 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.mark.slow
-def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch):
+def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch, capsys):
     from transformers import AutoModelForSequenceClassification
 
     from encoderkit.tasks.common import load_tokenizer
@@ -172,6 +172,7 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch):
     evaluate(EvaluateConfig(model=str(res.out), data=str(dev), max_examples=2))
     evaluate(EvaluateConfig(model=str(res.out), data=str(dev), max_examples=2, max_length=24))
     assert seen == [16, 16, 24, 24]
+    assert "fine-tuned at 16" in capsys.readouterr().err
 
 
 def test_rerank_draws_fresh_negatives_each_epoch(tmp_path, tiny_bert_dir):

@@ -81,6 +81,11 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
     folder = resolve_model(cfg.model)
     card = read_card(folder)
     if cfg.max_length:
+        if card.get("max_length") and card["max_length"] != cfg.max_length:
+            from encoderkit.progress import note
+
+            note(f"{folder}: scoring at --max-length {cfg.max_length}, but the model was fine-tuned at {card['max_length']}; "
+                 "quality can drop at a length the model has not seen")
         card = {**card, "max_length": cfg.max_length}
     task = cfg.task or infer_task(folder, card)
     cfg.task = task
