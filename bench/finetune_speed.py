@@ -45,7 +45,7 @@ def ours(args, model_dir: Path, out: Path) -> tuple[float, float]:
 
     cfg = FinetuneConfig(task="classify", model=str(model_dir), train=str(args.train), dev="", out=str(out),
                          max_steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-                         weight_decay=0.01, max_length=128, seed=args.seed)
+                         weight_decay=0.01, max_length=128, seed=args.seed, pooling="first")  # HF's head: [CLS]
     res = run(cfg)
     acc = evaluate(EvaluateConfig(model=str(out), data=str(args.dev), batch_size=128)).metrics["accuracy"]
     return res.steps * args.batch_size / res.seconds, acc

@@ -32,6 +32,7 @@ from torch import nn
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.pooling import apply_pooling
 
 # -- student construction --------------------------------------------------------------------------
 
@@ -83,7 +84,7 @@ def build_student_from_teacher(teacher: nn.Module, layers: list[int]) -> nn.Modu
     teacher's layers ``layers`` (plus embeddings, pooler and heads)."""
     config = teacher.config.__class__.from_dict(teacher.config.to_dict())
     config.num_hidden_layers = len(layers)
-    student = type(teacher)(config)
+    student = apply_pooling(type(teacher)(config))
     state = student_state_from_teacher(teacher.state_dict(), layers)
     missing, unexpected = student.load_state_dict(state, strict=False)
     missing = [k for k in missing if "position_ids" not in k]
@@ -111,7 +112,7 @@ def build_narrow_student(teacher: nn.Module, hidden_size: int, num_layers: int, 
     fork = torch.random.fork_rng(devices=[])  # module init draws from the global RNG; leave it as found
     with fork:
         torch.manual_seed(generator_seed)
-        return type(teacher)(config)
+        return apply_pooling(type(teacher)(config))
 
 
 def check_same_tokenizer(teacher_dir: str | Path, student_dir: str | Path) -> None:
@@ -418,7 +419,7 @@ def load_task_model(folder: str | Path) -> nn.Module:
     cls = getattr(transformers, arch, None)
     if cls is None:
         raise EncoderkitError(f"{folder}/config.json names architecture {arch!r}, which transformers does not have")
-    return cls.from_pretrained(str(folder))
+    return apply_pooling(cls.from_pretrained(str(folder)))
 
 
 def run(cfg: DistillConfig) -> DistillResult:

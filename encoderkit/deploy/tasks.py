@@ -167,6 +167,7 @@ def load_torch_model(folder: str | Path, info: TaskInfo, dtype=None, attn: str =
     :func:`encoderkit.models.rebuild.load_model` (the class named in ``config.architectures``,
     which :func:`check_servable` has matched to the task; weights dequantized to fp32).
     """
+    from encoderkit.models.pooling import apply_pooling
     from encoderkit.models.rebuild import load_model, needs_rebuild
 
     kwargs = {"attn_implementation": attn}
@@ -178,7 +179,7 @@ def load_torch_model(folder: str | Path, info: TaskInfo, dtype=None, attn: str =
             if dtype is not None:
                 model = model.to(dtype)
         else:
-            model = auto_class(info.task).from_pretrained(str(folder), **kwargs)
+            model = apply_pooling(auto_class(info.task).from_pretrained(str(folder), **kwargs))
     except (OSError, ValueError) as e:
         raise EncoderkitError(f"{folder}: could not load the {info.task} model ({e})") from e
     model.eval()

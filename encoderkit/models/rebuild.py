@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.pooling import apply_pooling
 
 QUANT_FILE = "model.quantized.safetensors"
 QUANT_KEY = "encoderkit_quantization"
@@ -198,6 +199,7 @@ def load_model(folder: str | Path, model_cls: Any = None, int8_runtime: bool = F
         if missing or unexpected:
             raise EncoderkitError(f"{weights}: weights do not match the config (missing {missing[:3]}, unexpected "
                                   f"{unexpected[:3]}); the folder was not written by this version of encoderkit")
+    apply_pooling(model)
     model.eval()
     if int8_runtime:  # per-channel weights, as stored (the default qconfig would re-quantize them per tensor)
         qconfig = torch.ao.quantization.per_channel_dynamic_qconfig

@@ -1,11 +1,13 @@
 """Sequence classification (single texts or pairs; multi-class or multi-label).
 
-Head: Hugging Face's own ``AutoModelForSequenceClassification`` (for BERT: the [CLS] vector
-through the pretrained pooler dense+tanh, then a linear layer), so the saved folder gives the same
-predictions in plain transformers, ONNX and our runtime. Mean pooling is not offered for this
-head: HF's class has no mean-pooled variant, and a folder whose weights load into
-``AutoModelForSequenceClassification`` but were trained with another pooling would load without
-error and predict wrongly. ``encoderkit.json`` records ``pooling: "first"``.
+Head: Hugging Face's own ``AutoModelForSequenceClassification`` (for BERT: the pooler's dense+tanh,
+then a linear layer). ``--pooling`` says what the pooler reads: the first token ([CLS], HF's
+default) or the mean of the real tokens (:mod:`encoderkit.models.pooling`; BERT-style models and
+ModernBERT). ``auto`` takes what the model folder records: its ``classifier_pooling``, else a
+sentence-transformers folder's own pooling (mean for all-MiniLM-L6-v2), else the first token. The
+choice is saved in ``config.json`` (``classifier_pooling``) and ``encoderkit.json``; every encoderkit
+loader, ONNX export included, applies it (plain ``transformers`` needs
+``encoderkit.models.pooling.apply_pooling(model)`` for a mean-pooled BERT).
 
 Labels: the sorted set of training labels (numeric order when all are integers). A dev label that
 never occurs in training is an error. Multi-label rows give their labels joined by
@@ -16,6 +18,7 @@ of a pair first).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,10 @@ import numpy as np
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import classification_scores, multilabel_scores
+from encoderkit.models.pooling import KEY, set_pooling
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, check_labels, load_task_model, run_batches, seeded_subset
+from encoderkit.tasks.embed import folder_pooling
 from encoderkit.tasks.tabular import column, read_rows, text_column
 
 DEFAULT_MAX_LENGTH = 128
@@ -84,6 +89,16 @@ def scores(logits: np.ndarray, targets: np.ndarray, multi_label: bool) -> dict[s
     return classification_scores(targets, logits.argmax(-1), logits.shape[-1])
 
 
+def resolve_pooling(pooling: str, model_dir: Path) -> str:
+    """``--pooling`` for classify: 'first' or 'mean'; ``auto`` from the model folder (see the module doc)."""
+    if pooling != "auto":
+        return pooling
+    saved = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get(KEY)
+    if saved:
+        return "mean" if saved == "mean" else "first"
+    return folder_pooling(Path(model_dir)) or "first"
+
+
 def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     """Read train/dev, featurize, and make the HF classification model and its engine pieces."""
     from transformers import AutoModelForSequenceClassification
@@ -112,6 +127,8 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         model_dir, num_labels=len(names), id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)},
         problem_type="multi_label_classification" if cfg.multi_label else "single_label_classification",
     )
+    pooling = resolve_pooling(cfg.pooling, model_dir)
+    set_pooling(model, pooling)
     pad_id = tokenizer.pad_token_id
 
     def loss_fn(module, batch):
@@ -125,7 +142,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         module.save_pretrained(folder)
 
     primary = ("micro_f1", "max") if cfg.multi_label else (cfg.metric or "accuracy", "max")
-    card = {"task": "classify", "labels": names, "pooling": "first", "max_length": (cfg.max_length or DEFAULT_MAX_LENGTH),
+    card = {"task": "classify", "labels": names, "pooling": pooling, "max_length": (cfg.max_length or DEFAULT_MAX_LENGTH),
             "multi_label": cfg.multi_label, "text_pair": bool(cfg.text_pair_column)}
     return TaskRun(model, loss_fn, source, evaluate, primary, save, card, num_train=len(rows))
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from encoderkit.io import cache_dir, write_json_atomic
+from encoderkit.models.pooling import pool
 from encoderkit.tasks.batching import encode_batch, sorted_batches
 
 
@@ -43,14 +44,6 @@ def folder_pooling(folder: Path) -> str | None:
 def folder_max_length(folder: Path) -> int | None:
     p = Path(folder) / "sentence_bert_config.json"
     return int(json.loads(p.read_text(encoding="utf-8")).get("max_seq_length", 0)) or None if p.is_file() else None
-
-
-def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    """hidden (B, T, H), mask (B, T) -> (B, H) mean over real tokens or the first token."""
-    if pooling == "first":
-        return hidden[:, 0]
-    m = mask.unsqueeze(-1).to(hidden.dtype)
-    return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
 
 
 class BiEncoder(nn.Module):

@@ -36,8 +36,9 @@ class TaskDataOptions(StageConfig):
         "trains on 'train' and evaluates on 'heldout'."), choices=("all", "train", "heldout"))
     max_query_length: int = arg(64, help="rerank/embed: sub-tokens per query (longer queries truncated).")
     pooling: str = arg("auto", help=(
-        "embed: 'mean' or 'first' (CLS) pooling; 'auto' takes a sentence-transformers folder's own pooling, "
-        "else mean. classify always uses the HF head's first-token pooling (see docs)."), choices=("auto", "mean", "first"))
+        "embed/classify: 'mean' (of the real tokens) or 'first' (CLS) pooling. 'auto': a folder's recorded "
+        "classifier pooling, else a sentence-transformers folder's own pooling (mean for MiniLM), else embed mean "
+        "and classify first. classify mean needs a BERT-style model or ModernBERT."), choices=("auto", "mean", "first"))
     candidates: int = arg(100, help="rerank on a BEIR source: the bi-encoder's top-K documents per query that the "
                                     "cross-encoder reorders.")
     seed: int = arg(0, help="Seed of the new head's initialisation, shuffling, subsets, negative sampling and dropout.")
