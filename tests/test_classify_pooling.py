@@ -8,19 +8,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_finetune import _cfg, _evaluate, _tsv
+from test_finetune import _cfg, _evaluate, _tsv, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.pooling import MaskedMeanPooler, apply_pooling, set_pooling
 from encoderkit.train.finetune import run
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _tiny_classifier(tiny_bert_dir, pooling: str):
