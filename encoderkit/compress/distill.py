@@ -299,8 +299,8 @@ def task_batches(path: str, tokenizer: Any, teacher_config: Any, batch_size: int
     """An engine batch source over a task file: input_ids/attention_mask (and token_type_ids,
     labels when present) per micro-batch, padded to the batch's longest row; batches are
     length-bucketed (rows of similar length together, batch order shuffled): on SST-2 train at
-    batch 32, 4.5% of the tokens are padding, against 67% in random batches. Returns the source, the number of examples and whether gold
-    labels were found."""
+    batch 32, 4.5% of the tokens are padding, against 67% in random batches. Returns the source,
+    the number of examples and whether gold labels were found."""
     from encoderkit.compress.measure import read_texts
     from encoderkit.tasks.batching import BucketedBatches
 
@@ -411,15 +411,18 @@ class DistillResult:
 
 
 def load_task_model(folder: str | Path) -> nn.Module:
-    """Load a model folder with the class its config names (``architectures[0]``)."""
+    """Load a model folder with the class its config names (``architectures[0]``), through
+    :func:`encoderkit.models.rebuild.load_model` (eval mode; the training engine switches modes)."""
     import transformers
+
+    from encoderkit.models.rebuild import load_model
 
     cfg = transformers.AutoConfig.from_pretrained(str(folder))
     arch = (cfg.architectures or ["AutoModel"])[0]
     cls = getattr(transformers, arch, None)
     if cls is None:
         raise EncoderkitError(f"{folder}/config.json names architecture {arch!r}, which transformers does not have")
-    return apply_pooling(cls.from_pretrained(str(folder)))
+    return load_model(folder, cls)
 
 
 def run(cfg: DistillConfig) -> DistillResult:

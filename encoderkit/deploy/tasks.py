@@ -163,26 +163,18 @@ def check_servable(folder: str | Path, info: TaskInfo) -> None:
 def load_torch_model(folder: str | Path, info: TaskInfo, dtype=None, attn: str = "eager"):
     """The eval-mode ``transformers`` model for ``info.task``; ``attn="eager"`` traces cleanly for ONNX export.
 
-    Quantized and head-pruned folders (written by the compression levers) are rebuilt through
-    :func:`encoderkit.models.rebuild.load_model` (the class named in ``config.architectures``,
-    which :func:`check_servable` has matched to the task; weights dequantized to fp32).
+    Loaded through :func:`encoderkit.models.rebuild.load_model`, which also rebuilds quantized and
+    head-pruned folders (written by the compression levers; weights dequantized to fp32) and applies
+    a recorded classifier pooling.
     """
-    from encoderkit.models.pooling import apply_pooling
-    from encoderkit.models.rebuild import load_model, needs_rebuild
+    from encoderkit.models.rebuild import load_model
 
-    kwargs = {"attn_implementation": attn}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
     try:
-        if needs_rebuild(folder):  # quantized or head-pruned: rebuilt from the records in config.json
-            model = load_model(folder, attn_implementation=attn)
-            if dtype is not None:
-                model = model.to(dtype)
-        else:
-            model = apply_pooling(auto_class(info.task).from_pretrained(str(folder), **kwargs))
+        model = load_model(folder, auto_class(info.task), attn_implementation=attn)
     except (OSError, ValueError) as e:
         raise EncoderkitError(f"{folder}: could not load the {info.task} model ({e})") from e
-    model.eval()
+    if dtype is not None:
+        model = model.to(dtype)
     for p in model.parameters():
         p.requires_grad_(False)
     return model

@@ -44,9 +44,8 @@ class MaskedMeanPooler(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         mask, self.mask = self.mask, None
-        if mask is None:
-            mask = torch.ones(hidden_states.shape[:2], dtype=hidden_states.dtype, device=hidden_states.device)
-        return self.activation(self.dense(pool(hidden_states, mask, "mean")))
+        mean = hidden_states.mean(dim=1) if mask is None else pool(hidden_states, mask, "mean")
+        return self.activation(self.dense(mean))
 
 
 def _remember_mask(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:

@@ -82,13 +82,13 @@ def settle_max_length(requested: int, default: int, folder: Path) -> int:
 
 
 def load_task_model(folder: Path, auto_cls: Any) -> nn.Module:
-    """A saved task model for evaluation: ``auto_cls.from_pretrained``, or for a quantized or
-    head-pruned folder (written by the compression levers) the model rebuilt from its records
-    (:func:`encoderkit.models.rebuild.load_model`; weights dequantized to fp32, as the torch runtime does)."""
-    from encoderkit.models.pooling import apply_pooling
-    from encoderkit.models.rebuild import load_model, needs_rebuild
+    """A saved task model for evaluation (eval mode) as ``auto_cls``, through
+    :func:`encoderkit.models.rebuild.load_model`: a quantized or head-pruned folder (written by the
+    compression levers) is rebuilt from its records (weights dequantized to fp32, as the torch
+    runtime does) and a recorded classifier pooling is applied."""
+    from encoderkit.models.rebuild import load_model
 
-    return load_model(folder) if needs_rebuild(folder) else apply_pooling(auto_cls.from_pretrained(folder))
+    return load_model(folder, auto_cls)
 
 
 def is_sentence_transformers(folder: Path) -> bool:
