@@ -48,6 +48,7 @@ from torch import nn
 
 from encoderkit.config import StageConfig, arg
 from encoderkit.errors import EncoderkitError
+from encoderkit.hardware import native_bf16
 from encoderkit.train import checkpoint as ckpt
 from encoderkit.train import distributed as dist_util
 
@@ -189,17 +190,6 @@ class FitResult:
     best_checkpoint: Path | None = None
     tokens_per_s: float = 0.0
     seconds: float = 0.0
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether bf16 matmuls are native (fast) on ``device``; elsewhere autocast only costs time."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        cpu = getattr(torch, "cpu", None)
-        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-        return any(getattr(cpu, p, lambda: False)() for p in probes)
-    return False
 
 
 def lr_factor(step: int, total: int, warmup_steps: int, schedule: str, min_ratio: float = 0.0) -> float:
