@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from encoderkit.compress.plan import PlanConfig, backoff_variants, make_plan, search_recipe
+from encoderkit.compress.plan import PlanConfig, backoff_variants, make_plan, run_recipe_for_plan, search_recipe
 from encoderkit.compress.plan import run as plan_run
-from encoderkit.compress.stack import load_recipe, validate_recipe
+from encoderkit.compress.stack import QUANT_LEVERS, load_recipe, validate_recipe
 from encoderkit.errors import EncoderkitError
+from encoderkit.hardware import CudaDevice, Hardware
 
 
 def _plan(**kw):
@@ -65,6 +66,7 @@ def test_no_teacher_means_no_distillation_and_tight_floor_adds_qat():
     plan = _plan(budget="some", teacher=False, hardware="cpu", goal="latency", max_quality_drop=0.005)
     assert "distill" not in plan.levers() and "teacher" in _left_out(plan)["distill"]
     assert plan.levers()[-1] == "qat"
+    assert "quantize" not in plan.levers() and "QAT already quantizes" in _left_out(plan)["quantize dynamic-int8"]
 
 
 @pytest.mark.parametrize("budget", ["none", "some"])
@@ -78,6 +80,68 @@ def test_every_planned_recipe_is_a_valid_recipe(budget, hardware, goal):
     assert all(s.reason for s in plan.steps)
     for _, variant in backoff_variants(plan.recipe()):
         validate_recipe(variant, source="variant")
+
+
+@pytest.mark.parametrize("budget", ["none", "some"])
+@pytest.mark.parametrize("hardware", ["cpu", "cpu-vnni", "gpu-sparse"])
+@pytest.mark.parametrize("goal", ["latency", "memory"])
+@pytest.mark.parametrize("drop, calib", [(0.03, True), (0.005, True), (0.03, False), (0.005, False)])
+def test_no_plan_quantizes_twice(budget, hardware, goal, drop, calib):
+    plan = _plan(budget=budget, teacher=True, hardware=hardware, goal=goal, max_quality_drop=drop,
+                 has_calibration_data=calib)
+    quantizers = [lever for lever in plan.levers() if lever in QUANT_LEVERS]
+    assert len(quantizers) <= 1, plan.levers()
+    assert plan.quantization() is (next(s for s in plan.steps if s.lever in QUANT_LEVERS) if quantizers else None)
+    validate_recipe(plan.recipe(), source="planned")  # the runner refuses a second quantization step
+
+
+def test_sparse_gpu_memory_plan_takes_gptq_instead_of_int8_on_top():
+    plan = _plan(budget="some", teacher=True, hardware="gpu-sparse", goal="memory")
+    assert plan.levers() == ["distill", "prune", "vocab", "gptq"]
+    why = _left_out(plan)["quantize dynamic-int8"]
+    assert "already quantizes" in why and "alternatives" in why and "4-bit" in why
+    latency = _plan(budget="some", teacher=True, hardware="gpu-sparse", goal="latency")
+    assert latency.levers() == ["distill", "prune", "quantize"]
+    assert "quantizes once" in latency.steps[-1].reason
+
+
+def test_a_recipe_with_two_quantization_steps_is_refused_before_anything_runs():
+    with pytest.raises(EncoderkitError, match=r"step 2 \(lever 'quantize'\): step 1 \(gptq\) already quantizes"):
+        validate_recipe({"steps": [{"lever": "gptq", "bits": 4}, {"lever": "quantize", "method": "dynamic-int8"}]},
+                        source="r.yaml")
+
+
+AVX2 = "model name\t: AMD EPYC 7B12\nflags\t\t: sse4_2 fma avx avx2\n"
+VNNI = "model name\t: Intel Xeon 8259CL\nflags\t\t: avx2 avx512f avx512_vnni\n"
+
+
+@pytest.mark.parametrize("hw, kind, reason", [
+    (Hardware.from_cpuinfo(AVX2), "cpu", "AVX2 only"),
+    (Hardware.from_cpuinfo(VNNI), "cpu-vnni", "AVX512-VNNI"),
+    (Hardware.from_cpuinfo(AVX2, cuda=(CudaDevice(0, "T4", (7, 5)),)), "cpu", "no 2:4 sparse tensor cores"),
+    (Hardware.from_cpuinfo(AVX2, cuda=(CudaDevice(0, "A100", (8, 0)),)), "gpu-sparse", "A100"),
+])
+def test_hardware_auto_plans_for_the_detected_machine(hw, kind, reason):
+    cfg = PlanConfig(budget="some", teacher=True, goal="latency")
+    assert cfg.hardware == "auto"
+    plan = make_plan(cfg, hw=hw)
+    given = _plan(budget="some", teacher=True, goal="latency", hardware=kind)
+    assert plan.hardware == kind and plan.recipe() == given.recipe()
+    text = plan.describe()
+    assert text.startswith(f"Hardware: {kind} (auto: ") and reason in text
+    assert "Quantization lever on " + kind + ": quantize(method=dynamic-int8" in text
+    assert ("2:4" in str(plan.recipe())) is (kind == "gpu-sparse")
+
+
+def test_the_planner_and_the_runner_have_no_import_cycle():
+    import ast
+    from pathlib import Path
+
+    from encoderkit.compress import stack
+
+    tree = ast.parse(Path(stack.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "encoderkit.compress.plan" not in imported
 
 
 def test_plan_writes_a_recipe_file_that_the_runner_accepts(tmp_path):
@@ -144,6 +208,9 @@ def test_cli_plan_prints_the_recipe(capsys):
     assert main(["plan", "--budget", "none", "--hardware", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "1. quantize" in printed and "distill: no training budget" in printed
+    assert "Hardware: cpu (given by --hardware)" in printed
+    assert main(["plan", "--budget", "none"]) == 0  # --hardware auto: this machine
+    assert "Hardware: " in (printed := capsys.readouterr().out) and "(auto: " in printed
 
 
 def test_plan_run_backs_off_on_real_levers(tmp_path, tiny_tokenizer_dir):
@@ -154,7 +221,6 @@ def test_plan_run_backs_off_on_real_levers(tmp_path, tiny_tokenizer_dir):
     import torch
     from transformers import AutoTokenizer, BertForSequenceClassification
 
-    from encoderkit.compress.stack import run_recipe_for_plan
     from tests.conftest import WORDS, tiny_bert_config
 
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)

@@ -10,6 +10,12 @@ The planner is a short list of rules that encode what is known to work for encod
   sparsity saves storage (if stored sparse) but no CPU time with dense kernels.
 - sparse GPU: 2:4 semi-structured sparsity is the one sparsity pattern that runs faster.
 - VNNI CPUs: INT8 with per-channel weight scales runs on the VNNI dot-product instructions.
+- one quantization step at most: a quantized model is never quantized again, so GPTQ / RTN
+  (bytes), dynamic INT8 (CPU speed) and QAT (quality under a tight floor) are alternatives.
+
+``--hardware auto`` (the default) plans for this machine as :mod:`encoderkit.hardware` finds it
+(a GPU with 2:4 sparse tensor cores, else a CPU with or without VNNI/AMX int8 dot products); the
+plan states the hardware and why.
 - memory goal: the embedding matrix is a large share of a small encoder, so prune the
   vocabulary to the tokens the domain uses and store embeddings in low bit; GPTQ 4-bit for the
   linear layers when calibration data exists.
@@ -27,8 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from encoderkit.compress.stack import QUANT_LEVERS, CompressConfig, StepMeasurer, run_steps, validate_recipe
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.hardware import PLANNER_HARDWARE, Hardware, describe, detect, planner_hardware
 
 
 @dataclass
@@ -37,7 +45,7 @@ class PlanConfig(StageConfig):
 
     budget: str = arg("none", choices=("none", "some"), help="Training budget for compression: 'none' (post-training levers only) or 'some' (distillation, pruning with recovery, QAT).")
     teacher: bool = arg(False, help="A fine-tuned teacher model is available (the model to compress can be its own teacher).")
-    hardware: str = arg("cpu", choices=("cpu", "cpu-vnni", "gpu-sparse"), help="Where the model will run: plain CPU, CPU with VNNI int8 dot products, or a GPU with 2:4 sparse tensor cores.")
+    hardware: str = arg("auto", choices=("auto", *PLANNER_HARDWARE), help="Where the model will run: auto (this machine, as `encoderkit doctor` finds it), plain CPU, CPU with VNNI/AMX int8 dot products, or a GPU with 2:4 sparse tensor cores.")
     goal: str = arg("latency", choices=("latency", "memory"), help="What to minimise: latency (time per request) or memory (bytes on disk and in RAM).")
     max_quality_drop: float = arg(0.03, help="Largest allowed relative drop of the dev metric (0.03 = keep at least 97% of the starting quality).")
     has_calibration_data: bool = arg(True, help="Unlabelled in-domain text is available for calibration (GPTQ, static INT8, vocabulary pruning).")
@@ -71,6 +79,12 @@ class PlannedStep:
 class Plan:
     steps: list[PlannedStep]
     left_out: list[tuple[str, str]] = field(default_factory=list)
+    hardware: str = "cpu"
+    hardware_why: str = ""
+
+    def quantization(self) -> PlannedStep | None:
+        """The plan's one quantization step (a plan never quantizes twice), if any."""
+        return next((s for s in self.steps if s.lever in QUANT_LEVERS), None)
 
     def recipe(self) -> dict[str, Any]:
         return {"steps": [s.as_recipe_step() for s in self.steps]}
@@ -79,7 +93,10 @@ class Plan:
         return [s.lever for s in self.steps]
 
     def describe(self) -> str:
-        lines = ["Planned recipe (in order):"]
+        q = self.quantization()
+        quant = f"{q.lever}({', '.join(f'{k}={v}' for k, v in q.params.items())})" if q else "none"
+        lines = [f"Hardware: {self.hardware} ({self.hardware_why})",
+                 f"Quantization lever on {self.hardware}: {quant}", "Planned recipe (in order):"]
         for i, s in enumerate(self.steps, 1):
             params = ", ".join(f"{k}={v}" for k, v in s.params.items())
             lines.append(f"  {i}. {s.lever}({params})\n     why: {s.reason}")
@@ -89,8 +106,18 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(cfg: PlanConfig) -> Plan:
-    """The ordered recipe for ``cfg``'s situation; pure (reads no files)."""
+def resolve_hardware(cfg: PlanConfig, hw: Hardware | None = None) -> tuple[str, str]:
+    """The planner's hardware kind and why: as given, or for ``auto`` from ``hw`` (default: this machine)."""
+    if cfg.hardware != "auto":
+        return cfg.hardware, "given by --hardware"
+    choice = planner_hardware(hw or detect())
+    return choice.value, f"auto: {choice.why}"
+
+
+def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
+    """The ordered recipe for ``cfg``'s situation; pure (reads no files) except that
+    ``--hardware auto`` looks at ``hw`` (default: this machine, :func:`encoderkit.hardware.detect`)."""
+    kind, kind_why = resolve_hardware(cfg, hw)
     trains = cfg.budget == "some"
     steps: list[PlannedStep] = []
     out: list[tuple[str, str]] = []
@@ -108,7 +135,7 @@ def make_plan(cfg: PlanConfig) -> Plan:
         out.append(("distill", "no teacher: distillation needs a fine-tuned teacher's soft targets"))
 
     # 2. pruning: pattern chosen by what the hardware can exploit.
-    if cfg.hardware == "gpu-sparse":
+    if kind == "gpu-sparse":
         if trains:
             steps.append(PlannedStep("prune", {"method": "2:4", "recovery_steps": 500},
                                      "the GPU has 2:4 sparse tensor cores: half the weights in every group of four are "
@@ -156,25 +183,42 @@ def make_plan(cfg: PlanConfig) -> Plan:
         out.append(("vocab", "latency goal: a smaller vocabulary saves bytes but no time (an embedding lookup is cheap)"))
         out.append(("gptq", "latency goal: 4-bit weight-only GPTQ saves bytes but CPU kernels dequantise, so no time"))
 
-    # 4. INT8 for speed (and 4x smaller linear layers) on every hardware.
-    if cfg.goal == "latency" or cfg.hardware == "gpu-sparse":
-        per_channel = cfg.hardware == "cpu-vnni"
-        why = ("INT8 matrix multiplies run on the VNNI int8 dot-product instructions; per-channel weight scales keep "
-               "quality" if per_channel else
-               "dynamic INT8 (ONNX Runtime, per-channel weights) of the linear layers needs no data and no training, "
-               "and gives the largest CPU speed-up per quality point; without VNNI the gain is smaller")
-        if cfg.hardware == "gpu-sparse":
-            why = "INT8 on top of 2:4 sparsity: the sparse tensor cores take int8 operands"
-        steps.append(PlannedStep("quantize", {"method": "dynamic-int8", "per_channel": True}, why))
-    if trains and tight:
-        steps.append(PlannedStep("qat", {"qat_steps": 300},
-                                 "a very tight quality floor and a budget: a short quantization-aware fine-tune "
-                                 "recovers the last fraction of a point that PTQ loses"))
-    elif trains:
-        out.append(("qat", "PTQ INT8 usually stays within the floor for encoders; QAT only if the measured drop is too large"))
-    else:
-        out.append(("qat", "no training budget: QAT needs training"))
-    return Plan(steps=steps, left_out=out)
+    # 4. one quantization step at most: a quantized model is never quantized again.
+    memory_quant = next((s for s in steps if s.lever in QUANT_LEVERS), None)
+    if cfg.goal == "latency" or kind == "gpu-sparse":
+        if memory_quant is not None:
+            what = "GPTQ" if memory_quant.lever == "gptq" else "round-to-nearest"
+            out.append(("quantize dynamic-int8", (
+                f"the {memory_quant.lever} step already quantizes the linear layers ({what} "
+                f"{memory_quant.params.get('bits')}-bit) and a quantized model is never quantized again: "
+                f"{memory_quant.lever} (bytes) and dynamic INT8 (speed) are alternatives, and the memory goal takes "
+                f"{memory_quant.lever}")))
+        elif trains and tight:
+            steps.append(PlannedStep("qat", {"qat_steps": 300},
+                                     "a very tight quality floor and a budget: quantization-aware fine-tuning ends in "
+                                     "real INT8 weights itself, recovering the fraction of a point that post-training "
+                                     "INT8 loses; it takes the place of dynamic INT8 (never both)"))
+            out.append(("quantize dynamic-int8", "QAT already quantizes to INT8; a quantized model is never quantized again"))
+        else:
+            why = ("dynamic INT8 (ONNX Runtime, per-channel weights) of the linear layers needs no data and no "
+                   "training; its matrix multiplies run on the CPU's VNNI/AMX int8 dot-product instructions"
+                   if kind == "cpu-vnni" else
+                   "dynamic INT8 (ONNX Runtime, per-channel weights) of the linear layers needs no data and no "
+                   "training, and gives the largest CPU speed-up per quality point; without VNNI the gain is smaller")
+            if kind == "gpu-sparse":
+                why = ("dynamic INT8 of the (2:4-pruned) linear layers: ONNX Runtime per-channel int8 weights, "
+                       "the pruned zeros stay zero; 4x fewer weight bytes and the CPU serving path. It quantizes "
+                       "once, after pruning (pruning is not quantization)")
+            steps.append(PlannedStep("quantize", {"method": "dynamic-int8", "per_channel": True}, why))
+    if not any(s.lever == "qat" for s in steps):
+        if memory_quant is not None and trains and tight:
+            out.append(("qat", f"the {memory_quant.lever} step already quantizes; QAT would quantize a quantized model"))
+        elif trains:
+            out.append(("qat", ("PTQ INT8 usually stays within the floor for encoders; QAT only if the measured drop "
+                                "is too large")))
+        else:
+            out.append(("qat", "no training budget: QAT needs training"))
+    return Plan(steps=steps, left_out=out, hardware=kind, hardware_why=kind_why)
 
 
 # -- backoff ------------------------------------------------------------------------------------
@@ -263,6 +307,39 @@ def search_recipe(recipe: dict[str, Any], evaluate: Callable[[dict[str, Any], st
     return BackoffResult(False, recipe, None, floor, tried)
 
 
+def run_recipe_for_plan(recipe: dict[str, Any], plan_cfg: PlanConfig, measure: Any = None) -> BackoffResult:
+    """`encoderkit plan --run`: run ``recipe`` on ``plan_cfg.model`` and back off until the dev
+    quality stays within ``max_quality_drop`` of the starting model's. Each try is a complete
+    compress output (``tryN/`` with its steps and report); ``plan.json`` records the search."""
+    import yaml
+
+    from encoderkit.io import output_dir, write_json_atomic, write_text_atomic
+    from encoderkit.report import write_report
+
+    out = Path(plan_cfg.out)
+    measure = measure or StepMeasurer(plan_cfg.dev)
+    with output_dir(out, plan_cfg.overwrite) as tmp:
+        start = measure(Path(plan_cfg.model))
+        floor = start["quality"] * (1.0 - plan_cfg.max_quality_drop)
+
+        def evaluate(r: dict[str, Any], tag: str) -> float:
+            work = tmp / tag
+            work.mkdir()
+            write_text_atomic(work / "recipe.yaml", yaml.safe_dump(r, sort_keys=False))
+            steps = validate_recipe(r, source=f"{tag}/recipe.yaml")
+            cfg = CompressConfig(recipe=str(work / "recipe.yaml"), model=plan_cfg.model, dev=plan_cfg.dev,
+                                 out=str(out / tag), train=plan_cfg.train)
+            rows = run_steps(steps, cfg, work, out.resolve() / tag, lambda f: start if Path(f) == Path(plan_cfg.model) else measure(f))
+            write_report(work, rows, {"title": f"plan --run {tag}", "model": plan_cfg.model, "dev": plan_cfg.dev,
+                                      "floor": round(floor, 4), "hardware": describe()})
+            return float(rows[-1]["quality"])
+
+        result = search_recipe(recipe, evaluate, floor, plan_cfg.max_backoff)
+        write_json_atomic(tmp / "plan.json", {"start_quality": start["quality"], "floor": floor, "ok": result.ok,
+                                             "tried": result.tried, "recipe": result.recipe})
+    return result
+
+
 @dataclass
 class PlanResult:
     plan: Plan
@@ -287,13 +364,12 @@ def run(cfg: PlanConfig) -> PlanResult:
     plan = make_plan(cfg)
     result = PlanResult(plan)
     if cfg.write:
-        text = f"# planned by `encoderkit plan` for {cfg.result_dict()}\n" + yaml.safe_dump(plan.recipe(), sort_keys=False)
+        text = (f"# planned by `encoderkit plan` for {cfg.result_dict() | {'hardware': plan.hardware}}\n"
+                f"# hardware: {plan.hardware_why}\n" + yaml.safe_dump(plan.recipe(), sort_keys=False))
         write_text_atomic(Path(cfg.write), text)
         result.written = Path(cfg.write)
     if cfg.run:
         if not plan.steps:
             raise EncoderkitError("the plan has no steps to run; change the situation (budget, goal, hardware)")
-        from encoderkit.compress.stack import run_recipe_for_plan
-
         result.backoff = run_recipe_for_plan(plan.recipe(), cfg)
     return result

@@ -18,7 +18,8 @@ Model, output and data paths are filled in by the runner (``--train`` feeds dist
 recovery and calibration unless a step names its own file).
 
 The whole recipe is validated before anything runs: an unknown lever or field, or a bad value,
-is an error naming the step (number and lever) and the field. Everything is written into one
+is an error naming the step (number and lever) and the field, and so is a second quantizing step
+(``quantize``, ``gptq``, ``qat``: each refuses an already quantized model). Everything is written into one
 output folder (``NN-lever/`` per step, ``report.md``, ``report.json``, ``report.png``) that
 appears only when the whole recipe finished.
 """
@@ -45,6 +46,8 @@ LEVERS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "gptq": ("encoderkit.compress.quantize", "QuantizeConfig", "quantize", {"method": "gptq"}),
     "qat": ("encoderkit.compress.quantize", "QuantizeConfig", "quantize", {"method": "qat"}),
 }
+# levers that quantize the model; a quantized model is never quantized again (the lever refuses it)
+QUANT_LEVERS = ("quantize", "gptq", "qat")
 RUNNER_FIELDS = ("model", "out", "teacher", "overwrite")  # set by the runner, never by a recipe
 ALIASES = {"recover_steps": "recovery_steps"}
 # field of each lever's config that takes the runner's --train / --calib file, when the step sets none
@@ -126,6 +129,11 @@ def validate_recipe(data: Any, source: str = "recipe") -> list[RecipeStep]:
         except EncoderkitError as e:
             msg = str(e)
             raise EncoderkitError(msg if msg.startswith(where) else f"{where}: {msg}") from e
+        earlier = next((o for o in out if o.lever in QUANT_LEVERS), None) if lever in QUANT_LEVERS else None
+        if earlier is not None:
+            raise EncoderkitError(f"{where}: step {earlier.index} ({earlier.lever}) already quantizes the model and a "
+                                  "quantized model is never quantized again; keep one quantization step (they are "
+                                  "alternatives: gptq/rtn for bytes, dynamic-int8/static for CPU speed, qat for quality)")
         out.append(RecipeStep(i, lever, params, calls))
     return out
 
@@ -388,37 +396,3 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
                 "runtime": cfg.runtime, "steps_config": [s.params | {"lever": s.lever} for s in steps]}
         write_report(tmp, rows, meta)
     return CompressResult(out, rows)
-
-
-def run_recipe_for_plan(recipe: dict[str, Any], plan_cfg: Any, measure: Any = None) -> Any:
-    """`encoderkit plan --run`: run ``recipe`` on ``plan_cfg.model`` and back off until the dev
-    quality stays within ``max_quality_drop`` of the starting model's. Each try is a complete
-    compress output (``tryN/`` with its steps and report); ``plan.json`` records the search."""
-    import yaml
-
-    from encoderkit.compress.plan import search_recipe
-    from encoderkit.io import output_dir, write_json_atomic, write_text_atomic
-    from encoderkit.report import write_report
-
-    out = Path(plan_cfg.out)
-    measure = measure or StepMeasurer(plan_cfg.dev)
-    with output_dir(out, plan_cfg.overwrite) as tmp:
-        start = measure(Path(plan_cfg.model))
-        floor = start["quality"] * (1.0 - plan_cfg.max_quality_drop)
-
-        def evaluate(r: dict[str, Any], tag: str) -> float:
-            work = tmp / tag
-            work.mkdir()
-            write_text_atomic(work / "recipe.yaml", yaml.safe_dump(r, sort_keys=False))
-            steps = validate_recipe(r, source=f"{tag}/recipe.yaml")
-            cfg = CompressConfig(recipe=str(work / "recipe.yaml"), model=plan_cfg.model, dev=plan_cfg.dev,
-                                 out=str(out / tag), train=plan_cfg.train)
-            rows = run_steps(steps, cfg, work, out.resolve() / tag, lambda f: start if Path(f) == Path(plan_cfg.model) else measure(f))
-            write_report(work, rows, {"title": f"plan --run {tag}", "model": plan_cfg.model, "dev": plan_cfg.dev,
-                                      "floor": round(floor, 4)})
-            return float(rows[-1]["quality"])
-
-        result = search_recipe(recipe, evaluate, floor, plan_cfg.max_backoff)
-        write_json_atomic(tmp / "plan.json", {"start_quality": start["quality"], "floor": floor, "ok": result.ok,
-                                             "tried": result.tried, "recipe": result.recipe})
-    return result
