@@ -24,6 +24,7 @@ from encoderkit.errors import EncoderkitError
 # cannot take the others down.
 STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("quickstart",): ("encoderkit.quickstart:QuickstartConfig:run", "the whole pipeline on the stdlib's docstrings (no downloads)"),
+    ("doctor",): ("encoderkit.doctor:DoctorConfig:run", "this machine's hardware, measured matmul peaks, and the backend each stage picks"),
     ("tokenizer", "train"): ("encoderkit.tokenizer:TokenizerConfig:run", "train a WordPiece or byte-level BPE tokenizer"),
     ("data", "prepare"): ("encoderkit.data.prepare:PrepareConfig:run", "tokenize a corpus into a packed, memory-mapped token store"),
     ("data", "inspect"): ("encoderkit.data.prepare:InspectConfig:inspect", "counts and a decoded sample of a token store"),

@@ -1,0 +1,55 @@
+"""`encoderkit doctor`: the backend each stage picks on the three CPUs seen so far (and a sparse
+GPU), and a real run that prints every section."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from encoderkit.doctor import backend_choices
+from encoderkit.hardware import CudaDevice, Hardware
+from tests.test_hardware import AVX2_ONLY, BF16_AMX, VNNI_NO_BF16
+
+TRAIN, SERVE, PLAN = "pretrain / finetune / distill", "predict / serve (--backend auto)", "compress plan (latency goal)"
+
+
+@pytest.mark.parametrize("text, bf16, kind", [
+    (AVX2_ONLY, "off", "cpu"),
+    (VNNI_NO_BF16, "off", "cpu-vnni"),
+    (BF16_AMX, "on", "cpu-vnni"),
+])
+def test_choices_follow_the_cpu(text, bf16, kind):
+    c = backend_choices(Hardware.from_cpuinfo(text, threads=2))
+    assert c[TRAIN].value == f"bf16 autocast {bf16} (cpu)"
+    assert c[SERVE].value.startswith("ONNX FP32 for classify") and "ONNX INT8 for embed" in c[SERVE].value
+    assert ("no VNNI/AMX" in c[SERVE].why) is (kind == "cpu")
+    assert c[PLAN].value.startswith(f"--hardware auto = {kind};")
+    assert "budget none: quantize(method=dynamic-int8" in c[PLAN].value and "2:4" not in c[PLAN].value
+
+
+def test_a_sparse_gpu_trains_in_bf16_and_plans_2_4():
+    hw = Hardware.from_cpuinfo(AVX2_ONLY, cuda=(CudaDevice(0, "NVIDIA H200", (9, 0), 139.8),))
+    c = backend_choices(hw)
+    assert c[TRAIN].value == "bf16 autocast on (cuda)" and "H200" in c[TRAIN].why
+    assert c[PLAN].value.startswith("--hardware auto = gpu-sparse;") and "2:4" in c[PLAN].why
+    assert "distill -> prune -> quantize" in c[PLAN].value
+
+
+def test_doctor_prints_every_section(capsys):
+    from encoderkit.cli import main
+
+    assert main(["--threads", "1", "doctor", "--size", "32", "--seconds", "0.01"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("hardware: CPU ") and "threads |" in text
+    for line in ("fp32  torch.matmul", "bf16  torch.matmul", "int8  torch._int_mm", "int8  onnxruntime MatMulInteger",
+                 "(32, 32) @ (32, 32)", f"  {TRAIN}: bf16 autocast", f"  {SERVE}: ONNX", f"  {PLAN}: --hardware auto"):
+        assert line in text, line
+    assert text.count("    why: ") == 3
+
+    assert main(["--threads", "1", "doctor", "--size", "32", "--seconds", "0.01", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["threads"] == 1 and data["hardware"].startswith("CPU ")
+    rates = {(p["dtype"], p["kernel"]): p["gops"] for p in data["peaks"]}
+    assert rates[("fp32", "torch.matmul")] > 0 and rates[("bf16", "torch.matmul")] > 0
+    assert set(data["choices"]) == {TRAIN, SERVE, PLAN} and all(c["why"] for c in data["choices"].values())
