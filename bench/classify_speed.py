@@ -100,9 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import pipeline
 
     from encoderkit.deploy.runtime import Predictor
+    from encoderkit.hardware import describe, result_field
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"hardware: {describe()}", flush=True)
     texts, gold = read_sst2("dev")
     texts, gold = texts[: args.texts], gold[: args.texts]
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = f" {tag}_speedup={t_ref / o_t:.2f} {tag}_agreement={o_agree:.4f}"
     print(f"RESULT backend={ours.backend} texts={len(texts)} pipeline_per_s={len(texts) / t_ref:.1f} "
           f"ours_per_s={len(texts) / t:.1f} speedup={t_ref / t:.2f} agreement={agree:.4f} "
-          f"acc_pipeline={acc(ref_labels):.4f} acc_ours={acc(labels):.4f}{extra}")
+          f"acc_pipeline={acc(ref_labels):.4f} acc_ours={acc(labels):.4f}{extra} {result_field()}")
     return 0
 
 

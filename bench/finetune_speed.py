@@ -100,10 +100,12 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
+    from encoderkit.hardware import describe, result_field
     from encoderkit.tasks.common import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"hardware: {describe()}", flush=True)
     model_dir = resolve_model(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(args.seed)
@@ -114,7 +116,7 @@ def main() -> int:
         print(f"HF Trainer: {ex_ref:.1f} ex/s, dev accuracy {acc_ref:.4f}", file=sys.stderr)
     print(f"RESULT ratio={ex_ours / ex_ref:.2f} ex_s_ours={ex_ours:.1f} ex_s_ref={ex_ref:.1f} "
           f"acc_ours={acc_ours:.4f} acc_ref={acc_ref:.4f} steps={args.steps} batch_size={args.batch_size} "
-          f"threads={torch.get_num_threads()}")
+          f"threads={torch.get_num_threads()} {result_field()}")
     return 0
 
 

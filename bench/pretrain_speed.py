@@ -29,20 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from encoderkit.doctor import matmul_rate
+from encoderkit.hardware import describe, native_bf16, result_field
+
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mlm_corpus_gutenberg" / "gitenberg"
 LAYERS, HIDDEN, HEADS, FFN, SEQ = 4, 256, 4, 1024, 128
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 1024, seconds: float = 2.0) -> float:
-    """FLOP/s of a big square matmul in ``dtype`` (best of repeated runs)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    best, start = 0.0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t))
-    return best
 
 
 def flops_per_token(vocab: int, mask_rate: float, full_head: bool) -> float:
@@ -132,11 +123,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"hardware: {describe()}", flush=True)
 
     from encoderkit.data.masking import Masker, MaskingSpec
     from encoderkit.models.mlm import MaskedOnlyMLM
     from encoderkit.tokenizer import load_tokenizer
-    from encoderkit.train.engine import native_bf16
     from encoderkit.train.pretrain import heldout_batches
 
     work = Path(tempfile.mkdtemp(prefix="pretrain_speed-"))
@@ -146,7 +137,7 @@ def main() -> None:
                                    args.heldout_blocks, 32)
     bf16 = {"auto": None, "on": True, "off": False}[args.bf16]
     uses_bf16 = native_bf16(torch.device("cpu")) if bf16 is None else bf16
-    peak_bf16, peak_fp32 = matmul_peak(torch.bfloat16, n=512, seconds=1.0), matmul_peak(torch.float32)
+    peak_bf16, peak_fp32 = matmul_rate(torch.bfloat16, 512, 1.0), matmul_rate(torch.float32, 1024, 2.0)
     warmup = max(1, args.steps // 10)
     tokens = args.steps * args.batch * SEQ
     print(f"threads={torch.get_num_threads()} tokens/path={tokens:,} bf16_native={native_bf16(torch.device('cpu'))} "
@@ -172,7 +163,7 @@ def main() -> None:
     ok = math.isfinite(loss_ours) and loss_ours <= loss_ref + 0.02
     print(f"speed ratio {ratio:.2f}x; loss ours {'<=' if ok else '>'} reference")
     print(f"RESULT ratio={ratio:.2f} tok_s_ours={tokens / t_ours:.0f} tok_s_ref={tokens / t_ref:.0f} "
-          f"loss_ours={loss_ours:.4f} loss_ref={loss_ref:.4f} mfu_ours={mfu_ours_own:.4f}")
+          f"loss_ours={loss_ours:.4f} loss_ref={loss_ref:.4f} mfu_ours={mfu_ours_own:.4f} {result_field()}")
 
 
 if __name__ == "__main__":

@@ -35,12 +35,14 @@ def main() -> int:
     from sentence_transformers import SentenceTransformer
 
     from encoderkit.evaluate.metrics import retrieval_scores
+    from encoderkit.hardware import describe, result_field
     from encoderkit.tasks.beir import load_retrieval
     from encoderkit.tasks.common import load_tokenizer, resolve_model
     from encoderkit.tasks.embed import folder_max_length, load_bi_encoder, retrieve, search
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"hardware: {describe()}", flush=True)
     folder = resolve_model(args.model)
     data = load_retrieval(args.data)
     if args.max_docs and args.max_docs < len(data.corpus):
@@ -69,7 +71,7 @@ def main() -> int:
     diff = ours["ndcg@10"] - ref["ndcg@10"]
     print(f"RESULT ndcg10_ours={ours['ndcg@10']:.4f} ndcg10_st={ref['ndcg@10']:.4f} diff={diff:+.4f} "
           f"recall100_ours={ours['recall@100']:.4f} recall100_st={ref['recall@100']:.4f} "
-          f"docs={len(data.corpus)} queries={len(data.qrels)} s_ours={t_ours:.0f} s_st={t_ref:.0f}")
+          f"docs={len(data.corpus)} queries={len(data.qrels)} s_ours={t_ours:.0f} s_st={t_ref:.0f} {result_field()}")
     return 0 if abs(diff) <= 0.005 else 1
 
 

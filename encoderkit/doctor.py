@@ -62,6 +62,16 @@ def _best_rate(fn: Callable[[], Any], ops: float, seconds: float, sync: Callable
             return best
 
 
+def matmul_rate(dtype: Any, n: int = 512, seconds: float = 0.3, device: str = "cpu") -> float:
+    """FLOP/s of ``torch.matmul`` of two (n, n) matrices in ``dtype`` on ``device`` (best run)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
+    return _best_rate(lambda: x @ y, 2 * n**3, seconds, sync)
+
+
 def torch_peaks(n: int, seconds: float, device: str = "cpu") -> list[Peak]:
     """fp32 and bf16 ``torch.matmul`` and int8 ``torch._int_mm`` (int32 out) of (n, n) @ (n, n)."""
     import torch
@@ -69,11 +79,8 @@ def torch_peaks(n: int, seconds: float, device: str = "cpu") -> list[Peak]:
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     g = torch.Generator().manual_seed(0)
     shape = f"({n}, {n}) @ ({n}, {n})"
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    out = []
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        x, y = a.to(device, dtype), b.to(device, dtype)
-        out.append(Peak(name, "torch.matmul", device, shape, _best_rate(lambda x=x, y=y: x @ y, 2 * n**3, seconds, sync)))
+    out = [Peak(name, "torch.matmul", device, shape, matmul_rate(dtype, n, seconds, device))
+           for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))]
     xi = torch.randint(-128, 128, (n, n), dtype=torch.int8, generator=g).to(device)
     yi = torch.randint(-128, 128, (n, n), dtype=torch.int8, generator=g).to(device)
     try:

@@ -18,6 +18,7 @@ bf16 autocast in training (:func:`bf16_choice`), the planner's ``--hardware auto
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 import re
@@ -206,6 +207,11 @@ def detect() -> Hardware:
 def describe() -> str:
     """The one-line description of this machine that every benchmark and report prints."""
     return detect().describe()
+
+
+def result_field() -> str:
+    """``hardware="..."``: the machine as one field of a benchmark's ``RESULT key=value ...`` line."""
+    return "hardware=" + json.dumps(describe())
 
 
 # -- decisions ---------------------------------------------------------------------------------

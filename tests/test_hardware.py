@@ -90,3 +90,17 @@ def test_this_machine_is_described_and_engine_uses_the_same_answer():
     assert hw.threads >= 1 and hardware.describe() == hw.describe()
     assert engine.native_bf16 is hardware.native_bf16
     assert hardware.native_bf16(torch.device("cpu")) is hw.bf16
+
+
+def test_result_field_quotes_the_line_and_every_benchmark_prints_it():
+    import shlex
+    from pathlib import Path
+
+    fields = dict(kv.split("=", 1) for kv in shlex.split("RESULT a=1 " + hardware.result_field())[1:])
+    assert fields == {"a": "1", "hardware": hardware.describe()}
+    benches = sorted((Path(__file__).resolve().parents[1] / "bench").glob("*.py"))
+    assert benches
+    for path in benches:
+        text = path.read_text()
+        assert 'print(f"hardware: {describe()}", flush=True)' in text, path.name
+        assert "result_field()" in text or '"hardware": describe()' in text, path.name
