@@ -89,9 +89,33 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join([head, rule, *body])
 
 
-def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
-    """Write a PNG with two panels: quality vs MB on disk, and quality vs batch-32 latency per
-    sequence; one labelled point per step, joined in recipe order."""
+DEFAULT_FLOOR = 0.97  # share of the starting quality kept when no floor is given (the planner's default drop, 3%)
+
+
+def floor_share(rows: list[dict[str, Any]], meta: dict[str, Any]) -> float:
+    """The allowed quality floor as a share of the starting model's: ``meta['floor']`` (absolute,
+    as ``plan --run`` records it), else ``1 - meta['max_quality_drop']``, else :data:`DEFAULT_FLOOR`."""
+    base = rows[0].get("quality") if rows else None
+    if isinstance(meta.get("floor"), (int, float)) and isinstance(base, (int, float)) and base:
+        return float(meta["floor"]) / float(base)
+    if isinstance(meta.get("max_quality_drop"), (int, float)):
+        return 1.0 - float(meta["max_quality_drop"])
+    return DEFAULT_FLOOR
+
+
+def quality_limits(shares: list[float], floor: float) -> tuple[float, float]:
+    """Y-axis limits (as shares) that hold every point, the floor and 100%, with a margin, so a
+    0.2-point change looks like one and not like a cliff."""
+    lo, hi = min([*shares, floor, 1.0]), max([*shares, floor, 1.0])
+    pad = max(0.1 * (hi - lo), 0.005)
+    return lo - pad, hi + pad
+
+
+def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "", floor: float = DEFAULT_FLOOR) -> Any:
+    """Write a PNG with two panels: quality kept (% of the starting model) vs MB on disk, and vs
+    batch-32 latency per sequence; one labelled point per step, joined in recipe order. The y axis
+    always spans the allowed floor (``floor``, a share of the starting quality, drawn as a line)
+    and 100%. Returns the matplotlib ``Figure``."""
     import io
 
     import matplotlib
@@ -105,36 +129,45 @@ def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "") -> N
         (fig.add_subplot(1, 2, 2), "latency_b32_ms", None, "batch-32 latency per sequence (ms)"),
     ]
     metric = next((r.get("metric") for r in rows if r.get("metric")), "quality")
+    kept_rows = with_ratios(rows)
+    shares = [r["quality_kept"] for r in kept_rows if r.get("quality_kept") is not None]
+    lo, hi = quality_limits(shares, floor)
     for ax, key, scale, label in panels:
         xs, ys, names = [], [], []
-        for r in rows:
-            x, y = r.get(key), r.get("quality")
+        for r in kept_rows:
+            x, y = r.get(key), r.get("quality_kept")
             if x is None or y is None:
                 continue
             if key == "latency_b32_ms":
                 x = x / 32.0
             xs.append(x * scale if scale else x)
-            ys.append(y)
+            ys.append(100 * y)
             names.append(f"{r.get('step')}:{r.get('lever')}")
         ax.plot(xs, ys, "-o", color="tab:blue")
         for x, y, n in zip(xs, ys, names):
             ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.axhline(100 * floor, color="tab:red", linestyle="--", linewidth=1, label=f"allowed floor {100 * floor:.1f}%")
+        ax.axhline(100.0, color="gray", linewidth=0.8, alpha=0.6)
+        ax.set_ylim(100 * lo, 100 * hi)
         ax.set_xlabel(label)
-        ax.set_ylabel(f"dev {metric}")
+        ax.set_ylabel(f"dev {metric}, % of the starting model")
         ax.grid(True, alpha=0.3)
+        ax.legend(loc="lower left", fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     write_bytes_atomic(Path(path), buf.getvalue())
+    return fig
 
 
 def write_report(folder: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Path]:
     """Write ``report.md``, ``report.json`` and ``report.png`` into ``folder``.
 
     ``meta`` holds what the numbers depend on (dev file, sequence length, threads, batch sizes,
-    the recipe) and is printed above the table so a reader knows how they were measured.
+    the recipe) and is printed above the table so a reader knows how they were measured; its
+    ``floor`` or ``max_quality_drop`` is the line drawn on the plot (:func:`floor_share`).
     """
     folder = Path(folder)
     rows_r = with_ratios(rows)
@@ -157,5 +190,5 @@ def write_report(folder: Path, rows: list[dict[str, Any]], meta: dict[str, Any])
     paths = {"md": folder / "report.md", "json": folder / "report.json", "png": folder / "report.png"}
     write_text_atomic(paths["md"], "\n".join(lines))
     write_json_atomic(paths["json"], {"meta": meta, "steps": rows_r})
-    plot_tradeoffs(rows, paths["png"], title=str(meta.get("title", "")))
+    plot_tradeoffs(rows, paths["png"], title=str(meta.get("title", "")), floor=floor_share(rows, meta))
     return paths

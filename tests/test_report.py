@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from encoderkit.report import markdown_table, with_ratios, write_report
+from encoderkit.report import floor_share, markdown_table, plot_tradeoffs, quality_limits, with_ratios, write_report
 
 ROWS = [
     {"step": 0, "lever": "start", "quality": 0.90, "metric": "accuracy", "params": 22_000_000, "bytes": 88_000_000,
@@ -48,3 +48,27 @@ def test_write_report_writes_md_json_and_a_valid_png(tmp_path):
     md = paths["md"].read_text()
     assert "seq_len: 128" in md and "step 1 (distill): 3 layers" in md and "report.png" in md
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md", "report.png"]
+
+
+def test_plot_axis_spans_the_floor_and_100_percent_so_small_changes_look_small(tmp_path):
+    rows = [dict(ROWS[0], quality=0.9500), dict(ROWS[1], quality=0.9520)]  # +0.2 points
+    lo, hi = quality_limits([1.0, 0.9520 / 0.9500], 0.97)
+    assert lo < 0.97 and hi > 0.9520 / 0.9500
+    assert (0.9520 - 0.9500) / 0.9500 / (hi - lo) < 0.15  # the change is a small part of the height
+    fig = plot_tradeoffs(rows, tmp_path / "p.png", floor=0.97)
+    for ax in fig.axes:
+        y0, y1 = ax.get_ylim()
+        assert y0 < 97.0 and y1 > 100.2 and (y0, y1) == pytest.approx((100 * lo, 100 * hi))
+        floors = [ln for ln in ax.get_lines() if list(ln.get_ydata()) == [97.0, 97.0]]
+        assert len(floors) == 1 and "floor 97.0%" in floors[0].get_label()
+        points = next(ln for ln in ax.get_lines() if ln.get_marker() == "o")
+        assert list(points.get_ydata()) == pytest.approx([100.0, 100 * 0.9520 / 0.9500])
+    assert "% of the starting model" in fig.axes[0].get_ylabel()
+
+
+def test_a_low_point_or_floor_widens_the_axis_and_the_floor_comes_from_the_meta():
+    lo, hi = quality_limits([1.0, 0.80], 0.97)
+    assert lo < 0.80 and hi > 1.0
+    assert floor_share(ROWS, {"floor": 0.873}) == pytest.approx(0.97)  # plan --run: absolute floor
+    assert floor_share(ROWS, {"max_quality_drop": 0.01}) == pytest.approx(0.99)
+    assert floor_share(ROWS, {}) == pytest.approx(0.97)

@@ -381,6 +381,7 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     """Run a compression recipe step by step; re-measure quality, size and speed after each step."""
     import torch
 
+    from encoderkit.hardware import describe
     from encoderkit.io import output_dir
     from encoderkit.report import write_report
 
@@ -393,6 +394,7 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
         meta = {"title": f"Compression report: {Path(cfg.recipe).name} on {Path(cfg.model).name}",
                 "model": str(Path(cfg.model).resolve()), "recipe": str(cfg.recipe), "dev": str(cfg.dev),
                 "seq_len": cfg.seq_len, "batch_sizes": "1 and 32", "threads": torch.get_num_threads(),
-                "runtime": cfg.runtime, "steps_config": [s.params | {"lever": s.lever} for s in steps]}
+                "runtime": cfg.runtime, "hardware": describe(),
+                "steps_config": [s.params | {"lever": s.lever} for s in steps]}
         write_report(tmp, rows, meta)
     return CompressResult(out, rows)
