@@ -39,6 +39,7 @@ from encoderkit.compress.measure import (
 from encoderkit.compress.packing import HEADS_KEY, copy_side_files, is_quantized, load_model, read_config
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.hardware import describe, detect
 from encoderkit.io import output_dir
 from encoderkit.models.rebuild import encoder_layers, slice_linear
 from encoderkit.progress import progress
@@ -114,8 +115,11 @@ def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
             details = prune_ffn(model, cfg.amount, scores)
     elif cfg.method == "2:4":
         masks = semi_structured_masks(model)
-        details = {"pattern": "2:4", "speedup": "none on CPU: dense kernels; torch.sparse.to_sparse_semi_structured "
-                   "needs a CUDA GPU (compute capability >= 8.0)"}
+        gpu = detect().sparse_gpu
+        details = {"pattern": "2:4", "speedup": (
+            f"none on CPU (dense kernels); on {gpu.describe()} through torch.sparse.to_sparse_semi_structured" if gpu else
+            "none on CPU (dense kernels), and this machine has no CUDA GPU with 2:4 sparse tensor cores (compute "
+            f"capability >= 8.0) for torch.sparse.to_sparse_semi_structured: {describe()}")}
     elif cfg.schedule == "oneshot":
         masks = magnitude_masks(model, cfg.amount, cfg.scope)
     if cfg.recovery_steps > 0:
@@ -210,13 +214,15 @@ def to_semi_structured_gpu(model: torch.nn.Module) -> int:
     """
     from torch.sparse import to_sparse_semi_structured
 
-    if not torch.cuda.is_available():
-        raise EncoderkitError("2:4 semi-structured kernels need a CUDA GPU; on CPU the masked model runs dense")
+    gpu = detect().sparse_gpu
+    if gpu is None:
+        raise EncoderkitError("2:4 semi-structured kernels need a CUDA GPU with sparse tensor cores (compute capability "
+                              f">= 8.0); this machine: {describe()}. Without one the masked model runs dense")
     n = 0
     for _, lin in _linears(model):
         w = lin.weight.detach()
         w = w if w.dtype in (torch.float16, torch.bfloat16) else w.half()
-        lin.weight = torch.nn.Parameter(to_sparse_semi_structured(w.cuda()), requires_grad=False)
+        lin.weight = torch.nn.Parameter(to_sparse_semi_structured(w.cuda(gpu.index)), requires_grad=False)
         n += 1
     return n
 
