@@ -192,6 +192,17 @@ class FastJSONResponse(JSONResponse):
         return orjson.dumps(content)
 
 
+def unencodable_at(text: str) -> int | None:
+    """Index of the first character that cannot be UTF-8 encoded (a lone surrogate, which JSON's \\ud800 escape
+    allows), or None. The tokenizer raises on such a text, failing every request batched with it, so it is
+    refused at the edge."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 def _error_body(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
@@ -285,6 +296,10 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         for i, t in enumerate(texts):
             if not t.strip():
                 raise ApiError(422, "empty_text", f"{field}[{i}] is empty")
+            bad = unencodable_at(t)
+            if bad is not None:
+                raise ApiError(422, "invalid_text", f"{field}[{i}] has a lone surrogate (U+{ord(t[bad]):04X}) at character "
+                                                    f"{bad}; texts must be valid Unicode (a \\ud800-\\udfff escape only as half of a pair)")
             if len(t) > limits.max_chars:
                 raise ApiError(422, "text_too_long", f"{field}[{i}] has {len(t)} characters, over the limit of {limits.max_chars}")
 
