@@ -130,3 +130,100 @@ def test_random_request_bodies_never_get_a_5xx(url):
         assert client.post("/v1/classify", json={"texts": ["still alive"]}).status_code == 200
         assert 'status="5' not in client.get("/metrics").text
     assert seen.get(200, 0) > 10 and seen.get(422, 0) > 50  # the generator reaches both valid and invalid bodies
+
+
+# -- slow and idle clients, auth before parsing, /health ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def strict_url(predictors):
+    """A server with short timeouts and room for four connections."""
+    from encoderkit.deploy.serve import server_options
+
+    app = create_app({"classify": predictors["classify"]}, Limits(token=TOKEN, body_timeout_s=1.0), max_wait_ms=1)
+    with BackgroundServer(app, **server_options(head_timeout_s=1.0, keep_alive_s=1.0, max_connections=4)) as u:
+        yield u
+
+
+def _connect(url: str):
+    import socket
+
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _read_all(s) -> bytes:
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return out
+
+
+def test_a_stalled_body_gets_408_and_others_are_served_meanwhile(strict_url):
+    import time
+
+    s = _connect(strict_url)
+    s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+              + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"texts\": [")  # then nothing
+    start = time.monotonic()
+    ok = httpx.post(strict_url + "/v1/classify", json={"texts": ["a good movie"]}, headers=AUTH, timeout=10)
+    assert ok.status_code == 200 and time.monotonic() - start < 0.9  # served while the other stalls
+    answer = _read_all(s)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+    assert time.monotonic() - start < 5
+
+
+def test_idle_and_trickling_connections_are_closed_and_free_their_slots(strict_url):
+    import time
+
+    idle = [_connect(strict_url) for _ in range(3)]  # connect and send nothing
+    trickle = _connect(strict_url)
+    # with 4 connections open, the limit answers 503 ...
+    assert httpx.get(strict_url + "/health", timeout=10).status_code == 503
+    start = time.monotonic()
+    for part in (b"GET /health HTTP/1.1\r\n", b"Host: x\r\n", b"X-A: 1\r\n", b"X-B: 2\r\n", b"X-C: 3\r\n"):
+        try:
+            trickle.sendall(part)  # a header every 0.4 s never completes the head
+        except OSError:
+            break
+        time.sleep(0.4)
+    for s in [*idle, trickle]:
+        assert _read_all(s) == b""  # closed by the server without an answer
+        s.close()
+    assert time.monotonic() - start < 5
+    # ... and once the head timeout has closed them, the slots are free again
+    assert httpx.get(strict_url + "/health", timeout=10).status_code == 200
+
+
+def test_the_token_is_checked_before_the_body_is_parsed(url):
+    no_token = {"content-type": "application/json"}
+    for body in (b"{", b'{"texts": 5}', b'{"bogus": 1}', b"\xff\xfe"):
+        r = httpx.post(url + "/v1/classify", content=body, headers=no_token, timeout=10)
+        assert r.status_code == 401, (body, r.text)
+        assert r.json() == {"error": {"code": "unauthorized", "message": r.json()["error"]["message"]}}
+        assert "texts" not in r.text
+    wrong = httpx.post(url + "/v1/embed", content=b"[]", headers={**no_token, "Authorization": "Bearer nope"}, timeout=10)
+    assert wrong.status_code == 401
+    assert httpx.post(url + "/v1/classify", content=b"{", headers=AUTH, timeout=10).status_code == 400  # with a token
+
+
+def test_health_shows_no_paths(url, predictors):
+    r = httpx.get(url + "/health", timeout=10)
+    assert r.status_code == 200 and r.json()["models"]["classify"]["task"] == "classify"
+    text = r.text
+    for p in predictors.values():
+        assert str(p.folder) not in text and str(p.folder.name) not in text
+    assert '"/' not in text and "folder" not in text
+
+
+def test_serve_help_lists_the_connection_settings(capsys):
+    from encoderkit import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--head-timeout-s", "--body-timeout-s", "--keep-alive-s", "--max-connections", "--max-head-bytes"):
+        assert flag in out
