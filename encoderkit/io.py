@@ -12,6 +12,7 @@ parent, with which config, and what was measured on it (see :func:`write_card`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -42,18 +43,48 @@ def check_output_dir(out: str | Path, overwrite: bool) -> Path:
     return out
 
 
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+def write_failure(e: BaseException, where: Path | None = None) -> str | None:
+    """Why ``e`` is a failed write (disk full, quota, read-only or unwritable folder), or None when it is
+    something else. Safetensors raises its own ``SafetensorError`` and ``torch.save`` a ``RuntimeError`` for a
+    full disk, not an OSError. An OSError counts when it is a disk-full kind or names a file under ``where``."""
+    if isinstance(e, OSError):
+        inside = where is not None and e.filename is not None and str(e.filename).startswith(str(where))
+        if e.errno in _FULL or inside:
+            return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+        return None
+    text = str(e)
+    if type(e).__name__ == "SafetensorError" and "serializ" in text:
+        return text.removeprefix("Error while serializing: ")
+    if isinstance(e, RuntimeError) and ("PytorchStreamWriter" in text or "inline_container" in text):
+        return f"torch could not write the file ({text.splitlines()[0][:200]})"
+    return None
+
+
 @contextlib.contextmanager
-def output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder that becomes ``out`` only if the block finishes without error."""
+def output_dir(out: str | Path, overwrite: bool = False, retry: str = "rerun") -> Iterator[Path]:
+    """Yield a temporary folder that becomes ``out`` only if the block finishes without error.
+
+    A failed write (see :func:`write_failure`) in the block becomes an :class:`EncoderkitError` that names
+    ``out`` and ends with ``retry`` (what to do once there is space, e.g. "rerun with --resume"); the
+    temporary folder is removed either way."""
     out = check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp: Path | None = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, out)
+        replace_dir(tmp, out)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = write_failure(e, out.parent)
+        if reason is None:
+            raise
+        raise EncoderkitError(f"could not write {out} ({reason}); nothing was written there. "
+                              f"Free disk space (or fix permissions) and {retry}") from e
 
 
 def relocate_paths(folder: Path, old: Path, new: Path) -> int:
@@ -103,19 +134,25 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` through a temporary sibling and a rename. A failed write is an EncoderkitError naming ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        reason = write_failure(e, path.parent) if isinstance(e, OSError) else None
+        if reason is None:
+            raise
+        raise EncoderkitError(f"could not write {path} ({reason}); free disk space (or fix permissions) and rerun") from e
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -136,12 +136,17 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
         stopped_early = True
         steps, best_metrics = _last_step(run_dir / "metrics.jsonl"), stop.args[1]
         best = run_dir / "checkpoints" / "best"
+    except BaseException:
+        if checkpoint.CheckpointStore(run_dir / "checkpoints").latest() is None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing to resume from: leave no hidden folder behind
+        raise
     seconds = time.perf_counter() - t0
     if best is not None and (best / "model.safetensors").is_file():
         checkpoint.load_weights(tr.module, best / "model.safetensors")
     tr.module.to("cpu").eval()
     examples_per_s = steps * cfg.batch_size * cfg.grad_accum / max(seconds, 1e-9)
-    with output_dir(out, cfg.overwrite) as tmp, torch.no_grad():
+    retry = f"rerun with --resume (the trained checkpoints are kept in {run_dir})"
+    with output_dir(out, cfg.overwrite, retry=retry) as tmp, torch.no_grad():
         tr.save(tr.module, tmp)
         tokenizer.save_pretrained(tmp)
         if (run_dir / "metrics.jsonl").is_file():

@@ -203,7 +203,7 @@ def run(cfg: PretrainConfig) -> PretrainResult:
     metrics.update({f"initial_heldout_{k}": v for k, v in before.items()})
     metrics["train_loss"] = result.train_logs.get("loss", float("nan"))
     if dist.is_main:
-        with output_dir(out, cfg.overwrite) as tmp:
+        with output_dir(out, cfg.overwrite, retry=f"rerun with --resume (the checkpoints are kept in {run_dir})") as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(str(tmp))
             write_card(tmp, stage="pretrain", parent=cfg.model or None, config=cfg.to_dict(),

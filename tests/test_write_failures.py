@@ -1,0 +1,124 @@
+"""A full disk during a checkpoint or output write, through the real CLI: the stage's clear message (exit 2, no
+traceback), no temporary folder left, and ``--resume`` then continues."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from encoderkit.cli import main
+from tests.test_finetune import _tsv
+from tests.test_pretrain import SENTENCE, make_store
+
+
+def _enospc(*a, **k):
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _fail_on_call(n: int, real):
+    """A stand-in for ``real`` whose ``n``-th call (1-based) fails as a full disk does."""
+    calls = [0]
+
+    def f(*a, **k):
+        calls[0] += 1
+        return _enospc() if calls[0] == n else real(*a, **k)
+
+    return f
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if ".tmp-" in p.name)
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return make_store(tmp_path_factory.mktemp("wf"), tiny_tokenizer_dir, (SENTENCE + "\n") * 60, seq_len=33)
+
+
+def _pretrain_args(store: Path, out: Path) -> list[str]:
+    return ["pretrain", "--data", str(store), "--out", str(out), "--layers", "2", "--hidden", "32", "--heads", "4",
+            "--ffn", "64", "--batch-size", "8", "--max-steps", "6", "--save-every", "2", "--eval-blocks", "8",
+            "--bf16", "off"]
+
+
+def test_full_disk_during_a_checkpoint_then_resume(store, tmp_path, monkeypatch, capsys, one_thread):
+    import encoderkit.train.checkpoint as ckpt
+    from encoderkit.train import pretrain
+
+    out = tmp_path / "model"
+    args = _pretrain_args(store, out)
+    monkeypatch.setattr(ckpt, "save_model", _fail_on_call(2, ckpt.save_model))  # step 2 is written, step 4 is not
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error: could not write checkpoint" in err, err
+    assert "No space left on device" in err and "step-0000002 is intact" in err and "--resume" in err
+    checkpoints = tmp_path / "model-run" / "checkpoints"
+    assert [p.name for p in checkpoints.iterdir()] == ["step-0000002"] and _leftovers(tmp_path) == []
+    assert not out.exists()
+
+    monkeypatch.undo()
+    losses = []
+    real_loss = pretrain.mlm_loss_fn
+    monkeypatch.setattr(pretrain, "mlm_loss_fn", lambda m, b: losses.append(1) or real_loss(m, b))
+    assert main([*args, "--resume"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["steps"] == 6 and len(losses) == 4  # continued from step 2, did not start over
+    assert (out / "model.safetensors").is_file() and _leftovers(tmp_path) == []
+
+
+def test_full_disk_writing_the_output_keeps_the_checkpoints_for_resume(store, tmp_path, monkeypatch, capsys, one_thread):
+    import transformers.modeling_utils as mu
+
+    out = tmp_path / "model"
+    args = _pretrain_args(store, out)
+    monkeypatch.setattr(mu, "safe_save_file", _enospc)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"error: could not write {out} (I/O error: No space left on device" in err, err
+    assert "rerun with --resume" in err
+    assert not out.exists() and _leftovers(tmp_path) == []
+    monkeypatch.undo()
+    assert main([*args, "--resume"]) == 0
+    assert (out / "model.safetensors").is_file()
+
+
+def test_finetune_full_disk_leaves_no_hidden_run_folder_or_temporary_output(tiny_bert_dir, tmp_path, monkeypatch,
+                                                                            capsys, one_thread):
+    import transformers.modeling_utils as mu
+
+    import encoderkit.train.checkpoint as ckpt
+
+    train, dev = _tsv(tmp_path / "train.tsv", 64, 0), _tsv(tmp_path / "dev.tsv", 16, 1)
+    out = tmp_path / "ft"
+    args = ["finetune", "--model", str(tiny_bert_dir), "--task", "classify", "--train", str(train), "--dev", str(dev),
+            "--out", str(out), "--max-steps", "4", "--batch-size", "8", "--eval-every", "2"]
+    # the first checkpoint cannot be written: nothing to resume from, so no .ft.run is kept
+    monkeypatch.setattr(ckpt, "save_model", _enospc)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "error: could not write checkpoint" in err and "no checkpoint was written yet" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dev.tsv", "train.tsv"]
+    monkeypatch.undo()
+    # training finishes but the model folder cannot be written: the checkpoints stay for --resume
+    monkeypatch.setattr(mu, "safe_save_file", _enospc)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "rerun with --resume" in err and "Traceback" not in err
+    assert (tmp_path / ".ft.run" / "checkpoints").is_dir() and _leftovers(tmp_path) == [] and not out.exists()
+    monkeypatch.undo()
+    assert main([*args, "--resume"]) == 0
+    assert (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dev.tsv", "ft", "train.tsv"]
