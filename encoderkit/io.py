@@ -34,13 +34,32 @@ def cache_dir(name: str) -> Path:
 
 
 def check_output_dir(out: str | Path, overwrite: bool) -> Path:
-    """Refuse an existing non-empty output folder unless ``overwrite``."""
+    """Refuse an existing non-empty output folder unless ``overwrite``, and one that could not be written."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise EncoderkitError(f"output {out} exists and is not a folder; choose another --out")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise EncoderkitError(f"output folder {out} already exists and is not empty; pass --overwrite to replace it")
+    check_writable(out)
     return out
+
+
+def check_writable(folder: str | Path, flag: str = "--out") -> None:
+    """Refuse ``folder`` (to be created, or replaced through a sibling as :func:`output_dir` does) when its
+    parent cannot be written: checked by creating and removing a probe folder in the nearest existing
+    ancestor, so that a long run fails before its first step rather than when it saves. (``os.access`` would
+    say yes to root on a read-only folder.)"""
+    folder = Path(folder).absolute()
+    base = folder.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise EncoderkitError(f"{flag} {folder} cannot be created: {base} is a file, not a folder; choose another {flag}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".encoderkit-write-check-", dir=base))
+    except OSError as e:
+        raise EncoderkitError(f"{flag} {folder} cannot be written: creating a folder in {base} failed "
+                              f"({e.strerror or e}); choose another {flag} or fix its permissions") from e
 
 
 _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}

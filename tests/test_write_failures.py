@@ -122,3 +122,58 @@ def test_finetune_full_disk_leaves_no_hidden_run_folder_or_temporary_output(tiny
     assert main([*args, "--resume"]) == 0
     assert (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dev.tsv", "ft", "train.tsv"]
+
+
+# -- an unwritable --out is refused before the first step ------------------------------------------
+
+def _count_steps(monkeypatch) -> list[int]:
+    from encoderkit.train import engine
+
+    steps: list[int] = []
+    real = engine.fit
+    monkeypatch.setattr(engine, "fit", lambda *a, **k: steps.append(1) or real(*a, **k))
+    from encoderkit.train import finetune, pretrain
+
+    monkeypatch.setattr(pretrain, "fit", lambda *a, **k: steps.append(1) or real(*a, **k))
+    monkeypatch.setattr(finetune, "fit", lambda *a, **k: steps.append(1) or real(*a, **k), raising=False)
+    return steps
+
+
+def test_out_under_a_file_is_refused_before_training(store, tmp_path, monkeypatch, capsys, tiny_bert_dir, one_thread):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    started = _count_steps(monkeypatch)
+    assert main(_pretrain_args(store, blocker / "sub" / "model")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {blocker / 'sub' / 'model'} cannot be created: {blocker} is a file" in err, err
+    assert main([*_pretrain_args(store, tmp_path / "ok"), "--run-dir", str(blocker / "run")]) == 2
+    assert f"{blocker} is a file" in capsys.readouterr().err
+    train = _tsv(tmp_path / "train.tsv", 16, 0)
+    assert main(["finetune", "--model", str(tiny_bert_dir), "--task", "classify", "--train", str(train),
+                 "--out", str(blocker / "ft")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    # every stage with an --out, through the CLI (distill would otherwise load its teacher and train first)
+    assert main(["distill", "--teacher", str(tiny_bert_dir), "--train", str(train), "--out", str(blocker / "d")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert started == [] and sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "train.tsv"]
+
+
+def test_read_only_parent_is_refused_before_training(store, tmp_path, monkeypatch, capsys, one_thread):
+    import errno
+    import tempfile
+
+    parent = tmp_path / "read-only"
+    parent.mkdir()
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*a, dir=None, **k):  # what a read-only file system (or a folder the user may not write) answers
+        if dir is not None and Path(dir) == parent:
+            raise OSError(errno.EROFS, "Read-only file system", str(dir))
+        return real(*a, dir=dir, **k)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    started = _count_steps(monkeypatch)
+    assert main([*_pretrain_args(store, parent / "model"), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {parent / 'model'} cannot be written: creating a folder in {parent} failed (Read-only file system)" in err
+    assert started == [] and list(parent.iterdir()) == [] and not (tmp_path / "run").exists()

@@ -25,7 +25,7 @@ import torch
 from encoderkit.config import arg, check
 from encoderkit.data.masking import Masker, MaskingSpec
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import cache_dir, check_output_dir, output_dir, write_card
+from encoderkit.io import cache_dir, check_output_dir, check_writable, output_dir, write_card
 from encoderkit.models.load import build_encoder, check_fits, load_encoder
 from encoderkit.models.mlm import MaskedOnlyMLM, evaluate_mlm, mlm_loss_fn
 from encoderkit.models.presets import ARCHS, PRESETS, build_config
@@ -181,6 +181,8 @@ def run(cfg: PretrainConfig) -> PretrainResult:
     if dist.is_main:
         check_output_dir(out, cfg.overwrite)  # before hours of training, not after
     run_dir = Path(cfg.run_dir) if cfg.run_dir else out.with_name(out.name + "-run")
+    if dist.is_main:
+        check_writable(run_dir / "checkpoints", "--run-dir")
     data = resolve_data(cfg, dist)
     meta = read_meta(data)
     tokenizer = load_tokenizer(data)
