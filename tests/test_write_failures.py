@@ -120,6 +120,8 @@ def test_finetune_full_disk_leaves_no_hidden_run_folder_or_temporary_output(tiny
     assert (tmp_path / ".ft.run" / "checkpoints").is_dir() and _leftovers(tmp_path) == [] and not out.exists()
     monkeypatch.undo()
     assert main([*args, "--resume"]) == 0
+    printed = json.loads(capsys.readouterr().out)  # the finished run resumed: no step ran, so no speed is made up
+    assert printed["steps"] == 4 and printed["train_examples_per_s"] is None and printed["dev"]["accuracy"] >= 0
     assert (out / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dev.tsv", "ft", "train.tsv"]
 

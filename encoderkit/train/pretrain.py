@@ -15,6 +15,7 @@ standard HF folder (``AutoModelForMaskedLM``, ``pipeline("fill-mask")``) with th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,12 +88,15 @@ class PretrainResult:
     out: Path
     metrics: dict[str, float]
     steps: int
-    tokens_per_s: float
+    tokens_per_s: float | None  # None when no step ran in this call (a finished run resumed)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        return {"out": str(self.out), "steps": self.steps, "tokens_per_s": round(self.tokens_per_s, 1),
-                **{k: round(v, 4) for k, v in self.metrics.items()}, **self.extra}
+        def r(v: Any, n: int) -> Any:  # strict JSON: a missing or non-finite value is null, never NaN
+            return round(v, n) if isinstance(v, float) and math.isfinite(v) else (v if isinstance(v, int) else None)
+
+        return {"out": str(self.out), "steps": self.steps, "tokens_per_s": r(self.tokens_per_s, 1),
+                **{k: r(v, 4) for k, v in self.metrics.items()}, **self.extra}
 
 
 def resolve_data(cfg: PretrainConfig, dist: dist_util.DistInfo) -> Path:
@@ -203,7 +207,7 @@ def run(cfg: PretrainConfig) -> PretrainResult:
                             primary=("loss", "min"), fingerprint=fingerprint, resume=cfg.resume)
     metrics = {f"heldout_{k}": v for k, v in result.eval_metrics.items()}
     metrics.update({f"initial_heldout_{k}": v for k, v in before.items()})
-    metrics["train_loss"] = result.train_logs.get("loss", float("nan"))
+    metrics["train_loss"] = result.train_logs.get("loss")
     if dist.is_main:
         with output_dir(out, cfg.overwrite, retry=f"rerun with --resume (the checkpoints are kept in {run_dir})") as tmp:
             model.save_pretrained(tmp)
