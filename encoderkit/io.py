@@ -15,7 +15,9 @@ import contextlib
 import errno
 import json
 import os
+import secrets
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -93,8 +95,9 @@ def output_dir(out: str | Path, overwrite: bool = False, retry: str = "rerun") -
     tmp: Path | None = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        tmp = _new_sibling(out, "tmp", lambda p: os.mkdir(p, 0o777))
         yield tmp
+        normalize_modes(tmp)
         replace_dir(tmp, out)
     except BaseException as e:
         if tmp is not None:
@@ -104,6 +107,38 @@ def output_dir(out: str | Path, overwrite: bool = False, retry: str = "rerun") -
             raise
         raise EncoderkitError(f"could not write {out} ({reason}); nothing was written there. "
                               f"Free disk space (or fix permissions) and {retry}") from e
+
+
+def _new_sibling(path: Path, kind: str, create) -> Path:
+    """Create ``.<name>.<kind>-<pid>-<random>`` beside ``path`` with ``create(p)`` (exclusively), and return it.
+    Unlike ``tempfile.mkdtemp`` / ``mkstemp`` (0700 / 0600, meant for private scratch files), the caller asks
+    for 0777 / 0666 and the umask applies, so a folder or file renamed into place gets the permissions of any
+    normal new one (0755 / 0644 under umask 022)."""
+    for _ in range(100):
+        candidate = path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            create(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+
+
+def normalize_modes(folder: Path) -> None:
+    """Give everything below ``folder`` the permissions of a normal new folder / file here (``folder``'s own mode,
+    made with 0777 under the umask: 0755 / 0644 under umask 022). Libraries differ (safetensors writes 0600,
+    torch.save 0644), and an output folder's files should not."""
+    folder = Path(folder)
+    dir_mode = stat.S_IMODE(folder.stat().st_mode)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            p = Path(root) / name
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            want = dir_mode if stat.S_ISDIR(st.st_mode) else dir_mode & (0o777 if st.st_mode & 0o100 else 0o666)
+            if stat.S_IMODE(st.st_mode) != want:
+                os.chmod(p, want)
 
 
 def relocate_paths(folder: Path, old: Path, new: Path) -> int:
@@ -153,13 +188,15 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` through a temporary sibling and a rename. A failed write is an EncoderkitError naming ``path``."""
+    """Write ``path`` through a temporary sibling and a rename, with a normal new file's permissions (0644 under
+    umask 022). A failed write is an EncoderkitError naming ``path``."""
     path = Path(path)
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
+        fds: list[int] = []
+        tmp = _new_sibling(path, "tmp", lambda p: fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
+        with os.fdopen(fds[0], "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -28,7 +28,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import replace_dir, write_failure, write_json_atomic
+from encoderkit.io import normalize_modes, replace_dir, write_failure, write_json_atomic
 
 WEIGHTS, OPTIMIZER, STATE = "model.safetensors", "optimizer.pt", "state.json"
 
@@ -76,6 +76,7 @@ class CheckpointStore:
             if optimizer is not None:
                 torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
             write_json_atomic(tmp / STATE, state)
+            normalize_modes(tmp)  # safetensors writes 0600; a checkpoint is as readable as any new file
             replace_dir(tmp, final)
             if is_best:
                 best_tmp = self.root / f".best.tmp-{os.getpid()}"
