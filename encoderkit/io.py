@@ -249,7 +249,28 @@ def json_line(line: str, where: str) -> dict[str, Any]:
                               "JSONL needs one object per line") from e
     if not isinstance(rec, dict):
         raise EncoderkitError(f"{where}: not a JSON object (got {type(rec).__name__}); JSONL needs one object per line")
+    if "\\u" in line:  # only a \uXXXX escape can make a lone surrogate, which no tokenizer takes
+        bad = _lone_surrogate(rec)
+        if bad:
+            raise EncoderkitError(f"{where}: {bad}; texts must be valid Unicode (a \\ud800-\\udfff escape only as "
+                                  "half of a pair)")
     return rec
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where in a parsed JSON value a string holds a lone surrogate ("field 'text' character 3"), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"field {path or 'value'!r} has a lone surrogate (U+{ord(value[e.start]):04X}) at character {e.start}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _lone_surrogate(v, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k))
+        if found:
+            return found
+    return None
 
 
 def read_card(folder: str | Path) -> dict[str, Any]:

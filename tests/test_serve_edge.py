@@ -227,3 +227,20 @@ def test_serve_help_lists_the_connection_settings(capsys):
     out = capsys.readouterr().out
     for flag in ("--head-timeout-s", "--body-timeout-s", "--keep-alive-s", "--max-connections", "--max-head-bytes"):
         assert flag in out
+
+
+# -- the CLI readers: the same check where JSONL texts come in ----------------------------------------
+
+def test_a_lone_surrogate_in_jsonl_training_data_is_named_by_file_and_line(tmp_path, tiny_bert_dir, capsys):
+    from encoderkit.cli import main
+
+    rows = [{"sentence": "a good movie", "label": "pos"}, {"sentence": "a dull movie", "label": "neg"}] * 4
+    lines = [json.dumps(r) for r in rows]
+    lines[2] = '{"sentence": "fine \\ud800 film", "label": "pos"}'
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(lines) + "\n")
+    code = main(["finetune", "--model", str(tiny_bert_dir), "--task", "classify", "--train", str(train),
+                 "--out", str(tmp_path / "out"), "--max-steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"{train}:3: field 'sentence' has a lone surrogate (U+D800) at character 5" in err
