@@ -10,9 +10,12 @@ Endpoints (JSON in, JSON out; OpenAPI page at ``/docs``):
 * ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
 Every body may name a ``model`` (needed when several served models do the same task). Bad input
-gets a 4xx JSON ``{"error": {"code", "message"}}``, never a 5xx: invalid JSON or UTF-8 (400), a
-wrong or missing token (401), an unknown task or model (404), a body over ``max_body_bytes`` (413),
-wrong types, empty strings, too many texts or too long texts (422).
+gets a 4xx JSON ``{"error": {"code", "message"}}``, never a 5xx: a wrong or missing token (401,
+checked before any of the body is read), invalid JSON or UTF-8 (400), an unknown task or model (404),
+a body that stalls (408), a body over ``max_body_bytes`` (413), wrong types, empty strings, too many
+or too long texts, and texts the tokenizer cannot take (a lone surrogate: 422 naming ``field[i]``,
+before the text joins a batch shared with other requests). A connection must send its request head
+within ``--head-timeout-s``; ``--max-connections`` bounds open connections (503 above).
 """
 
 from __future__ import annotations
