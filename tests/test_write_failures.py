@@ -179,3 +179,30 @@ def test_read_only_parent_is_refused_before_training(store, tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert f"--out {parent / 'model'} cannot be written: creating a folder in {parent} failed (Read-only file system)" in err
     assert started == [] and list(parent.iterdir()) == [] and not (tmp_path / "run").exists()
+
+
+def test_a_cache_that_cannot_be_written_is_skipped_with_a_note(tmp_path, tiny_bert_dir, monkeypatch, capsys):
+    import numpy as np
+
+    from encoderkit.tasks import embed
+    from encoderkit.tasks.common import load_tokenizer
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(blocker / "cache"))  # the cache folder cannot be created
+    model, tok = embed.load_bi_encoder(tiny_bert_dir, "mean"), load_tokenizer(tiny_bert_dir)
+    texts = ["the movie python", "it was fun"]
+    out = embed.encode_cached(model, tok, texts, 16, 8, False, tiny_bert_dir)
+    assert np.allclose(out, embed.encode(model, tok, texts, 16, 8))
+    assert "could not cache the corpus embeddings" in capsys.readouterr().err
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(np, "save", lambda f, *a, **k: _raise_enospc())
+    embed.encode_cached(model, tok, texts, 16, 8, False, tiny_bert_dir)
+    assert "No space left on device" in capsys.readouterr().err
+    assert list((tmp_path / "cache" / "embeddings").iterdir()) == []  # no partial file left
+
+
+def _raise_enospc():
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
