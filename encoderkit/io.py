@@ -102,7 +102,7 @@ def output_dir(out: str | Path, overwrite: bool = False, retry: str = "rerun") -
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        reason = write_failure(e, out.parent)
+        reason = write_failure(e, tmp if tmp is not None else out.parent)  # not a read error of an input nearby
         if reason is None:
             raise
         raise EncoderkitError(f"could not write {out} ({reason}); nothing was written there. "

@@ -206,3 +206,18 @@ def _raise_enospc():
     import errno
 
     raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_output_dir_rewords_write_failures_only(tmp_path):
+    import errno
+
+    from encoderkit.errors import EncoderkitError
+    from encoderkit.io import output_dir
+
+    # reading a missing input beside the output is not a write failure
+    with pytest.raises(FileNotFoundError), output_dir(tmp_path / "out"):
+        (tmp_path / "missing-input.txt").read_text()
+    quota = r"could not write .*out \(Disk quota exceeded\).* and rerun$"
+    with pytest.raises(EncoderkitError, match=quota), output_dir(tmp_path / "out"):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # and no temporary folder either time
