@@ -18,6 +18,7 @@ from typing import Any
 
 from encoderkit.config import StageConfig, coerce, load_mapping
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import check_writable
 
 # command words -> ("module:ConfigClass:run_function", one-line summary). Add one line per stage.
 # Only the chosen stage's module is imported, so the CLI starts fast and one broken stage
@@ -196,6 +197,8 @@ def _main(argv: list[str] | None = None) -> int:
             seed_everything(g.seed)
         cfg_cls, fn = _load(_spec(STAGES[words])[0])
         cfg = config_from_args(cfg_cls, ns, g.seed)
+        if isinstance(getattr(cfg, "out", None), str) and cfg.out:
+            check_writable(cfg.out)  # every stage: an unwritable --out is refused before the work, not after
         result = fn(cfg)
     except EncoderkitError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,9 +12,12 @@ parent, with which config, and what was measured on it (see :func:`write_card`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import secrets
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,27 +36,109 @@ def cache_dir(name: str) -> Path:
 
 
 def check_output_dir(out: str | Path, overwrite: bool) -> Path:
-    """Refuse an existing non-empty output folder unless ``overwrite``."""
+    """Refuse an existing non-empty output folder unless ``overwrite``, and one that could not be written."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise EncoderkitError(f"output {out} exists and is not a folder; choose another --out")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise EncoderkitError(f"output folder {out} already exists and is not empty; pass --overwrite to replace it")
+    check_writable(out)
     return out
 
 
-@contextlib.contextmanager
-def output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder that becomes ``out`` only if the block finishes without error."""
-    out = check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+def check_writable(folder: str | Path, flag: str = "--out") -> None:
+    """Refuse ``folder`` (to be created, or replaced through a sibling as :func:`output_dir` does) when its
+    parent cannot be written: checked by creating and removing a probe folder in the nearest existing
+    ancestor, so that a long run fails before its first step rather than when it saves. (``os.access`` would
+    say yes to root on a read-only folder.)"""
+    folder = Path(folder).absolute()
+    base = folder.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise EncoderkitError(f"{flag} {folder} cannot be created: {base} is a file, not a folder; choose another {flag}")
     try:
+        os.rmdir(tempfile.mkdtemp(prefix=".encoderkit-write-check-", dir=base))
+    except OSError as e:
+        raise EncoderkitError(f"{flag} {folder} cannot be written: creating a folder in {base} failed "
+                              f"({e.strerror or e}); choose another {flag} or fix its permissions") from e
+
+
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+def write_failure(e: BaseException, where: Path | None = None) -> str | None:
+    """Why ``e`` is a failed write (disk full, quota, read-only or unwritable folder), or None when it is
+    something else. Safetensors raises its own ``SafetensorError`` and ``torch.save`` a ``RuntimeError`` for a
+    full disk, not an OSError. An OSError counts when it is a disk-full kind or names a file under ``where``."""
+    if isinstance(e, OSError):
+        inside = where is not None and e.filename is not None and str(e.filename).startswith(str(where))
+        if e.errno in _FULL or inside:
+            return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+        return None
+    text = str(e)
+    if type(e).__name__ == "SafetensorError" and "serializ" in text:
+        return text.removeprefix("Error while serializing: ")
+    if isinstance(e, RuntimeError) and ("PytorchStreamWriter" in text or "inline_container" in text):
+        return f"torch could not write the file ({text.splitlines()[0][:200]})"
+    return None
+
+
+@contextlib.contextmanager
+def output_dir(out: str | Path, overwrite: bool = False, retry: str = "rerun") -> Iterator[Path]:
+    """Yield a temporary folder that becomes ``out`` only if the block finishes without error.
+
+    A failed write (see :func:`write_failure`) in the block becomes an :class:`EncoderkitError` that names
+    ``out`` and ends with ``retry`` (what to do once there is space, e.g. "rerun with --resume"); the
+    temporary folder is removed either way."""
+    out = check_output_dir(out, overwrite)
+    tmp: Path | None = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _new_sibling(out, "tmp", lambda p: os.mkdir(p, 0o777))
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_dir(tmp, out)
+        normalize_modes(tmp)
+        replace_dir(tmp, out)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = write_failure(e, tmp if tmp is not None else out.parent)  # not a read error of an input nearby
+        if reason is None:
+            raise
+        raise EncoderkitError(f"could not write {out} ({reason}); nothing was written there. "
+                              f"Free disk space (or fix permissions) and {retry}") from e
+
+
+def _new_sibling(path: Path, kind: str, create) -> Path:
+    """Create ``.<name>.<kind>-<pid>-<random>`` beside ``path`` with ``create(p)`` (exclusively), and return it.
+    Unlike ``tempfile.mkdtemp`` / ``mkstemp`` (0700 / 0600, meant for private scratch files), the caller asks
+    for 0777 / 0666 and the umask applies, so a folder or file renamed into place gets the permissions of any
+    normal new one (0755 / 0644 under umask 022)."""
+    for _ in range(100):
+        candidate = path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            create(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
+
+
+def normalize_modes(folder: Path) -> None:
+    """Give everything below ``folder`` the permissions of a normal new folder / file here (``folder``'s own mode,
+    made with 0777 under the umask: 0755 / 0644 under umask 022). Libraries differ (safetensors writes 0600,
+    torch.save 0644), and an output folder's files should not."""
+    folder = Path(folder)
+    dir_mode = stat.S_IMODE(folder.stat().st_mode)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            p = Path(root) / name
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            want = dir_mode if stat.S_ISDIR(st.st_mode) else dir_mode & (0o777 if st.st_mode & 0o100 else 0o666)
+            if stat.S_IMODE(st.st_mode) != want:
+                os.chmod(p, want)
 
 
 def relocate_paths(folder: Path, old: Path, new: Path) -> int:
@@ -103,19 +188,27 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` through a temporary sibling and a rename, with a normal new file's permissions (0644 under
+    umask 022). A failed write is an EncoderkitError naming ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    tmp = None
     try:
-        with os.fdopen(fd, "wb") as f:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fds: list[int] = []
+        tmp = _new_sibling(path, "tmp", lambda p: fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
+        with os.fdopen(fds[0], "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        reason = write_failure(e, path.parent) if isinstance(e, OSError) else None
+        if reason is None:
+            raise
+        raise EncoderkitError(f"could not write {path} ({reason}); free disk space (or fix permissions) and rerun") from e
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -156,7 +249,28 @@ def json_line(line: str, where: str) -> dict[str, Any]:
                               "JSONL needs one object per line") from e
     if not isinstance(rec, dict):
         raise EncoderkitError(f"{where}: not a JSON object (got {type(rec).__name__}); JSONL needs one object per line")
+    if "\\u" in line:  # only a \uXXXX escape can make a lone surrogate, which no tokenizer takes
+        bad = _lone_surrogate(rec)
+        if bad:
+            raise EncoderkitError(f"{where}: {bad}; texts must be valid Unicode (a \\ud800-\\udfff escape only as "
+                                  "half of a pair)")
     return rec
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where in a parsed JSON value a string holds a lone surrogate ("field 'text' character 3"), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"field {path or 'value'!r} has a lone surrogate (U+{ord(value[e.start]):04X}) at character {e.start}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        found = _lone_surrogate(v, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k))
+        if found:
+            return found
+    return None
 
 
 def read_card(folder: str | Path) -> dict[str, Any]:

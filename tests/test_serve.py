@@ -204,7 +204,11 @@ def test_serve_run_uses_the_fast_http_stack_and_no_access_log(monkeypatch):
     serve.run(serve.ServeConfig(model=["x"]))
     serve.run(serve.ServeConfig(model=["x"], access_log=True))
     assert [kw["access_log"] for kw in seen] == [False, True]
-    assert seen[0]["loop"] == seen[0]["http"] == "auto"  # uvloop + httptools when installed (uvicorn[standard])
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    assert seen[0]["loop"] == "auto"  # uvloop when installed (uvicorn[standard])
+    assert issubclass(seen[0]["http"], AutoHTTPProtocol)  # httptools when installed, with the head timeout added
+    assert seen[0]["limit_concurrency"] == 1000 and seen[0]["timeout_keep_alive"] == 5.0
 
 
 def test_micro_batcher_groups_and_splits_results():

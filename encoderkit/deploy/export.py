@@ -14,7 +14,6 @@ for ``qa``.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import warnings
@@ -261,17 +260,15 @@ def export_onnx(model_dir: str | Path, out: Path, *, optimize: bool = False, int
 
 
 def copy_model_files(src: Path, dst: Path) -> None:
-    """Copy config, tokenizer, sentence-transformers files and weights (hard links where possible)."""
+    """Copy config, tokenizer, sentence-transformers files and weights. Copies, not hard links: a link would
+    make an in-place edit of either folder's file (a config fix, a tokenizer tweak) change the other too."""
     for p in src.rglob("*"):
         rel = p.relative_to(src)
         if p.is_dir() or rel.name in ("encoderkit.json", ONNX_FP32, ONNX_INT8) or rel.parts[0].startswith("."):
             continue
         target = dst / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(p, target)
-        except OSError:
-            shutil.copy2(p, target)
+        shutil.copyfile(p, target)  # the new folder's own permissions (umask), not the source's mode
 
 
 def run(cfg: ExportConfig) -> ExportResult:

@@ -10,13 +10,17 @@ Endpoints (JSON in, JSON out; OpenAPI page at ``/docs``):
 * ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
 Every body may name a ``model`` (needed when several served models do the same task). Bad input
-gets a 4xx JSON ``{"error": {"code", "message"}}``, never a 5xx: invalid JSON or UTF-8 (400), a
-wrong or missing token (401), an unknown task or model (404), a body over ``max_body_bytes`` (413),
-wrong types, empty strings, too many texts or too long texts (422).
+gets a 4xx JSON ``{"error": {"code", "message"}}``, never a 5xx: a wrong or missing token (401,
+checked before any of the body is read), invalid JSON or UTF-8 (400), an unknown task or model (404),
+a body that stalls (408), a body over ``max_body_bytes`` (413), wrong types, empty strings, too many
+or too long texts, and texts the tokenizer cannot take (a lone surrogate: 422 naming ``field[i]``,
+before the text joins a batch shared with other requests). A connection must send its request head
+within ``--head-timeout-s``; ``--max-connections`` bounds open connections (503 above).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import os
@@ -51,13 +55,17 @@ class Limits:
     max_texts: int = 256
     max_chars: int = 20_000
     token: str | None = None
+    body_timeout_s: float = 30.0
+
+
+PUBLIC_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 
 
 class ApiError(HTTPException):
     """A client error with a JSON body; an HTTPException so FastAPI's body parsing passes it through."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(status_code=status, detail=message)
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(status_code=status, detail=message, headers=headers)
         self.code = code
 
 
@@ -145,7 +153,9 @@ class Metrics:
 
 
 class _Guard:
-    """Outermost ASGI layer: body-size limit (413) and request metrics (path, status, latency)."""
+    """Outermost ASGI layer: the bearer token (401 before any of the body is read or parsed, so an unauthenticated
+    client learns nothing of the schema), body-size limit (413), body read timeout (408: a client that sends its
+    headers and stalls), and request metrics (path, status, latency)."""
 
     def __init__(self, app, limits: Limits, metrics: Metrics, known_paths: set[str]) -> None:
         self.app, self.limits, self.metrics, self.known = app, limits, metrics, known_paths
@@ -163,11 +173,18 @@ class _Guard:
                 status[0] = message["status"]
             await send(message)
 
-        received = 0
+        received, body_done = 0, False
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # a later receive waits for the disconnect, for as long as the request runs
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.limits.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise ApiError(408, "request_timeout", f"the request body did not arrive within "
+                                                       f"{self.limits.body_timeout_s:g} s", {"Connection": "close"}) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
@@ -175,6 +192,11 @@ class _Guard:
             return message
 
         try:
+            if self.limits.token and scope["path"] not in PUBLIC_PATHS and not _token_ok(scope, self.limits.token):
+                await JSONResponse(_error_body("unauthorized", "missing or wrong bearer token (header "
+                                               "'Authorization: Bearer <token>')"),
+                                   status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_and_record)
+                return
             if declared is not None and (not declared.isdigit() or int(declared) > limit):
                 await JSONResponse(_error_body("body_too_large", f"request body is over the {limit}-byte limit"),
                                    status_code=413)(scope, receive, send_and_record)
@@ -184,12 +206,29 @@ class _Guard:
             self.metrics.observe_request(path, status[0], time.perf_counter() - start)
 
 
+def _token_ok(scope, token: str) -> bool:
+    header = dict(scope.get("headers") or []).get(b"authorization", b"")
+    scheme, _, given = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode())
+
+
 class FastJSONResponse(JSONResponse):
     """JSONResponse rendered by orjson: the same JSON values as ``json.dumps`` (floats in shortest round-trip
     form, so every number parses back to the same float), at a small fraction of the CPU on long float lists."""
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
+
+
+def unencodable_at(text: str) -> int | None:
+    """Index of the first character that cannot be UTF-8 encoded (a lone surrogate, which JSON's \\ud800 escape
+    allows), or None. The tokenizer raises on such a text, failing every request batched with it, so it is
+    refused at the edge."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 def _error_body(code: str, message: str) -> dict[str, Any]:
@@ -251,14 +290,6 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]]
         return JSONResponse(_error_body("invalid_request", "; ".join(parts)), status_code=422)
 
-    def check_token(request: Request) -> None:
-        if not limits.token:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), limits.token.encode()):
-            raise ApiError(401, "unauthorized", "missing or wrong bearer token (header 'Authorization: Bearer <token>')")
-
     def pick(endpoint: str, name: str | None) -> _Served:
         task = ENDPOINT_TASK[endpoint]
         able = [s for s in served.values() if s.predictor.task == task]
@@ -285,6 +316,10 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         for i, t in enumerate(texts):
             if not t.strip():
                 raise ApiError(422, "empty_text", f"{field}[{i}] is empty")
+            bad = unencodable_at(t)
+            if bad is not None:
+                raise ApiError(422, "invalid_text", f"{field}[{i}] has a lone surrogate (U+{ord(t[bad]):04X}) at character "
+                                                    f"{bad}; texts must be valid Unicode (a \\ud800-\\udfff escape only as half of a pair)")
             if len(t) > limits.max_chars:
                 raise ApiError(422, "text_too_long", f"{field}[{i}] has {len(t)} characters, over the limit of {limits.max_chars}")
 
@@ -295,8 +330,7 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
             raise ApiError(422, "invalid_request", str(e)) from e
 
     @app.post("/v1/classify")
-    async def classify(body: ClassifyBody, request: Request) -> dict[str, Any]:
-        check_token(request)
+    async def classify(body: ClassifyBody) -> dict[str, Any]:
         s = pick("classify", body.model)
         check_texts("texts", body.texts)
         items: list[Any] = list(body.texts)
@@ -308,15 +342,13 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         return {"model": s.name, "results": await run_batch(s, items)}
 
     @app.post("/v1/extract")
-    async def extract(body: ExtractBody, request: Request) -> dict[str, Any]:
-        check_token(request)
+    async def extract(body: ExtractBody) -> dict[str, Any]:
         s = pick("extract", body.model)
         check_texts("texts", body.texts)
         return {"model": s.name, "results": await run_batch(s, list(body.texts))}
 
     @app.post("/v1/answer")
-    async def answer(body: AnswerBody, request: Request) -> dict[str, Any]:
-        check_token(request)
+    async def answer(body: AnswerBody) -> dict[str, Any]:
         s = pick("answer", body.model)
         check_texts("questions", body.questions)
         check_texts("contexts", body.contexts)
@@ -325,8 +357,7 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         return {"model": s.name, "results": await run_batch(s, list(zip(body.questions, body.contexts, strict=True)))}
 
     @app.post("/v1/rerank")
-    async def rerank(body: RerankBody, request: Request) -> dict[str, Any]:
-        check_token(request)
+    async def rerank(body: RerankBody) -> dict[str, Any]:
         s = pick("rerank", body.model)
         check_texts("query", [body.query])
         check_texts("passages", body.passages)
@@ -335,8 +366,7 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         return {"model": s.name, "results": [{"index": i, "score": float(scores[i])} for i in ranked]}
 
     @app.post("/v1/embed")
-    async def embed(body: EmbedBody, request: Request) -> JSONResponse:
-        check_token(request)
+    async def embed(body: EmbedBody) -> JSONResponse:
         s = pick("embed", body.model)
         check_texts("texts", body.texts)
         import numpy as np
@@ -352,17 +382,82 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "models": {n: describe(s.predictor) for n, s in served.items()}}
+        # no folder: an unauthenticated caller learns nothing of the host's file system
+        return {"status": "ok", "models": {n: {k: v for k, v in describe(s.predictor).items() if k != "folder"}
+                                           for n, s in served.items()}}
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics_page(request: Request) -> PlainTextResponse:
-        check_token(request)
+    async def metrics_page() -> PlainTextResponse:
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     known = {r.path for r in app.routes if hasattr(r, "path")}
     app.add_middleware(_Guard, limits=limits, metrics=metrics, known_paths=known)
     app.state.metrics = metrics
     return app
+
+
+def guarded_protocol(head_timeout_s: float, max_head_bytes: int) -> type:
+    """uvicorn's HTTP/1.1 protocol (httptools when installed, else h11) with what it lacks: a connection must
+    send a complete request head within ``head_timeout_s`` of connecting (or of its previous response), in at
+    most ``max_head_bytes``, or it is closed. Without this a client that connects and sends nothing, or trickles
+    its headers, holds its connection (and a slot of ``limit_concurrency``) for ever; uvicorn's keep-alive timer
+    only runs between requests and any byte cancels it."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0
+
+        def _in_request(self) -> bool:
+            cycle = getattr(self, "cycle", None)
+            return cycle is not None and not cycle.response_complete
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_bytes = 0
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_timeout)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if not self._in_request() and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._in_request():
+                self._disarm()
+            else:
+                self._head_bytes += len(data)
+                if self._head_bytes > max_head_bytes and not self.transport.is_closing():
+                    self.transport.close()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedHTTPProtocol
+
+
+def server_options(head_timeout_s: float = 10.0, keep_alive_s: float = 5.0, max_connections: int = 1000,
+                   max_head_bytes: int = 65_536) -> dict[str, Any]:
+    """The uvicorn settings that bound what slow or idle clients can hold (for ``uvicorn.run`` / ``Config``):
+    head timeout and size (:func:`guarded_protocol`), keep-alive, and a connection limit (503 above it)."""
+    return {"http": guarded_protocol(head_timeout_s, max_head_bytes), "timeout_keep_alive": keep_alive_s,
+            "limit_concurrency": max_connections, "h11_max_incomplete_event_size": max_head_bytes}
 
 
 def parse_models(specs: list[str]) -> dict[str, Path]:
@@ -393,6 +488,12 @@ class ServeConfig(StageConfig):
     max_batch: int = arg(32, help="Most texts per batched model call.", speed=True)
     max_wait_ms: float = arg(5.0, help="How long a batch waits for more requests.", speed=True)
     threads: int | None = arg(None, help="onnxruntime intra-op threads per model.", speed=True)
+    head_timeout_s: float = arg(10.0, help="Seconds a connection has to send a complete request head (after "
+                                           "connecting, or after its previous response); then it is closed.")
+    body_timeout_s: float = arg(30.0, help="Seconds to wait for each part of a request body; a stalled body gets 408.")
+    keep_alive_s: float = arg(5.0, help="Seconds an idle keep-alive connection stays open between requests.")
+    max_connections: int = arg(1000, help="Most open connections (and requests in progress); more get 503.")
+    max_head_bytes: int = arg(65_536, help="Largest request head (request line and headers); a longer one is closed.")
     access_log: bool = arg(False, help="Log one line per request (off by default: it costs CPU per request, and "
                                        "/metrics counts requests by path and status).")
 
@@ -400,6 +501,10 @@ class ServeConfig(StageConfig):
         check(0 < self.port < 65536, f"--port {self.port} is not a TCP port")
         check(self.max_batch >= 1 and self.max_texts >= 1 and self.max_chars >= 1 and self.max_body_bytes >= 1,
               "--max-batch, --max-texts, --max-chars and --max-body-bytes must be positive")
+        check(min(self.head_timeout_s, self.body_timeout_s, self.keep_alive_s) > 0
+              and self.max_connections >= 1 and self.max_head_bytes >= 1024,
+              "--head-timeout-s, --body-timeout-s and --keep-alive-s must be positive, --max-connections at least 1 "
+              "and --max-head-bytes at least 1024")
 
 
 def load_models(specs: list[str], backend: str = "auto", threads: int | None = None, max_batch: int = 32) -> dict[str, Predictor]:
@@ -415,19 +520,22 @@ def run(cfg: ServeConfig) -> None:
     import uvicorn
 
     models = load_models(cfg.model, cfg.backend, cfg.threads, cfg.max_batch)
-    limits = Limits(cfg.max_body_bytes, cfg.max_texts, cfg.max_chars, os.environ.get(cfg.token_env) or None)
+    limits = Limits(cfg.max_body_bytes, cfg.max_texts, cfg.max_chars, os.environ.get(cfg.token_env) or None,
+                    cfg.body_timeout_s)
     app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms)
     for name, p in models.items():
         print(f"serving {name}: {p.task} from {p.folder} on {p.backend}")
-    # loop/http "auto": uvloop and httptools when installed (uvicorn[standard]), else asyncio and h11
+    # loop "auto": uvloop when installed (uvicorn[standard]); the protocol is uvicorn's auto choice (httptools, else h11)
     uvicorn.run(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=30, log_level="info",
-                access_log=cfg.access_log, loop="auto", http="auto")
+                access_log=cfg.access_log, loop="auto",
+                **server_options(cfg.head_timeout_s, cfg.keep_alive_s, cfg.max_connections, cfg.max_head_bytes))
 
 
 class BackgroundServer:
-    """A real uvicorn server on 127.0.0.1 in a thread (tests, benchmarks): ``with BackgroundServer(app) as url:``."""
+    """A real uvicorn server on 127.0.0.1 in a thread (tests, benchmarks): ``with BackgroundServer(app) as url:``.
+    ``options``: uvicorn settings, by default :func:`server_options`'s."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
         import socket
 
         import uvicorn
@@ -438,7 +546,7 @@ class BackgroundServer:
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=10))
+                                                    timeout_graceful_shutdown=10, **{**server_options(), **options}))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:

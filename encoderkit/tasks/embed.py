@@ -15,6 +15,7 @@ sentence-transformers layout, and score retrieval.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -171,11 +172,18 @@ def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int
         if cached.shape[0] == len(texts):
             return cached
     out = encode(model, tokenizer, texts, max_length, batch_size, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, out, allow_pickle=False)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, out, allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError as e:  # a cache that cannot be written (full disk, read-only) costs time later, not this run
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        from encoderkit.progress import note
+
+        note(f"could not cache the corpus embeddings in {path.parent} ({e.strerror or e}); continuing without the cache")
     return out
 
 

@@ -28,7 +28,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import replace_dir, write_json_atomic
+from encoderkit.io import normalize_modes, replace_dir, write_failure, write_json_atomic
 
 WEIGHTS, OPTIMIZER, STATE = "model.safetensors", "optimizer.pt", "state.json"
 
@@ -61,34 +61,40 @@ class CheckpointStore:
     def save(self, step: int, module: nn.Module, optimizer: torch.optim.Optimizer | None,
              state: dict[str, Any], is_best: bool = False) -> Path:
         """Write ``step-NNNNNNN`` (and ``best`` if ``is_best``); prune to the last ``keep_last``.
-        Returns the final folder. On an OSError nothing that existed before is touched."""
+        Returns the final folder. A failed write (a full disk: an OSError, safetensors' SafetensorError or
+        torch's RuntimeError) touches nothing that existed before, removes the temporary folders and is an
+        EncoderkitError saying to rerun with --resume."""
         final = self.root / f"step-{step:07d}"
         if not self.is_writer:
             return final
-        self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
         try:
+            self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             write_weights(module, tmp / WEIGHTS)
             if optimizer is not None:
                 torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
             write_json_atomic(tmp / STATE, state)
+            normalize_modes(tmp)  # safetensors writes 0600; a checkpoint is as readable as any new file
             replace_dir(tmp, final)
             if is_best:
                 best_tmp = self.root / f".best.tmp-{os.getpid()}"
                 shutil.rmtree(best_tmp, ignore_errors=True)
                 shutil.copytree(final, best_tmp)
                 replace_dir(best_tmp, self.root / "best")
-        except OSError as e:
+        except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(self.root / f".best.tmp-{os.getpid()}", ignore_errors=True)
+            cause = e.__cause__ if isinstance(e, EncoderkitError) and e.__cause__ is not None else e
+            reason = write_failure(cause, self.root)
+            if reason is None:
+                raise
             previous = self.latest()
-            kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-            raise EncoderkitError(
-                f"could not write checkpoint {final} ({e.strerror or e}); {kept}. "
-                "Free disk space (or fix permissions) and rerun with --resume"
-            ) from e
+            then = (f"the previous checkpoint {previous} is intact. Free disk space (or fix permissions) and rerun "
+                    "with --resume to continue from it") if previous else \
+                ("no checkpoint was written yet. Free disk space (or fix permissions) and rerun")
+            raise EncoderkitError(f"could not write checkpoint {final} ({reason}); {then}") from e
         self._prune()
         return final
 

@@ -49,6 +49,8 @@ from torch import nn
 from encoderkit.config import StageConfig, arg
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import native_bf16
+from encoderkit.io import write_text_atomic
+from encoderkit.progress import note
 from encoderkit.train import checkpoint as ckpt
 from encoderkit.train import distributed as dist_util
 
@@ -188,8 +190,9 @@ class FitResult:
     best_metrics: dict[str, float] = field(default_factory=dict)
     last_checkpoint: Path | None = None
     best_checkpoint: Path | None = None
-    tokens_per_s: float = 0.0
+    tokens_per_s: float | None = None  # of the steps run in this call; None when none ran (a finished run resumed)
     seconds: float = 0.0
+    start_step: int = 0  # where this call started (the resumed checkpoint's step, else 0)
 
 
 def lr_factor(step: int, total: int, warmup_steps: int, schedule: str, min_ratio: float = 0.0) -> float:
@@ -279,9 +282,14 @@ def fit(
             f"{run_dir} already holds checkpoints ({store.latest()}); pass --resume to continue that run "
             "or choose another run folder / --overwrite"
         )
+    state: dict[str, Any] = {}
     if resume and store.latest() is not None:
         state = store.load(store.latest(), module, optimizer, identity)
         start_step, best = state["step"], state.get("best")
+        if dist.is_main and start_step >= total:
+            note(f"{run_dir}: the run already finished ({start_step} of {total} steps); nothing left to train")
+    elif resume and dist.is_main:
+        note(f"--resume: {store.root} holds no checkpoint, so training starts from step 0")
 
     use_bf16 = native_bf16(device) if settings.bf16 is None else settings.bf16
     train_module: nn.Module = dist_util.wrap(module, dist)
@@ -290,8 +298,10 @@ def fit(
     log_path = run_dir / "metrics.jsonl"
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        _keep_rows_up_to(log_path, start_step)
 
-    result = FitResult(steps=start_step, best_metrics=(best or {}).get("metrics", {}))
+    result = FitResult(steps=start_step, best_metrics=(best or {}).get("metrics", {}), start_step=start_step,
+                       train_logs=state.get("train_logs") or {}, eval_metrics=state.get("eval") or {})
     result.last_checkpoint = store.latest()
     result.best_checkpoint = store.best_path() if best else None
     bar = _progress(settings, dist.is_main, start_step, total)
@@ -417,6 +427,23 @@ def _better(metrics: dict[str, float], best: dict[str, Any] | None, primary: tup
         return True
     old = best["metrics"][name]
     return metrics[name] < old if mode == "min" else metrics[name] > old
+
+
+def _keep_rows_up_to(log: Path, step: int) -> None:
+    """Drop the rows of ``metrics.jsonl`` after ``step`` (all of them for a fresh start): a run resumed from a
+    checkpoint logs the steps after it again, and must not leave two rows per step."""
+    if not log.is_file():
+        return
+    lines = log.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by a kill
+    if kept != lines:
+        write_text_atomic(log, "".join(x + "\n" for x in kept))
 
 
 def _append_jsonl(path: Path, record: dict[str, Any], is_main: bool) -> None:

@@ -78,12 +78,13 @@ class FinetuneResult:
     task: str
     steps: int
     seconds: float
-    examples_per_s: float
+    examples_per_s: float | None  # None when no step ran in this call (a finished run resumed)
     metrics: dict[str, float]
 
     def summary(self) -> dict[str, Any]:
+        speed = round(self.examples_per_s, 1) if self.examples_per_s is not None else None
         return {"out": str(self.out), "task": self.task, "steps": self.steps, "seconds": round(self.seconds, 1),
-                "train_examples_per_s": round(self.examples_per_s, 1), "dev": self.metrics}
+                "train_examples_per_s": speed, "dev": self.metrics}
 
 
 class _EarlyStop(Exception):
@@ -131,17 +132,22 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
         result = fit(tr.module, tr.loss_fn, tr.source, settings, run_dir, evaluate=evaluate, primary=tr.primary,
                      fingerprint={"config": _identity(cfg)}, resume=cfg.resume)
         steps, best_metrics = result.steps, result.best_metrics
-        best = result.best_checkpoint
+        best, start = result.best_checkpoint, result.start_step
     except _EarlyStop as stop:
         stopped_early = True
         steps, best_metrics = _last_step(run_dir / "metrics.jsonl"), stop.args[1]
-        best = run_dir / "checkpoints" / "best"
+        best, start = run_dir / "checkpoints" / "best", 0
+    except BaseException:
+        if checkpoint.CheckpointStore(run_dir / "checkpoints").latest() is None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing to resume from: leave no hidden folder behind
+        raise
     seconds = time.perf_counter() - t0
     if best is not None and (best / "model.safetensors").is_file():
         checkpoint.load_weights(tr.module, best / "model.safetensors")
     tr.module.to("cpu").eval()
-    examples_per_s = steps * cfg.batch_size * cfg.grad_accum / max(seconds, 1e-9)
-    with output_dir(out, cfg.overwrite) as tmp, torch.no_grad():
+    examples_per_s = (steps - start) * cfg.batch_size * cfg.grad_accum / max(seconds, 1e-9) if steps > start else None
+    retry = f"rerun with --resume (the trained checkpoints are kept in {run_dir})"
+    with output_dir(out, cfg.overwrite, retry=retry) as tmp, torch.no_grad():
         tr.save(tr.module, tmp)
         tokenizer.save_pretrained(tmp)
         if (run_dir / "metrics.jsonl").is_file():

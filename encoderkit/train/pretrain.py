@@ -15,6 +15,7 @@ standard HF folder (``AutoModelForMaskedLM``, ``pipeline("fill-mask")``) with th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 from encoderkit.config import arg, check
 from encoderkit.data.masking import Masker, MaskingSpec
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import cache_dir, check_output_dir, output_dir, write_card
+from encoderkit.io import cache_dir, check_output_dir, check_writable, output_dir, write_card
 from encoderkit.models.load import build_encoder, check_fits, load_encoder
 from encoderkit.models.mlm import MaskedOnlyMLM, evaluate_mlm, mlm_loss_fn
 from encoderkit.models.presets import ARCHS, PRESETS, build_config
@@ -87,12 +88,15 @@ class PretrainResult:
     out: Path
     metrics: dict[str, float]
     steps: int
-    tokens_per_s: float
+    tokens_per_s: float | None  # None when no step ran in this call (a finished run resumed)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        return {"out": str(self.out), "steps": self.steps, "tokens_per_s": round(self.tokens_per_s, 1),
-                **{k: round(v, 4) for k, v in self.metrics.items()}, **self.extra}
+        def r(v: Any, n: int) -> Any:  # strict JSON: a missing or non-finite value is null, never NaN
+            return round(v, n) if isinstance(v, float) and math.isfinite(v) else (v if isinstance(v, int) else None)
+
+        return {"out": str(self.out), "steps": self.steps, "tokens_per_s": r(self.tokens_per_s, 1),
+                **{k: r(v, 4) for k, v in self.metrics.items()}, **self.extra}
 
 
 def resolve_data(cfg: PretrainConfig, dist: dist_util.DistInfo) -> Path:
@@ -181,6 +185,8 @@ def run(cfg: PretrainConfig) -> PretrainResult:
     if dist.is_main:
         check_output_dir(out, cfg.overwrite)  # before hours of training, not after
     run_dir = Path(cfg.run_dir) if cfg.run_dir else out.with_name(out.name + "-run")
+    if dist.is_main:
+        check_writable(run_dir / "checkpoints", "--run-dir")
     data = resolve_data(cfg, dist)
     meta = read_meta(data)
     tokenizer = load_tokenizer(data)
@@ -201,9 +207,9 @@ def run(cfg: PretrainConfig) -> PretrainResult:
                             primary=("loss", "min"), fingerprint=fingerprint, resume=cfg.resume)
     metrics = {f"heldout_{k}": v for k, v in result.eval_metrics.items()}
     metrics.update({f"initial_heldout_{k}": v for k, v in before.items()})
-    metrics["train_loss"] = result.train_logs.get("loss", float("nan"))
+    metrics["train_loss"] = result.train_logs.get("loss")
     if dist.is_main:
-        with output_dir(out, cfg.overwrite) as tmp:
+        with output_dir(out, cfg.overwrite, retry=f"rerun with --resume (the checkpoints are kept in {run_dir})") as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(str(tmp))
             write_card(tmp, stage="pretrain", parent=cfg.model or None, config=cfg.to_dict(),
