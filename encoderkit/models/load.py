@@ -56,13 +56,17 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
                               f"is BERT's pretraining head); this folder holds a {config.model_type} model: "
                               "use --objective mlm")
     has_head = any(a.endswith("ForMaskedLM") or a == "BertForPreTraining" for a in (config.architectures or []))
+    if config.model_type == "deberta-v2" and any(k.startswith("lm_predictions.") for k in weight_names(folder)):
+        # DeBERTa-v2/v3 checkpoints (microsoft/deberta-v3-*) keep their MLM head as `lm_predictions`, which
+        # transformers only loads with legacy=False; their config.json does not say so (the default is legacy)
+        config.legacy, has_head = False, True
     log = logging.getLogger("transformers.modeling_utils")
     old_level = log.level
     if not has_head:  # the "newly initialized" warning is expected: we add the head on purpose
         log.setLevel(logging.ERROR)
     try:
         model_class = BertForPreTraining if pretraining else AutoModelForMaskedLM
-        model = model_class.from_pretrained(folder, dtype=torch.float32)
+        model = model_class.from_pretrained(folder, config=config, dtype=torch.float32)
     except ValueError as e:
         raise EncoderkitError(f"{folder}: {config.model_type} has no masked-LM model class in transformers ({e})") from e
     finally:
@@ -71,6 +75,21 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
         init_fresh_head(model)
     model.config.architectures = [type(model).__name__]
     return model
+
+
+def weight_names(folder: Path) -> list[str]:
+    """The tensor names in a folder's safetensors weights (read from the headers; [] without them)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    if not (folder / "model.safetensors").is_file():
+        return []
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        return list(f.keys())
 
 
 def init_fresh_head(model: nn.Module) -> None:
@@ -90,7 +109,8 @@ def init_fresh_head(model: nn.Module) -> None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:  # ModernBERT's norms have none
+                    nn.init.zeros_(m.bias)
             bias = m._parameters.get("bias")  # output biases held beside the decoder (BERT, DeBERTa-v2)
             if bias is not None and not isinstance(m, nn.LayerNorm):
                 with torch.no_grad():
