@@ -36,11 +36,12 @@ def check_fits(config: Any, vocab_size: int, seq_len: int | None, source: str) -
 
 
 def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int | None = None,
-                 *, pretraining: bool = False) -> nn.Module:
+                 *, pretraining: bool = False, stage: str = "pretrain") -> nn.Module:
     """A masked-LM model from a local HF folder, with a fresh tied head if it has none.
 
     ``vocab_size`` (the tokenizer's ``len``) and ``seq_len`` are checked with :func:`check_fits`.
-    ``pretraining``: a ``BertForPreTraining`` (MLM + next-sentence heads; BERT folders only)."""
+    ``pretraining``: a ``BertForPreTraining`` (MLM + next-sentence heads; BERT folders only).
+    ``stage`` names the stage in the refusal of a family without a masked-LM class."""
     from transformers import AutoConfig, AutoModelForMaskedLM, BertForPreTraining
 
     folder = Path(folder)
@@ -68,7 +69,10 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
         model_class = BertForPreTraining if pretraining else AutoModelForMaskedLM
         model = model_class.from_pretrained(folder, config=config, dtype=torch.float32)
     except ValueError as e:
-        raise EncoderkitError(f"{folder}: {config.model_type} has no masked-LM model class in transformers ({e})") from e
+        raise EncoderkitError(
+            f"{stage}: {folder} holds a {config.model_type} model, and {config.model_type} has no masked-LM model "
+            f"class in transformers, so it cannot be trained or scored with MLM; use an encoder family with one "
+            f"(bert, roberta, deberta-v2, electra, distilbert, modernbert...) ({e})") from e
     finally:
         log.setLevel(old_level)
     if not has_head:

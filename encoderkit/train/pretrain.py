@@ -244,7 +244,8 @@ def evaluate_folder(model_dir: Path, tokenizer: Any, data: str | Path, cfg: Any,
     meta = read_meta(store)
     store_tokenizer = load_tokenizer(store)
     _check_same_tokenizer(Path(model_dir), store_tokenizer)
-    model = load_encoder(model_dir, vocab_size=int(meta["vocab_size"]), seq_len=int(meta["seq_len"]))
+    model = load_encoder(model_dir, vocab_size=int(meta["vocab_size"]), seq_len=int(meta["seq_len"]),
+                         stage="evaluate --task mlm")
     masker = Masker.from_tokenizer(store_tokenizer, MaskingSpec(rate=cfg.mask_rate), seed=cfg.seed)
     batches = heldout_batches(store, masker, cfg.max_examples, cfg.batch_size)
     if not batches:
