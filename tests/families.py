@@ -3,7 +3,7 @@ each saved with a tokenizer of the kind the family ships with. Bring the fixture
 module with ``bpe_tokenizer_dir, family_dir = families.bpe_tokenizer_dir, families.family_dir``.
 
 - bert, electra, deberta-v2, modernbert: the tiny WordPiece tokenizer of ``conftest`` (token types on);
-- distilbert: the same vocabulary without token type ids (DistilBERT's model takes none);
+- distilbert: the same vocabulary in DistilBERT's tokenizer class (no token type ids: its model takes none);
 - roberta: a byte-level BPE tokenizer trained here (<s> </s> <pad> <mask>, no token type ids).
 
 The folder holds the family's masked-LM model where the family has an MLM head; ELECTRA's is the
@@ -76,14 +76,13 @@ def tiny_config(family: str, tok: Any) -> Any:
 
 
 def family_tokenizer(family: str, wordpiece_dir: Path, bpe_dir: Path) -> Any:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, DistilBertTokenizerFast
 
     if family == "roberta":
         return AutoTokenizer.from_pretrained(bpe_dir)
-    tok = AutoTokenizer.from_pretrained(wordpiece_dir)
-    if family == "distilbert":
-        tok.model_input_names = ["input_ids", "attention_mask"]
-    return tok
+    if family == "distilbert":  # DistilBERT's own tokenizer class: the same WordPiece, no token type ids
+        return DistilBertTokenizerFast(vocab=str(wordpiece_dir / "vocab.txt"), do_lower_case=True)
+    return AutoTokenizer.from_pretrained(wordpiece_dir)
 
 
 def save_family(family: str, out: Path, wordpiece_dir: Path, bpe_dir: Path, *, headless: bool = False,
