@@ -152,10 +152,17 @@ def test_mlm_nsp_run_learns_and_loads_in_transformers(topic_store, tmp_path) -> 
     # measured: held-out NSP loss 0.69 -> 0.42, accuracy 0.58 -> 0.83 (96 pairs of held-out documents)
     assert card["heldout_nsp_loss"] < card["initial_heldout_nsp_loss"] - 0.15, card
     assert result.metrics["heldout_nsp_accuracy"] > 0.7, card
+    # an MLM folder by name (what distillation and the folder readers pick the class by), with BERT's
+    # pretraining heads in its weights: AutoModelForPreTraining gets the trained NSP head back
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert config["architectures"] == ["BertForPreTraining"]
+    assert config["architectures"] == ["BertForMaskedLM"]
     full = AutoModelForPreTraining.from_pretrained(tmp_path / "m")
     assert type(full).__name__ == "BertForPreTraining"
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "m" / "model.safetensors")
+    assert torch.equal(full.cls.seq_relationship.weight, saved["cls.seq_relationship.weight"])
+    assert torch.equal(full.bert.pooler.dense.weight, saved["bert.pooler.dense.weight"])
     mlm = AutoModelForMaskedLM.from_pretrained(tmp_path / "m")
     assert type(mlm).__name__ == "BertForMaskedLM"
     assert torch.equal(mlm.cls.predictions.transform.dense.weight, full.cls.predictions.transform.dense.weight)

@@ -28,6 +28,7 @@ standard HF folder (``AutoModelForMaskedLM``, ``pipeline("fill-mask")``) with th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from encoderkit.config import arg, check
 from encoderkit.data.masking import Masker, MaskingSpec
 from encoderkit.data.nsp import PairBuilder
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import cache_dir, check_output_dir, output_dir, write_card
+from encoderkit.io import cache_dir, check_output_dir, output_dir, write_card, write_json_atomic
 from encoderkit.models.load import build_encoder, check_fits, load_encoder
 from encoderkit.models.mlm import (
     MaskedOnlyMLM,
@@ -299,6 +300,10 @@ def run(cfg: PretrainConfig) -> PretrainResult:
     if dist.is_main:
         with output_dir(out, cfg.overwrite) as tmp:
             model.save_pretrained(tmp)
+            if nsp:  # the weights keep BertForPreTraining's layout (pooler, NSP head); by name the folder is an
+                # MLM model, for every reader that picks the class from config.json (distill, the folder reader)
+                config_file = tmp / "config.json"
+                write_json_atomic(config_file, {**json.loads(config_file.read_text()), "architectures": ["BertForMaskedLM"]})
             tokenizer.save_pretrained(str(tmp))
             write_card(tmp, stage="pretrain", parent=cfg.model or None, config=cfg.to_dict(),
                        metrics={**metrics, "steps": result.steps, "tokens_per_s": result.tokens_per_s,
