@@ -68,7 +68,8 @@ class PretrainConfig(TrainArgs):
     doc_split: str = arg("file", help="How --corpus text files become documents.", choices=("file", "blank_line", "line"))
     model: str = arg("", help="HF model folder to continue pretraining from (instead of --preset).")
     preset: str = arg("", help="Architecture preset for a model from scratch.", choices=("", *PRESETS))
-    arch: str = arg("bert", help="Architecture family for a model from scratch.", choices=ARCHS)
+    arch: str = arg("bert", help="Architecture family for a model from scratch (deberta: DeBERTa-v2/v3 disentangled "
+                    "attention).", choices=ARCHS)
     layers: int = arg(0, help="Encoder layers (overrides the preset).")
     hidden: int = arg(0, help="Hidden size (overrides the preset).")
     heads: int = arg(0, help="Attention heads (overrides the preset).")
