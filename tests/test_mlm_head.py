@@ -22,7 +22,7 @@ def _batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids, attention, labels
 
 
-@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+@pytest.mark.parametrize("arch", ["bert", "modernbert", "deberta"])
 def test_masked_only_loss_and_grads_equal_full_head(arch: str) -> None:
     config = build_config(None, 120, 64, layers=2, hidden=32, heads=4, ffn=64, arch=arch, dropout=0.0,
                           special_ids={"pad": 0, "cls": 2, "sep": 3})

@@ -35,11 +35,14 @@ def check_fits(config: Any, vocab_size: int, seq_len: int | None, source: str) -
         )
 
 
-def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int | None = None) -> nn.Module:
+def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int | None = None,
+                 *, pretraining: bool = False, stage: str = "pretrain") -> nn.Module:
     """A masked-LM model from a local HF folder, with a fresh tied head if it has none.
 
-    ``vocab_size`` (the tokenizer's ``len``) and ``seq_len`` are checked with :func:`check_fits`."""
-    from transformers import AutoConfig, AutoModelForMaskedLM
+    ``vocab_size`` (the tokenizer's ``len``) and ``seq_len`` are checked with :func:`check_fits`.
+    ``pretraining``: a ``BertForPreTraining`` (MLM + next-sentence heads; BERT folders only).
+    ``stage`` names the stage in the refusal of a family without a masked-LM class."""
+    from transformers import AutoConfig, AutoModelForMaskedLM, BertForPreTraining
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
@@ -49,15 +52,27 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
     except (OSError, ValueError, KeyError) as e:
         raise EncoderkitError(f"{folder}/config.json could not be read as a model config ({e})") from e
     check_fits(config, vocab_size if vocab_size is not None else 0, seq_len, str(folder))
-    has_head = any(a.endswith("ForMaskedLM") for a in (config.architectures or []))
+    if pretraining and config.model_type != "bert":
+        raise EncoderkitError(f"{folder}: pretrain --objective mlm+nsp needs a BERT model (next-sentence prediction "
+                              f"is BERT's pretraining head); this folder holds a {config.model_type} model: "
+                              "use --objective mlm")
+    has_head = any(a.endswith("ForMaskedLM") or a == "BertForPreTraining" for a in (config.architectures or []))
+    if config.model_type == "deberta-v2" and any(k.startswith("lm_predictions.") for k in weight_names(folder)):
+        # DeBERTa-v2/v3 checkpoints (microsoft/deberta-v3-*) keep their MLM head as `lm_predictions`, which
+        # transformers only loads with legacy=False; their config.json does not say so (the default is legacy)
+        config.legacy, has_head = False, True
     log = logging.getLogger("transformers.modeling_utils")
     old_level = log.level
     if not has_head:  # the "newly initialized" warning is expected: we add the head on purpose
         log.setLevel(logging.ERROR)
     try:
-        model = AutoModelForMaskedLM.from_pretrained(folder, dtype=torch.float32)
+        model_class = BertForPreTraining if pretraining else AutoModelForMaskedLM
+        model = model_class.from_pretrained(folder, config=config, dtype=torch.float32)
     except ValueError as e:
-        raise EncoderkitError(f"{folder}: {config.model_type} has no masked-LM model class in transformers ({e})") from e
+        raise EncoderkitError(
+            f"{stage}: {folder} holds a {config.model_type} model, and {config.model_type} has no masked-LM model "
+            f"class in transformers, so it cannot be trained or scored with MLM; use an encoder family with one "
+            f"(bert, roberta, deberta-v2, electra, distilbert, modernbert...) ({e})") from e
     finally:
         log.setLevel(old_level)
     if not has_head:
@@ -66,36 +81,66 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
     return model
 
 
+def weight_names(folder: Path) -> list[str]:
+    """The tensor names in a folder's safetensors weights (read from the headers; [] without them)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    if not (folder / "model.safetensors").is_file():
+        return []
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        return list(f.keys())
+
+
 def init_fresh_head(model: nn.Module) -> None:
-    """BERT's init for the head transform, a zero decoder bias, and the decoder tied to the
-    input embeddings (a fresh untied decoder would start from noise)."""
-    head = getattr(model, "cls", None) or getattr(model, "lm_head", None)
-    if head is None:
-        return
+    """BERT's init for the head transform, zero output biases, and the decoder tied to the
+    input embeddings (a fresh untied decoder would start from noise). Every head layout of
+    :func:`encoderkit.models.mlm.mlm_layout` (the NSP classifier of a ``BertForPreTraining``
+    keeps transformers' own init)."""
+    from encoderkit.models.mlm import mlm_layout
+
+    layout = mlm_layout(model)
     std = getattr(model.config, "initializer_range", 0.02)
-    for m in head.modules():
-        if isinstance(m, nn.Linear) and m is not model.get_output_embeddings():
-            nn.init.normal_(m.weight, std=std)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-    out = model.get_output_embeddings()
-    out.weight = model.get_input_embeddings().weight
-    with torch.no_grad():
-        bias = getattr(out, "bias", None)
-        if bias is not None:
-            bias.zero_()
+    for part in layout.modules:
+        for m in part.modules():
+            if isinstance(m, nn.Linear) and m is not layout.decoder:
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                if m.bias is not None:  # ModernBERT's norms have none
+                    nn.init.zeros_(m.bias)
+            bias = m._parameters.get("bias")  # output biases held beside the decoder (BERT, DeBERTa-v2)
+            if bias is not None and not isinstance(m, nn.LayerNorm):
+                with torch.no_grad():
+                    bias.zero_()
+    if layout.decoder is not None:
+        layout.decoder.weight = model.get_input_embeddings().weight
+        if layout.decoder.bias is not None:
+            with torch.no_grad():
+                layout.decoder.bias.zero_()
     model.config.tie_word_embeddings = True
 
 
-def build_encoder(config: Any, seed: int) -> nn.Module:
+def build_encoder(config: Any, seed: int, *, pretraining: bool = False) -> nn.Module:
     """A freshly initialised masked-LM model for ``config``; the init depends only on ``seed``
-    (the caller's global RNG is left as it was)."""
-    from transformers import AutoModelForMaskedLM
+    (the caller's global RNG is left as it was). ``pretraining``: a ``BertForPreTraining``
+    (MLM + next-sentence heads) for a BERT config."""
+    from transformers import AutoModelForMaskedLM, AutoModelForPreTraining
 
+    if pretraining and config.model_type != "bert":
+        raise EncoderkitError(f"pretrain --objective mlm+nsp needs --arch bert (next-sentence prediction is BERT's "
+                              f"pretraining head), got {config.model_type}; use --objective mlm")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForMaskedLM.from_config(config, dtype=torch.float32)
+        if pretraining:
+            config.architectures = ["BertForPreTraining"]
+            model = AutoModelForPreTraining.from_config(config, dtype=torch.float32)
+        else:
+            model = AutoModelForMaskedLM.from_config(config, dtype=torch.float32)
     return model

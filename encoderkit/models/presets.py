@@ -3,7 +3,11 @@
 ``tiny`` and ``mini`` train on a CPU in minutes; ``small`` and ``base`` are BERT-small and
 BERT-base shapes. Any size field given explicitly overrides the preset. ``arch="bert"`` (the
 default) builds ``BertForMaskedLM``; ``arch="modernbert"`` builds ``ModernBertForMaskedLM``
-(rotary positions, GeGLU, no biases; slower on CPU without flash attention).
+(rotary positions, GeGLU, no biases; slower on CPU without flash attention); ``arch="deberta"``
+builds ``DebertaV2ForMaskedLM`` in DeBERTa-v3's shape: disentangled attention (content and
+relative position attend separately, c2p + p2c, bucketed log positions, shared keys), no absolute
+position embedding in the input, no token types, and the original (non-legacy) MLM head whose
+decoder is the word embedding matrix.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ PRESETS: dict[str, tuple[int, int, int, int]] = {
     "medium": (8, 512, 8, 2048),
     "base": (12, 768, 12, 3072),
 }
-ARCHS = ("bert", "modernbert")
+ARCHS = ("bert", "modernbert", "deberta")
 
 
 def build_config(
@@ -67,5 +71,16 @@ def build_config(
             cls_token_id=ids.get("cls"), sep_token_id=ids.get("sep"), bos_token_id=ids.get("cls"),
             eos_token_id=ids.get("sep"), attention_dropout=dropout, mlp_dropout=dropout, embedding_dropout=dropout,
             architectures=["ModernBertForMaskedLM"],
+        )
+    if arch == "deberta":
+        from transformers import DebertaV2Config
+
+        return DebertaV2Config(
+            vocab_size=vocab_size, hidden_size=n_hidden, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+            intermediate_size=n_ffn, max_position_embeddings=max_positions, type_vocab_size=0,
+            hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, pad_token_id=ids.get("pad") or 0,
+            relative_attention=True, max_relative_positions=-1, position_buckets=min(256, max_positions),
+            pos_att_type=["p2c", "c2p"], position_biased_input=False, norm_rel_ebd="layer_norm",
+            share_att_key=True, layer_norm_eps=1e-7, legacy=False, architectures=["DebertaV2ForMaskedLM"],
         )
     raise EncoderkitError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")

@@ -1,5 +1,18 @@
 """``encoderkit pretrain``: masked-language-model pretraining, from scratch or continued.
 
+Families: ``--arch bert|modernbert|deberta`` from scratch; ``--model`` continues any folder whose
+family has a masked-LM class (BERT, RoBERTa, DeBERTa-v2, ELECTRA, DistilBERT, ModernBERT, MiniLM...)
+with that family's own MLM head, or a fresh tied one where the folder has none (an ELECTRA
+discriminator gets ELECTRA's generator-style head, ``ElectraForMaskedLM``).
+
+Recipes: ``--objective mlm`` (the default; RoBERTa's) trains on packed blocks; ``mlm+nsp`` is
+BERT's original: [CLS] A [SEP] B [SEP] pairs from :mod:`encoderkit.data.nsp` (B the true next
+segment or, half the time, a segment of another document) and a ``BertForPreTraining`` whose
+loss is MLM + next-sentence prediction (BERT only). ``--masking dynamic`` (the default) draws new
+masks every epoch; ``static`` keeps epoch 0's masks (and pairs) for every epoch, as BERT's
+pre-generated data did. The held-out MLM metrics are measured on the same held-out packed blocks
+whatever the objective, so recipes compare on one footing; ``mlm+nsp`` adds held-out NSP accuracy.
+
 Data: a token store (``--data``, from ``encoderkit data prepare``) or a corpus plus tokenizer
 (``--corpus ... --tokenizer DIR``, prepared on the fly into a cache). Model: an HF folder
 (``--model``, continued pretraining; a folder without an MLM head gets a fresh tied one) or a
@@ -15,6 +28,7 @@ standard HF folder (``AutoModelForMaskedLM``, ``pipeline("fill-mask")``) with th
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,10 +39,18 @@ import torch
 
 from encoderkit.config import arg, check
 from encoderkit.data.masking import Masker, MaskingSpec
+from encoderkit.data.nsp import PairBuilder
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import cache_dir, check_output_dir, check_writable, output_dir, write_card
+from encoderkit.io import cache_dir, check_output_dir, check_writable, output_dir, write_card, write_json_atomic
 from encoderkit.models.load import build_encoder, check_fits, load_encoder
-from encoderkit.models.mlm import MaskedOnlyMLM, evaluate_mlm, mlm_loss_fn
+from encoderkit.models.mlm import (
+    MaskedOnlyMLM,
+    MaskedOnlyPreTraining,
+    evaluate_mlm,
+    evaluate_nsp,
+    mlm_loss_fn,
+    mlm_nsp_loss_fn,
+)
 from encoderkit.models.presets import ARCHS, PRESETS, build_config
 from encoderkit.train import distributed as dist_util
 from encoderkit.train.engine import FitResult, IndexedBatches, TrainArgs, fit
@@ -47,12 +69,18 @@ class PretrainConfig(TrainArgs):
     doc_split: str = arg("file", help="How --corpus text files become documents.", choices=("file", "blank_line", "line"))
     model: str = arg("", help="HF model folder to continue pretraining from (instead of --preset).")
     preset: str = arg("", help="Architecture preset for a model from scratch.", choices=("", *PRESETS))
-    arch: str = arg("bert", help="Architecture family for a model from scratch.", choices=ARCHS)
+    arch: str = arg("bert", help="Architecture family for a model from scratch (deberta: DeBERTa-v2/v3 disentangled "
+                    "attention).", choices=ARCHS)
     layers: int = arg(0, help="Encoder layers (overrides the preset).")
     hidden: int = arg(0, help="Hidden size (overrides the preset).")
     heads: int = arg(0, help="Attention heads (overrides the preset).")
     ffn: int = arg(0, help="Feed-forward size (overrides the preset).")
     dropout: float = arg(0.1, help="Dropout of a model from scratch.")
+    objective: str = arg("mlm", help="mlm: masked LM on packed blocks (RoBERTa's recipe); mlm+nsp: BERT's original "
+                         "masked LM + next-sentence prediction on [CLS] A [SEP] B [SEP] pairs (BERT models only).",
+                         choices=("mlm", "mlm+nsp"))
+    masking: str = arg("dynamic", help="dynamic: new masks every epoch (RoBERTa); static: epoch 0's masks and "
+                       "pairs every epoch (BERT's pre-generated data).", choices=("dynamic", "static"))
     mask_rate: float = arg(0.15, help="Fraction of tokens picked for prediction.")
     mask_frac: float = arg(0.8, help="Of the picked tokens, the fraction replaced by [MASK].")
     random_frac: float = arg(0.1, help="Of the picked tokens, the fraction replaced by a random token.")
@@ -70,6 +98,9 @@ class PretrainConfig(TrainArgs):
         check(bool(self.model) != bool(self.preset or self.layers or self.hidden),
               "pretrain: give either --model (continue pretraining) or --preset / --layers --hidden --heads --ffn")
         check(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
+        check(self.objective == "mlm" or bool(self.model) or self.arch == "bert",
+              f"pretrain: --objective mlm+nsp needs --arch bert (next-sentence prediction is BERT's pretraining "
+              f"head), got --arch {self.arch}; use --objective mlm")
 
     def masking_spec(self) -> MaskingSpec:
         return MaskingSpec(rate=self.mask_rate, mask_frac=self.mask_frac, random_frac=self.random_frac,
@@ -117,14 +148,68 @@ def resolve_data(cfg: PretrainConfig, dist: dist_util.DistInfo) -> Path:
 def make_model(cfg: PretrainConfig, meta: dict[str, Any], tokenizer: Any) -> torch.nn.Module:
     """The model to train: loaded (--model) or fresh (--preset / sizes), checked against the data."""
     vocab, seq_len = int(meta["vocab_size"]), int(meta["seq_len"])
+    nsp = cfg.objective == "mlm+nsp"
     if cfg.model:
         _check_same_tokenizer(Path(cfg.model), tokenizer)
-        return load_encoder(cfg.model, vocab_size=vocab, seq_len=seq_len)
+        return load_encoder(cfg.model, vocab_size=vocab, seq_len=seq_len, pretraining=nsp)
     config = build_config(cfg.preset or None, vocab, max(512, seq_len), layers=cfg.layers or None,
                           hidden=cfg.hidden or None, heads=cfg.heads or None, ffn=cfg.ffn or None, arch=cfg.arch,
                           dropout=cfg.dropout, special_ids=meta.get("special_ids"))
     check_fits(config, vocab, seq_len, "pretrain")
-    return build_encoder(config, cfg.seed)
+    return build_encoder(config, cfg.seed, pretraining=nsp)
+
+
+def training_batches(cfg: PretrainConfig, data: Path, meta: dict[str, Any], masker: Masker
+                     ) -> tuple[int, Any]:
+    """``(n_examples, make_batch(idx, epoch))`` for the engine: masked packed blocks (``mlm``) or
+    masked NSP pairs with ``token_type_ids`` and ``next_sentence_label`` (``mlm+nsp``). Static
+    masking asks for epoch 0 every epoch."""
+    from encoderkit.data.prepare import open_blocks, open_documents
+
+    def data_epoch(epoch: int) -> int:
+        return epoch if cfg.masking == "dynamic" else 0
+
+    if cfg.objective == "mlm":
+        blocks = open_blocks(data, "train")
+
+        def make_blocks(idx: np.ndarray, epoch: int) -> dict[str, torch.Tensor]:
+            idx = np.sort(idx)  # memmap reads in order
+            return masker(blocks[idx], idx, data_epoch(epoch))
+
+        return len(blocks), make_blocks
+    tokens, offsets, heldout = open_documents(data)
+    pairs = PairBuilder(tokens, offsets, np.flatnonzero(~heldout), seq_len=int(meta["seq_len"]),
+                        ids=meta["special_ids"], seed=cfg.seed)
+
+    def make_pairs(idx: np.ndarray, epoch: int) -> dict[str, torch.Tensor]:
+        return masked_pairs(pairs, masker, np.sort(idx), data_epoch(epoch))
+
+    return len(pairs), make_pairs
+
+
+def masked_pairs(pairs: PairBuilder, masker: Masker, idx: np.ndarray, epoch: int) -> dict[str, torch.Tensor]:
+    """NSP pairs ``idx`` of ``epoch``, masked: input_ids, attention_mask, labels, token_type_ids
+    (B, L) and next_sentence_label (B,)."""
+    built = pairs(idx, epoch)
+    return {**masker(built["input_ids"], idx, epoch), "token_type_ids": built["token_type_ids"],
+            "next_sentence_label": built["next_sentence_label"]}
+
+
+def heldout_pairs(data: Path, meta: dict[str, Any], masker: Masker, n_examples: int, batch_size: int,
+                  seed: int) -> list[dict[str, torch.Tensor]]:
+    """Fixed masked NSP batches from the held-out documents (epoch 0); B is drawn from the other
+    held-out documents, or from every document when only one is held out. Empty without held-out text."""
+    from encoderkit.data.prepare import open_documents
+
+    tokens, offsets, heldout = open_documents(data)
+    docs = np.flatnonzero(heldout)
+    if len(docs) == 0:
+        return []
+    pool = docs if len(docs) >= 2 else np.arange(len(heldout))
+    pairs = PairBuilder(tokens, offsets, docs, seq_len=int(meta["seq_len"]), ids=meta["special_ids"], seed=seed,
+                        pool=pool)
+    n = len(pairs) if n_examples <= 0 else min(n_examples, len(pairs))
+    return [masked_pairs(pairs, masker, np.arange(i, min(i + batch_size, n)), 0) for i in range(0, n, batch_size)]
 
 
 def _check_same_tokenizer(model_dir: Path, tokenizer: Any) -> None:
@@ -165,7 +250,8 @@ def evaluate_folder(model_dir: Path, tokenizer: Any, data: str | Path, cfg: Any,
     meta = read_meta(store)
     store_tokenizer = load_tokenizer(store)
     _check_same_tokenizer(Path(model_dir), store_tokenizer)
-    model = load_encoder(model_dir, vocab_size=int(meta["vocab_size"]), seq_len=int(meta["seq_len"]))
+    model = load_encoder(model_dir, vocab_size=int(meta["vocab_size"]), seq_len=int(meta["seq_len"]),
+                         stage="evaluate --task mlm")
     masker = Masker.from_tokenizer(store_tokenizer, MaskingSpec(rate=cfg.mask_rate), seed=cfg.seed)
     batches = heldout_batches(store, masker, cfg.max_examples, cfg.batch_size)
     if not batches:
@@ -177,7 +263,7 @@ def evaluate_folder(model_dir: Path, tokenizer: Any, data: str | Path, cfg: Any,
 
 def run(cfg: PretrainConfig) -> PretrainResult:
     """Pretrain an encoder with masked language modelling (from scratch or continued)."""
-    from encoderkit.data.prepare import open_blocks, read_meta
+    from encoderkit.data.prepare import read_meta
     from encoderkit.tokenizer import load_tokenizer
 
     dist = dist_util.current()
@@ -191,26 +277,40 @@ def run(cfg: PretrainConfig) -> PretrainResult:
     meta = read_meta(data)
     tokenizer = load_tokenizer(data)
     model = make_model(cfg, meta, tokenizer)
-    mlm = MaskedOnlyMLM(model)
+    nsp = cfg.objective == "mlm+nsp"
+    mlm_view = MaskedOnlyMLM(model)  # held-out MLM metrics: the same packed blocks for every objective
+    module = MaskedOnlyPreTraining(model) if nsp else mlm_view
     masker = Masker.from_tokenizer(tokenizer, cfg.masking_spec(), seed=cfg.seed)
-    train_blocks = open_blocks(data, "train")
-
-    def make_batch(idx: np.ndarray, epoch: int) -> dict[str, torch.Tensor]:
-        return masker(train_blocks[np.sort(idx)], np.sort(idx), epoch)  # sorted: memmap reads in order
-
-    source = IndexedBatches(len(train_blocks), cfg.batch_size, make_batch, seed=cfg.seed)
+    n_examples, make_batch = training_batches(cfg, data, meta, masker)
+    source = IndexedBatches(n_examples, cfg.batch_size, make_batch, seed=cfg.seed)
     eval_batches = heldout_batches(data, masker, cfg.eval_blocks, cfg.batch_size)
-    evaluate = (lambda m: evaluate_mlm(m, eval_batches)) if eval_batches else None
-    before = evaluate_mlm(mlm.eval(), eval_batches) if eval_batches and dist.is_main and not cfg.resume else {}
+    nsp_batches = heldout_pairs(data, meta, masker, cfg.eval_blocks, cfg.batch_size, cfg.seed) if nsp else []
+
+    def evaluate_all(m: torch.nn.Module) -> dict[str, float]:
+        metrics = evaluate_mlm(mlm_view, eval_batches) if eval_batches else {}
+        if nsp_batches:
+            metrics.update(evaluate_nsp(module, nsp_batches))
+        return metrics
+
+    evaluate = evaluate_all if eval_batches or nsp_batches else None
+    before = {}
+    if evaluate is not None and dist.is_main and not cfg.resume:
+        module.eval()
+        before = evaluate_all(module)
     fingerprint = {"config": cfg.identity(), "data": meta.get("fingerprint"), "parent": cfg.model or None}
-    result: FitResult = fit(mlm, mlm_loss_fn, source, cfg.train_settings(), run_dir, evaluate=evaluate,
-                            primary=("loss", "min"), fingerprint=fingerprint, resume=cfg.resume)
+    result: FitResult = fit(module, mlm_nsp_loss_fn if nsp else mlm_loss_fn, source, cfg.train_settings(), run_dir,
+                            evaluate=evaluate, primary=("loss", "min") if eval_batches else ("nsp_loss", "min"),
+                            fingerprint=fingerprint, resume=cfg.resume)
     metrics = {f"heldout_{k}": v for k, v in result.eval_metrics.items()}
     metrics.update({f"initial_heldout_{k}": v for k, v in before.items()})
     metrics["train_loss"] = result.train_logs.get("loss")
     if dist.is_main:
         with output_dir(out, cfg.overwrite, retry=f"rerun with --resume (the checkpoints are kept in {run_dir})") as tmp:
             model.save_pretrained(tmp)
+            if nsp:  # the weights keep BertForPreTraining's layout (pooler, NSP head); by name the folder is an
+                # MLM model, for every reader that picks the class from config.json (distill, the folder reader)
+                config_file = tmp / "config.json"
+                write_json_atomic(config_file, {**json.loads(config_file.read_text()), "architectures": ["BertForMaskedLM"]})
             tokenizer.save_pretrained(str(tmp))
             write_card(tmp, stage="pretrain", parent=cfg.model or None, config=cfg.to_dict(),
                        metrics={**metrics, "steps": result.steps, "tokens_per_s": result.tokens_per_s,

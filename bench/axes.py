@@ -1,0 +1,278 @@
+"""BERT's three successor axes side by side: the training recipe, the attention, and distillation.
+
+Five encoders pretrained on the same corpus (Gutenberg novels, ``../shared/data``), with the same
+tokenizer (a WordPiece trained here on those novels) and the same token budget:
+
+    bert-original   BERT, static masks + next-sentence prediction ([CLS] A [SEP] B [SEP] pairs)
+    bert-roberta    BERT, dynamic masks, MLM only on packed blocks (RoBERTa's recipe)
+    deberta         DeBERTa-v2 (disentangled attention), the RoBERTa recipe, same parameter count
+    modernbert      ModernBERT (rotary, GeGLU, alternating local/global attention), same recipe and count
+    distilled       a half-depth student of the best of the four (by held-out masked-token loss),
+                    DistilBERT-style (every other layer, MLM distillation on the same blocks)
+
+The budget is token slots: steps x batch x seq_len (a padded slot counts: NSP pairs of short
+paragraphs carry padding, which is a cost of that recipe). The default, 6M slots of 128, is about
+20 minutes per model at ~5k tokens/s (BERT-mini shape on 2 cores); ``--smoke`` runs everything
+tiny in a couple of minutes. "Same parameter count": DeBERTa keeps BERT's shape (its relative
+position table replaces BERT's absolute one); ModernBERT's FFN width is chosen so that its
+non-embedding parameters match BERT's (GeGLU has three matrices, not two).
+
+For each model: pretraining tokens/s (for the student: distillation tokens/s, teacher forward included), held-out masked-token loss and accuracy (the same held-out
+paragraphs and the same seed-0 masks for every model), and SST-2 dev accuracy after the same short
+fine-tune. The best two pretrained models are run again with a second seed (``--seeds``), and the
+spread is printed beside the mean. Documents are paragraphs (blank-line split), so NSP's true next
+segment is the rest of a paragraph and its random one a segment of another paragraph.
+
+    python bench/axes.py --smoke                 # the whole pipeline, tiny, a few minutes
+    nice -n 5 python bench/axes.py --threads 2   # the measurement (~2-2.5 hours on 2 cores)
+
+Ends with one ``RESULT`` line; the full table is written to ``<work>/axes.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+# the real data sets, as in tests/conftest.py (ENCODERKIT_SHARED_DATA overrides, e.g. from a git worktree)
+SHARED = Path(os.environ.get("ENCODERKIT_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+BOOKS = SHARED / "mlm_corpus_gutenberg" / "gitenberg"
+SST2 = SHARED / "glue_sst2"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything that sets the size of the run (the defaults, or --smoke's)."""
+
+    books: int = 0  # 0: every novel
+    chars_per_book: int = 0  # 0: whole books
+    vocab: int = 8192
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    ffn: int = 1024
+    seq_len: int = 128
+    batch: int = 32
+    tokens: int = 6_000_000
+    lr: float = 1e-3
+    eval_blocks: int = 512
+    sst2_train: int = 8000
+    sst2_dev: int = 0  # 0: the whole dev set (872)
+    finetune_epochs: float = 1.0
+    distill_fraction: float = 0.5  # of the pretraining steps
+
+    @property
+    def steps(self) -> int:
+        return max(1, self.tokens // (self.batch * self.seq_len))
+
+
+SMOKE = Plan(books=2, chars_per_book=150_000, vocab=2000, layers=2, hidden=64, heads=2, ffn=128, seq_len=64,
+             batch=8, tokens=8 * 64 * 6, lr=1e-3, eval_blocks=32, sst2_train=64, sst2_dev=64, finetune_epochs=1.0)
+
+CONFIGS = {
+    "bert-original": {"arch": "bert", "objective": "mlm+nsp", "masking": "static"},
+    "bert-roberta": {"arch": "bert", "objective": "mlm", "masking": "dynamic"},
+    "deberta": {"arch": "deberta", "objective": "mlm", "masking": "dynamic"},
+    "modernbert": {"arch": "modernbert", "objective": "mlm", "masking": "dynamic"},
+}
+
+
+def corpus(plan: Plan, work: Path) -> Path:
+    """The novels as plain text files under ``work/corpus`` (optionally cut to ``chars_per_book``)."""
+    out = work / "corpus"
+    out.mkdir(parents=True, exist_ok=True)
+    books = sorted(BOOKS.glob("*.txt.gz"))
+    if not books:
+        raise SystemExit(f"no Gutenberg novels under {BOOKS}")
+    for path in books[:plan.books or None]:
+        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        (out / path.name.replace(".gz", "")).write_text(text[:plan.chars_per_book] if plan.chars_per_book else text)
+    return out
+
+
+def tokenizer_and_store(plan: Plan, work: Path) -> tuple[Path, Path]:
+    from encoderkit.data.prepare import PrepareConfig
+    from encoderkit.data.prepare import run as prepare
+    from encoderkit.tokenizer import TokenizerConfig
+    from encoderkit.tokenizer import run as train_tokenizer
+
+    text = corpus(plan, work)
+    tok = work / "tokenizer"
+    if not (tok / "tokenizer.json").is_file():
+        train_tokenizer(TokenizerConfig(corpus=[str(text)], out=str(tok), kind="wordpiece", vocab_size=plan.vocab,
+                                        doc_split="blank_line"))
+    store = work / "store"
+    prepare(PrepareConfig(corpus=[str(text)], tokenizer=str(tok), out=str(store), seq_len=plan.seq_len,
+                          heldout=0.02, doc_split="blank_line", overwrite=True))
+    return tok, store
+
+
+def non_embedding_params(arch: str, plan: Plan, ffn: int, vocab: int) -> int:
+    from encoderkit.models.load import build_encoder
+    from encoderkit.models.mlm import mlm_layout
+    from encoderkit.models.presets import build_config
+
+    model = build_encoder(build_config(None, vocab, max(512, plan.seq_len), layers=plan.layers, hidden=plan.hidden,
+                                       heads=plan.heads, ffn=ffn, arch=arch), seed=0)
+    encoder = mlm_layout(model).encoder
+    return sum(p.numel() for p in encoder.parameters()) - model.get_input_embeddings().weight.numel()
+
+
+def matched_ffn(arch: str, plan: Plan, vocab: int) -> tuple[int, int, int]:
+    """(ffn, its non-embedding parameters, BERT's): the FFN width (a multiple of 32) whose encoder
+    matches BERT's parameter count best."""
+    target = non_embedding_params("bert", plan, plan.ffn, vocab)
+    if arch != "modernbert":
+        return plan.ffn, non_embedding_params(arch, plan, plan.ffn, vocab), target
+    candidates = range(32, 2 * plan.ffn + 1, 32)
+    best = min(candidates, key=lambda f: abs(non_embedding_params(arch, plan, f, vocab) - target))
+    return best, non_embedding_params(arch, plan, best, vocab), target
+
+
+def heldout_metrics(model_dir: Path, store: Path, plan: Plan) -> dict[str, float]:
+    """Held-out masked-token loss and accuracy with seed-0 masks (the same masks for every model)."""
+    from encoderkit.tokenizer import load_tokenizer
+    from encoderkit.train.pretrain import evaluate_folder
+
+    cfg = SimpleNamespace(mask_rate=0.15, seed=0, max_examples=plan.eval_blocks, batch_size=32)
+    return evaluate_folder(model_dir, load_tokenizer(store), store, cfg, {})
+
+
+def sst2(model_dir: Path, out: Path, plan: Plan, seed: int) -> float:
+    from encoderkit.train.finetune import FinetuneConfig
+    from encoderkit.train.finetune import run as finetune
+
+    res = finetune(FinetuneConfig(model=str(model_dir), task="classify", train=str(SST2 / "train.tsv"),
+                                  dev=str(SST2 / "dev.tsv"), out=str(out), max_train_examples=plan.sst2_train,
+                                  max_dev_examples=plan.sst2_dev, epochs=plan.finetune_epochs, lr=1e-4,
+                                  batch_size=32, max_length=64, seed=seed, overwrite=True))
+    return float(res.metrics["accuracy"])
+
+
+def pretrain_one(name: str, plan: Plan, store: Path, work: Path, seed: int, ffn: int) -> dict[str, Any]:
+    from encoderkit.train.pretrain import PretrainConfig
+    from encoderkit.train.pretrain import run as pretrain
+
+    spec = CONFIGS[name]
+    out = work / f"{name}-s{seed}"
+    t0 = time.perf_counter()
+    res = pretrain(PretrainConfig(data=str(store), out=str(out), layers=plan.layers, hidden=plan.hidden,
+                                  heads=plan.heads, ffn=ffn, lr=plan.lr, batch_size=plan.batch, max_steps=plan.steps,
+                                  warmup=0.06, seed=seed, eval_blocks=plan.eval_blocks, overwrite=True,
+                                  run_dir=str(work / f".{name}-s{seed}-run"), **spec))
+    seconds = time.perf_counter() - t0
+    return {"model": name, "seed": seed, "out": str(out), "seconds": round(seconds, 1),
+            "tokens_per_s": round(res.tokens_per_s, 1), **heldout(out, store, plan),
+            "sst2_dev_accuracy": sst2(out, work / f"{name}-s{seed}-sst2", plan, seed)}
+
+
+def heldout(out: Path, store: Path, plan: Plan) -> dict[str, float]:
+    m = heldout_metrics(out, store, plan)
+    return {"heldout_loss": round(m["loss"], 4), "heldout_accuracy": round(m["accuracy"], 4)}
+
+
+def distill_best(best: dict[str, Any], plan: Plan, store: Path, work: Path) -> dict[str, Any]:
+    from encoderkit.compress.distill import DistillConfig
+    from encoderkit.compress.distill import run as distill
+    from encoderkit.errors import EncoderkitError
+
+    out = work / f"distilled-{best['model']}"
+    steps = max(1, int(plan.steps * plan.distill_fraction))
+    t0 = time.perf_counter()
+    try:
+        res = distill(DistillConfig(teacher=best["out"], out=str(out), mode="agnostic", data=str(store),
+                                    max_steps=steps, batch_size=plan.batch, lr=5e-4, overwrite=True))
+    except EncoderkitError as e:  # a family the distiller refuses: report it, do not hide it
+        return {"model": f"distilled-{best['model']}", "refused": str(e)}
+    except Exception as e:  # noqa: BLE001 -- a crash inside the distiller is a finding of this bench too
+        return {"model": f"distilled-{best['model']}", "refused": f"crashed: {type(e).__name__}: {e}"}
+    seconds = time.perf_counter() - t0
+    return {"model": f"distilled-{best['model']}", "seed": 0, "out": str(out), "seconds": round(seconds, 1),
+            "tokens_per_s": round(steps * plan.batch * plan.seq_len / seconds, 1),
+            "student_params": res.student_params, "teacher_params": res.teacher_params,
+            **heldout(out, store, plan), "sst2_dev_accuracy": sst2(out, work / "distilled-sst2", plan, 0)}
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per model: mean (and spread over seeds) of each figure."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name and "refused" not in r]
+        if not mine:
+            out[name] = {"refused": next(r["refused"] for r in rows if r["model"] == name)}
+            continue
+        s: dict[str, Any] = {"seeds": len(mine)}
+        for key in ("heldout_loss", "heldout_accuracy", "sst2_dev_accuracy", "tokens_per_s"):
+            vals = [r[key] for r in mine]
+            s[key] = round(statistics.mean(vals), 4)
+            if len(vals) > 1:
+                s[key + "_spread"] = round(max(vals) - min(vals), 4)
+        out[name] = s
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--smoke", action="store_true", help="everything tiny (2 short books, 2-layer models, a few steps)")
+    ap.add_argument("--tokens", type=int, default=0, help="token slots per pretrained model (default 6,000,000)")
+    ap.add_argument("--seeds", type=int, default=2, help="seeds for the best two pretrained models (others: 1)")
+    ap.add_argument("--only", default="", help="comma-separated subset of " + ", ".join(CONFIGS))
+    ap.add_argument("--work", default="", help="work folder (default: a temporary one, kept and printed)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    args = ap.parse_args()
+
+    import dataclasses
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    plan = SMOKE if args.smoke else Plan()
+    if args.tokens:
+        plan = dataclasses.replace(plan, tokens=args.tokens)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="axes-"))
+    work.mkdir(parents=True, exist_ok=True)
+    names = [n for n in (args.only.split(",") if args.only else CONFIGS) if n]
+    _tok, store = tokenizer_and_store(plan, work)
+    vocab = json.loads((store / "meta.json").read_text())["vocab_size"]
+    print(f"plan: {plan.steps} steps x {plan.batch} x {plan.seq_len} = {plan.steps * plan.batch * plan.seq_len:,} "
+          f"token slots per model; work folder {work}", flush=True)
+    ffn, params = {}, {}
+    for name in names:
+        ffn[name], params[name], bert_params = matched_ffn(CONFIGS[name]["arch"], plan, vocab)
+        print(f"{name}: ffn {ffn[name]}, non-embedding parameters {params[name]:,} (BERT {bert_params:,})", flush=True)
+    rows = []
+    for name in names:
+        rows.append(pretrain_one(name, plan, store, work, 0, ffn[name]))
+        print(json.dumps(rows[-1]), flush=True)
+    ranked = sorted(rows, key=lambda r: r["heldout_loss"])
+    for r in ranked[:2]:
+        for seed in range(1, args.seeds):
+            rows.append(pretrain_one(r["model"], plan, store, work, seed, ffn[r["model"]]))
+            print(json.dumps(rows[-1]), flush=True)
+    rows.append(distill_best(ranked[0], plan, store, work))
+    print(json.dumps(rows[-1]), flush=True)
+    table = summarise(rows)
+    (work / "axes.json").write_text(json.dumps({"plan": dataclasses.asdict(plan), "steps": plan.steps,
+                                                "params": params, "runs": rows, "summary": table}, indent=2))
+    for name, s in table.items():
+        print(f"{name:28s} {s}")
+    parts = [f"{name}:loss={s.get('heldout_loss')},acc={s.get('heldout_accuracy')},sst2={s.get('sst2_dev_accuracy')},"
+             f"tok_s={s.get('tokens_per_s')},seeds={s.get('seeds', 0)}" for name, s in table.items()]
+    print(f"RESULT smoke={int(args.smoke)} token_slots={plan.steps * plan.batch * plan.seq_len} best={ranked[0]['model']} "
+          + " ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

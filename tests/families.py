@@ -1,0 +1,120 @@
+"""Tiny random encoders of every family encoderkit supports, built in-process (hidden 32, 2 layers),
+each saved with a tokenizer of the kind the family ships with. Bring the fixtures into a test
+module with ``bpe_tokenizer_dir, family_dir = families.bpe_tokenizer_dir, families.family_dir``.
+
+- bert, electra, deberta-v2, modernbert: the tiny WordPiece tokenizer of ``conftest`` (token types on);
+- distilbert: the same vocabulary in DistilBERT's tokenizer class (no token type ids: its model takes none);
+- roberta: a byte-level BPE tokenizer trained here (<s> </s> <pad> <mask>, no token type ids).
+
+The folder holds the family's masked-LM model where the family has an MLM head; ELECTRA's is the
+discriminator (``ElectraForPreTraining``), which has none, as on the Hub. ``headless=True`` saves the
+bare encoder (``AutoModel``) instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import WORDS
+
+FAMILIES = ("bert", "roberta", "deberta-v2", "electra", "distilbert", "modernbert")
+# the class `AutoModelForMaskedLM` gives for each family's folder
+MLM_CLASS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "deberta-v2": "DebertaV2ForMaskedLM",
+             "electra": "ElectraForMaskedLM", "distilbert": "DistilBertForMaskedLM",
+             "modernbert": "ModernBertForMaskedLM"}
+
+
+def corpus_text(n_lines: int = 200, seed: int = 0) -> str:
+    """Lines of 8-20 words of ``conftest.WORDS`` (seeded), for tokenizers and token stores."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return "\n".join(" ".join(rng.choice(WORDS, int(rng.integers(8, 21)))) for _ in range(n_lines)) + "\n"
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_dir(tmp_path_factory) -> Path:
+    """A RoBERTa-style byte-level BPE tokenizer (about 400 tokens) trained with `encoderkit tokenizer train`."""
+    from encoderkit.tokenizer import TokenizerConfig
+    from encoderkit.tokenizer import run as train_tokenizer
+
+    tmp = tmp_path_factory.mktemp("bpe")
+    (tmp / "corpus.txt").write_text(corpus_text())
+    train_tokenizer(TokenizerConfig(corpus=[str(tmp / "corpus.txt")], out=str(tmp / "tok"), kind="bpe",
+                                    vocab_size=400, min_frequency=1))
+    return tmp / "tok"
+
+
+def tiny_config(family: str, tok: Any) -> Any:
+    """A tiny config of ``family`` whose embeddings and special ids fit ``tok``."""
+    import transformers as tf
+
+    v, pad, cls, sep = len(tok), tok.pad_token_id, tok.cls_token_id, tok.sep_token_id
+    common = {"vocab_size": v, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 64, "max_position_embeddings": 128, "pad_token_id": pad}
+    if family == "bert":
+        return tf.BertConfig(**common, type_vocab_size=2)
+    if family == "roberta":  # positions start after the padding index, as in roberta-base (514 for 512)
+        return tf.RobertaConfig(**{**common, "max_position_embeddings": 130}, type_vocab_size=1,
+                                bos_token_id=cls, eos_token_id=sep)
+    if family == "deberta-v2":  # DeBERTa-v3's shape
+        return tf.DebertaV2Config(**common, type_vocab_size=0, relative_attention=True, max_relative_positions=-1,
+                                  position_buckets=64, pos_att_type=["p2c", "c2p"], position_biased_input=False,
+                                  norm_rel_ebd="layer_norm", share_att_key=True, legacy=False)
+    if family == "electra":
+        return tf.ElectraConfig(**common, embedding_size=32, type_vocab_size=2)
+    if family == "distilbert":
+        return tf.DistilBertConfig(vocab_size=v, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                   max_position_embeddings=128, pad_token_id=pad)
+    if family == "modernbert":
+        return tf.ModernBertConfig(**common, cls_token_id=cls, sep_token_id=sep, bos_token_id=cls, eos_token_id=sep,
+                                   global_attn_every_n_layers=2, local_attention=16)
+    raise ValueError(family)
+
+
+def family_tokenizer(family: str, wordpiece_dir: Path, bpe_dir: Path) -> Any:
+    from transformers import AutoTokenizer, DistilBertTokenizerFast
+
+    if family == "roberta":
+        return AutoTokenizer.from_pretrained(bpe_dir)
+    if family == "distilbert":  # DistilBERT's own tokenizer class: the same WordPiece, no token type ids
+        return DistilBertTokenizerFast(vocab=str(wordpiece_dir / "vocab.txt"), do_lower_case=True)
+    return AutoTokenizer.from_pretrained(wordpiece_dir)
+
+
+def save_family(family: str, out: Path, wordpiece_dir: Path, bpe_dir: Path, *, headless: bool = False,
+                seed: int = 0) -> Path:
+    """Save a tiny random ``family`` model and its tokenizer to ``out``; returns ``out``."""
+    import torch
+    import transformers as tf
+
+    tok = family_tokenizer(family, wordpiece_dir, bpe_dir)
+    config = tiny_config(family, tok)
+    torch.manual_seed(seed)
+    if headless:
+        model = tf.AutoModel.from_config(config)
+    elif family == "electra":
+        model = tf.ElectraForPreTraining(config)  # the discriminator: no MLM head
+    else:
+        model = tf.AutoModelForMaskedLM.from_config(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory, tiny_tokenizer_dir, bpe_tokenizer_dir):
+    """``family_dir(family, headless=False) -> Path``: a tiny random model folder of that family (cached)."""
+    made: dict[tuple[str, bool], Path] = {}
+
+    def get(family: str, headless: bool = False) -> Path:
+        key = (family, headless)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"{family}-{'base' if headless else 'mlm'}")
+            made[key] = save_family(family, out, tiny_tokenizer_dir, bpe_tokenizer_dir, headless=headless)
+        return made[key]
+
+    return get
