@@ -5,8 +5,10 @@ Endpoints (JSON in, JSON out; OpenAPI page at ``/docs``):
 * ``POST /v1/classify`` ``{"texts": [...], "text_pairs": [...]?}`` -> ``{"results": [{label, score, scores}]}``
 * ``POST /v1/extract``  ``{"texts": [...]}`` -> ``{"results": [[{entity, label, start, end, score}]]}``
 * ``POST /v1/answer``   ``{"questions": [...], "contexts": [...]}`` -> ``{"results": [{answer, start, end, score}]}``
-* ``POST /v1/rerank``   ``{"query": "...", "passages": [...], "top_k": n?}`` -> ``{"results": [{index, score}]}``
+* ``POST /v1/rerank``   ``{"query": "...", "passages": [...], "top_k": n?}`` -> ``{"results": [{index, score}]}``, or the
+  Cohere/Jina shape ``{"query", "documents", "top_n"}`` (also at ``/rerank``; see ``openai_api.py``)
 * ``POST /v1/embed``    ``{"texts": [...], "dim": n?, "normalize": bool?}`` -> ``{"embeddings": [[...]]}``
+* ``POST /v1/embeddings`` (OpenAI), ``GET /v1/models``: see ``encoderkit/deploy/openai_api.py``.
 * ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
 Every body may name a ``model`` (needed when several served models do the same task). Bad input
@@ -35,6 +37,7 @@ from starlette.exceptions import HTTPException
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
+from encoderkit.deploy.openai_api import openai_router
 from encoderkit.deploy.runtime import BACKENDS, Predictor, describe, finish_embeddings
 from encoderkit.errors import EncoderkitError
 
@@ -80,12 +83,6 @@ class ExtractBody(_Body):
 class AnswerBody(_Body):
     questions: list[StrictStr]
     contexts: list[StrictStr] = Field(..., description="One context per question.")
-
-
-class RerankBody(_Body):
-    query: StrictStr
-    passages: list[StrictStr]
-    top_k: StrictInt | None = Field(None, ge=1, description="Return only the best k passages.")
 
 
 class EmbedBody(_Body):
@@ -315,16 +312,6 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
             raise ApiError(422, "invalid_request", f"{len(body.questions)} questions but {len(body.contexts)} contexts")
         return {"model": s.name, "results": await run_batch(s, list(zip(body.questions, body.contexts, strict=True)))}
 
-    @app.post("/v1/rerank")
-    async def rerank(body: RerankBody, request: Request) -> dict[str, Any]:
-        check_token(request)
-        s = pick("rerank", body.model)
-        check_texts("query", [body.query])
-        check_texts("passages", body.passages)
-        scores = await run_batch(s, [(body.query, d) for d in body.passages])
-        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_k]
-        return {"model": s.name, "results": [{"index": i, "score": float(scores[i])} for i in ranked]}
-
     @app.post("/v1/embed")
     async def embed(body: EmbedBody, request: Request) -> JSONResponse:
         check_token(request)
@@ -352,6 +339,7 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
 
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(openai_router(served, check_token, limits.max_texts, limits.max_chars))
     known = {r.path for r in app.routes if hasattr(r, "path")}
     app.add_middleware(_Guard, limits=limits, metrics=metrics, known_paths=known)
     app.state.metrics = metrics
