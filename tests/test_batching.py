@@ -180,3 +180,22 @@ def test_bad_settings_are_refused(bad):
         MicroBatcher(lambda x: x, max_batch=bad)
     with pytest.raises(ValueError):
         MicroBatcher(lambda x: x, max_batch_tokens=bad)
+
+
+def test_serve_freezes_the_startup_heap_before_serving(monkeypatch):
+    """A full garbage collection over everything loaded at startup stalls every request in flight (the long
+    tail): serve moves those objects out of the collector's view before uvicorn starts."""
+    import gc
+
+    import uvicorn
+
+    from encoderkit.deploy import serve
+
+    frozen = []
+    monkeypatch.setattr(serve, "load_models", lambda *a, **k: {"m": _PoisonClassifier()})
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: frozen.append(gc.get_freeze_count()))
+    try:
+        serve.run(serve.ServeConfig(model=["x"]))
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 1000
