@@ -199,3 +199,24 @@ def test_serve_freezes_the_startup_heap_before_serving(monkeypatch):
     finally:
         gc.unfreeze()
     assert frozen and frozen[0] > 1000
+
+
+def test_a_large_request_is_token_counted_off_the_event_loop():
+    threads = []
+
+    def cost(items):
+        threads.append(threading.get_ident())
+        return [len(x) for x in items]
+
+    async def scenario():
+        b = MicroBatcher(lambda items: items, cost=cost)
+        await b.start()
+        small = await b.costs(["a few words"])
+        large = await b.costs(["word " * 5000])
+        await b.close()
+        return small, large
+
+    loop_thread = threading.get_ident()  # asyncio.run runs the loop in this thread
+    small, large = asyncio.run(scenario())
+    assert small == [11] and large == [25000]
+    assert threads[0] == loop_thread and threads[1] != loop_thread

@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+OFFLOAD_CHARS = 20_000  # requests with more characters are token-counted off the event loop
+
 
 @dataclass
 class _Job:
@@ -53,6 +55,13 @@ class BatchStats:
     items: int
     tokens: int
     waits: list[float]
+
+
+def _chars(item: Any) -> int:
+    """Characters of a text or of the texts in a tuple (other items: 0)."""
+    if isinstance(item, str):
+        return len(item)
+    return sum(len(x) for x in item if isinstance(x, str)) if isinstance(item, (tuple, list)) else 0
 
 
 def token_counts(tokenizer, items: Sequence[Any], max_length: int) -> list[int]:
@@ -107,7 +116,7 @@ class MicroBatcher:
             return []
         items = list(items)
         if costs is None:
-            costs = self.cost(items) if self.cost is not None else [1] * len(items)
+            costs = await self.costs(items)
         if len(costs) != len(items):
             raise ValueError(f"{len(costs)} token counts for {len(items)} items")
         loop = asyncio.get_running_loop()
@@ -115,6 +124,15 @@ class MicroBatcher:
         self._queue.append(job)
         self._wake.set()
         return await job.future
+
+    async def costs(self, items: list[Any]) -> list[int]:
+        """Token counts of ``items`` with ``cost``; a large request is counted in a thread, so tokenizing a
+        few hundred kilobytes does not hold up the event loop (and every other request) meanwhile."""
+        if self.cost is None:
+            return [1] * len(items)
+        if sum(_chars(x) for x in items) > OFFLOAD_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(None, self.cost, items)
+        return self.cost(items)
 
     async def close(self) -> None:
         """Finish every request already submitted, then stop the worker."""

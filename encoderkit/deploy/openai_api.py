@@ -32,7 +32,6 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
-from encoderkit.deploy.batching import token_counts
 from encoderkit.deploy.runtime import finish_embeddings
 from encoderkit.errors import EncoderkitError
 
@@ -161,8 +160,7 @@ def openai_router(served: Mapping[str, Any], authorize: Callable[[Request], None
 
     async def run(s: Any, items: list[Any]) -> tuple[list[Any], int]:
         """Results for ``items`` from ``s``'s batcher, and their token count."""
-        p = s.predictor
-        counts = token_counts(getattr(p, "tokenizer", None), items, p.max_length)
+        counts = await s.batcher.costs(items)
         try:
             return await s.batcher.submit(items, counts), int(sum(counts))
         except EncoderkitError as e:
