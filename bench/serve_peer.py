@@ -4,13 +4,20 @@ the same load generator, each server alone on the machine.
 Each server runs in its own process (infinity-emb from its own virtual environment, ``--infinity-venv``:
 it pins an older transformers) and is sent ``POST /v1/embeddings {"model", "input": [one sentence]}``
 by ``--clients`` keep-alive connections for ``--seconds`` (bench/serve_load.py's light asyncio
-generator, in this process). Reported per server and client count: requests/s, p50 and p99 latency,
-errors (non-200 answers and failed connections), and the server's CPU seconds per request (the
-server process and its children, from psutil). The sentences are the docstring sentences of
-encoderkit's own modules. Without the infinity venv, infinity is skipped with a message.
+generator, in this process). Both servers are started, then take turns point by point (``--rounds``
+times; the one not under load is idle), so the machine's other jobs weigh on both alike. Reported per
+server and client count (the round with the median requests/s; errors summed over rounds):
+requests/s, p50 and p99 latency, errors (non-200 answers and failed connections), and the server's
+CPU seconds per request (the server process and its children, from psutil). The sentences are the
+docstring sentences of encoderkit's own modules. Without the infinity venv, infinity is skipped
+with a message.
 
-    nice -n 5 python bench/serve_peer.py                                   # 64 and 8 clients x 20 s
-    python bench/serve_peer.py --infinity-venv /work/venvs/infinity --infinity-engine optimum
+infinity's engine: ``torch`` (its CPU default). Its ``optimum`` (ONNX) engine installs beside torch
+2.13 but does not start: infinity-emb 0.0.78 with optimum 2.x cannot find the folder's ``model.onnx``
+(it passes an absolute file name), and optimum 1.x's exporter needs torch internals 2.13 removed.
+
+    nice -n 5 python bench/serve_peer.py                           # 64 and 8 clients x 20 s x 3 rounds
+    python bench/serve_peer.py --infinity-venv /work/venvs/infinity --only encoderkit --clients 64
 """
 
 from __future__ import annotations
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="64,8", help="client counts, comma-separated")
     ap.add_argument("--infinity-venv", default="/work/venvs/infinity", help="virtual environment with infinity-emb")
     ap.add_argument("--infinity-engine", default="torch", choices=("torch", "optimum"))
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of all points; the median round is reported")
     ap.add_argument("--only", choices=("encoderkit", "infinity"), default=None, help="run one server only")
     ap.add_argument("--ek-args", default="", help="extra arguments for encoderkit serve (e.g. '--max-batch 16')")
     args = ap.parse_args(argv)
@@ -155,23 +163,36 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.infinity_venv}/bin/pip install torch==2.13.0 'infinity-emb[server,torch]'; "
                   f"or pass --infinity-venv)", flush=True)
 
-    results: dict[tuple[str, int], dict[str, float]] = {}
-    for name, make in servers.items():
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        t0 = time.time()
-        proc = start(make(port), url, env | {"PYTHONPATH": str(REPO)} if name == "encoderkit" else env)
-        print(f"{name}: up in {time.time() - t0:.0f} s (pid {proc.pid})", flush=True)
-        try:
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    procs: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for name, make in servers.items():
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            t0 = time.time()
+            procs[name] = start(make(port), url, env | {"PYTHONPATH": str(REPO)} if name == "encoderkit" else env), url
+            print(f"{name}: up in {time.time() - t0:.0f} s (pid {procs[name][0].pid})", flush=True)
+        # the servers take turns, point by point, so that the machine's other jobs weigh on both alike;
+        # the one waiting is idle (its CPU during the other's point is printed)
+        for rnd in range(args.rounds):
             for c in counts:
-                r = results[(name, c)] = measure(proc, url, texts, c, args.seconds)
-                print(f"{name} {c} clients: {r['rps']:.1f} req/s, p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms "
-                      f"(p99/p50 {r['p99_ms'] / max(r['p50_ms'], 1e-9):.1f}), {r['ok']} ok, errors {r['errors_all']}, "
-                      f"server CPU {r['server_cpu_ms']:.1f} ms per request", flush=True)
-        finally:
+                for name, (proc, url) in procs.items():
+                    idle0 = {o: server_cpu(p.pid) for o, (p, _) in procs.items() if o != name}
+                    r = measure(proc, url, texts, c, args.seconds)
+                    idle = sum(server_cpu(procs[o][0].pid) - v for o, v in idle0.items())
+                    runs.setdefault((name, c), []).append(r)
+                    print(f"round {rnd + 1}: {name} {c} clients: {r['rps']:.1f} req/s, p50 {r['p50_ms']:.0f} ms, "
+                          f"p99 {r['p99_ms']:.0f} ms (p99/p50 {r['p99_ms'] / max(r['p50_ms'], 1e-9):.1f}), {r['ok']} ok, "
+                          f"errors {r['errors_all']}, server CPU {r['server_cpu_ms']:.1f} ms per request "
+                          f"(the idle server meanwhile: {idle:.2f} CPU s)", flush=True)
+    finally:
+        for proc, _ in procs.values():
             stop(proc)
+    # per point, the round with the median requests/s
+    results = {k: sorted(v, key=lambda r: r["rps"])[len(v) // 2] | {"errors_all": sum(r["errors_all"] for r in v)}
+               for k, v in runs.items()}
 
-    fields = [f"engine={args.infinity_engine}", f"seconds={args.seconds:.0f}"]
+    fields = [f"engine={args.infinity_engine}", f"seconds={args.seconds:.0f}", f"rounds={args.rounds}"]
     for (name, c), r in results.items():
         key = f"{'ek' if name == 'encoderkit' else 'inf'}{c}"
         fields += [f"{key}_rps={r['rps']:.1f}", f"{key}_p50_ms={r['p50_ms']:.0f}", f"{key}_p99_ms={r['p99_ms']:.0f}",
