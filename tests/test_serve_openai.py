@@ -183,3 +183,12 @@ def test_models_list(client, http):
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
     assert http.get("/openapi.json").json()["paths"].keys() >= {"/v1/embeddings", "/v1/rerank", "/rerank", "/v1/models"}
+
+
+def test_metrics_count_the_new_routes_by_path(client, http):
+    client.embeddings.create(model="emb", input=["counted"])
+    http.post("/rerank", json={"query": "q", "documents": ["a"]})
+    metrics = http.get("/metrics").text
+    assert 'encoderkit_requests_total{path="/v1/embeddings",status="200"}' in metrics
+    assert 'encoderkit_requests_total{path="/rerank",status="200"}' in metrics
+    assert 'encoderkit_batch_tokens_count{model="emb"}' in metrics and 'encoderkit_queue_seconds_count{model="rr"}' in metrics

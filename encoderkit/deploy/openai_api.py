@@ -55,12 +55,14 @@ def error_response(status: int, message: str, code: str | None, param: str | Non
                         status_code=status, headers=dict(headers or {}))
 
 
-def _route_class(invalid_status: int, authorize: Callable[[Request], None]) -> type[APIRoute]:
-    """An APIRoute that checks the token before the body is parsed and answers every error in OpenAI's shape."""
+def _route_class(authorize: Callable[[Request], None]) -> type[APIRoute]:
+    """An APIRoute that checks the token before the body is parsed and answers every error in OpenAI's shape
+    (a bad field: 400 on the OpenAI routes, as OpenAI; 422 on rerank, as the rest of encoderkit)."""
 
     class _Route(APIRoute):
         def get_route_handler(self):
             handler = super().get_route_handler()
+            invalid_status = 422 if self.path.endswith("/rerank") else 400
 
             async def guarded(request: Request) -> Response:
                 try:
@@ -123,8 +125,7 @@ def openai_router(served: Mapping[str, Any], authorize: Callable[[Request], None
     """The routes above for ``served`` (name -> object with ``predictor`` and ``batcher``, as serve.py
     builds them); ``authorize(request)`` raises an HTTPException for a wrong or missing token."""
     created = int(time.time())
-    embed_routes = APIRouter(route_class=_route_class(400, authorize))
-    rerank_routes = APIRouter(route_class=_route_class(422, authorize))
+    router = APIRouter(route_class=_route_class(authorize))
 
     def pick(task: str, name: str | None, route: str) -> Any:
         able = [n for n, s in served.items() if s.predictor.task == task]
@@ -166,7 +167,7 @@ def openai_router(served: Mapping[str, Any], authorize: Callable[[Request], None
         except EncoderkitError as e:
             raise OpenAIError(400, str(e), "invalid_value") from e
 
-    @embed_routes.post("/v1/embeddings")
+    @router.post("/v1/embeddings")
     async def embeddings(body: EmbeddingsBody) -> Response:
         s = pick("embed", body.model, "/v1/embeddings")
         texts = [body.input] if isinstance(body.input, str) else body.input
@@ -189,11 +190,11 @@ def openai_router(served: Mapping[str, Any], authorize: Callable[[Request], None
                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
         return Response(orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
-    @embed_routes.get("/v1/models")
+    @router.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(n, s, created) for n, s in served.items()]}
 
-    @embed_routes.get("/v1/models/{model_id}")
+    @router.get("/v1/models/{model_id}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id not in served:
             raise OpenAIError(404, f"the model {model_id!r} does not exist; served: {', '.join(served)}",
@@ -223,11 +224,8 @@ def openai_router(served: Mapping[str, Any], authorize: Callable[[Request], None
                    | ({"document": {"text": docs[i]}} if body.return_documents else {}) for i in ranked]
         return {"object": "rerank", "model": s.name, "results": results, "usage": {"total_tokens": tokens}}
 
-    rerank_routes.add_api_route("/v1/rerank", rerank, methods=["POST"], summary="Rerank (Cohere/Jina or encoderkit shape)")
-    rerank_routes.add_api_route("/rerank", rerank, methods=["POST"], summary="Rerank (alias of /v1/rerank)")
-    router = APIRouter()
-    router.include_router(embed_routes)
-    router.include_router(rerank_routes)
+    router.add_api_route("/v1/rerank", rerank, methods=["POST"], summary="Rerank (Cohere/Jina or encoderkit shape)")
+    router.add_api_route("/rerank", rerank, methods=["POST"], summary="Rerank (alias of /v1/rerank)")
     return router
 
 

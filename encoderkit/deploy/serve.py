@@ -339,8 +339,9 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
 
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(openai_router(served, check_token, limits.max_texts, limits.max_chars))
-    known = {r.path for r in app.routes if hasattr(r, "path")}
+    peer_routes = openai_router(served, check_token, limits.max_texts, limits.max_chars)
+    app.include_router(peer_routes)
+    known = {r.path for r in [*app.routes, *peer_routes.routes] if hasattr(r, "path")}
     app.add_middleware(_Guard, limits=limits, metrics=metrics, known_paths=known)
     app.state.metrics = metrics
     return app
