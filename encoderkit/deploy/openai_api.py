@@ -72,8 +72,8 @@ def _route_class(authorize: Callable[[Request], None]) -> type[APIRoute]:
                     errors = exc.errors()
                     if any(e.get("type") == "json_invalid" for e in errors):
                         return error_response(400, "the request body is not valid JSON", "invalid_json")
-                    first = errors[0] if errors else {}
-                    param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+                    loc = [x for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
+                    param = str(loc[0]) if loc else None  # the top-level field, as OpenAI names it
                     parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
                              for e in errors[:5]]
                     return error_response(invalid_status, "; ".join(parts), "invalid_value", param)
