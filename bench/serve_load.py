@@ -75,13 +75,14 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
 
 
 async def load(url: str, texts: list[str], clients: int, seconds: float, max_requests: int,
-               timeout: float = 30.0) -> dict[str, float]:
+               timeout: float = 30.0, path: str = "/v1/embed", body=lambda t: {"texts": [t]}) -> dict[str, float]:
     """``clients`` keep-alive connections (plain asyncio streams, hand-built POSTs: far less client CPU per
     request than an HTTP library, so the client does not starve a server sharing a few cores) each sending
-    one text per request until ``seconds`` pass or ``max_requests`` are sent; each request has ``timeout``."""
+    one text per request (``body(text)`` to ``path``) until ``seconds`` pass or ``max_requests`` are sent;
+    each request has ``timeout``."""
     host, port = url.removeprefix("http://").split(":")
-    bodies = [json.dumps({"texts": [t]}).encode() for t in texts]
-    head = f"POST /v1/embed HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nContent-Length: "
+    bodies = [json.dumps(body(t)).encode() for t in texts]
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nContent-Length: "
     requests = [head.encode() + f"{len(b)}\r\n\r\n".encode() + b for b in bodies]
     latencies: list[float] = []
     statuses: dict[int, int] = {}

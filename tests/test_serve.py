@@ -99,7 +99,7 @@ def test_concurrent_requests_each_get_their_own_result_in_shared_batches(server,
 
 def _batch_count(metrics: str) -> int:
     line = next(x for x in metrics.splitlines() if x.startswith('encoderkit_batch_size_count{model="classify"}'))
-    return int(line.split()[-1])
+    return int(float(line.split()[-1]))  # prometheus_client writes counts as floats
 
 
 @pytest.mark.parametrize("body,status,code", [

@@ -5,8 +5,10 @@ Endpoints (JSON in, JSON out; OpenAPI page at ``/docs``):
 * ``POST /v1/classify`` ``{"texts": [...], "text_pairs": [...]?}`` -> ``{"results": [{label, score, scores}]}``
 * ``POST /v1/extract``  ``{"texts": [...]}`` -> ``{"results": [[{entity, label, start, end, score}]]}``
 * ``POST /v1/answer``   ``{"questions": [...], "contexts": [...]}`` -> ``{"results": [{answer, start, end, score}]}``
-* ``POST /v1/rerank``   ``{"query": "...", "passages": [...], "top_k": n?}`` -> ``{"results": [{index, score}]}``
+* ``POST /v1/rerank``   ``{"query": "...", "passages": [...], "top_k": n?}`` -> ``{"results": [{index, score}]}``, or the
+  Cohere/Jina shape ``{"query", "documents", "top_n"}`` (also at ``/rerank``; see ``openai_api.py``)
 * ``POST /v1/embed``    ``{"texts": [...], "dim": n?, "normalize": bool?}`` -> ``{"embeddings": [[...]]}``
+* ``POST /v1/embeddings`` (OpenAI), ``GET /v1/models``: see ``encoderkit/deploy/openai_api.py``.
 * ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
 Every body may name a ``model`` (needed when several served models do the same task). Bad input
@@ -38,13 +40,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.exceptions import HTTPException
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.deploy.batching import MicroBatcher
+from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
+from encoderkit.deploy.openai_api import openai_router
 from encoderkit.deploy.runtime import BACKENDS, Predictor, describe, finish_embeddings
 from encoderkit.errors import EncoderkitError
 
 ENDPOINT_TASK = {"classify": "classify", "extract": "ner", "answer": "qa", "rerank": "rerank", "embed": "embed"}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 @dataclass
@@ -89,12 +93,6 @@ class AnswerBody(_Body):
     contexts: list[StrictStr] = Field(..., description="One context per question.")
 
 
-class RerankBody(_Body):
-    query: StrictStr
-    passages: list[StrictStr]
-    top_k: StrictInt | None = Field(None, ge=1, description="Return only the best k passages.")
-
-
 class EmbedBody(_Body):
     texts: list[StrictStr]
     dim: StrictInt | None = Field(None, ge=1, description="Keep the first dim dimensions (Matryoshka), then renormalise.")
@@ -103,53 +101,40 @@ class EmbedBody(_Body):
 
 # -- metrics -----------------------------------------------------------------------------------
 class Metrics:
-    """Request counts, latency and batch-size histograms, written as Prometheus text by hand."""
+    """Prometheus metrics of one app (its own registry, so two apps in a process never mix counts):
+    requests by path and status, request latency, and per model call its items, padded tokens and
+    the time its requests waited in the queue."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = {}
-        self.latency: dict[str, list[int]] = {}
-        self.latency_sum: dict[str, float] = {}
-        self.batches: dict[str, list[int]] = {}
-        self.batch_sum: dict[str, int] = {}
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("encoderkit_requests", "HTTP requests by path and status.", ["path", "status"], registry=r)
+        self.latency = Histogram("encoderkit_request_seconds", "Request latency in seconds.", ["path"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("encoderkit_batch_size", "Items per batched model call.", ["model"],
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("encoderkit_batch_tokens", "Padded tokens (longest item x items) per batched "
+                                      "model call.", ["model"], buckets=TOKEN_BUCKETS, registry=r)
+        self.queue = Histogram("encoderkit_queue_seconds", "Seconds a request waited in the queue for its first "
+                               "model call.", ["model"], buckets=LATENCY_BUCKETS, registry=r)
 
     def observe_request(self, path: str, status: int, seconds: float) -> None:
-        with self._lock:
-            self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
-            counts = self.latency.setdefault(path, [0] * (len(LATENCY_BUCKETS) + 1))
-            counts[sum(seconds > b for b in LATENCY_BUCKETS)] += 1
-            self.latency_sum[path] = self.latency_sum.get(path, 0.0) + seconds
+        self.requests.labels(path, str(status)).inc()
+        self.latency.labels(path).observe(seconds)
 
-    def observe_batch(self, model: str, size: int) -> None:
-        with self._lock:
-            counts = self.batches.setdefault(model, [0] * (len(BATCH_BUCKETS) + 1))
-            counts[sum(size > b for b in BATCH_BUCKETS)] += 1
-            self.batch_sum[model] = self.batch_sum.get(model, 0) + size
+    def observe_batch(self, model: str, stats: BatchStats) -> None:
+        self.batch_size.labels(model).observe(stats.items)
+        self.batch_tokens.labels(model).observe(stats.tokens)
+        queue = self.queue.labels(model)
+        for w in stats.waits:
+            queue.observe(w)
 
-    @staticmethod
-    def _histogram(name: str, label: str, key: str, counts: list[int], total: float, buckets: tuple) -> list[str]:
-        lines, cum = [], 0
-        for b, c in zip(buckets, counts, strict=False):
-            cum += c
-            lines.append(f'{name}_bucket{{{label}="{key}",le="{b}"}} {cum}')
-        cum += counts[-1]
-        lines += [f'{name}_bucket{{{label}="{key}",le="+Inf"}} {cum}', f'{name}_sum{{{label}="{key}"}} {total}',
-                  f'{name}_count{{{label}="{key}"}} {cum}']
-        return lines
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
 
-    def render(self) -> str:
-        with self._lock:
-            out = ["# HELP encoderkit_requests_total HTTP requests by path and status.",
-                   "# TYPE encoderkit_requests_total counter"]
-            out += [f'encoderkit_requests_total{{path="{p}",status="{s}"}} {n}' for (p, s), n in sorted(self.requests.items())]
-            out += ["# HELP encoderkit_request_seconds Request latency in seconds.",
-                    "# TYPE encoderkit_request_seconds histogram"]
-            for p, counts in sorted(self.latency.items()):
-                out += self._histogram("encoderkit_request_seconds", "path", p, counts, self.latency_sum[p], LATENCY_BUCKETS)
-            out += ["# HELP encoderkit_batch_size Items per batched model call.", "# TYPE encoderkit_batch_size histogram"]
-            for m, counts in sorted(self.batches.items()):
-                out += self._histogram("encoderkit_batch_size", "model", m, counts, self.batch_sum[m], BATCH_BUCKETS)
-        return "\n".join(out) + "\n"
+        return generate_latest(self.registry)
 
 
 class _Guard:
@@ -256,14 +241,17 @@ def _batched_fn(p: Predictor):
 
 
 def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_batch: int = 32,
-               max_wait_ms: float = 5.0) -> FastAPI:
-    """The ASGI app serving ``models`` (name -> Predictor); wrap-free, ready for uvicorn."""
+               max_wait_ms: float = 5.0, max_batch_tokens: int | None = 16384) -> FastAPI:
+    """The ASGI app serving ``models`` (name -> Predictor); wrap-free, ready for uvicorn. A model call
+    holds at most ``max_batch`` items and ``max_batch_tokens`` padded tokens (longest item x items)."""
     limits = limits or Limits()
     metrics = Metrics()
     served: dict[str, _Served] = {}
     for name, p in models.items():
-        served[name] = _Served(name, p, MicroBatcher(_batched_fn(p), max_batch, max_wait_ms,
-                                                     on_batch=lambda n, m=name: metrics.observe_batch(m, n), name=name))
+        batcher = MicroBatcher(_batched_fn(p), max_batch, max_wait_ms, name=name, max_batch_tokens=max_batch_tokens,
+                               on_batch=lambda stats, m=name: metrics.observe_batch(m, stats),
+                               cost=lambda items, p=p: token_counts(getattr(p, "tokenizer", None), items, p.max_length))
+        served[name] = _Served(name, p, batcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -356,15 +344,6 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
             raise ApiError(422, "invalid_request", f"{len(body.questions)} questions but {len(body.contexts)} contexts")
         return {"model": s.name, "results": await run_batch(s, list(zip(body.questions, body.contexts, strict=True)))}
 
-    @app.post("/v1/rerank")
-    async def rerank(body: RerankBody) -> dict[str, Any]:
-        s = pick("rerank", body.model)
-        check_texts("query", [body.query])
-        check_texts("passages", body.passages)
-        scores = await run_batch(s, [(body.query, d) for d in body.passages])
-        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])[: body.top_k]
-        return {"model": s.name, "results": [{"index": i, "score": float(scores[i])} for i in ranked]}
-
     @app.post("/v1/embed")
     async def embed(body: EmbedBody) -> JSONResponse:
         s = pick("embed", body.model)
@@ -388,9 +367,13 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_page() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-    known = {r.path for r in app.routes if hasattr(r, "path")}
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    peer_routes = openai_router(served, None, limits.max_texts, limits.max_chars)  # _Guard checked the token
+    app.include_router(peer_routes)
+    known = {r.path for r in [*app.routes, *peer_routes.routes] if hasattr(r, "path")}
     app.add_middleware(_Guard, limits=limits, metrics=metrics, known_paths=known)
     app.state.metrics = metrics
     return app
@@ -487,6 +470,8 @@ class ServeConfig(StageConfig):
     token_env: str = arg("ENCODERKIT_TOKEN", help="Environment variable holding the bearer token; unset = no auth.")
     max_batch: int = arg(32, help="Most texts per batched model call.", speed=True)
     max_wait_ms: float = arg(5.0, help="How long a batch waits for more requests.", speed=True)
+    max_batch_tokens: int = arg(16384, help="Most padded tokens (longest text x texts) per batched model call; "
+                                            "requests are batched oldest first within it.", speed=True)
     threads: int | None = arg(None, help="onnxruntime intra-op threads per model.", speed=True)
     head_timeout_s: float = arg(10.0, help="Seconds a connection has to send a complete request head (after "
                                            "connecting, or after its previous response); then it is closed.")
@@ -499,6 +484,7 @@ class ServeConfig(StageConfig):
 
     def validate(self) -> None:
         check(0 < self.port < 65536, f"--port {self.port} is not a TCP port")
+        check(self.max_batch_tokens >= 1, "--max-batch-tokens must be positive")
         check(self.max_batch >= 1 and self.max_texts >= 1 and self.max_chars >= 1 and self.max_body_bytes >= 1,
               "--max-batch, --max-texts, --max-chars and --max-body-bytes must be positive")
         check(min(self.head_timeout_s, self.body_timeout_s, self.keep_alive_s) > 0
@@ -512,6 +498,18 @@ def load_models(specs: list[str], backend: str = "auto", threads: int | None = N
             for name, folder in parse_models(specs).items()}
 
 
+def _freeze_startup_heap() -> None:
+    """Move every object alive after loading (transformers, onnxruntime, tokenizers, the app: ~240k objects
+    with MiniLM) out of the cyclic garbage collector's view. Left in, each full (gen-2) collection under
+    load walks them all and stops the event loop and the batch worker for 0.3-2 s (measured on 2 shared
+    cores): every request in flight waits, which was the long tail (p99 ~7x p50 at 64 clients). Only
+    ``serve``'s own process does this; it owns the process, as the CLI does threads."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def run(cfg: ServeConfig) -> None:
     """Serve task models over HTTP (classify/extract/answer/rerank/embed, /health, /metrics, /docs).
 
@@ -522,9 +520,10 @@ def run(cfg: ServeConfig) -> None:
     models = load_models(cfg.model, cfg.backend, cfg.threads, cfg.max_batch)
     limits = Limits(cfg.max_body_bytes, cfg.max_texts, cfg.max_chars, os.environ.get(cfg.token_env) or None,
                     cfg.body_timeout_s)
-    app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms)
+    app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms, cfg.max_batch_tokens)
     for name, p in models.items():
         print(f"serving {name}: {p.task} from {p.folder} on {p.backend}")
+    _freeze_startup_heap()
     # loop "auto": uvloop when installed (uvicorn[standard]); the protocol is uvicorn's auto choice (httptools, else h11)
     uvicorn.run(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=30, log_level="info",
                 access_log=cfg.access_log, loop="auto",
