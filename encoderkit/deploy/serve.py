@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
-from encoderkit.deploy.openai_api import openai_router
+from encoderkit.deploy.openai_api import ERROR_TYPES, openai_router
 from encoderkit.deploy.runtime import BACKENDS, Predictor, describe, finish_embeddings
 from encoderkit.errors import EncoderkitError
 
@@ -179,11 +179,11 @@ class _Guard:
         try:
             if self.limits.token and scope["path"] not in PUBLIC_PATHS and not _token_ok(scope, self.limits.token):
                 await JSONResponse(_error_body("unauthorized", "missing or wrong bearer token (header "
-                                               "'Authorization: Bearer <token>')"),
+                                               "'Authorization: Bearer <token>')", 401),
                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_and_record)
                 return
             if declared is not None and (not declared.isdigit() or int(declared) > limit):
-                await JSONResponse(_error_body("body_too_large", f"request body is over the {limit}-byte limit"),
+                await JSONResponse(_error_body("body_too_large", f"request body is over the {limit}-byte limit", 413),
                                    status_code=413)(scope, receive, send_and_record)
                 return
             await self.app(scope, limited_receive, send_and_record)
@@ -216,8 +216,11 @@ def unencodable_at(text: str) -> int | None:
     return None
 
 
-def _error_body(code: str, message: str) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message}}
+def _error_body(code: str, message: str, status: int) -> dict[str, Any]:
+    """Every error's body: encoderkit's ``code`` and ``message`` plus OpenAI's ``type`` and ``param``, so a client of
+    either shape (the openai client included) reads errors raised before any route runs (401, 408, 413) too."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"code": code, "message": message, "type": kind, "param": None}}
 
 
 @dataclass
@@ -268,15 +271,15 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = getattr(exc, "code", None) or {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(
             exc.status_code, "error")
-        return JSONResponse(_error_body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(_error_body(code, str(exc.detail), exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return JSONResponse(_error_body("invalid_json", "the request body is not valid JSON"), status_code=400)
+            return JSONResponse(_error_body("invalid_json", "the request body is not valid JSON", 400), status_code=400)
         parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]]
-        return JSONResponse(_error_body("invalid_request", "; ".join(parts)), status_code=422)
+        return JSONResponse(_error_body("invalid_request", "; ".join(parts), 422), status_code=422)
 
     def pick(endpoint: str, name: str | None) -> _Served:
         task = ENDPOINT_TASK[endpoint]
