@@ -343,7 +343,7 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     from encoderkit.deploy.export import export_onnx
-    from encoderkit.deploy.tasks import ONNX_FP32, ONNX_INT8
+    from encoderkit.models.folder import ONNX_FP32, ONNX_INT8
 
     details: dict[str, Any] = {"runtime": "onnxruntime"}
     with tempfile.TemporaryDirectory(prefix="encoderkit-onnx-") as work:

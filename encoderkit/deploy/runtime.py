@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.deploy.tasks import TaskInfo, check_servable, detect_task, load_torch_model, onnx_file
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import cache_dir, output_dir, read_card
+from encoderkit.io import cache_dir, output_dir
+from encoderkit.models.folder import SERVABLE, ModelFolder
 
 BACKENDS = ("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8")
 INT8_TASKS = ("embed",)
@@ -43,12 +43,12 @@ OUTPUTS = {"embed": ["last_hidden_state"], "classify": ["logits"], "rerank": ["l
 class _TorchEngine:
     """Eager transformers model; ``run`` maps int64 arrays (B, T) to the task's float32 outputs."""
 
-    def __init__(self, folder: Path, info: TaskInfo, bf16: bool) -> None:
+    def __init__(self, folder: ModelFolder, bf16: bool) -> None:
         import torch
 
         self.torch = torch
-        self.task = info.task
-        self.model = load_torch_model(folder, info, dtype=torch.bfloat16 if bf16 else None, attn="sdpa")
+        self.task = folder.task
+        self.model = folder.load(task=folder.task, dtype=torch.bfloat16 if bf16 else None, attn="sdpa", frozen=True)
         self.input_names = ["input_ids", "attention_mask", "token_type_ids"]
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -61,38 +61,39 @@ class _TorchEngine:
 class _OnnxEngine:
     """onnxruntime session on one ``.onnx`` file."""
 
-    def __init__(self, path: Path, info: TaskInfo, threads: int | None, spin: bool = True) -> None:
+    def __init__(self, path: Path, task: str, threads: int | None, spin: bool = True) -> None:
         from encoderkit.deploy.export import ort_session
 
         self.session = ort_session(path, threads, spin)
         self.input_names = [i.name for i in self.session.get_inputs()]
-        self.outputs = OUTPUTS[info.task]
+        self.outputs = OUTPUTS[task]
         missing = set(self.outputs) - {o.name for o in self.session.get_outputs()}
         if missing or not {"input_ids", "attention_mask"} <= set(self.input_names):
-            raise EncoderkitError(f"{path}: graph inputs/outputs do not match a {info.task} model "
+            raise EncoderkitError(f"{path}: graph inputs/outputs do not match a {task} model "
                                   f"(missing {sorted(missing) or 'input_ids/attention_mask'}); re-run encoderkit export")
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         return self.session.run(self.outputs, {k: v for k, v in inputs.items() if k in self.input_names})
 
 
-def cached_export(folder: Path, int8: bool) -> Path:
-    """``folder`` itself when it holds the wanted ONNX file, else a cache folder exported once from it."""
-    if onnx_file(folder, int8):
-        return folder
+def cached_export(folder: ModelFolder, int8: bool) -> Path:
+    """The wanted ONNX file of ``folder``: its own, else one in a cache folder exported once from it."""
+    own = folder.onnx(int8)
+    if own:
+        return own
     from encoderkit.deploy.export import copy_model_files, export_onnx
 
-    st = (folder / "config.json").stat()
-    weights = [p for p in (folder / "model.safetensors", folder / "pytorch_model.bin") if p.is_file()]
-    stamp = f"{folder.resolve()}|{st.st_mtime_ns}|{[(p.stat().st_size, p.stat().st_mtime_ns) for p in weights]}"
-    root = cache_dir("onnx")
-    out = root / hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    if onnx_file(out, int8):
-        return out
+    st = (folder.path / "config.json").stat()
+    weights = [folder.torch_weights] if folder.torch_weights else []
+    stamp = f"{folder.path.resolve()}|{st.st_mtime_ns}|{[(p.stat().st_size, p.stat().st_mtime_ns) for p in weights]}"
+    out = cache_dir("onnx") / hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    cached = out / ("model.int8.onnx" if int8 else "model.onnx")
+    if cached.is_file():
+        return cached
     with output_dir(out, overwrite=True) as tmp:  # both graphs at once: the INT8 one is quantised from the FP32 trace
-        copy_model_files(folder, tmp)
+        copy_model_files(folder.path, tmp)
         export_onnx(folder, tmp, optimize=True, int8=True)
-    return out
+    return cached
 
 
 def _pad(rows: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
@@ -147,7 +148,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 class Predictor:
     """A task model ready for inference; see the module docstring."""
 
-    def __init__(self, folder: Path, info: TaskInfo, tokenizer, engine, backend: str, max_batch: int,
+    def __init__(self, folder: Path, info: ModelFolder, tokenizer, engine, backend: str, max_batch: int,
                  max_length: int) -> None:
         self.folder, self.info, self.tokenizer, self.engine = folder, info, tokenizer, engine
         self.task, self.backend, self.max_batch, self.max_length = info.task, backend, max_batch, max_length
@@ -157,33 +158,22 @@ class Predictor:
              max_length: int | None = None, spin: bool = True) -> Predictor:
         """Load ``folder`` (a task model, or its export) with ``backend``; see the module docstring.
         ``spin=False`` lets onnxruntime's idle threads sleep (a server sharing the CPU with its HTTP loop)."""
-        from transformers import AutoTokenizer
-
-        folder = Path(folder)
         if backend not in BACKENDS:
             raise EncoderkitError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if max_batch < 1:
             raise EncoderkitError(f"max_batch must be at least 1, got {max_batch}")
-        info = detect_task(folder)
-        check_servable(folder, info)
+        info = ModelFolder.open(folder, tokenizer=False)
+        info.require_task(*SERVABLE)
+        tokenizer = info.tokenizer()
         if backend == "auto":
-            has_weights = (folder / "model.safetensors").is_file() or (folder / "pytorch_model.bin").is_file()
             want_int8 = info.task in INT8_TASKS
-            if want_int8 and (onnx_file(folder, True) or has_weights):
-                backend = "onnx-int8"
-            else:
-                backend = "onnx-fp32"
+            backend = "onnx-int8" if want_int8 and (info.onnx_int8 or info.torch_weights) else "onnx-fp32"
         if backend.startswith("onnx"):
-            int8 = backend == "onnx-int8"
-            src = cached_export(folder, int8)
-            engine: Any = _OnnxEngine(onnx_file(src, int8), info, threads, spin)
+            engine: Any = _OnnxEngine(cached_export(info, backend == "onnx-int8"), info.task, threads, spin)
         else:
-            engine = _TorchEngine(folder, info, bf16=backend == "torch-bf16")
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        if not getattr(tokenizer, "is_fast", False):
-            raise EncoderkitError(f"{folder}: the runtime needs a fast tokenizer (tokenizer.json)")
+            engine = _TorchEngine(info, bf16=backend == "torch-bf16")
         limit = info.max_length if max_length is None else min(max_length, info.max_length)
-        return cls(folder, info, tokenizer, engine, backend, max_batch, limit)
+        return cls(info.path, info, tokenizer, engine, backend, max_batch, limit)
 
     # -- batching -------------------------------------------------------------------------
     def _run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
@@ -247,12 +237,12 @@ class Predictor:
         return [{"index": int(i), "score": float(scores[i])} for i in order]
 
     def embed_raw(self, texts: Sequence[str]) -> np.ndarray:
-        """Pooled, un-normalised embeddings (N, H) float32 (mean or [CLS] pooling per the folder)."""
+        """Pooled, un-normalised embeddings (N, H) float32 (mean or first-token pooling per the folder)."""
         self._need("embed")
         if not texts:
             return np.zeros((0, 0), dtype=np.float32)
         out = self._run_rows(self._encode(texts))
-        if self.info.pooling == "cls":
+        if self.info.pooling == "first":
             return np.stack([o[0][0] for o in out]).astype(np.float32)
         return np.stack([o[0].mean(axis=0) for o in out]).astype(np.float32)
 
@@ -328,9 +318,8 @@ def finish_embeddings(vectors: np.ndarray, dim: int | None, normalize: bool) -> 
 
 def describe(p: Predictor) -> dict[str, Any]:
     """What a loaded predictor is: task, backend, labels, limits (for /health and logs)."""
-    card = read_card(p.folder)
     return {"folder": str(p.folder), "task": p.task, "backend": p.backend, "labels": p.info.labels,
-            "max_length": p.max_length, "max_batch": p.max_batch, "stage": card.get("stage")}
+            "max_length": p.max_length, "max_batch": p.max_batch, "stage": p.info.card.get("stage")}
 
 
 # -- `encoderkit predict` ---------------------------------------------------------------------

@@ -9,7 +9,6 @@ predictions already score tokens by similarity to the word embeddings.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
 
 
 def check_fits(config: Any, vocab_size: int, seq_len: int | None, source: str) -> None:
@@ -41,25 +41,14 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
     ``vocab_size`` (the tokenizer's ``len``) and ``seq_len`` are checked with :func:`check_fits`."""
     from transformers import AutoConfig, AutoModelForMaskedLM
 
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise EncoderkitError(f"{folder} has no config.json; give a Hugging Face model folder (config.json + weights)")
+    mf = ModelFolder.open(folder, tokenizer=False)
     try:
-        config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(mf.path)
     except (OSError, ValueError, KeyError) as e:
-        raise EncoderkitError(f"{folder}/config.json could not be read as a model config ({e})") from e
-    check_fits(config, vocab_size if vocab_size is not None else 0, seq_len, str(folder))
+        raise EncoderkitError(f"{mf.path}/config.json could not be read as a model config ({e})") from e
+    check_fits(config, vocab_size if vocab_size is not None else 0, seq_len, str(mf.path))
     has_head = any(a.endswith("ForMaskedLM") for a in (config.architectures or []))
-    log = logging.getLogger("transformers.modeling_utils")
-    old_level = log.level
-    if not has_head:  # the "newly initialized" warning is expected: we add the head on purpose
-        log.setLevel(logging.ERROR)
-    try:
-        model = AutoModelForMaskedLM.from_pretrained(folder, dtype=torch.float32)
-    except ValueError as e:
-        raise EncoderkitError(f"{folder}: {config.model_type} has no masked-LM model class in transformers ({e})") from e
-    finally:
-        log.setLevel(old_level)
+    model = mf.load(AutoModelForMaskedLM, dtype=torch.float32)  # a missing head is named in one line, then made here
     if not has_head:
         init_fresh_head(model)
     model.config.architectures = [type(model).__name__]

@@ -2,12 +2,14 @@
 
 Head: Hugging Face's own ``AutoModelForSequenceClassification`` (for BERT: the pooler's dense+tanh,
 then a linear layer). ``--pooling`` says what the pooler reads: the first token ([CLS], HF's
-default) or the mean of the real tokens (:mod:`encoderkit.models.pooling`; BERT-style models and
-ModernBERT). ``auto`` takes what the model folder records: its ``classifier_pooling``, else a
-sentence-transformers folder's own pooling (mean for all-MiniLM-L6-v2), else the first token. The
-choice is saved in ``config.json`` (``classifier_pooling``) and ``encoderkit.json``; every encoderkit
-loader, ONNX export included, applies it (plain ``transformers`` needs
-``encoderkit.models.pooling.apply_pooling(model)`` for a mean-pooled BERT).
+default and ``auto``'s choice, so plain ``transformers`` -- ``pipeline("text-classification")`` --
+computes what encoderkit computes) or, only on request, the mean of the real tokens
+(:mod:`encoderkit.models.pooling`; BERT-style models and ModernBERT). ``auto`` keeps the pooling
+of a folder that is already a classifier, else takes the first token. Mean pooling is saved in
+``config.json`` (``classifier_pooling``) and ``encoderkit.json``; every encoderkit loader, ONNX
+export included, applies it, but plain ``transformers`` pools the first token of a BERT whatever
+the config says (ModernBERT reads the key itself), so a mean-pooled BERT folder gives other labels
+there: the log, the card (``hf_compatible: false`` and a ``warning``) and the README say so.
 
 Labels: the sorted set of training labels (numeric order when all are integers). A dev label that
 never occurs in training is an error. Multi-label rows give their labels joined by
@@ -18,7 +20,6 @@ of a pair first).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,11 @@ import numpy as np
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import classification_scores, multilabel_scores
-from encoderkit.models.pooling import KEY, set_pooling
+from encoderkit.models.folder import ModelFolder
+from encoderkit.models.pooling import set_pooling
+from encoderkit.progress import note
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, check_labels, load_task_model, run_batches, seeded_subset
-from encoderkit.tasks.embed import folder_pooling
+from encoderkit.tasks.common import TaskRun, check_labels, run_batches, seeded_subset
 from encoderkit.tasks.tabular import column, read_rows, text_column
 
 DEFAULT_MAX_LENGTH = 128
@@ -89,17 +91,23 @@ def scores(logits: np.ndarray, targets: np.ndarray, multi_label: bool) -> dict[s
     return classification_scores(targets, logits.argmax(-1), logits.shape[-1])
 
 
-def resolve_pooling(pooling: str, model_dir: Path) -> str:
-    """``--pooling`` for classify: 'first' or 'mean'; ``auto`` from the model folder (see the module doc)."""
+def resolve_pooling(pooling: str, folder: ModelFolder) -> str:
+    """``--pooling`` for classify: 'first' or 'mean'; ``auto``: a classifier folder's own, else 'first'."""
     if pooling != "auto":
         return pooling
-    saved = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get(KEY)
-    if saved:
-        return "mean" if saved == "mean" else "first"
-    return folder_pooling(Path(model_dir)) or "first"
+    return folder.pooling if folder.task == "classify" and folder.pooling else "first"
 
 
-def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
+def hf_mismatch_warning(model_type: str, pooling: str) -> str | None:
+    """The warning a mean-pooled classifier carries when plain transformers would pool its first token."""
+    if pooling != "mean" or model_type == "modernbert":
+        return None
+    return (f"mean pooling: plain transformers (AutoModelForSequenceClassification, pipeline) pools the first token of a "
+            f"{model_type} whatever config.json says, so it gives OTHER outputs than encoderkit for this folder; load it "
+            "with encoderkit (evaluate, predict, serve, export) or apply encoderkit.models.pooling.apply_pooling(model)")
+
+
+def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     """Read train/dev, featurize, and make the HF classification model and its engine pieces."""
     from transformers import AutoModelForSequenceClassification
 
@@ -123,12 +131,16 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         def evaluate(module) -> dict[str, float]:
             return scores(predict_logits(module, drows, tokenizer.pad_token_id, cfg.eval_batch_size), dy, cfg.multi_label)
 
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_dir, num_labels=len(names), id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)},
+    model = folder.load(
+        AutoModelForSequenceClassification, num_labels=len(names), id2label=dict(enumerate(names)),
+        label2id={n: i for i, n in enumerate(names)},
         problem_type="multi_label_classification" if cfg.multi_label else "single_label_classification",
     )
-    pooling = resolve_pooling(cfg.pooling, model_dir)
+    pooling = resolve_pooling(cfg.pooling, folder)
     set_pooling(model, pooling)
+    warning = hf_mismatch_warning(model.config.model_type, pooling)
+    if warning:
+        note(f"WARNING: {warning}")
     pad_id = tokenizer.pad_token_id
 
     def loss_fn(module, batch):
@@ -143,22 +155,21 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
 
     primary = ("micro_f1", "max") if cfg.multi_label else (cfg.metric or "accuracy", "max")
     card = {"task": "classify", "labels": names, "pooling": pooling, "max_length": (cfg.max_length or DEFAULT_MAX_LENGTH),
-            "multi_label": cfg.multi_label, "text_pair": bool(cfg.text_pair_column)}
+            "multi_label": cfg.multi_label, "text_pair": bool(cfg.text_pair_column), "hf_compatible": warning is None,
+            **({"warning": warning} if warning else {})}
     return TaskRun(model, loss_fn, source, evaluate, primary, save, card, num_train=len(rows))
 
 
-def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
     """Metrics of a saved classifier on a labelled file."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = load_task_model(model_dir, AutoModelForSequenceClassification)
+    model = folder.load(task="classify")
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
     multi = model.config.problem_type == "multi_label_classification"
     cfg.multi_label = multi
     texts, pairs, labels, where = read_examples(data, cfg)
     texts, pairs, labels = _subset(cfg.max_examples, cfg.seed, texts, pairs, labels)
     check_labels(set(names), [x for items in labels for x in items], [w for w, items in zip(where, labels, strict=False) for _ in items])
-    rows = featurize(tokenizer, texts, pairs, card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH))
+    rows = featurize(tokenizer, texts, pairs, folder.card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH))
     logits = predict_logits(model, rows, tokenizer.pad_token_id, cfg.batch_size)
     return {**scores(logits, _targets(labels, names, multi), multi), "examples": len(rows)}
 

@@ -16,8 +16,9 @@ import numpy as np
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import entity_scores
+from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, load_task_model, run_batches, seeded_subset
+from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
 from encoderkit.tasks.conll import Sentence, entity_types, read_ner
 from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words
 
@@ -73,7 +74,7 @@ def _check_types(train_types: list[str], sents: list[Sentence], path: str) -> No
         )
 
 
-def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
+def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     from transformers import AutoModelForTokenClassification
 
     train = seeded_subset(read_ner(cfg.train, cfg.tag_scheme), cfg.max_train_examples, cfg.seed)
@@ -93,8 +94,8 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
             pred = predict_tags(module, tokenizer, dev_feats, dict(enumerate(labels)), cfg.eval_batch_size)
             return entity_scores([s.tags for s in dev], pred)
 
-    model = AutoModelForTokenClassification.from_pretrained(
-        model_dir, num_labels=len(labels), id2label=dict(enumerate(labels)), label2id=label2id)
+    model = folder.load(AutoModelForTokenClassification, num_labels=len(labels), id2label=dict(enumerate(labels)),
+                        label2id=label2id)
     pad_id = tokenizer.pad_token_id
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), cfg.batch_size,
                              lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=cfg.seed, bucket=cfg.bucket)
@@ -108,10 +109,9 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
-    from transformers import AutoModelForTokenClassification
-
-    model = load_task_model(model_dir, AutoModelForTokenClassification)
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
+    model = folder.load(task="ner")
+    card = folder.card
     id2label = {int(k): v for k, v in model.config.id2label.items()}
     sents = seeded_subset(read_ner(data, cfg.tag_scheme), cfg.max_examples, cfg.seed)
     _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data))

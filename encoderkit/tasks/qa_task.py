@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from encoderkit.evaluate.metrics import squad_scores
+from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, load_task_model, run_batches, seeded_subset
+from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
 from encoderkit.tasks.qa import QaFeatures, decode_answers, featurize_qa
 from encoderkit.tasks.squad import QaExample, read_squad
 
@@ -70,7 +71,7 @@ def scores(module, tokenizer, examples: list[QaExample], cfg: Any, batch_size: i
     return squad_scores(preds, [[t for t, _ in e.answers] for e in examples])
 
 
-def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
+def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     from transformers import AutoModelForQuestionAnswering
 
     same_file = bool(cfg.dev) and Path(cfg.train).resolve() == Path(cfg.dev).resolve()
@@ -85,7 +86,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         def evaluate(module) -> dict[str, float]:
             return scores(module, tokenizer, dev, cfg, cfg.eval_batch_size)
 
-    model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    model = folder.load(AutoModelForQuestionAnswering)
     pad_id = tokenizer.pad_token_id
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), cfg.batch_size,
                              lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=cfg.seed, bucket=cfg.bucket)
@@ -99,10 +100,9 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
-    from transformers import AutoModelForQuestionAnswering
-
-    model = load_task_model(model_dir, AutoModelForQuestionAnswering)
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
+    model = folder.load(task="qa")
+    card = folder.card
     for key, field in (("max_length", "max_length"), ("doc_stride", "doc_stride"), ("max_answer_length", "max_answer_length"),
                        ("max_question_length", "max_query_length")):
         if key in card:

@@ -148,13 +148,14 @@ def heldout_batches(folder: Path, masker: Masker, n_blocks: int, batch_size: int
             for i in range(0, n, batch_size)]
 
 
-def evaluate_folder(model_dir: Path, tokenizer: Any, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
+def evaluate_folder(folder: Any, tokenizer: Any, data: str | Path, cfg: Any) -> dict[str, float]:
     """``encoderkit evaluate --task mlm``: held-out MLM loss, masked-token accuracy and perplexity
     of a model folder on a token store's held-out blocks (epoch-0 masks of ``cfg.seed``, the same
     masks ``pretrain`` evaluates with at the same ``cfg.mask_rate``). ``cfg.max_examples`` caps the blocks (0: all)."""
     from encoderkit.data.prepare import read_meta
     from encoderkit.tokenizer import load_tokenizer
 
+    model_dir = folder.path  # a ModelFolder
     store = Path(data)
     if not (store / "meta.json").is_file():
         raise EncoderkitError(f"{store}: not a token store; --task mlm takes a folder made by `encoderkit data prepare`")
