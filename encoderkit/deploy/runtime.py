@@ -256,7 +256,7 @@ class Predictor:
         from encoderkit.tasks.ner import decode_entities, featurize_text
 
         self._need("ner")
-        stride = stride if stride is not None else min(32, self.max_length // 4)
+        stride = stride if stride is not None else self.info.card.get("stride", min(32, self.max_length // 4))
         feats = [featurize_text(self.tokenizer, t, max_length=self.max_length, stride=stride) for t in texts]
         rows = []
         for f in feats:
@@ -276,10 +276,11 @@ class Predictor:
                             for e in decode_entities(f, logits, id2label)])
         return results
 
-    def answer(self, questions: Sequence[str], contexts: Sequence[str], max_answer_length: int = 30,
-               n_best: int = 20) -> list[dict[str, Any]]:
+    def answer(self, questions: Sequence[str], contexts: Sequence[str], max_answer_length: int | None = None,
+               n_best: int | None = None) -> list[dict[str, Any]]:
         """The best answer span per (question, context): {"answer", "start", "end", "score"}; an empty
-        answer with score None when no span fits."""
+        answer with score None when no span fits. Window and span settings come from the folder's card
+        (what the model was fine-tuned and evaluated with), else defaults cut to ``max_length``."""
         from encoderkit.tasks.qa import decode_answers, featurize_qa
 
         self._need("qa")
@@ -287,9 +288,12 @@ class Predictor:
             raise EncoderkitError(f"{len(questions)} questions but {len(contexts)} contexts; give one context per question")
         if not questions:
             return []
-        q_len = min(64, self.max_length // 4)
+        card = self.info.card
+        max_answer_length = max_answer_length or card.get("max_answer_length", 30)
+        n_best = n_best or card.get("n_best", 20)
         feats = featurize_qa(self.tokenizer, questions, contexts, max_length=self.max_length,
-                             doc_stride=min(128, self.max_length // 4), max_question_length=q_len)
+                             doc_stride=card.get("doc_stride", min(128, self.max_length // 4)),
+                             max_question_length=card.get("max_question_length", min(64, self.max_length // 4)))
         rows = []
         for w in range(len(feats.input_ids)):
             n = int(feats.attention_mask[w].sum())

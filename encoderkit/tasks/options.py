@@ -36,9 +36,13 @@ class TaskDataOptions(StageConfig):
         "trains on 'train' and evaluates on 'heldout'."), choices=("all", "train", "heldout"))
     max_query_length: int = arg(64, help="rerank/embed: sub-tokens per query (longer queries truncated).")
     pooling: str = arg("auto", help=(
-        "embed/classify: 'mean' (of the real tokens) or 'first' (CLS) pooling. 'auto': a folder's recorded "
-        "classifier pooling, else a sentence-transformers folder's own pooling (mean for MiniLM), else embed mean "
-        "and classify first. classify mean needs a BERT-style model or ModernBERT."), choices=("auto", "mean", "first"))
+        "embed/classify: 'mean' (of the real tokens) or 'first' (first token, [CLS]) pooling. 'auto': embed takes "
+        "a sentence-transformers folder's own pooling, else mean; classify takes 'first', which is what plain "
+        "transformers (AutoModelForSequenceClassification, pipeline) computes, unless the folder is already a "
+        "mean-pooled classifier. classify 'mean' (BERT-style models or ModernBERT) is recorded in config.json and "
+        "applied by encoderkit's evaluate/predict/serve/export, but plain transformers pools the first token of a "
+        "BERT anyway and gives OTHER outputs: the log and the card (hf_compatible: false) warn about it."),
+        choices=("auto", "mean", "first"))
     candidates: int = arg(100, help="rerank on a BEIR source: the bi-encoder's top-K documents per query that the "
                                     "cross-encoder reorders.")
     seed: int = arg(0, help="Seed of the new head's initialisation, shuffling, subsets, negative sampling and dropout.")
