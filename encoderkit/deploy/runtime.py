@@ -30,9 +30,12 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
+from encoderkit.deploy.export import copy_model_files, export_onnx, ort_session
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import cache_dir, output_dir
+from encoderkit.io import cache_dir, output_dir, write_text_atomic
 from encoderkit.models.folder import SERVABLE, ModelFolder
+from encoderkit.tasks.ner import decode_entities, featurize_text
+from encoderkit.tasks.qa import decode_answers, featurize_qa
 
 BACKENDS = ("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8")
 INT8_TASKS = ("embed",)
@@ -62,7 +65,6 @@ class _OnnxEngine:
     """onnxruntime session on one ``.onnx`` file."""
 
     def __init__(self, path: Path, task: str, threads: int | None, spin: bool = True) -> None:
-        from encoderkit.deploy.export import ort_session
 
         self.session = ort_session(path, threads, spin)
         self.input_names = [i.name for i in self.session.get_inputs()]
@@ -81,7 +83,6 @@ def cached_export(folder: ModelFolder, int8: bool) -> Path:
     own = folder.onnx(int8)
     if own:
         return own
-    from encoderkit.deploy.export import copy_model_files, export_onnx
 
     st = (folder.path / "config.json").stat()
     weights = [folder.torch_weights] if folder.torch_weights else []
@@ -253,7 +254,6 @@ class Predictor:
 
     def extract(self, texts: Sequence[str], stride: int | None = None) -> list[list[dict[str, Any]]]:
         """Entities per text: [{"entity", "label", "start", "end", "score"}], character offsets [start, end)."""
-        from encoderkit.tasks.ner import decode_entities, featurize_text
 
         self._need("ner")
         stride = stride if stride is not None else self.info.card.get("stride", min(32, self.max_length // 4))
@@ -281,7 +281,6 @@ class Predictor:
         """The best answer span per (question, context): {"answer", "start", "end", "score"}; an empty
         answer with score None when no span fits. Window and span settings come from the folder's card
         (what the model was fine-tuned and evaluated with), else defaults cut to ``max_length``."""
-        from encoderkit.tasks.qa import decode_answers, featurize_qa
 
         self._need("qa")
         if len(questions) != len(contexts):
@@ -416,7 +415,6 @@ def run(cfg: PredictConfig) -> PredictResult:
     import json
     import time
 
-    from encoderkit.io import write_text_atomic
 
     out = Path(cfg.output)
     if out.exists() and not cfg.overwrite:

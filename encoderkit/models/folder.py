@@ -37,6 +37,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.io import CARD
 from encoderkit.models.pooling import apply_pooling
 from encoderkit.models.rebuild import HEADS_KEY, QUANT_FILE, QUANT_KEY, rebuild_model
+from encoderkit.progress import note
 from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 TASKS = ("mlm", "classify", "ner", "qa", "rerank", "embed")
@@ -312,7 +313,6 @@ def _st_pooling(path: Path) -> str | None:
 
 def _from_pretrained(cls: Any, path: Path, kwargs: dict[str, Any]) -> torch.nn.Module:
     """``cls.from_pretrained`` with transformers' load report replaced by one line of what was new or unused."""
-    from encoderkit.progress import note
 
     log = logging.getLogger("transformers.modeling_utils")
     old = log.level

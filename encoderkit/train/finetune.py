@@ -21,6 +21,8 @@ from encoderkit.io import check_output_dir, output_dir, write_card
 from encoderkit.tasks import TASK_MODULES
 from encoderkit.tasks.common import DEFAULT_MODEL, open_model, settle_max_length
 from encoderkit.tasks.options import TaskDataOptions
+from encoderkit.train import checkpoint
+from encoderkit.train.engine import TrainSettings, fit
 
 
 @dataclass
@@ -99,8 +101,6 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
     """Fine-tune a model on a task and write the best checkpoint as a model folder."""
     import torch
 
-    from encoderkit.train import checkpoint
-    from encoderkit.train.engine import TrainSettings, fit
 
     out = check_output_dir(cfg.out, cfg.overwrite)
     folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
