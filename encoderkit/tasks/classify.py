@@ -32,15 +32,30 @@ from encoderkit.models.pooling import set_pooling
 from encoderkit.progress import note
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, check_labels, run_batches, seeded_subset
-from encoderkit.tasks.tabular import column, read_rows, text_column
+from encoderkit.tasks.tabular import column, find_text_column, read_rows, text_column
 
 DEFAULT_MAX_LENGTH = 128
 
 
-def read_examples(path: str | Path, cfg: Any) -> tuple[list[str], list[str] | None, list[list[str]], list[str]]:
-    """texts, pairs (or None), labels (a list per row; one element unless multi-label), row locations."""
+def resolve_text_column(rows: list, path: str | Path, cfg: Any, saved: str | None = None) -> str:
+    """``--text-column``, or for ``auto`` the column the model was trained on (``saved``, when the file
+    has it), else one found by :func:`~encoderkit.tasks.tabular.find_text_column`, stated in the log."""
+    if cfg.text_column != "auto":
+        return cfg.text_column
+    if saved and saved in rows[0].fields:
+        return saved
+    name, how = find_text_column(rows, path, exclude=(cfg.label_column, cfg.text_pair_column))
+    note(f"{path}: text column {name!r} ({how}); --text-column picks another")
+    return name
+
+
+def read_examples(path: str | Path, cfg: Any, saved_column: str | None = None
+                  ) -> tuple[list[str], list[str] | None, list[list[str]], list[str], str]:
+    """texts, pairs (or None), labels (a list per row; one element unless multi-label), row locations,
+    and the text column read."""
     rows = read_rows(path)
-    texts = text_column(rows, cfg.text_column, path, "--text-column")
+    name = resolve_text_column(rows, path, cfg, saved_column)
+    texts = text_column(rows, name, path, "--text-column")
     pairs = text_column(rows, cfg.text_pair_column, path, "--text-pair-column") if cfg.text_pair_column else None
     raw = column(rows, cfg.label_column, path, "--label-column")
     labels = []
@@ -54,7 +69,7 @@ def read_examples(path: str | Path, cfg: Any) -> tuple[list[str], list[str] | No
         if not items or (not cfg.multi_label and (len(items) != 1 or not items[0])):
             raise EncoderkitError(f"{r.where}: label {v!r} in column {cfg.label_column!r} is empty; fill or drop the row")
         labels.append(items)
-    return texts, pairs, labels, [r.where for r in rows]
+    return texts, pairs, labels, [r.where for r in rows], name
 
 
 def label_names(labels: list[list[str]]) -> list[str]:
@@ -111,7 +126,7 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     """Read train/dev, featurize, and make the HF classification model and its engine pieces."""
     from transformers import AutoModelForSequenceClassification
 
-    texts, pairs, labels, _ = read_examples(cfg.train, cfg)
+    texts, pairs, labels, _, text_col = read_examples(cfg.train, cfg)
     texts, pairs, labels = _subset(cfg.max_train_examples, cfg.seed, texts, pairs, labels)
     names = label_names(labels)
     if len(names) < 2 and not cfg.multi_label:
@@ -122,7 +137,7 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
         r["labels"] = t
     evaluate = None
     if cfg.dev:
-        dtexts, dpairs, dlabels, where = read_examples(cfg.dev, cfg)
+        dtexts, dpairs, dlabels, where, _ = read_examples(cfg.dev, cfg, text_col)
         dtexts, dpairs, dlabels = _subset(cfg.max_dev_examples, cfg.seed, dtexts, dpairs, dlabels)
         check_labels(set(names), [x for items in dlabels for x in items], [w for w, items in zip(where, dlabels, strict=False) for _ in items])
         drows = featurize(tokenizer, dtexts, dpairs, (cfg.max_length or DEFAULT_MAX_LENGTH))
@@ -155,7 +170,7 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
 
     primary = ("micro_f1", "max") if cfg.multi_label else (cfg.metric or "accuracy", "max")
     card = {"task": "classify", "labels": names, "pooling": pooling, "max_length": (cfg.max_length or DEFAULT_MAX_LENGTH),
-            "multi_label": cfg.multi_label, "text_pair": bool(cfg.text_pair_column), "hf_compatible": warning is None,
+            "multi_label": cfg.multi_label, "text_pair": bool(cfg.text_pair_column), "text_column": text_col, "hf_compatible": warning is None,
             **({"warning": warning} if warning else {})}
     return TaskRun(model, loss_fn, source, evaluate, primary, save, card, num_train=len(rows))
 
@@ -166,7 +181,7 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) 
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
     multi = model.config.problem_type == "multi_label_classification"
     cfg.multi_label = multi
-    texts, pairs, labels, where = read_examples(data, cfg)
+    texts, pairs, labels, where, _ = read_examples(data, cfg, folder.card.get("text_column"))
     texts, pairs, labels = _subset(cfg.max_examples, cfg.seed, texts, pairs, labels)
     check_labels(set(names), [x for items in labels for x in items], [w for w, items in zip(where, labels, strict=False) for _ in items])
     rows = featurize(tokenizer, texts, pairs, folder.card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH))

@@ -14,7 +14,11 @@ class TaskDataOptions(StageConfig):
     """Data columns and feature settings for every task."""
 
     task: str = arg("classify", help="Task head to train or evaluate.", choices=TASKS)
-    text_column: str = arg("sentence", help="classify: column (TSV/CSV header or JSONL key) holding the text.")
+    text_column: str = arg("auto", help=(
+        "classify: column (TSV/CSV header or JSONL key) holding the text. 'auto': the column the model was "
+        "fine-tuned on (evaluate), else one named text, sentence, content, review, document, body, comment, "
+        "sentence1, question, tweet, utterance or title, else the only column of non-numeric text; the log says "
+        "which."))
     text_pair_column: str = arg("", help="classify: column holding the second text of a pair (empty: single texts).")
     label_column: str = arg("label", help="classify: column holding the label.")
     multi_label: bool = arg(False, help="classify: several labels per row (BCE loss, threshold 0.5).")
