@@ -34,6 +34,10 @@ from encoderkit.deploy.export import copy_model_files, export_onnx, ort_session
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import cache_dir, output_dir, write_text_atomic
 from encoderkit.models.folder import SERVABLE, ModelFolder
+from encoderkit.tasks.classify import decode as decode_labels
+from encoderkit.tasks.classify import engine_logits
+from encoderkit.tasks.classify import featurize as featurize_pairs
+from encoderkit.tasks.inference import ModuleEngine, run_rows
 from encoderkit.tasks.ner import decode_entities, featurize_text
 from encoderkit.tasks.qa import decode_answers, featurize_qa
 
@@ -43,22 +47,12 @@ OUTPUTS = {"embed": ["last_hidden_state"], "classify": ["logits"], "rerank": ["l
            "qa": ["start_logits", "end_logits"]}
 
 
-class _TorchEngine:
-    """Eager transformers model; ``run`` maps int64 arrays (B, T) to the task's float32 outputs."""
+def _torch_engine(folder: ModelFolder, bf16: bool) -> ModuleEngine:
+    """The eager transformers model as an engine: int64 arrays (B, T) in, the task's float32 outputs out."""
+    import torch
 
-    def __init__(self, folder: ModelFolder, bf16: bool) -> None:
-        import torch
-
-        self.torch = torch
-        self.task = folder.task
-        self.model = folder.load(task=folder.task, dtype=torch.bfloat16 if bf16 else None, attn="sdpa", frozen=True)
-        self.input_names = ["input_ids", "attention_mask", "token_type_ids"]
-
-    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        torch = self.torch
-        with torch.inference_mode():
-            out = self.model(**{k: torch.from_numpy(v) for k, v in inputs.items()})
-        return [out[name].float().numpy() for name in OUTPUTS[self.task]]
+    model = folder.load(task=folder.task, dtype=torch.bfloat16 if bf16 else None, attn="sdpa", frozen=True)
+    return ModuleEngine(model, OUTPUTS[folder.task])
 
 
 class _OnnxEngine:
@@ -75,7 +69,10 @@ class _OnnxEngine:
                                   f"(missing {sorted(missing) or 'input_ids/attention_mask'}); re-run encoderkit export")
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.session.run(self.outputs, {k: v for k, v in inputs.items() if k in self.input_names})
+        feed = {k: v for k, v in inputs.items() if k in self.input_names}
+        if "token_type_ids" in self.input_names and "token_type_ids" not in feed:
+            feed["token_type_ids"] = np.zeros_like(inputs["input_ids"])
+        return self.session.run(self.outputs, feed)
 
 
 def cached_export(folder: ModelFolder, int8: bool) -> Path:
@@ -95,55 +92,6 @@ def cached_export(folder: ModelFolder, int8: bool) -> Path:
         copy_model_files(folder.path, tmp)
         export_onnx(folder, tmp, optimize=True, int8=True)
     return cached
-
-
-def _pad(rows: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
-    """Right-pad 1-D int rows into int64 arrays (B, T) plus ``attention_mask``."""
-    width = max(len(r["input_ids"]) for r in rows)
-    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(rows), width), dtype=np.int64)
-    types = np.zeros((len(rows), width), dtype=np.int64)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n], mask[i, :n] = r["input_ids"], 1
-        if "token_type_ids" in r:
-            types[i, :n] = r["token_type_ids"]
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-
-
-CALL_COST_TOKENS = 8  # one model call's fixed cost, in padded token slots (MiniLM INT8 on CPU: ~2 ms vs ~0.25 ms/token)
-
-
-def length_batches(lengths: Sequence[int], max_batch: int, call_cost: int = CALL_COST_TOKENS) -> list[np.ndarray]:
-    """Row indices grouped into model calls of at most ``max_batch`` rows, each group of similar lengths.
-
-    Rows are sorted by length and cut where the cost ``sum(call_cost + rows * longest)`` (padded token
-    slots, plus a fixed cost per call) is least, found exactly by dynamic programming over the sorted
-    order. Compute on CPU grows with padded tokens, so one batch of 32 random sentences (padded to
-    the longest, ~2x the real tokens) costs more than a few batches of like lengths; many rows of
-    one length still go in full batches of ``max_batch``."""
-    order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
-    n = len(order)
-    if n == 0:
-        return []
-    sorted_len = np.asarray(lengths, dtype=np.int64)[order]
-    best = np.zeros(n + 1, dtype=np.int64)  # best[j]: least cost of the first j sorted rows
-    cut = np.zeros(n + 1, dtype=np.int64)  # cut[j]: where the last group of that solution starts
-    for j in range(1, n + 1):
-        starts = np.arange(max(0, j - max_batch), j)
-        costs = best[starts] + call_cost + (j - starts) * sorted_len[j - 1]
-        k = int(np.argmin(costs[::-1]))  # ties: the longest group (the fewest calls)
-        cut[j], best[j] = starts[len(starts) - 1 - k], costs[len(costs) - 1 - k]
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = int(cut[j])
-    return groups[::-1]
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = np.exp(x - x.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
 
 
 class Predictor:
@@ -172,7 +120,7 @@ class Predictor:
         if backend.startswith("onnx"):
             engine: Any = _OnnxEngine(cached_export(info, backend == "onnx-int8"), info.task, threads, spin)
         else:
-            engine = _TorchEngine(info, bf16=backend == "torch-bf16")
+            engine = _torch_engine(info, bf16=backend == "torch-bf16")
         limit = info.max_length if max_length is None else min(max_length, info.max_length)
         return cls(info.path, info, tokenizer, engine, backend, max_batch, limit)
 
@@ -180,22 +128,11 @@ class Predictor:
     def _run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
         """Run the model on 1-D token rows in length-sorted batches; per row, each output with its
         padding cut off ((C,) for sequence outputs, (T_row, ...) for token outputs), in input order."""
-        results: list[list[np.ndarray]] = [[] for _ in rows]
-        pad_id = self.tokenizer.pad_token_id or 0
         token_level = self.task in ("embed", "ner", "qa")  # outputs (B, T, ...) rather than (B, C)
-        for idx in length_batches([len(r["input_ids"]) for r in rows], self.max_batch):
-            batch = _pad([rows[i] for i in idx], pad_id)
-            outs = self.engine.run(batch)
-            for j, i in enumerate(idx):
-                n = len(rows[i]["input_ids"])
-                results[i] = [o[j, :n] if token_level else o[j] for o in outs]
-        return results
+        return run_rows(self.engine, rows, self.tokenizer.pad_token_id or 0, self.max_batch, per_token=token_level)
 
     def _encode(self, texts: Sequence[str], pairs: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
-        enc = self.tokenizer(list(texts), list(pairs) if pairs is not None else None, truncation=True,
-                             max_length=self.max_length)
-        keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
-        return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(texts))]
+        return featurize_pairs(self.tokenizer, list(texts), list(pairs) if pairs is not None else None, self.max_length)
 
     def _need(self, *tasks: str) -> None:
         if self.task not in tasks:
@@ -213,14 +150,8 @@ class Predictor:
             firsts = [x if isinstance(x, str) else x[0] for x in inputs]
             seconds = ["" if isinstance(x, str) else x[1] for x in inputs]
             rows = self._encode(firsts, seconds)
-        logits = np.stack([r[0] for r in self._run_rows(rows)])  # (N, C)
-        if logits.shape[1] == 1:  # one-logit head: sigmoid score
-            probs = 1.0 / (1.0 + np.exp(-logits[:, 0]))
-            return [{"label": "score", "score": float(p), "scores": {"score": float(p)}} for p in probs]
-        probs = _softmax(logits)
-        labels = self.info.labels or [f"LABEL_{i}" for i in range(logits.shape[1])]
-        return [{"label": labels[int(p.argmax())], "score": float(p.max()),
-                 "scores": {labels[c]: float(p[c]) for c in range(len(p))}} for p in probs]
+        logits = engine_logits(self.engine, rows, self.tokenizer.pad_token_id or 0, self.max_batch)  # (N, C)
+        return decode_labels(logits, self.info.labels)
 
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
         """Relevance logits (N,) of (query, passage) pairs for a ``rerank`` model (first logit; for a

@@ -32,6 +32,7 @@ from encoderkit.models.pooling import set_pooling
 from encoderkit.progress import note
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, check_labels, run_batches, seeded_subset
+from encoderkit.tasks.inference import Engine, ModuleEngine, run_rows
 from encoderkit.tasks.tabular import column, find_text_column, read_rows, text_column
 
 DEFAULT_MAX_LENGTH = 128
@@ -96,8 +97,30 @@ def _targets(labels: list[list[str]], names: list[str], multi_label: bool) -> np
 
 
 def predict_logits(module, rows: list[dict[str, np.ndarray]], pad_id: int, batch_size: int) -> np.ndarray:
-    """Logits (N, C) for feature rows, in their order."""
+    """Logits (N, C) for feature rows, in their order, from a torch module (training's dev evaluation)."""
     return np.stack(run_batches(module, rows, pad_id, batch_size, lambda out: out.logits))
+
+
+def engine_logits(engine: Engine, rows: list[dict[str, np.ndarray]], pad_id: int, batch_size: int) -> np.ndarray:
+    """Logits (N, C) for feature rows from any engine (evaluate, the Predictor: torch or ONNX Runtime)."""
+    return np.stack([out[0] for out in run_rows(engine, rows, pad_id, batch_size)]) if rows else np.zeros((0, 0), np.float32)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    z = np.exp(x - x.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
+
+
+def decode(logits: np.ndarray, labels: list[str]) -> list[dict[str, Any]]:
+    """Per row of logits (N, C): the label, its probability and every label's probability; a one-logit
+    head (a reranker) gives its sigmoid as ``score``."""
+    if logits.shape[1] == 1:
+        probs = 1.0 / (1.0 + np.exp(-logits[:, 0]))
+        return [{"label": "score", "score": float(p), "scores": {"score": float(p)}} for p in probs]
+    probs = softmax(logits)
+    labels = labels or [f"LABEL_{i}" for i in range(logits.shape[1])]
+    return [{"label": labels[int(p.argmax())], "score": float(p.max()),
+             "scores": {labels[c]: float(p[c]) for c in range(len(p))}} for p in probs]
 
 
 def scores(logits: np.ndarray, targets: np.ndarray, multi_label: bool) -> dict[str, float]:
@@ -178,6 +201,7 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
 def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
     """Metrics of a saved classifier on a labelled file."""
     model = folder.load(task="classify")
+    engine = ModuleEngine(model, ["logits"])
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
     multi = model.config.problem_type == "multi_label_classification"
     cfg.multi_label = multi
@@ -185,7 +209,7 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) 
     texts, pairs, labels = _subset(cfg.max_examples, cfg.seed, texts, pairs, labels)
     check_labels(set(names), [x for items in labels for x in items], [w for w, items in zip(where, labels, strict=False) for _ in items])
     rows = featurize(tokenizer, texts, pairs, folder.card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH))
-    logits = predict_logits(model, rows, tokenizer.pad_token_id, cfg.batch_size)
+    logits = engine_logits(engine, rows, tokenizer.pad_token_id, cfg.batch_size)
     return {**scores(logits, _targets(labels, names, multi), multi), "examples": len(rows)}
 
 

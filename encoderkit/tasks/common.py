@@ -14,7 +14,8 @@ from torch import nn
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
-from encoderkit.tasks.batching import Batch, encode_batch, sorted_batches
+from encoderkit.tasks.batching import Batch
+from encoderkit.tasks.inference import ModuleEngine, run_rows
 from encoderkit.tokenizer import load_tokenizer as load_fast_tokenizer
 
 DEFAULT_MODEL = "minilm"
@@ -72,7 +73,6 @@ class TaskRun:
     num_train: int = 0
 
 
-@torch.no_grad()
 def run_batches(
     module: nn.Module,
     rows: Sequence[dict[str, np.ndarray]],
@@ -82,25 +82,19 @@ def run_batches(
     keys: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids"),
     per_token: bool = False,
 ) -> list[np.ndarray]:
-    """Run ``module`` over ``rows`` in length-sorted batches; return ``outputs(model_output)`` per row,
-    in the rows' original order (each a float32 array; with ``per_token`` the outputs are (B, T, ...)
-    and each row's padding positions are cut off)."""
+    """Run ``module`` over ``rows`` in length-sorted batches (:func:`~encoderkit.tasks.inference.run_rows`
+    with a :class:`~encoderkit.tasks.inference.ModuleEngine`, as the Predictor runs); return
+    ``outputs(model_output)`` per row, in the rows' original order (each a float32 array; with
+    ``per_token`` the outputs are (B, T, ...) and each row's padding positions are cut off)."""
     was_training = module.training
     module.eval()
-    device = next(module.parameters()).device
-    result: list[np.ndarray | None] = [None] * len(rows)
-    for idx in sorted_batches([len(r["input_ids"]) for r in rows], batch_size):
-        batch = encode_batch([{k: rows[i][k] for k in keys if k in rows[i]} for i in idx], pad_id)
-        out = outputs(module(**{k: v.to(device) for k, v in batch.items()}))
-        out = out if isinstance(out, tuple) else (out,)
-        arrays = [o.float().cpu().numpy() for o in out]
-        for j, i in enumerate(idx):
-            n = len(rows[i]["input_ids"])
-            parts = [a[j, :n] if per_token else a[j] for a in arrays]
-            result[i] = parts[0] if len(parts) == 1 else np.stack(parts)
-    if was_training:
-        module.train()
-    return result  # type: ignore[return-value]
+    try:
+        results = run_rows(ModuleEngine(module, outputs), [{k: r[k] for k in keys if k in r} for r in rows], pad_id,
+                           batch_size, per_token=per_token)
+    finally:
+        if was_training:
+            module.train()
+    return [parts[0] if len(parts) == 1 else np.stack(parts) for parts in results]
 
 
 def seeded_subset(items: list, limit: int, seed: int) -> list:
