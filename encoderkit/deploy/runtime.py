@@ -38,8 +38,10 @@ from encoderkit.tasks.classify import decode as decode_labels
 from encoderkit.tasks.classify import engine_logits
 from encoderkit.tasks.classify import featurize as featurize_pairs
 from encoderkit.tasks.inference import ModuleEngine, run_rows
-from encoderkit.tasks.ner import decode_entities, featurize_text
-from encoderkit.tasks.qa import decode_answers, featurize_qa
+from encoderkit.tasks.ner import decode_entities, featurize_text, window_logits
+from encoderkit.tasks.ner import window_rows as ner_window_rows
+from encoderkit.tasks.qa import decode_answers, featurize_qa, window_span_logits
+from encoderkit.tasks.qa import window_rows as qa_window_rows
 
 BACKENDS = ("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8")
 INT8_TASKS = ("embed",)
@@ -185,24 +187,14 @@ class Predictor:
 
     def extract(self, texts: Sequence[str], stride: int | None = None) -> list[list[dict[str, Any]]]:
         """Entities per text: [{"entity", "label", "start", "end", "score"}], character offsets [start, end)."""
-
         self._need("ner")
         stride = stride if stride is not None else self.info.card.get("stride", min(32, self.max_length // 4))
         feats = [featurize_text(self.tokenizer, t, max_length=self.max_length, stride=stride) for t in texts]
-        rows = []
-        for f in feats:
-            for w in range(len(f.input_ids)):
-                n = int(f.attention_mask[w].sum())
-                rows.append({"input_ids": f.input_ids[w, :n], "token_type_ids": f.token_type_ids[w, :n]})
-        out = self._run_rows(rows) if rows else []
+        rows, where = ner_window_rows(feats)
+        outs = [o[0] for o in self._run_rows(rows)] if rows else []
         id2label = dict(enumerate(self.info.labels))
-        results, k = [], 0
-        for f in feats:
-            w_count, width = f.input_ids.shape
-            logits = np.zeros((w_count, width, len(id2label)), dtype=np.float32)
-            for w in range(w_count):
-                logits[w, : len(out[k][0])] = out[k][0]
-                k += 1
+        results = []
+        for f, logits in zip(feats, window_logits(feats, where, outs, len(id2label)), strict=True):
             results.append([{"entity": e.text, "label": e.label, "start": e.start, "end": e.end, "score": float(e.score)}
                             for e in decode_entities(f, logits, id2label)])
         return results
@@ -212,7 +204,6 @@ class Predictor:
         """The best answer span per (question, context): {"answer", "start", "end", "score"}; an empty
         answer with score None when no span fits. Window and span settings come from the folder's card
         (what the model was fine-tuned and evaluated with), else defaults cut to ``max_length``."""
-
         self._need("qa")
         if len(questions) != len(contexts):
             raise EncoderkitError(f"{len(questions)} questions but {len(contexts)} contexts; give one context per question")
@@ -224,16 +215,7 @@ class Predictor:
         feats = featurize_qa(self.tokenizer, questions, contexts, max_length=self.max_length,
                              doc_stride=card.get("doc_stride", min(128, self.max_length // 4)),
                              max_question_length=card.get("max_question_length", min(64, self.max_length // 4)))
-        rows = []
-        for w in range(len(feats.input_ids)):
-            n = int(feats.attention_mask[w].sum())
-            rows.append({"input_ids": feats.input_ids[w, :n], "token_type_ids": feats.token_type_ids[w, :n]})
-        out = self._run_rows(rows)
-        width = feats.input_ids.shape[1]
-        start = np.full((len(rows), width), -1e9, dtype=np.float32)
-        end = np.full((len(rows), width), -1e9, dtype=np.float32)
-        for w, (s, e) in enumerate(out):
-            start[w, : len(s)], end[w, : len(e)] = s, e
+        start, end = window_span_logits(feats, self._run_rows(qa_window_rows(feats)))
         best = decode_answers(feats, start, end, n_best=n_best, max_answer_length=max_answer_length)
         return [{"answer": b[0].text, "start": b[0].start, "end": b[0].end, "score": float(b[0].score)} if b
                 else {"answer": "", "start": None, "end": None, "score": None} for b in best]

@@ -313,7 +313,6 @@ def _st_pooling(path: Path) -> str | None:
 
 def _from_pretrained(cls: Any, path: Path, kwargs: dict[str, Any]) -> torch.nn.Module:
     """``cls.from_pretrained`` with transformers' load report replaced by one line of what was new or unused."""
-
     log = logging.getLogger("transformers.modeling_utils")
     old = log.level
     log.setLevel(logging.ERROR)

@@ -20,7 +20,7 @@ from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
 from encoderkit.tasks.conll import Sentence, entity_types, read_ner
-from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words
+from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words, window_logits, window_rows
 
 DEFAULT_MAX_LENGTH = 128
 
@@ -39,28 +39,11 @@ def featurize(tokenizer, sents: list[Sentence], cfg: Any, label2id: dict[str, in
     return feats
 
 
-def window_rows(feats: list[NerFeatures], with_labels: bool) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int]]]:
-    """One row per window (padding cut off) and its (sentence, window) position."""
-    rows, where = [], []
-    for i, f in enumerate(feats):
-        for w in range(len(f.input_ids)):
-            n = int(f.attention_mask[w].sum())
-            row = {"input_ids": f.input_ids[w, :n], "token_type_ids": f.token_type_ids[w, :n]}
-            if with_labels:
-                row["labels"] = f.labels[w, :n]
-            rows.append(row)
-            where.append((i, w))
-    return rows, where
-
-
 def predict_tags(module, tokenizer, feats: list[NerFeatures], id2label: dict[int, str], batch_size: int) -> list[list[str]]:
     """IOB2 tags per word of each sentence."""
     rows, where = window_rows(feats, with_labels=False)
     outs = run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits, per_token=True)
-    n_labels = outs[0].shape[-1] if outs else len(id2label)
-    logits = [np.zeros(f.input_ids.shape + (n_labels,), dtype=np.float32) for f in feats]
-    for (i, w), out in zip(where, outs, strict=True):
-        logits[i][w, : len(out)] = out
+    logits = window_logits(feats, where, outs, outs[0].shape[-1] if outs else len(id2label))
     return [decode_word_tags(f, lg, id2label)[0] for f, lg in zip(feats, logits, strict=True)]
 
 

@@ -99,7 +99,6 @@ class PretrainResult:
 
 def resolve_data(cfg: PretrainConfig, dist: dist_util.DistInfo) -> Path:
     """The token store: ``--data`` as given, or ``--corpus`` prepared into the cache (rank 0 first)."""
-
     if cfg.data:
         read_meta(cfg.data)
         return Path(cfg.data)
@@ -141,7 +140,6 @@ def _check_same_tokenizer(model_dir: Path, tokenizer: Any) -> None:
 
 def heldout_batches(folder: Path, masker: Masker, n_blocks: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
     """Fixed masked batches of the first ``n_blocks`` held-out blocks (0: all), epoch 0 masks."""
-
     blocks = open_blocks(folder, "heldout")
     n = len(blocks) if n_blocks <= 0 else min(n_blocks, len(blocks))
     return [masker(np.asarray(blocks[i:min(i + batch_size, n)]), np.arange(i, min(i + batch_size, n)), 0)
@@ -152,7 +150,6 @@ def evaluate_folder(folder: Any, tokenizer: Any, data: str | Path, cfg: Any) -> 
     """``encoderkit evaluate --task mlm``: held-out MLM loss, masked-token accuracy and perplexity
     of a model folder on a token store's held-out blocks (epoch-0 masks of ``cfg.seed``, the same
     masks ``pretrain`` evaluates with at the same ``cfg.mask_rate``). ``cfg.max_examples`` caps the blocks (0: all)."""
-
     model_dir = folder.path  # a ModelFolder
     store = Path(data)
     if not (store / "meta.json").is_file():
@@ -172,7 +169,6 @@ def evaluate_folder(folder: Any, tokenizer: Any, data: str | Path, cfg: Any) -> 
 
 def run(cfg: PretrainConfig) -> PretrainResult:
     """Pretrain an encoder with masked language modelling (from scratch or continued)."""
-
     dist = dist_util.current()
     out = Path(cfg.out)
     if dist.is_main:
