@@ -111,3 +111,15 @@ def test_a_truncated_safetensors_file_is_named_by_every_stage(broken, capsys):
         assert main(argv) == 2, stage
         err = capsys.readouterr().err
         assert f"{weights} is damaged or truncated" in err and "Traceback" not in err, (stage, err)
+
+
+def test_evaluate_leaves_its_parsed_config_as_given(tmp_path_factory, tiny_tokenizer_dir, tmp_path):
+    import dataclasses
+
+    from encoderkit.evaluate.run import EvaluateConfig, run
+
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")
+    cfg = EvaluateConfig(model=str(folder), data=str(_tsv(tmp_path / "dev.tsv")), batch_size=4)
+    before = dataclasses.asdict(cfg)
+    assert run(cfg).task == "classify"
+    assert dataclasses.asdict(cfg) == before  # task, eval_batch_size, multi_label: read, never written back

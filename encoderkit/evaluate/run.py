@@ -69,8 +69,7 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
     if task not in MODULES:
         raise EncoderkitError(f"{folder.path}: cannot tell the task from encoderkit.json or config.json "
                               f"(architectures {folder.config.get('architectures') or 'missing'}); pass --task")
-    cfg.task = task
-    cfg.eval_batch_size = cfg.batch_size
+    cfg = dataclasses.replace(cfg, task=task, eval_batch_size=cfg.batch_size)  # a copy: the parsed config stays as given
     tokenizer = folder.tokenizer(cfg.tokenizer or None)
     t0 = time.perf_counter()
     metrics = importlib.import_module(MODULES[task]).evaluate_folder(folder, tokenizer, cfg.data, cfg)

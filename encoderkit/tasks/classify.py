@@ -20,6 +20,7 @@ of a pair first).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -204,7 +205,7 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) 
     engine = ModuleEngine(model, ["logits"])
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
     multi = model.config.problem_type == "multi_label_classification"
-    cfg.multi_label = multi
+    cfg = dataclasses.replace(cfg, multi_label=multi)
     texts, pairs, labels, where, _ = read_examples(data, cfg, folder.card.get("text_column"))
     texts, pairs, labels = _subset(cfg.max_examples, cfg.seed, texts, pairs, labels)
     check_labels(set(names), [x for items in labels for x in items], [w for w, items in zip(where, labels, strict=False) for _ in items])

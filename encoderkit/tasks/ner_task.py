@@ -9,6 +9,7 @@ Entity types in dev data that never occur in training are an error.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,6 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) 
     id2label = {int(k): v for k, v in model.config.id2label.items()}
     sents = seeded_subset(read_ner(data, cfg.tag_scheme), cfg.max_examples, cfg.seed)
     _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data))
-    cfg.max_length = card.get("max_length", cfg.max_length)
-    cfg.stride = card.get("stride", cfg.stride)
+    cfg = dataclasses.replace(cfg, max_length=card.get("max_length", cfg.max_length), stride=card.get("stride", cfg.stride))
     pred = predict_tags(model, tokenizer, featurize(tokenizer, sents, cfg), id2label, cfg.batch_size)
     return {**entity_scores([s.tags for s in sents], pred), "sentences": len(sents)}

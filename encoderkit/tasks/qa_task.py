@@ -8,6 +8,7 @@ it against all gold answers with the official SQuAD v1.1 EM/F1.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +88,9 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
 def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
     model = folder.load(task="qa")
     card = folder.card
-    for key, field in (("max_length", "max_length"), ("doc_stride", "doc_stride"), ("max_answer_length", "max_answer_length"),
-                       ("max_question_length", "max_query_length")):
-        if key in card:
-            setattr(cfg, field, card[key])
+    saved = (("max_length", "max_length"), ("doc_stride", "doc_stride"), ("max_answer_length", "max_answer_length"),
+             ("max_question_length", "max_query_length"))
+    cfg = dataclasses.replace(cfg, **{field: card[key] for key, field in saved if key in card})
     examples, skipped = read_squad(data, cfg.qa_split)
     examples = seeded_subset(examples, cfg.max_examples, cfg.seed)
     return {**scores(model, tokenizer, examples, cfg, cfg.batch_size), "questions": len(examples), "skipped_answers": skipped}

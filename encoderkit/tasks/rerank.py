@@ -18,6 +18,7 @@ on JSONL it ranks each row's positive among its negatives (MRR, accuracy@1).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,6 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
 
 def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
     model = folder.load(task="rerank")
-    cfg.eval_batch_size = cfg.batch_size
+    cfg = dataclasses.replace(cfg, eval_batch_size=cfg.batch_size)
     evaluate, _ = dev_evaluator(cfg, tokenizer, folder.card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH), str(data), cfg.max_examples)
     return evaluate(model)

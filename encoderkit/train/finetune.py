@@ -8,6 +8,7 @@ max length, dev metrics).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import shutil
 import time
@@ -108,8 +109,8 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
     tokenizer = folder.tokenizer(cfg.tokenizer or None)
     task = importlib.import_module(TASK_MODULES[cfg.task])
     default_for = getattr(task, "default_max_length", None)
-    cfg.max_length = settle_max_length(cfg.max_length, default_for(folder) if default_for else task.DEFAULT_MAX_LENGTH,
-                                       folder)
+    cfg = dataclasses.replace(cfg, max_length=settle_max_length(  # a copy: the caller's config stays as given
+        cfg.max_length, default_for(folder) if default_for else task.DEFAULT_MAX_LENGTH, folder))
     with torch.random.fork_rng(devices=[]):  # the new head's initialisation follows --seed
         torch.manual_seed(cfg.seed)
         tr = task.build(cfg, tokenizer, folder)
