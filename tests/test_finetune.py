@@ -76,28 +76,30 @@ def test_classify_learns_saves_and_loads_in_plain_transformers(tmp_path, tiny_be
     assert ev.task == "classify" and ev.metrics["accuracy"] == pytest.approx(res.metrics["accuracy"])
 
 
+def _conll(path: Path, n: int, rng: random.Random, begin: str = "I") -> Path:
+    """A CoNLL file of n sentences: LANG ("python code") and PER entities among filler words; ``begin``
+    is the first tag's prefix ("I": IOB1, "B": IOB2)."""
+    lines = []
+    for _ in range(n):
+        for _ in range(rng.randint(3, 7)):
+            r = rng.random()
+            if r < 0.2:
+                lines += [f"python X {begin}-LANG", "code X I-LANG"]
+            elif r < 0.4:
+                lines.append(f"{rng.choice(['he', 'she', 'man'])} X {begin}-PER")
+            else:
+                lines.append(f"{rng.choice(FILL)} X O")
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.mark.slow
 def test_ner_learns_and_loads(tmp_path, tiny_bert_dir):
     from transformers import AutoModelForTokenClassification
 
     rng = random.Random(0)
-
-    def conll(path: Path, n: int) -> Path:
-        lines = []
-        for _ in range(n):
-            for _ in range(rng.randint(3, 7)):
-                r = rng.random()
-                if r < 0.2:
-                    lines += ["python X I-LANG", "code X I-LANG"]
-                elif r < 0.4:
-                    lines.append(f"{rng.choice(['he', 'she', 'man'])} X I-PER")
-                else:
-                    lines.append(f"{rng.choice(FILL)} X O")
-            lines.append("")
-        path.write_text("\n".join(lines) + "\n")
-        return path
-
-    train, dev = conll(tmp_path / "train.conll", 240), conll(tmp_path / "dev.conll", 40)
+    train, dev = _conll(tmp_path / "train.conll", 240, rng), _conll(tmp_path / "dev.conll", 40, rng)
     res = run(_cfg(tmp_path, tiny_bert_dir, task="ner", train=str(train), dev=str(dev), max_length=16, stride=4,
                    epochs=10, lr=3e-3))
     assert res.metrics["f1"] >= 0.8  # an untrained head finds almost no entity

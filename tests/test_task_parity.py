@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_finetune import FILL, _evaluate, _tsv, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from test_finetune import _conll, _evaluate, _tsv, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 from encoderkit.cli import main
 from encoderkit.deploy.runtime import Predictor
@@ -81,25 +81,8 @@ def test_mean_pooling_on_request_is_recorded_as_not_hf_compatible(tmp_path, st_l
     assert "WARNING: mean pooling: plain transformers" in capsys.readouterr().err
 
 
-def _conll(path: Path, n: int, seed: int) -> Path:
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        for _ in range(rng.randint(3, 7)):
-            r = rng.random()
-            if r < 0.2:
-                lines += ["python X B-LANG", "code X I-LANG"]
-            elif r < 0.4:
-                lines.append(f"{rng.choice(['he', 'she', 'man'])} X B-PER")
-            else:
-                lines.append(f"{rng.choice(FILL)} X O")
-        lines.append("")
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def test_ner_evaluate_equals_predictor_entities_scored(tmp_path, tiny_bert_dir):
-    train, dev = _conll(tmp_path / "train.conll", 120, 0), _conll(tmp_path / "dev.conll", 30, 1)
+    train, dev = _conll(tmp_path / "train.conll", 120, random.Random(0), "B"), _conll(tmp_path / "dev.conll", 30, random.Random(1), "B")
     out = tmp_path / "ner"
     _finetune("--model", str(tiny_bert_dir), "--task", "ner", "--train", str(train), "--out", str(out),
               "--max-steps", "30", "--max-length", "16", "--stride", "4")
