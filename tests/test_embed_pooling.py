@@ -20,6 +20,7 @@ from encoderkit.tasks.embed import encode, load_bi_encoder
 TEXTS = ["the movie python", "a story data", "good code and a great film about the love of data"]
 
 
+@pytest.mark.slow  # fine-tunes, exports and serves twice (~30 s each on a quiet core)
 @pytest.mark.parametrize("pooling", ["first", "mean"])
 def test_embed_folder_pooled_either_way_exports_serves_and_loads_in_sentence_transformers(pooling, tmp_path, tiny_bert_dir):
     st = pytest.importorskip("sentence_transformers")

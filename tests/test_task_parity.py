@@ -42,6 +42,7 @@ def st_like_base(tmp_path_factory, tiny_bert_dir) -> Path:
     return base
 
 
+@pytest.mark.slow  # fine-tunes and exports a tiny model
 def test_classify_defaults_agree_with_the_transformers_pipeline_and_evaluate_equals_predict(tmp_path, st_like_base, capsys):
     from transformers import pipeline
 
@@ -81,6 +82,7 @@ def test_mean_pooling_on_request_is_recorded_as_not_hf_compatible(tmp_path, st_l
     assert "WARNING: mean pooling: plain transformers" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # fine-tunes and exports a tiny model
 def test_ner_evaluate_equals_predictor_entities_scored(tmp_path, tiny_bert_dir):
     train, dev = _conll(tmp_path / "train.conll", 120, random.Random(0), "B"), _conll(tmp_path / "dev.conll", 30, random.Random(1), "B")
     out = tmp_path / "ner"
