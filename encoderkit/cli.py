@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import sys
 import typing
 from dataclasses import MISSING, fields
@@ -69,6 +70,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cfg_cls: type[StageConfig]
             help_text += f" (default: {default})"
         group = speed if meta.get("speed") else main
         flag = "--" + f.name.replace("_", "-")
+        help_text = re.sub(r"(?<!%)%(?![%(])", "%%", help_text)  # argparse %-formats help: a bare % ("97%") is literal
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         base = _base_type(hint)
         if base is bool:
@@ -136,6 +138,16 @@ def _top_help() -> str:
     return "\n".join(lines)
 
 
+def _group_help(group: str) -> str:
+    """The sub-commands of a command word such as ``tokenizer`` or ``data``."""
+    lines = [f"usage: encoderkit {group} SUBCOMMAND [--help] [flags]", "", "subcommands:"]
+    for words, value in STAGES.items():
+        if len(words) > 1 and words[0] == group:
+            lines.append(f"  {' '.join(words):<20} {_spec(value)[1]}")
+    lines += ["", f"`encoderkit {group} SUBCOMMAND --help` explains every flag of a subcommand."]
+    return "\n".join(lines)
+
+
 def build_parser(words: tuple[str, ...]) -> argparse.ArgumentParser:
     """The parser of one stage: its flags come from its config dataclass (imported only now)."""
     spec, summary = _spec(STAGES[words])
@@ -173,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     words, end = _find_stage(argv)
+    groups = {w[0] for w in STAGES if len(w) > 1}
+    if words is None and end < len(argv) and argv[end] in groups:
+        print(_group_help(argv[end]))
+        if any(a in ("-h", "--help") for a in argv[end + 1:]):
+            return 0
+        print(f"\nerror: {argv[end]!r} needs a subcommand", file=sys.stderr)
+        return 2
     if words is None:
         print(_top_help())
         unknown = [a for a in argv[end:] if not a.startswith("-")]

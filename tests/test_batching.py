@@ -13,7 +13,6 @@ import pytest
 
 from encoderkit.deploy.batching import MicroBatcher, token_counts
 from encoderkit.deploy.serve import BackgroundServer, create_app
-from encoderkit.deploy.tasks import TaskInfo
 
 
 def _cost(items):
@@ -140,7 +139,7 @@ class _PoisonClassifier:
     """A Predictor stand-in whose model call (30 ms) raises when a batch holds the text 'poison'."""
 
     task, backend, max_batch, max_length = "classify", "stub", 64, 16
-    info = TaskInfo("classify", ["no", "yes"])
+    info = __import__("types").SimpleNamespace(task="classify", labels=["no", "yes"], normalize=True, card={})
     folder = __import__("pathlib").Path("/nonexistent")
     tokenizer = None
 

@@ -1,5 +1,6 @@
 """Classify with mean pooling: it trains, it is saved and re-applied by every loader (evaluate,
-distillation, ONNX export), it honours the padding mask, and ``auto`` picks it per model."""
+distillation, ONNX export), it honours the padding mask; ``auto`` picks the first token (what plain
+transformers computes) unless the folder is already a mean-pooled classifier."""
 
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ def test_onnx_export_of_a_mean_pooled_classifier_matches_torch(tmp_path, tiny_be
 
     from encoderkit.deploy.export import OUTPUT_NAMES, ExportConfig, ort_session, torch_outputs
     from encoderkit.deploy.export import run as export
-    from encoderkit.deploy.tasks import detect_task, load_torch_model
     from encoderkit.io import write_card
+    from encoderkit.models.folder import ModelFolder
 
     src, out = tmp_path / "src", tmp_path / "onnx"
     _tiny_classifier(tiny_bert_dir, "mean").save_pretrained(src)
@@ -80,7 +81,7 @@ def test_onnx_export_of_a_mean_pooled_classifier_matches_torch(tmp_path, tiny_be
     tok = AutoTokenizer.from_pretrained(out)
     enc = tok(["good", "the story of a man who said that he had a great time " * 2], padding=True, return_tensors="np")
     inputs = {k: v.astype(np.int64) for k, v in enc.items()}
-    model = load_torch_model(src, detect_task(src))
+    model = ModelFolder.open(src).load(task="classify")
     assert isinstance(model.bert.pooler, MaskedMeanPooler)
     ref = torch_outputs(model, "classify", inputs)
     got = ort_session(out / "model.onnx").run(OUTPUT_NAMES["classify"], inputs)
@@ -89,21 +90,24 @@ def test_onnx_export_of_a_mean_pooled_classifier_matches_torch(tmp_path, tiny_be
     np.testing.assert_allclose(short[0][0], got[0][0], atol=1e-4)  # the padded row scores as if alone
 
 
-def test_auto_pooling_follows_the_model_folder(tmp_path, tiny_bert_dir):
+def test_auto_pooling_is_the_first_token_unless_the_folder_is_a_mean_pooled_classifier(tmp_path, tiny_bert_dir):
     import shutil
 
+    from encoderkit.models.folder import ModelFolder
     from encoderkit.tasks.classify import resolve_pooling
 
-    assert resolve_pooling("auto", tiny_bert_dir) == "first"
+    assert resolve_pooling("auto", ModelFolder.open(tiny_bert_dir)) == "first"
     st = tmp_path / "st"
     shutil.copytree(tiny_bert_dir, st)
     (st / "1_Pooling").mkdir()
     (st / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
-    assert resolve_pooling("auto", st) == "mean"
-    assert resolve_pooling("first", st) == "first"
-    cfg = json.loads((st / "config.json").read_text())
-    (st / "config.json").write_text(json.dumps({**cfg, "classifier_pooling": "cls"}))
-    assert resolve_pooling("auto", st) == "first"  # a recorded classifier pooling wins
+    (st / "modules.json").write_text("[]")
+    assert ModelFolder.open(st).pooling == "mean"  # the embedding's pooling ...
+    assert resolve_pooling("auto", ModelFolder.open(st)) == "first"  # ... is not the classifier's: HF pools the first token
+    assert resolve_pooling("mean", ModelFolder.open(st)) == "mean"
+    clf = tmp_path / "clf"
+    _tiny_classifier(tiny_bert_dir, "mean").save_pretrained(clf)
+    assert resolve_pooling("auto", ModelFolder.open(clf, tokenizer=False)) == "mean"  # a classifier keeps its own
 
 
 def test_mean_pooling_is_refused_for_a_head_that_reads_the_first_token():

@@ -14,12 +14,12 @@ from encoderkit.compress.distill import (
     build_student_from_teacher,
     check_same_tokenizer,
     hidden_cosine_loss,
-    load_task_model,
     parse_layer_map,
     soft_target_kl,
 )
 from encoderkit.compress.distill import run as distill
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import load_model as load_task_model
 from tests.conftest import WORDS, tiny_bert_config
 
 

@@ -10,9 +10,9 @@ from deploy_models import TASK_CLASSES, export_task_model, make_task_model, tiny
 
 from encoderkit.cli import main
 from encoderkit.deploy.export import OUTPUT_NAMES, ExportConfig, ort_session, run, torch_outputs
-from encoderkit.deploy.tasks import detect_task, load_torch_model
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import read_card
+from encoderkit.models.folder import ModelFolder
 
 
 @pytest.mark.parametrize("task", list(TASK_CLASSES))
@@ -30,8 +30,9 @@ def test_export_matches_pytorch_on_new_shapes(task, tmp_path_factory, tiny_token
     texts = ["good"] * 4 + ["the story of a man who said that he had a great time with his data and code " * 3]
     enc = tok(texts, padding=True, return_tensors="np")
     inputs = {k: v.astype(np.int64) for k, v in enc.items()}
-    info = detect_task(out)
-    ref = torch_outputs(load_torch_model(make_task_model(root, tiny_tokenizer_dir, task), info), task, inputs)
+    src = ModelFolder.open(make_task_model(root, tiny_tokenizer_dir, task))
+    assert src.task == ModelFolder.open(out).task == task
+    ref = torch_outputs(src.load(task=task), task, inputs)
     got = ort_session(out / "model.onnx").run(OUTPUT_NAMES[task], inputs)
     mask = inputs["attention_mask"].astype(bool)
     for r, g in zip(ref, got, strict=True):

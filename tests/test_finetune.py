@@ -76,28 +76,30 @@ def test_classify_learns_saves_and_loads_in_plain_transformers(tmp_path, tiny_be
     assert ev.task == "classify" and ev.metrics["accuracy"] == pytest.approx(res.metrics["accuracy"])
 
 
+def _conll(path: Path, n: int, rng: random.Random, begin: str = "I") -> Path:
+    """A CoNLL file of n sentences: LANG ("python code") and PER entities among filler words; ``begin``
+    is the first tag's prefix ("I": IOB1, "B": IOB2)."""
+    lines = []
+    for _ in range(n):
+        for _ in range(rng.randint(3, 7)):
+            r = rng.random()
+            if r < 0.2:
+                lines += [f"python X {begin}-LANG", "code X I-LANG"]
+            elif r < 0.4:
+                lines.append(f"{rng.choice(['he', 'she', 'man'])} X {begin}-PER")
+            else:
+                lines.append(f"{rng.choice(FILL)} X O")
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.mark.slow
 def test_ner_learns_and_loads(tmp_path, tiny_bert_dir):
     from transformers import AutoModelForTokenClassification
 
     rng = random.Random(0)
-
-    def conll(path: Path, n: int) -> Path:
-        lines = []
-        for _ in range(n):
-            for _ in range(rng.randint(3, 7)):
-                r = rng.random()
-                if r < 0.2:
-                    lines += ["python X I-LANG", "code X I-LANG"]
-                elif r < 0.4:
-                    lines.append(f"{rng.choice(['he', 'she', 'man'])} X I-PER")
-                else:
-                    lines.append(f"{rng.choice(FILL)} X O")
-            lines.append("")
-        path.write_text("\n".join(lines) + "\n")
-        return path
-
-    train, dev = conll(tmp_path / "train.conll", 240), conll(tmp_path / "dev.conll", 40)
+    train, dev = _conll(tmp_path / "train.conll", 240, rng), _conll(tmp_path / "dev.conll", 40, rng)
     res = run(_cfg(tmp_path, tiny_bert_dir, task="ner", train=str(train), dev=str(dev), max_length=16, stride=4,
                    epochs=10, lr=3e-3))
     assert res.metrics["f1"] >= 0.8  # an untrained head finds almost no entity
@@ -176,6 +178,7 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch, capsys):
 
 
 def test_rerank_draws_fresh_negatives_each_epoch(tmp_path, tiny_bert_dir):
+    from encoderkit.models.folder import ModelFolder
     from encoderkit.tasks.common import load_tokenizer
     from encoderkit.tasks.rerank import build
 
@@ -183,7 +186,7 @@ def test_rerank_draws_fresh_negatives_each_epoch(tmp_path, tiny_bert_dir):
     cfg = _cfg(tmp_path, tiny_bert_dir, task="rerank", train=str(_jsonl(tmp_path / "t.jsonl", rows)), max_length=16,
                num_negatives=2, batch_size=2)
     tok = load_tokenizer(tiny_bert_dir)
-    task = build(cfg, tok, tiny_bert_dir)
+    task = build(cfg, tok, ModelFolder.open(tiny_bert_dir))
     idx = np.arange(8)
 
     def texts(epoch: int) -> list[str]:
@@ -275,6 +278,9 @@ def test_bad_inputs_raise_and_leave_no_output(tmp_path, tiny_bert_dir):
     no_tok = tmp_path / "no_tok"
     no_tok.mkdir()
     (no_tok / "config.json").write_text((tiny_bert_dir / "config.json").read_text())
+    with pytest.raises(EncoderkitError, match="holds no weights"):
+        run(_cfg(tmp_path, no_tok, task="classify", train=str(train)))
+    (no_tok / "model.safetensors").write_bytes((tiny_bert_dir / "model.safetensors").read_bytes())
     with pytest.raises(EncoderkitError, match="no tokenizer files"):
         run(_cfg(tmp_path, no_tok, task="classify", train=str(train)))
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
@@ -292,11 +298,13 @@ def test_long_texts_are_truncated_for_classify(tiny_bert_dir):
 
 
 def test_max_length_default_fits_the_model_and_a_longer_request_is_refused(tmp_path, tiny_bert_dir):
-    from encoderkit.tasks.common import model_positions, settle_max_length
+    from encoderkit.models.folder import ModelFolder
+    from encoderkit.tasks.common import settle_max_length
 
-    assert model_positions(tiny_bert_dir) == 128
-    assert settle_max_length(0, 256, tiny_bert_dir) == 128  # the embed/qa/rerank default, cut to the model
-    assert settle_max_length(0, 64, tiny_bert_dir) == 64 and settle_max_length(100, 256, tiny_bert_dir) == 100
+    folder = ModelFolder.open(tiny_bert_dir)
+    assert folder.positions == 128
+    assert settle_max_length(0, 256, folder) == 128  # the embed/qa/rerank default, cut to the model
+    assert settle_max_length(0, 64, folder) == 64 and settle_max_length(100, 256, folder) == 100
     train = _tsv(tmp_path / "train.tsv", 32, 0)
     with pytest.raises(EncoderkitError, match=r"--max-length 512 is longer than the 128 positions"):
         run(_cfg(tmp_path, tiny_bert_dir, task="classify", train=str(train), max_length=512))

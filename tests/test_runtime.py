@@ -9,8 +9,9 @@ import pytest
 from deploy_models import export_task_model, make_task_model, tiny_root
 
 from encoderkit.cli import main
-from encoderkit.deploy.runtime import Predictor, finish_embeddings, length_batches
+from encoderkit.deploy.runtime import Predictor, finish_embeddings
 from encoderkit.errors import EncoderkitError
+from encoderkit.tasks.batching import length_batches
 
 TEXTS = ["the movie was great fun", "dull", "a boring story that never ends , and the worst film of all time",
          "she said that he had a good time", "python code and data", "love it !"]

@@ -16,7 +16,6 @@ from deploy_models import export_task_model, tiny_root
 from encoderkit.deploy.batching import MicroBatcher
 from encoderkit.deploy.runtime import Predictor
 from encoderkit.deploy.serve import BackgroundServer, FastJSONResponse, Limits, create_app, parse_models
-from encoderkit.deploy.tasks import TaskInfo
 from encoderkit.errors import EncoderkitError
 
 TOKEN = "s3cret"
@@ -165,7 +164,7 @@ class _SlowClassifier:
     """Stands in for a Predictor whose model call takes a while (to test shutdown)."""
 
     task, backend, max_batch, max_length = "classify", "stub", 8, 16
-    info = TaskInfo("classify", ["no", "yes"])
+    info = __import__("types").SimpleNamespace(task="classify", labels=["no", "yes"], normalize=True, card={})
     folder = __import__("pathlib").Path("/nonexistent")
     started = threading.Event()
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import apply_pooling
 
 # -- student construction --------------------------------------------------------------------------
@@ -410,39 +411,21 @@ class DistillResult:
                 "final_losses": {k: round(v, 4) for k, v in self.train_logs.items()}}
 
 
-def load_task_model(folder: str | Path) -> nn.Module:
-    """Load a model folder with the class its config names (``architectures[0]``), through
-    :func:`encoderkit.models.rebuild.load_model` (eval mode; the training engine switches modes)."""
-    import transformers
-
-    from encoderkit.models.rebuild import load_model
-
-    cfg = transformers.AutoConfig.from_pretrained(str(folder))
-    arch = (cfg.architectures or ["AutoModel"])[0]
-    cls = getattr(transformers, arch, None)
-    if cls is None:
-        raise EncoderkitError(f"{folder}/config.json names architecture {arch!r}, which transformers does not have")
-    return load_model(folder, cls)
-
-
 def run(cfg: DistillConfig) -> DistillResult:
     """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style)."""
     import tempfile
 
-    from transformers import AutoTokenizer
-
     from encoderkit.io import inherited_card, output_dir, write_card
     from encoderkit.train.engine import TrainSettings, fit
 
-    teacher = load_task_model(cfg.teacher).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.teacher)
+    teacher_folder = ModelFolder.open(cfg.teacher)
+    teacher = teacher_folder.load(frozen=True)
+    tokenizer = teacher_folder.tokenizer()
     n_teacher = teacher.config.num_hidden_layers
     layers: list[int] | None = None
     if cfg.student:
         check_same_tokenizer(cfg.teacher, cfg.student)
-        student = load_task_model(cfg.student)
+        student = ModelFolder.open(cfg.student, tokenizer=False).load()
         check(type(student) is type(teacher),
               f"student {cfg.student} is a {type(student).__name__} but the teacher a {type(teacher).__name__}; use the same head")
     elif cfg.hidden_size:
@@ -470,7 +453,7 @@ def run(cfg: DistillConfig) -> DistillResult:
                       fingerprint={"stage": "distill", **cfg.result_dict()})
         student.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        extra = inherited_card(cfg.teacher)
+        extra = inherited_card(teacher_folder.card)
         metrics = {"train_" + k: v for k, v in res.train_logs.items()}
         write_card(tmp, "distill", cfg.teacher, cfg.result_dict(),
                    {**metrics, "examples": n_examples, "steps": res.steps}, layers_from_teacher=layers, **extra)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
 
 QualityFn = Callable[[Path], dict[str, float]]
 
@@ -181,7 +182,7 @@ def measure_folder(folder: str | Path, *, latency: bool = True, seq_len: int = 1
                    repeats: int = 5) -> dict[str, Any]:
     """Parameters, nonzero parameters, bytes on disk, latency at ``batch_sizes`` and quality.
 
-    The model is loaded with :func:`encoderkit.compress.packing.load_model` (quantized and
+    The model is loaded by :class:`encoderkit.models.folder.ModelFolder` (quantized and
     head-pruned folders included) and timed in PyTorch on CPU at ``torch.get_num_threads()``.
     Results are remembered per folder state (path, file sizes and times) within the process, so
     a lever's "before" reuses the previous lever's "after" in a stack.
@@ -197,23 +198,22 @@ def measure_folder(folder: str | Path, *, latency: bool = True, seq_len: int = 1
 
 def _measure(folder: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, ...],
              quality_fn: QualityFn | None, repeats: int) -> dict[str, Any]:
-    from encoderkit.compress.packing import QUANT_KEY, load_model, read_config
-
-    folder = Path(folder)
+    mf = ModelFolder.open(folder, tokenizer=False)
+    folder = mf.path
     onnx_files = sorted(folder.glob("*.onnx"))
     out: dict[str, Any] = {"bytes": bytes_on_disk(folder), "weight_bytes": bytes_on_disk(folder, only_weights=True)}
     if onnx_files and not any(folder.glob("*.safetensors")):
-        vocab = int(read_config(folder).get("vocab_size", 1000))
+        vocab = int(mf.config.get("vocab_size", 1000))
         return {**out, **_measure_onnx(onnx_files[0], latency, seq_len, batch_sizes, repeats, vocab), **(
             {"quality": quality_fn(folder)} if quality_fn else {})}
-    runtime = (read_config(folder).get(QUANT_KEY) or {}).get("runtime", "")
-    model = load_model(folder)
+    runtime = (mf.quantization or {}).get("runtime", "")
+    model = mf.load()
     out["params"] = count_parameters(model)
     out["nonzero_params"] = count_parameters(model, nonzero=True)
     if latency:
         int8 = runtime == "torch-int8"
         if int8:
-            model = load_model(folder, int8_runtime=True)
+            model = mf.load(int8_runtime=True)
         out["latency"] = {"seq_len": seq_len, "threads": torch.get_num_threads(),
                           "runtime": "torch-cpu-dynamic-int8" if int8 else "torch-cpu-fp32"}
         for b in batch_sizes:

@@ -1,9 +1,9 @@
 """Low-bit weight storage (INT8 / packed INT4 with scales and zero points): the writing side.
 
-The folder format, the reading side (:func:`from_storage`, :func:`unpack_int4`) and the loader
-(:func:`load_model`, which rebuilds quantized and head-pruned models) live in
-:mod:`encoderkit.models.rebuild`, so that the deploy layer can load these folders too; they are
-re-exported here for the levers.
+The folder format and the reading side (:func:`from_storage`, :func:`unpack_int4`) live in
+:mod:`encoderkit.models.rebuild`, the loader (:func:`load_model`, which rebuilds quantized and
+head-pruned models) in :mod:`encoderkit.models.folder`, so that the deploy layer can load these
+folders too; they are re-exported here for the levers.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import load_model, read_config  # noqa: F401 -- the one loader, re-exported for the levers
 from encoderkit.models.rebuild import (  # noqa: F401 -- re-exported for the levers and their tests
     HEADS_KEY,
     QUANT_FILE,
@@ -23,9 +24,6 @@ from encoderkit.models.rebuild import (  # noqa: F401 -- re-exported for the lev
     QuantSpec,
     default_g_idx,
     from_storage,
-    load_model,
-    model_class,
-    read_config,
     shrink_heads,
     unpack_int4,
 )

@@ -36,11 +36,12 @@ from encoderkit.compress.measure import (
     read_texts,
     text_batches,
 )
-from encoderkit.compress.packing import HEADS_KEY, copy_side_files, is_quantized, load_model, read_config
+from encoderkit.compress.packing import HEADS_KEY, copy_side_files, is_quantized, load_model
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import describe, detect
 from encoderkit.io import output_dir
+from encoderkit.models.folder import ModelFolder
 from encoderkit.models.rebuild import encoder_layers, slice_linear
 from encoderkit.progress import progress
 
@@ -91,7 +92,6 @@ def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
     ``calib`` (texts or pairs) overrides ``cfg.calib_data`` for importance scores;
     ``quality_fn(folder) -> dict`` is measured before and after.
     """
-    from transformers import AutoTokenizer
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if is_quantized(model_dir):
@@ -101,9 +101,10 @@ def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
 
         return prune_vocab(model_dir, cfg, out_dir, quality_fn)
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_model(model_dir)
-    heads = read_config(model_dir).get(HEADS_KEY)
+    folder = ModelFolder.open(model_dir)
+    tokenizer = folder.tokenizer()
+    model = folder.load()
+    heads = folder.kept_heads
     details: dict[str, Any] = {}
     masks: dict[str, torch.Tensor] = {}
     if cfg.method in ("heads", "ffn"):

@@ -42,6 +42,7 @@ from encoderkit.compress.packing import (
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir
+from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import progress
 
 METHODS = ("dynamic", "static", "qat", "gptq", "rtn")
@@ -108,15 +109,15 @@ def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
     ``calib`` (texts or text pairs) overrides ``cfg.calib_data``; ``quality_fn(folder) -> dict``
     is measured before and after. Returns the :class:`LeverReport` (also saved in the card).
     """
-    from transformers import AutoTokenizer
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if is_quantized(model_dir):
         raise EncoderkitError(f"{model_dir} is already quantized; quantize its unquantized parent "
                               "(see 'parent' in its encoderkit.json) instead of stacking quantizers")
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_model(model_dir)
+    folder = ModelFolder.open(model_dir)
+    tokenizer = folder.tokenizer()
+    model = folder.load()
     details: dict[str, Any] = {}
     with output_dir(out_dir, cfg.overwrite) as tmp:
         if cfg.method == "dynamic" and cfg.backend == "onnx" or cfg.method == "static":
@@ -343,7 +344,7 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     from encoderkit.deploy.export import export_onnx
-    from encoderkit.deploy.tasks import ONNX_FP32, ONNX_INT8
+    from encoderkit.models.folder import ONNX_FP32, ONNX_INT8
 
     details: dict[str, Any] = {"runtime": "onnxruntime"}
     with tempfile.TemporaryDirectory(prefix="encoderkit-onnx-") as work:

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, read_texts
-from encoderkit.compress.packing import copy_side_files, load_model
+from encoderkit.compress.packing import copy_side_files
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, write_json_atomic
+from encoderkit.models.folder import ModelFolder
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 
@@ -96,7 +97,6 @@ def shrink_embeddings(model: torch.nn.Module, kept: list[int]) -> None:
 
 def prune_vocab(model_dir: str | Path, cfg: Any, out_dir: str | Path, quality_fn: QualityFn | None = None) -> LeverReport:
     """The ``prune method=vocab`` lever: keep the tokens of ``cfg.vocab_data`` files (+ specials)."""
-    from transformers import AutoTokenizer
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not cfg.vocab_data:
@@ -105,12 +105,13 @@ def prune_vocab(model_dir: str | Path, cfg: Any, out_dir: str | Path, quality_fn
     if not tok_json.is_file():
         raise EncoderkitError(f"{model_dir}: tokenizer.json is missing; vocabulary pruning rewrites a fast tokenizer")
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    folder = ModelFolder.open(model_dir)
+    tokenizer = folder.tokenizer()
     texts: list[Any] = []
     for f in cfg.vocab_data:
         texts.extend(read_texts(f))
     kept = used_token_ids(tokenizer, texts, cfg.keep_tokens)
-    model = load_model(model_dir)
+    model = folder.load()
     old_vocab = model.config.vocab_size
     shrink_embeddings(model, kept)
     new_json = rewrite_tokenizer_json(json.loads(tok_json.read_text(encoding="utf-8")), kept)

@@ -17,7 +17,7 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from encoderkit.data.readers import Document
+from encoderkit.data.document import Document
 
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "idlelib",
               "turtledemo", "lib2to3", "ensurepip", "config-3", "pydoc_data"}

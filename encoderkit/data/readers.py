@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from encoderkit.data.builtin_corpus import BUILTIN_CORPORA
+from encoderkit.data.document import Document
 from encoderkit.data.files import (
     MEMBER_SEP,
     Opener,
@@ -55,16 +57,6 @@ _GLOB_CHARS = "*?["
 
 SkipCallback = Callable[[str, str], None]
 """Called as ``on_skip(source, reason)`` for each file left out (``skip_bad_encoding=True``)."""
-
-
-@dataclass(frozen=True)
-class Document:
-    """One document: its ``text`` (stripped, never empty), the ``source`` it came from and the
-    1-based ``line`` (or record number for HF datasets) where it starts."""
-
-    text: str
-    source: str
-    line: int
 
 
 @dataclass
@@ -94,8 +86,6 @@ def resolve_sources(sources: str | Path | Iterable[str | Path]) -> list[str]:
         if item.startswith(HF_PREFIX):
             out.append(item)
         elif item.startswith(BUILTIN_PREFIX):
-            from encoderkit.data.builtin_corpus import BUILTIN_CORPORA
-
             name = item[len(BUILTIN_PREFIX):]
             if name not in BUILTIN_CORPORA:
                 raise EncoderkitError(f"unknown built-in corpus {item!r}; available: "
@@ -189,8 +179,6 @@ def _iter_resolved(files: list[str], doc_split: str, text_field: str, text_colum
             stats.files += 1
             docs: Iterable[Document] = read_hf(src, text_field)
         elif src.startswith(BUILTIN_PREFIX):
-            from encoderkit.data.builtin_corpus import BUILTIN_CORPORA
-
             stats.files += 1
             docs = BUILTIN_CORPORA[src[len(BUILTIN_PREFIX):]]()
         elif is_archive(src):

@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.deploy.tasks import ONNX_FP32, ONNX_INT8, TaskInfo, check_servable, detect_task, load_torch_model
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import output_dir, read_card, write_card
+from encoderkit.io import inherited_card, output_dir, write_card
+from encoderkit.models.folder import ONNX_FP32, ONNX_INT8, SERVABLE, ModelFolder
 
 OUTPUT_NAMES = {
     "embed": ["last_hidden_state"],
@@ -75,7 +75,7 @@ class ExportResult:
         return {"out": str(self.out), "task": self.task, "files": self.files, "parity": self.parity}
 
 
-def _sample_inputs(tokenizer, info: TaskInfo) -> dict[str, np.ndarray]:
+def _sample_inputs(tokenizer, info: ModelFolder) -> dict[str, np.ndarray]:
     """Three examples of different lengths, padded (B=3, T); pairs for qa/rerank."""
     if info.task in ("qa", "rerank"):
         enc = tokenizer(["who visited paris ?", "what was fun", "why"], SAMPLE_TEXTS, padding=True,
@@ -187,33 +187,30 @@ def _optimize(src: Path, dst: Path, config: dict[str, Any]) -> bool:
         return False
 
 
-def export_onnx(model_dir: str | Path, out: Path, *, optimize: bool = False, int8: bool = False, opset: int = 17,
+def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: bool = False, int8: bool = False, opset: int = 17,
                 tolerance: float = 1e-3, int8_min_cosine: float = 0.95) -> dict[str, Any]:
     """Write ``out/model.onnx`` (and ``out/model.int8.onnx``) for the task model in ``model_dir``.
 
     Returns the parity figures: ``fp32_max_abs_diff`` (and ``int8_max_abs_diff``, ``int8_mean_cosine``).
     Raises EncoderkitError when the FP32 graph differs from eager PyTorch beyond ``tolerance``.
     """
-    import json
-
     import torch
     from onnxruntime.quantization import QuantType, quantize_dynamic
-    from transformers import AutoTokenizer
 
-    model_dir = Path(model_dir)
-    info = detect_task(model_dir)
-    check_servable(model_dir, info)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    info = model_dir if isinstance(model_dir, ModelFolder) else ModelFolder.open(model_dir, tokenizer=False)
+    model_dir = info.path
+    info.require_task(*SERVABLE)
+    tokenizer = info.tokenizer()
     inputs = _sample_inputs(tokenizer, info)
     input_names = list(inputs)
     # The reference comes from a model that was never traced: tracing leaves transformers' modules in a
     # state where later eager calls can differ.
-    reference = torch_outputs(load_torch_model(model_dir, info), info.task, inputs)
-    model = load_torch_model(model_dir, info)
+    reference = torch_outputs(info.load(task=info.task, attn="eager", frozen=True), info.task, inputs)
+    model = info.load(task=info.task, attn="eager", frozen=True)
     outputs = OUTPUT_NAMES[info.task]
     axes = {name: {0: "batch", 1: "sequence"} for name in input_names}
     axes.update({name: ({0: "batch"} if info.task in ("classify", "rerank") else {0: "batch", 1: "sequence"}) for name in outputs})
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config = info.config
     report: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "raw.onnx"
@@ -277,14 +274,15 @@ def run(cfg: ExportConfig) -> ExportResult:
     Example: encoderkit export --model runs/sst2 --out runs/sst2-onnx --optimize --quantize int8-dynamic
     """
     src = Path(cfg.model)
-    info = detect_task(src)
-    check_servable(src, info)
+    info = ModelFolder.open(src, tokenizer=False)
+    info.require_task(*SERVABLE)
+    info.require_tokenizer()
     with output_dir(cfg.out, cfg.overwrite) as tmp:
         copy_model_files(src, tmp)
-        parity = export_onnx(src, tmp, optimize=cfg.optimize, int8=cfg.quantize == "int8-dynamic", opset=cfg.opset,
+        parity = export_onnx(info, tmp, optimize=cfg.optimize, int8=cfg.quantize == "int8-dynamic", opset=cfg.opset,
                              tolerance=cfg.tolerance, int8_min_cosine=cfg.int8_min_cosine)
         print(f"parity on {len(SAMPLE_TEXTS)} sample inputs: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in parity.items()))
-        parent_card = {k: v for k, v in read_card(src).items() if k not in ("stage", "parent", "config", "metrics", "created")}
+        parent_card = inherited_card(info.card)
         parent_card.update(task=info.task, labels=info.labels, pooling=info.pooling, normalize=info.normalize,
                            max_length=info.max_length)
         onnx_files = {"fp32": ONNX_FP32, **({"int8": ONNX_INT8} if cfg.quantize != "none" else {})}

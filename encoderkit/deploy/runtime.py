@@ -30,9 +30,18 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.deploy.tasks import TaskInfo, check_servable, detect_task, load_torch_model, onnx_file
+from encoderkit.deploy.export import copy_model_files, export_onnx, ort_session
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import cache_dir, output_dir, read_card
+from encoderkit.io import cache_dir, output_dir, write_text_atomic
+from encoderkit.models.folder import SERVABLE, ModelFolder
+from encoderkit.tasks.classify import decode as decode_labels
+from encoderkit.tasks.classify import engine_logits
+from encoderkit.tasks.classify import featurize as featurize_pairs
+from encoderkit.tasks.inference import ModuleEngine, run_rows
+from encoderkit.tasks.ner import decode_entities, featurize_text, window_logits
+from encoderkit.tasks.ner import window_rows as ner_window_rows
+from encoderkit.tasks.qa import decode_answers, featurize_qa, window_span_logits
+from encoderkit.tasks.qa import window_rows as qa_window_rows
 
 BACKENDS = ("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8")
 INT8_TASKS = ("embed",)
@@ -40,114 +49,57 @@ OUTPUTS = {"embed": ["last_hidden_state"], "classify": ["logits"], "rerank": ["l
            "qa": ["start_logits", "end_logits"]}
 
 
-class _TorchEngine:
-    """Eager transformers model; ``run`` maps int64 arrays (B, T) to the task's float32 outputs."""
+def _torch_engine(folder: ModelFolder, bf16: bool) -> ModuleEngine:
+    """The eager transformers model as an engine: int64 arrays (B, T) in, the task's float32 outputs out."""
+    import torch
 
-    def __init__(self, folder: Path, info: TaskInfo, bf16: bool) -> None:
-        import torch
-
-        self.torch = torch
-        self.task = info.task
-        self.model = load_torch_model(folder, info, dtype=torch.bfloat16 if bf16 else None, attn="sdpa")
-        self.input_names = ["input_ids", "attention_mask", "token_type_ids"]
-
-    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        torch = self.torch
-        with torch.inference_mode():
-            out = self.model(**{k: torch.from_numpy(v) for k, v in inputs.items()})
-        return [out[name].float().numpy() for name in OUTPUTS[self.task]]
+    model = folder.load(task=folder.task, dtype=torch.bfloat16 if bf16 else None, attn="sdpa", frozen=True)
+    return ModuleEngine(model, OUTPUTS[folder.task])
 
 
 class _OnnxEngine:
     """onnxruntime session on one ``.onnx`` file."""
 
-    def __init__(self, path: Path, info: TaskInfo, threads: int | None, spin: bool = True) -> None:
-        from encoderkit.deploy.export import ort_session
+    def __init__(self, path: Path, task: str, threads: int | None, spin: bool = True) -> None:
 
         self.session = ort_session(path, threads, spin)
         self.input_names = [i.name for i in self.session.get_inputs()]
-        self.outputs = OUTPUTS[info.task]
+        self.outputs = OUTPUTS[task]
         missing = set(self.outputs) - {o.name for o in self.session.get_outputs()}
         if missing or not {"input_ids", "attention_mask"} <= set(self.input_names):
-            raise EncoderkitError(f"{path}: graph inputs/outputs do not match a {info.task} model "
+            raise EncoderkitError(f"{path}: graph inputs/outputs do not match a {task} model "
                                   f"(missing {sorted(missing) or 'input_ids/attention_mask'}); re-run encoderkit export")
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.session.run(self.outputs, {k: v for k, v in inputs.items() if k in self.input_names})
+        feed = {k: v for k, v in inputs.items() if k in self.input_names}
+        if "token_type_ids" in self.input_names and "token_type_ids" not in feed:
+            feed["token_type_ids"] = np.zeros_like(inputs["input_ids"])
+        return self.session.run(self.outputs, feed)
 
 
-def cached_export(folder: Path, int8: bool) -> Path:
-    """``folder`` itself when it holds the wanted ONNX file, else a cache folder exported once from it."""
-    if onnx_file(folder, int8):
-        return folder
-    from encoderkit.deploy.export import copy_model_files, export_onnx
+def cached_export(folder: ModelFolder, int8: bool) -> Path:
+    """The wanted ONNX file of ``folder``: its own, else one in a cache folder exported once from it."""
+    own = folder.onnx(int8)
+    if own:
+        return own
 
-    st = (folder / "config.json").stat()
-    weights = [p for p in (folder / "model.safetensors", folder / "pytorch_model.bin") if p.is_file()]
-    stamp = f"{folder.resolve()}|{st.st_mtime_ns}|{[(p.stat().st_size, p.stat().st_mtime_ns) for p in weights]}"
-    root = cache_dir("onnx")
-    out = root / hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    if onnx_file(out, int8):
-        return out
+    st = (folder.path / "config.json").stat()
+    weights = [folder.torch_weights] if folder.torch_weights else []
+    stamp = f"{folder.path.resolve()}|{st.st_mtime_ns}|{[(p.stat().st_size, p.stat().st_mtime_ns) for p in weights]}"
+    out = cache_dir("onnx") / hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    cached = out / ("model.int8.onnx" if int8 else "model.onnx")
+    if cached.is_file():
+        return cached
     with output_dir(out, overwrite=True) as tmp:  # both graphs at once: the INT8 one is quantised from the FP32 trace
-        copy_model_files(folder, tmp)
+        copy_model_files(folder.path, tmp)
         export_onnx(folder, tmp, optimize=True, int8=True)
-    return out
-
-
-def _pad(rows: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
-    """Right-pad 1-D int rows into int64 arrays (B, T) plus ``attention_mask``."""
-    width = max(len(r["input_ids"]) for r in rows)
-    ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(rows), width), dtype=np.int64)
-    types = np.zeros((len(rows), width), dtype=np.int64)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n], mask[i, :n] = r["input_ids"], 1
-        if "token_type_ids" in r:
-            types[i, :n] = r["token_type_ids"]
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-
-
-CALL_COST_TOKENS = 8  # one model call's fixed cost, in padded token slots (MiniLM INT8 on CPU: ~2 ms vs ~0.25 ms/token)
-
-
-def length_batches(lengths: Sequence[int], max_batch: int, call_cost: int = CALL_COST_TOKENS) -> list[np.ndarray]:
-    """Row indices grouped into model calls of at most ``max_batch`` rows, each group of similar lengths.
-
-    Rows are sorted by length and cut where the cost ``sum(call_cost + rows * longest)`` (padded token
-    slots, plus a fixed cost per call) is least, found exactly by dynamic programming over the sorted
-    order. Compute on CPU grows with padded tokens, so one batch of 32 random sentences (padded to
-    the longest, ~2x the real tokens) costs more than a few batches of like lengths; many rows of
-    one length still go in full batches of ``max_batch``."""
-    order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
-    n = len(order)
-    if n == 0:
-        return []
-    sorted_len = np.asarray(lengths, dtype=np.int64)[order]
-    best = np.zeros(n + 1, dtype=np.int64)  # best[j]: least cost of the first j sorted rows
-    cut = np.zeros(n + 1, dtype=np.int64)  # cut[j]: where the last group of that solution starts
-    for j in range(1, n + 1):
-        starts = np.arange(max(0, j - max_batch), j)
-        costs = best[starts] + call_cost + (j - starts) * sorted_len[j - 1]
-        k = int(np.argmin(costs[::-1]))  # ties: the longest group (the fewest calls)
-        cut[j], best[j] = starts[len(starts) - 1 - k], costs[len(costs) - 1 - k]
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = int(cut[j])
-    return groups[::-1]
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    z = np.exp(x - x.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
+    return cached
 
 
 class Predictor:
     """A task model ready for inference; see the module docstring."""
 
-    def __init__(self, folder: Path, info: TaskInfo, tokenizer, engine, backend: str, max_batch: int,
+    def __init__(self, folder: Path, info: ModelFolder, tokenizer, engine, backend: str, max_batch: int,
                  max_length: int) -> None:
         self.folder, self.info, self.tokenizer, self.engine = folder, info, tokenizer, engine
         self.task, self.backend, self.max_batch, self.max_length = info.task, backend, max_batch, max_length
@@ -157,54 +109,32 @@ class Predictor:
              max_length: int | None = None, spin: bool = True) -> Predictor:
         """Load ``folder`` (a task model, or its export) with ``backend``; see the module docstring.
         ``spin=False`` lets onnxruntime's idle threads sleep (a server sharing the CPU with its HTTP loop)."""
-        from transformers import AutoTokenizer
-
-        folder = Path(folder)
         if backend not in BACKENDS:
             raise EncoderkitError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if max_batch < 1:
             raise EncoderkitError(f"max_batch must be at least 1, got {max_batch}")
-        info = detect_task(folder)
-        check_servable(folder, info)
+        info = ModelFolder.open(folder, tokenizer=False)
+        info.require_task(*SERVABLE)
+        tokenizer = info.tokenizer()
         if backend == "auto":
-            has_weights = (folder / "model.safetensors").is_file() or (folder / "pytorch_model.bin").is_file()
             want_int8 = info.task in INT8_TASKS
-            if want_int8 and (onnx_file(folder, True) or has_weights):
-                backend = "onnx-int8"
-            else:
-                backend = "onnx-fp32"
+            backend = "onnx-int8" if want_int8 and (info.onnx_int8 or info.torch_weights) else "onnx-fp32"
         if backend.startswith("onnx"):
-            int8 = backend == "onnx-int8"
-            src = cached_export(folder, int8)
-            engine: Any = _OnnxEngine(onnx_file(src, int8), info, threads, spin)
+            engine: Any = _OnnxEngine(cached_export(info, backend == "onnx-int8"), info.task, threads, spin)
         else:
-            engine = _TorchEngine(folder, info, bf16=backend == "torch-bf16")
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        if not getattr(tokenizer, "is_fast", False):
-            raise EncoderkitError(f"{folder}: the runtime needs a fast tokenizer (tokenizer.json)")
+            engine = _torch_engine(info, bf16=backend == "torch-bf16")
         limit = info.max_length if max_length is None else min(max_length, info.max_length)
-        return cls(folder, info, tokenizer, engine, backend, max_batch, limit)
+        return cls(info.path, info, tokenizer, engine, backend, max_batch, limit)
 
     # -- batching -------------------------------------------------------------------------
     def _run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
         """Run the model on 1-D token rows in length-sorted batches; per row, each output with its
         padding cut off ((C,) for sequence outputs, (T_row, ...) for token outputs), in input order."""
-        results: list[list[np.ndarray]] = [[] for _ in rows]
-        pad_id = self.tokenizer.pad_token_id or 0
         token_level = self.task in ("embed", "ner", "qa")  # outputs (B, T, ...) rather than (B, C)
-        for idx in length_batches([len(r["input_ids"]) for r in rows], self.max_batch):
-            batch = _pad([rows[i] for i in idx], pad_id)
-            outs = self.engine.run(batch)
-            for j, i in enumerate(idx):
-                n = len(rows[i]["input_ids"])
-                results[i] = [o[j, :n] if token_level else o[j] for o in outs]
-        return results
+        return run_rows(self.engine, rows, self.tokenizer.pad_token_id or 0, self.max_batch, per_token=token_level)
 
     def _encode(self, texts: Sequence[str], pairs: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
-        enc = self.tokenizer(list(texts), list(pairs) if pairs is not None else None, truncation=True,
-                             max_length=self.max_length)
-        keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
-        return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(texts))]
+        return featurize_pairs(self.tokenizer, list(texts), list(pairs) if pairs is not None else None, self.max_length)
 
     def _need(self, *tasks: str) -> None:
         if self.task not in tasks:
@@ -222,14 +152,8 @@ class Predictor:
             firsts = [x if isinstance(x, str) else x[0] for x in inputs]
             seconds = ["" if isinstance(x, str) else x[1] for x in inputs]
             rows = self._encode(firsts, seconds)
-        logits = np.stack([r[0] for r in self._run_rows(rows)])  # (N, C)
-        if logits.shape[1] == 1:  # one-logit head: sigmoid score
-            probs = 1.0 / (1.0 + np.exp(-logits[:, 0]))
-            return [{"label": "score", "score": float(p), "scores": {"score": float(p)}} for p in probs]
-        probs = _softmax(logits)
-        labels = self.info.labels or [f"LABEL_{i}" for i in range(logits.shape[1])]
-        return [{"label": labels[int(p.argmax())], "score": float(p.max()),
-                 "scores": {labels[c]: float(p[c]) for c in range(len(p))}} for p in probs]
+        logits = engine_logits(self.engine, rows, self.tokenizer.pad_token_id or 0, self.max_batch)  # (N, C)
+        return decode_labels(logits, self.info.labels)
 
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
         """Relevance logits (N,) of (query, passage) pairs for a ``rerank`` model (first logit; for a
@@ -247,12 +171,12 @@ class Predictor:
         return [{"index": int(i), "score": float(scores[i])} for i in order]
 
     def embed_raw(self, texts: Sequence[str]) -> np.ndarray:
-        """Pooled, un-normalised embeddings (N, H) float32 (mean or [CLS] pooling per the folder)."""
+        """Pooled, un-normalised embeddings (N, H) float32 (mean or first-token pooling per the folder)."""
         self._need("embed")
         if not texts:
             return np.zeros((0, 0), dtype=np.float32)
         out = self._run_rows(self._encode(texts))
-        if self.info.pooling == "cls":
+        if self.info.pooling == "first":
             return np.stack([o[0][0] for o in out]).astype(np.float32)
         return np.stack([o[0].mean(axis=0) for o in out]).astype(np.float32)
 
@@ -263,53 +187,35 @@ class Predictor:
 
     def extract(self, texts: Sequence[str], stride: int | None = None) -> list[list[dict[str, Any]]]:
         """Entities per text: [{"entity", "label", "start", "end", "score"}], character offsets [start, end)."""
-        from encoderkit.tasks.ner import decode_entities, featurize_text
-
         self._need("ner")
-        stride = stride if stride is not None else min(32, self.max_length // 4)
+        stride = stride if stride is not None else self.info.card.get("stride", min(32, self.max_length // 4))
         feats = [featurize_text(self.tokenizer, t, max_length=self.max_length, stride=stride) for t in texts]
-        rows = []
-        for f in feats:
-            for w in range(len(f.input_ids)):
-                n = int(f.attention_mask[w].sum())
-                rows.append({"input_ids": f.input_ids[w, :n], "token_type_ids": f.token_type_ids[w, :n]})
-        out = self._run_rows(rows) if rows else []
+        rows, where = ner_window_rows(feats)
+        outs = [o[0] for o in self._run_rows(rows)] if rows else []
         id2label = dict(enumerate(self.info.labels))
-        results, k = [], 0
-        for f in feats:
-            w_count, width = f.input_ids.shape
-            logits = np.zeros((w_count, width, len(id2label)), dtype=np.float32)
-            for w in range(w_count):
-                logits[w, : len(out[k][0])] = out[k][0]
-                k += 1
+        results = []
+        for f, logits in zip(feats, window_logits(feats, where, outs, len(id2label)), strict=True):
             results.append([{"entity": e.text, "label": e.label, "start": e.start, "end": e.end, "score": float(e.score)}
                             for e in decode_entities(f, logits, id2label)])
         return results
 
-    def answer(self, questions: Sequence[str], contexts: Sequence[str], max_answer_length: int = 30,
-               n_best: int = 20) -> list[dict[str, Any]]:
+    def answer(self, questions: Sequence[str], contexts: Sequence[str], max_answer_length: int | None = None,
+               n_best: int | None = None) -> list[dict[str, Any]]:
         """The best answer span per (question, context): {"answer", "start", "end", "score"}; an empty
-        answer with score None when no span fits."""
-        from encoderkit.tasks.qa import decode_answers, featurize_qa
-
+        answer with score None when no span fits. Window and span settings come from the folder's card
+        (what the model was fine-tuned and evaluated with), else defaults cut to ``max_length``."""
         self._need("qa")
         if len(questions) != len(contexts):
             raise EncoderkitError(f"{len(questions)} questions but {len(contexts)} contexts; give one context per question")
         if not questions:
             return []
-        q_len = min(64, self.max_length // 4)
+        card = self.info.card
+        max_answer_length = max_answer_length or card.get("max_answer_length", 30)
+        n_best = n_best or card.get("n_best", 20)
         feats = featurize_qa(self.tokenizer, questions, contexts, max_length=self.max_length,
-                             doc_stride=min(128, self.max_length // 4), max_question_length=q_len)
-        rows = []
-        for w in range(len(feats.input_ids)):
-            n = int(feats.attention_mask[w].sum())
-            rows.append({"input_ids": feats.input_ids[w, :n], "token_type_ids": feats.token_type_ids[w, :n]})
-        out = self._run_rows(rows)
-        width = feats.input_ids.shape[1]
-        start = np.full((len(rows), width), -1e9, dtype=np.float32)
-        end = np.full((len(rows), width), -1e9, dtype=np.float32)
-        for w, (s, e) in enumerate(out):
-            start[w, : len(s)], end[w, : len(e)] = s, e
+                             doc_stride=card.get("doc_stride", min(128, self.max_length // 4)),
+                             max_question_length=card.get("max_question_length", min(64, self.max_length // 4)))
+        start, end = window_span_logits(feats, self._run_rows(qa_window_rows(feats)))
         best = decode_answers(feats, start, end, n_best=n_best, max_answer_length=max_answer_length)
         return [{"answer": b[0].text, "start": b[0].start, "end": b[0].end, "score": float(b[0].score)} if b
                 else {"answer": "", "start": None, "end": None, "score": None} for b in best]
@@ -328,9 +234,8 @@ def finish_embeddings(vectors: np.ndarray, dim: int | None, normalize: bool) -> 
 
 def describe(p: Predictor) -> dict[str, Any]:
     """What a loaded predictor is: task, backend, labels, limits (for /health and logs)."""
-    card = read_card(p.folder)
     return {"folder": str(p.folder), "task": p.task, "backend": p.backend, "labels": p.info.labels,
-            "max_length": p.max_length, "max_batch": p.max_batch, "stage": card.get("stage")}
+            "max_length": p.max_length, "max_batch": p.max_batch, "stage": p.info.card.get("stage")}
 
 
 # -- `encoderkit predict` ---------------------------------------------------------------------
@@ -423,7 +328,6 @@ def run(cfg: PredictConfig) -> PredictResult:
     import json
     import time
 
-    from encoderkit.io import write_text_atomic
 
     out = Path(cfg.output)
     if out.exists() and not cfg.overwrite:

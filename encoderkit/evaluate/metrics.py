@@ -4,8 +4,8 @@ All scores are fractions in [0, 1] (multiply by 100 for the percentages papers a
 SQuAD script print).
 
 * classification: :func:`accuracy`, :func:`f1_binary`, :func:`macro_f1`, :func:`multilabel_scores`
-* NER: :func:`entity_scores`, strict entity-level P/R/F1 over IOB2 tags, the way seqeval's
-  default (conlleval-compatible) mode counts: an entity is right only if type, start and end match.
+* NER: :func:`entity_scores`, entity-level P/R/F1 over IOB2 tags by seqeval (its default,
+  conlleval-compatible mode): an entity is right only if type, start and end match.
 * QA: :func:`squad_scores`, exact match and token F1 after the official SQuAD v1.1
   normalisation (lowercase, drop punctuation, drop the articles a/an/the, squeeze whitespace),
   taking the best over the gold answers of each question.
@@ -22,8 +22,6 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-
-from encoderkit.tasks.tags import iob2_to_spans
 
 # -- classification -------------------------------------------------------------------------
 
@@ -83,23 +81,26 @@ def multilabel_scores(gold: np.ndarray, pred: np.ndarray) -> dict[str, float]:
 
 def entity_scores(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]]) -> dict[str, float]:
     """Entity-level precision, recall and F1 (micro over all types) from IOB2 tags per sentence,
-    plus ``f1_<TYPE>`` per entity type."""
+    plus ``f1_<TYPE>`` per entity type, computed by seqeval (its default, conlleval-compatible mode)."""
+    import warnings
+
+    from seqeval.metrics import classification_report, f1_score, precision_score, recall_score
+
     if len(gold) != len(pred):
         raise ValueError(f"{len(gold)} gold sentences but {len(pred)} predicted")
-    gold_set, pred_set = set(), set()
     for i, (g, p) in enumerate(zip(gold, pred, strict=True)):
         if len(g) != len(p):
             raise ValueError(f"sentence {i}: {len(g)} gold tags but {len(p)} predicted")
-        gold_set |= {(i, *s) for s in iob2_to_spans(g)}
-        pred_set |= {(i, *s) for s in iob2_to_spans(p)}
-    tp = len(gold_set & pred_set)
-    p, r, f = _prf(tp, len(pred_set) - tp, len(gold_set) - tp)
-    out = {"precision": p, "recall": r, "f1": f}
-    for kind in sorted({s[1] for s in gold_set | pred_set}):
-        gk = {s for s in gold_set if s[1] == kind}
-        pk = {s for s in pred_set if s[1] == kind}
-        t = len(gk & pk)
-        out[f"f1_{kind}"] = _prf(t, len(pk) - t, len(gk) - t)[2]
+    y_true, y_pred = [list(g) for g in gold], [list(p) for p in pred]
+    out = {"precision": float(precision_score(y_true, y_pred, zero_division=0)),
+           "recall": float(recall_score(y_true, y_pred, zero_division=0)),
+           "f1": float(f1_score(y_true, y_pred, zero_division=0))}
+    with warnings.catch_warnings():  # a type seen only in the predictions has no support: its F1 is 0
+        warnings.simplefilter("ignore")
+        report = classification_report(y_true, y_pred, output_dict=True, zero_division=0)
+    for kind, row in sorted(report.items()):
+        if not kind.endswith(" avg"):
+            out[f"f1_{kind}"] = float(row["f1-score"])
     return out
 
 

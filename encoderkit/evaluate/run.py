@@ -1,26 +1,24 @@
 """``encoderkit evaluate``: the task metrics of a model folder on labelled data, printed as JSON.
 
-The task comes from ``--task``, else the folder's ``encoderkit.json``, else its architecture
-(``*ForSequenceClassification`` with one label: rerank; with more: classify;
-``*ForTokenClassification``: ner; ``*ForQuestionAnswering``: qa; a sentence-transformers folder:
-embed). Feature settings saved with the model (max length, strides) are reused; an explicit
+The task comes from ``--task``, else from the folder by the one rule of
+:class:`encoderkit.models.folder.ModelFolder` (its ``encoderkit.json``, else a sentence-transformers
+folder is embed, else its architecture: ``*ForSequenceClassification`` with one label is rerank). Feature settings saved with the model (max length, strides) are reused; an explicit
 ``--max-length`` overrides the saved one (e.g. to score a reranker on longer passages than it saw).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from encoderkit.config import arg
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import read_card
+from encoderkit.progress import note
 from encoderkit.tasks import TASK_MODULES, TASKS
-from encoderkit.tasks.common import load_tokenizer, resolve_model
+from encoderkit.tasks.common import open_model
 from encoderkit.tasks.options import TaskDataOptions
 
 
@@ -58,39 +56,21 @@ class EvaluateResult:
 MODULES = {**TASK_MODULES, "mlm": "encoderkit.train.pretrain"}
 
 
-def infer_task(folder: Path, card: dict) -> str:
-    if card.get("task") in MODULES:
-        return card["task"]
-    if (folder / "modules.json").is_file():
-        return "embed"
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    arch = " ".join(config.get("architectures") or [])
-    if "ForSequenceClassification" in arch:
-        return "rerank" if len(config.get("id2label") or {}) == 1 else "classify"
-    if "ForTokenClassification" in arch:
-        return "ner"
-    if "ForQuestionAnswering" in arch:
-        return "qa"
-    if "ForMaskedLM" in arch:
-        return "mlm"
-    raise EncoderkitError(f"{folder}: cannot tell the task from config.json (architectures {arch or 'missing'}); pass --task")
-
-
 def run(cfg: EvaluateConfig) -> EvaluateResult:
     """Print the task metrics (JSON) of a model folder on labelled data."""
-    folder = resolve_model(cfg.model)
-    card = read_card(folder)
+    folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
     if cfg.max_length:
-        if card.get("max_length") and card["max_length"] != cfg.max_length:
-            from encoderkit.progress import note
-
-            note(f"{folder}: scoring at --max-length {cfg.max_length}, but the model was fine-tuned at {card['max_length']}; "
+        saved = folder.card.get("max_length")
+        if saved and saved != cfg.max_length:
+            note(f"{folder.path}: scoring at --max-length {cfg.max_length}, but the model was fine-tuned at {saved}; "
                  "quality can drop at a length the model has not seen")
-        card = {**card, "max_length": cfg.max_length}
-    task = cfg.task or infer_task(folder, card)
-    cfg.task = task
-    cfg.eval_batch_size = cfg.batch_size
-    tokenizer = load_tokenizer(folder, cfg.tokenizer or None)
+        folder = dataclasses.replace(folder, card={**folder.card, "max_length": cfg.max_length}, max_length=cfg.max_length)
+    task = cfg.task or folder.task
+    if task not in MODULES:
+        raise EncoderkitError(f"{folder.path}: cannot tell the task from encoderkit.json or config.json "
+                              f"(architectures {folder.config.get('architectures') or 'missing'}); pass --task")
+    cfg = dataclasses.replace(cfg, task=task, eval_batch_size=cfg.batch_size)  # a copy: the parsed config stays as given
+    tokenizer = folder.tokenizer(cfg.tokenizer or None)
     t0 = time.perf_counter()
-    metrics = importlib.import_module(MODULES[task]).evaluate_folder(folder, tokenizer, cfg.data, cfg, card)
-    return EvaluateResult(str(folder), task, cfg.data, metrics, time.perf_counter() - t0)
+    metrics = importlib.import_module(MODULES[task]).evaluate_folder(folder, tokenizer, cfg.data, cfg)
+    return EvaluateResult(str(folder.path), task, cfg.data, metrics, time.perf_counter() - t0)

@@ -9,7 +9,6 @@ predictions already score tokens by similarity to the word embeddings.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
 
 
 def check_fits(config: Any, vocab_size: int, seq_len: int | None, source: str) -> None:
@@ -44,14 +44,12 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
     ``stage`` names the stage in the refusal of a family without a masked-LM class."""
     from transformers import AutoConfig, AutoModelForMaskedLM, BertForPreTraining
 
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise EncoderkitError(f"{folder} has no config.json; give a Hugging Face model folder (config.json + weights)")
+    mf = ModelFolder.open(folder, tokenizer=False)
     try:
-        config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(mf.path)
     except (OSError, ValueError, KeyError) as e:
-        raise EncoderkitError(f"{folder}/config.json could not be read as a model config ({e})") from e
-    check_fits(config, vocab_size if vocab_size is not None else 0, seq_len, str(folder))
+        raise EncoderkitError(f"{mf.path}/config.json could not be read as a model config ({e})") from e
+    check_fits(config, vocab_size if vocab_size is not None else 0, seq_len, str(mf.path))
     if pretraining and config.model_type != "bert":
         raise EncoderkitError(f"{folder}: pretrain --objective mlm+nsp needs a BERT model (next-sentence prediction "
                               f"is BERT's pretraining head); this folder holds a {config.model_type} model: "
@@ -61,20 +59,16 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
         # DeBERTa-v2/v3 checkpoints (microsoft/deberta-v3-*) keep their MLM head as `lm_predictions`, which
         # transformers only loads with legacy=False; their config.json does not say so (the default is legacy)
         config.legacy, has_head = False, True
-    log = logging.getLogger("transformers.modeling_utils")
-    old_level = log.level
-    if not has_head:  # the "newly initialized" warning is expected: we add the head on purpose
-        log.setLevel(logging.ERROR)
-    try:
-        model_class = BertForPreTraining if pretraining else AutoModelForMaskedLM
-        model = model_class.from_pretrained(folder, config=config, dtype=torch.float32)
-    except ValueError as e:
+    model_class = BertForPreTraining if pretraining else AutoModelForMaskedLM
+    try:  # a missing head is named in one line by ModelFolder.load, then made here
+        model = mf.load(model_class, config=config, dtype=torch.float32)
+    except EncoderkitError as e:
+        if not isinstance(e.__cause__, ValueError):
+            raise
         raise EncoderkitError(
             f"{stage}: {folder} holds a {config.model_type} model, and {config.model_type} has no masked-LM model "
             f"class in transformers, so it cannot be trained or scored with MLM; use an encoder family with one "
-            f"(bert, roberta, deberta-v2, electra, distilbert, modernbert...) ({e})") from e
-    finally:
-        log.setLevel(old_level)
+            f"(bert, roberta, deberta-v2, electra, distilbert, modernbert...) ({e.__cause__})") from e
     if not has_head:
         init_fresh_head(model)
     model.config.architectures = [type(model).__name__]

@@ -13,7 +13,8 @@ Compression levers write two such kinds of folder (the standard HF files are kep
 - head-pruned: ``config.json`` gets an ``encoderkit_heads`` entry (the heads kept per layer), since
   transformers has no ``prune_heads`` to rebuild the smaller attention from the config.
 
-:func:`load_model` rebuilds a runnable fp32 model from any of these (dequantized weights). The
+:func:`rebuild_model` rebuilds a runnable fp32 model from any of these (dequantized weights); it is
+called by :meth:`encoderkit.models.folder.ModelFolder.load`, the one loader. The
 writing side of the format lives in :mod:`encoderkit.compress.packing`.
 """
 
@@ -26,7 +27,6 @@ from typing import Any
 import torch
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.models.pooling import apply_pooling
 
 QUANT_FILE = "model.quantized.safetensors"
 QUANT_KEY = "encoderkit_quantization"
@@ -96,31 +96,6 @@ def from_storage(name: str, tensors: dict[str, torch.Tensor], meta: dict[str, An
                    g_idx.long() if g_idx is not None else None, spec)
 
 
-def read_config(folder: str | Path) -> dict[str, Any]:
-    """``folder/config.json`` as a dict (an EncoderkitError when it is missing or unreadable)."""
-    from encoderkit.io import read_json
-
-    return read_json(Path(folder) / "config.json", f"{folder} is not a model folder: config.json is missing")
-
-
-def needs_rebuild(folder: str | Path) -> bool:
-    """True when ``folder`` is quantized or head-pruned, so ``from_pretrained`` alone cannot load it."""
-    raw = read_config(folder)
-    return QUANT_KEY in raw or HEADS_KEY in raw
-
-
-def model_class(config: Any) -> Any:
-    """The transformers class named in ``config.architectures`` (``AutoModel`` when absent)."""
-    import transformers
-
-    archs = getattr(config, "architectures", None) or []
-    for arch in archs:
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
-            return cls
-    return transformers.AutoModel
-
-
 def encoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of a BERT-like encoder (``<base>.encoder.layer``)."""
     base = getattr(model, "base_model", model)
@@ -157,51 +132,30 @@ def shrink_heads(model: torch.nn.Module, heads_per_layer: list[list[int]], head_
         att.self.all_head_size = len(keep) * head_size
 
 
-def load_model(folder: str | Path, model_cls: Any = None, int8_runtime: bool = False,
-               attn_implementation: str | None = None) -> torch.nn.Module:
-    """A runnable fp32 model (eval mode) from a plain, quantized or head-pruned encoderkit folder.
-
-    ``model_cls`` defaults to the class in ``config.architectures``. ``int8_runtime`` swaps the
-    Linear layers for ``torch.ao`` dynamically quantized INT8 ones (CPU serving of INT8 folders).
-    ``attn_implementation`` (e.g. ``"eager"`` for ONNX tracing) is passed on to transformers.
-    """
+def rebuild_model(folder: Path, cls: Any, weights: Path, quant: dict[str, Any] | None,
+                  heads: list[list[int]] | None, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """A model of class ``cls`` rebuilt from a quantized or head-pruned folder's records: the
+    config's shape, the kept heads, and ``weights`` (quantized matrices dequantized to fp32).
+    Called by :meth:`encoderkit.models.folder.ModelFolder.load`, which has read those records."""
+    from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    folder = Path(folder)
-    raw = read_config(folder)
-    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     config = AutoConfig.from_pretrained(folder, **kwargs)
-    cls = model_cls or model_class(config)
-    quant = raw.get(QUANT_KEY)
-    heads = raw.get(HEADS_KEY)
-    if quant is None and heads is None:
-        model = cls.from_pretrained(folder, **kwargs)
-    else:
-        from safetensors.torch import load_file
-
-        for key in (QUANT_KEY, HEADS_KEY):
-            config.__dict__.pop(key, None)
-        model = cls.from_config(config, **kwargs) if cls.__name__.startswith("Auto") else cls(config)
-        if heads is not None:
-            shrink_heads(model, heads, config.hidden_size // config.num_attention_heads)
-            model.config.__dict__[HEADS_KEY] = heads  # kept, so saving the model again keeps its shape
-        weights = folder / (QUANT_FILE if quant is not None else "model.safetensors")
-        if not weights.is_file():
-            raise EncoderkitError(f"{folder}: {weights.name} is missing; the folder is incomplete, re-run the lever")
-        tensors = load_file(str(weights))
-        state = {k: v for k, v in tensors.items() if not k.rsplit(".", 1)[-1] in ("qweight", "scale", "zero", "g_idx")}
-        for name, meta in (quant or {}).get("layers", {}).items():
-            state[name] = from_storage(name, tensors, meta).dequantize()
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        model.tie_weights()
-        tied = {k for k, _ in model.named_parameters(remove_duplicate=False)} - {k for k, _ in model.named_parameters()}
-        missing = [k for k in missing if k not in tied and not k.endswith("position_ids")]
-        if missing or unexpected:
-            raise EncoderkitError(f"{weights}: weights do not match the config (missing {missing[:3]}, unexpected "
-                                  f"{unexpected[:3]}); the folder was not written by this version of encoderkit")
-    apply_pooling(model)
-    model.eval()
-    if int8_runtime:  # per-channel weights, as stored (the default qconfig would re-quantize them per tensor)
-        qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
-        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8)
+    for key in (QUANT_KEY, HEADS_KEY):
+        config.__dict__.pop(key, None)
+    model = cls.from_config(config, **kwargs) if cls.__name__.startswith("Auto") else cls(config)
+    if heads is not None:
+        shrink_heads(model, heads, config.hidden_size // config.num_attention_heads)
+        model.config.__dict__[HEADS_KEY] = heads  # kept, so saving the model again keeps its shape
+    tensors = load_file(str(weights))
+    state = {k: v for k, v in tensors.items() if not k.rsplit(".", 1)[-1] in ("qweight", "scale", "zero", "g_idx")}
+    for name, meta in (quant or {}).get("layers", {}).items():
+        state[name] = from_storage(name, tensors, meta).dequantize()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    tied = {k for k, _ in model.named_parameters(remove_duplicate=False)} - {k for k, _ in model.named_parameters()}
+    missing = [k for k in missing if k not in tied and not k.endswith("position_ids")]
+    if missing or unexpected:
+        raise EncoderkitError(f"{weights}: weights do not match the config (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}); the folder was not written by this version of encoderkit")
     return model

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 TASKS = ("classify", "ner", "qa", "rerank", "embed")
 
-# task -> module with ``build(cfg, tokenizer, model_dir) -> TaskRun`` and ``evaluate_folder(...)``
+# task -> module with ``build(cfg, tokenizer, folder: ModelFolder) -> TaskRun`` and
+# ``evaluate_folder(folder, tokenizer, data, cfg) -> metrics``
 TASK_MODULES = {
     "classify": "encoderkit.tasks.classify",
     "ner": "encoderkit.tasks.ner_task",

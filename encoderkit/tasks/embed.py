@@ -27,19 +27,9 @@ import torch
 from torch import nn
 
 from encoderkit.io import cache_dir, write_json_atomic
+from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import pool
 from encoderkit.tasks.batching import encode_batch, sorted_batches
-
-
-def folder_pooling(folder: Path) -> str | None:
-    """``mean`` / ``first`` from a sentence-transformers folder's pooling config, else None."""
-    cfg = Path(folder) / "1_Pooling" / "config.json"
-    if not cfg.is_file():
-        return None
-    p = json.loads(cfg.read_text(encoding="utf-8"))
-    if p.get("pooling_mode_cls_token"):
-        return "first"
-    return "mean" if p.get("pooling_mode_mean_tokens", True) else None
 
 
 def folder_max_length(folder: Path) -> int | None:
@@ -103,12 +93,12 @@ def mnrl_loss(q: torch.Tensor, passages: torch.Tensor, scale: float, dims: list[
     return total
 
 
-def load_bi_encoder(folder: Path, pooling: str = "auto") -> BiEncoder:
-    from transformers import AutoModel
-
+def load_bi_encoder(folder: Path | ModelFolder, pooling: str = "auto") -> BiEncoder:
+    """The encoder of ``folder`` with ``pooling`` ('first' or 'mean'; ``auto``: the folder's own, else mean)."""
+    mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder, tokenizer=False)
     if pooling == "auto":
-        pooling = folder_pooling(folder) or "mean"
-    return BiEncoder(AutoModel.from_pretrained(folder), pooling)
+        pooling = mf.pooling if mf.task == "embed" and mf.pooling else "mean"
+    return BiEncoder(mf.load(task="embed"), pooling)
 
 
 def save_sentence_transformers(model: BiEncoder, tokenizer, folder: Path, max_length: int) -> None:

@@ -15,13 +15,12 @@ import numpy as np
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import retrieval_scores
+from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.beir import is_beir_source, load_retrieval, read_triples
 from encoderkit.tasks.common import TaskRun, seeded_subset
 from encoderkit.tasks.embed import (
     BiEncoder,
-    folder_max_length,
-    folder_pooling,
     load_bi_encoder,
     mnrl_loss,
     retrieve,
@@ -31,17 +30,17 @@ from encoderkit.tasks.embed import (
 from encoderkit.tasks.rerank import groups_from_beir
 
 
-def default_max_length(folder: Path) -> int:
-    """A sentence-transformers folder's own max_seq_length, else 256."""
-    return folder_max_length(folder) or 256
+def default_max_length(folder: ModelFolder) -> int:
+    """A sentence-transformers folder's own max_seq_length (cut to its positions), else 256."""
+    return folder.max_length if folder.sentence_transformers else 256
 
 
-def max_length_for(cfg: Any, folder: Path) -> int:
-    return cfg.max_length or folder_max_length(folder) or 256
+def max_length_for(cfg: Any, folder: ModelFolder) -> int:
+    return cfg.max_length or default_max_length(folder)
 
 
-def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
-    max_length = max_length_for(cfg, model_dir)
+def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
+    max_length = max_length_for(cfg, folder)
     k = cfg.num_negatives if cfg.negatives == "mined" else 0
     if is_beir_source(cfg.train):
         data = load_retrieval(cfg.train)
@@ -73,7 +72,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         p = module(**{a[2:]: b for a, b in batch.items() if a.startswith("p_")})
         return mnrl_loss(q, p, cfg.scale, dims), {}
 
-    model = load_bi_encoder(model_dir, cfg.pooling)
+    model = load_bi_encoder(folder, cfg.pooling)
     evaluate = None
     if cfg.dev:
         if not is_beir_source(cfg.dev):
@@ -91,16 +90,16 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     return TaskRun(model, loss_fn, source, evaluate, (cfg.metric or "ndcg@10", "max"), save, card, num_train=len(groups))
 
 
-def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
     if not is_beir_source(str(data)):
         raise EncoderkitError(f"--data {data}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
-    pooling = card.get("pooling") or folder_pooling(model_dir) or cfg.pooling
-    model = load_bi_encoder(model_dir, pooling if pooling != "auto" else "auto")
+    model = load_bi_encoder(folder, folder.pooling or cfg.pooling)
+    card = folder.card
     ds = load_retrieval(str(data))
     if cfg.max_examples:  # a seeded subset of the judged queries; the whole corpus stays searchable
         keep = set(seeded_subset(sorted(ds.qrels), cfg.max_examples, cfg.seed))
         ds.qrels = {q: r for q, r in ds.qrels.items() if q in keep}
-    max_length = card.get("max_length") or max_length_for(cfg, model_dir)
+    max_length = card.get("max_length") or max_length_for(cfg, folder)
     ranked = retrieve(model, tokenizer, ds, max_length, card.get("max_query_length", cfg.max_query_length), cfg.batch_size,
-                      progress=True, cache_for=model_dir)
+                      progress=True, cache_for=folder.path)
     return {**retrieval_scores(ranked, ds.qrels), "queries": len(ds.qrels), "documents": len(ds.corpus)}

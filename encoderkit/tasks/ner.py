@@ -145,6 +145,31 @@ def featurize_text(tokenizer, text: str, *, max_length: int = 256, stride: int =
     return featurize_words(tokenizer, words, max_length=max_length, stride=stride, text=text, word_spans=spans)
 
 
+def window_rows(feats: Sequence[NerFeatures], with_labels: bool = False
+                ) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int]]]:
+    """One feature row per window of every text (padding cut off; ``labels`` too with ``with_labels``)
+    and its (text, window) position."""
+    rows, where = [], []
+    for i, f in enumerate(feats):
+        for w in range(len(f.input_ids)):
+            n = int(f.attention_mask[w].sum())
+            row = {"input_ids": f.input_ids[w, :n], "token_type_ids": f.token_type_ids[w, :n]}
+            if with_labels:
+                row["labels"] = f.labels[w, :n]
+            rows.append(row)
+            where.append((i, w))
+    return rows, where
+
+
+def window_logits(feats: Sequence[NerFeatures], where: Sequence[tuple[int, int]], outs: Sequence[np.ndarray],
+                  n_labels: int) -> list[np.ndarray]:
+    """Per text, its windows' logits (W, L, C) from each window row's (n, C) output (padding zero)."""
+    logits = [np.zeros(f.input_ids.shape + (n_labels,), dtype=np.float32) for f in feats]
+    for (i, w), out in zip(where, outs, strict=True):
+        logits[i][w, : len(out)] = out
+    return logits
+
+
 def word_logits(features: NerFeatures, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-word logits (N, C) from window logits (W, L, C): for each word, the window where its first
     sub-token is furthest from a window edge. Also a bool mask (N,): False for a word the tokenizer

@@ -9,6 +9,7 @@ Entity types in dev data that never occur in training are an error.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,11 @@ import numpy as np
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import entity_scores
+from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, load_task_model, run_batches, seeded_subset
+from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
 from encoderkit.tasks.conll import Sentence, entity_types, read_ner
-from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words
+from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words, window_logits, window_rows
 
 DEFAULT_MAX_LENGTH = 128
 
@@ -38,28 +40,11 @@ def featurize(tokenizer, sents: list[Sentence], cfg: Any, label2id: dict[str, in
     return feats
 
 
-def window_rows(feats: list[NerFeatures], with_labels: bool) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, int]]]:
-    """One row per window (padding cut off) and its (sentence, window) position."""
-    rows, where = [], []
-    for i, f in enumerate(feats):
-        for w in range(len(f.input_ids)):
-            n = int(f.attention_mask[w].sum())
-            row = {"input_ids": f.input_ids[w, :n], "token_type_ids": f.token_type_ids[w, :n]}
-            if with_labels:
-                row["labels"] = f.labels[w, :n]
-            rows.append(row)
-            where.append((i, w))
-    return rows, where
-
-
 def predict_tags(module, tokenizer, feats: list[NerFeatures], id2label: dict[int, str], batch_size: int) -> list[list[str]]:
     """IOB2 tags per word of each sentence."""
     rows, where = window_rows(feats, with_labels=False)
     outs = run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits, per_token=True)
-    n_labels = outs[0].shape[-1] if outs else len(id2label)
-    logits = [np.zeros(f.input_ids.shape + (n_labels,), dtype=np.float32) for f in feats]
-    for (i, w), out in zip(where, outs, strict=True):
-        logits[i][w, : len(out)] = out
+    logits = window_logits(feats, where, outs, outs[0].shape[-1] if outs else len(id2label))
     return [decode_word_tags(f, lg, id2label)[0] for f, lg in zip(feats, logits, strict=True)]
 
 
@@ -73,7 +58,7 @@ def _check_types(train_types: list[str], sents: list[Sentence], path: str) -> No
         )
 
 
-def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
+def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     from transformers import AutoModelForTokenClassification
 
     train = seeded_subset(read_ner(cfg.train, cfg.tag_scheme), cfg.max_train_examples, cfg.seed)
@@ -93,8 +78,8 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
             pred = predict_tags(module, tokenizer, dev_feats, dict(enumerate(labels)), cfg.eval_batch_size)
             return entity_scores([s.tags for s in dev], pred)
 
-    model = AutoModelForTokenClassification.from_pretrained(
-        model_dir, num_labels=len(labels), id2label=dict(enumerate(labels)), label2id=label2id)
+    model = folder.load(AutoModelForTokenClassification, num_labels=len(labels), id2label=dict(enumerate(labels)),
+                        label2id=label2id)
     pad_id = tokenizer.pad_token_id
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), cfg.batch_size,
                              lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=cfg.seed, bucket=cfg.bucket)
@@ -108,14 +93,12 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
-    from transformers import AutoModelForTokenClassification
-
-    model = load_task_model(model_dir, AutoModelForTokenClassification)
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
+    model = folder.load(task="ner")
+    card = folder.card
     id2label = {int(k): v for k, v in model.config.id2label.items()}
     sents = seeded_subset(read_ner(data, cfg.tag_scheme), cfg.max_examples, cfg.seed)
     _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data))
-    cfg.max_length = card.get("max_length", cfg.max_length)
-    cfg.stride = card.get("stride", cfg.stride)
+    cfg = dataclasses.replace(cfg, max_length=card.get("max_length", cfg.max_length), stride=card.get("stride", cfg.stride))
     pred = predict_tags(model, tokenizer, featurize(tokenizer, sents, cfg), id2label, cfg.batch_size)
     return {**entity_scores([s.tags for s in sents], pred), "sentences": len(sents)}

@@ -14,7 +14,11 @@ class TaskDataOptions(StageConfig):
     """Data columns and feature settings for every task."""
 
     task: str = arg("classify", help="Task head to train or evaluate.", choices=TASKS)
-    text_column: str = arg("sentence", help="classify: column (TSV/CSV header or JSONL key) holding the text.")
+    text_column: str = arg("auto", help=(
+        "classify: column (TSV/CSV header or JSONL key) holding the text. 'auto': the column the model was "
+        "fine-tuned on (evaluate), else one named text, sentence, content, review, document, body, comment, "
+        "sentence1, question, tweet, utterance or title, else the only column of non-numeric text; the log says "
+        "which."))
     text_pair_column: str = arg("", help="classify: column holding the second text of a pair (empty: single texts).")
     label_column: str = arg("label", help="classify: column holding the label.")
     multi_label: bool = arg(False, help="classify: several labels per row (BCE loss, threshold 0.5).")
@@ -36,9 +40,13 @@ class TaskDataOptions(StageConfig):
         "trains on 'train' and evaluates on 'heldout'."), choices=("all", "train", "heldout"))
     max_query_length: int = arg(64, help="rerank/embed: sub-tokens per query (longer queries truncated).")
     pooling: str = arg("auto", help=(
-        "embed/classify: 'mean' (of the real tokens) or 'first' (CLS) pooling. 'auto': a folder's recorded "
-        "classifier pooling, else a sentence-transformers folder's own pooling (mean for MiniLM), else embed mean "
-        "and classify first. classify mean needs a BERT-style model or ModernBERT."), choices=("auto", "mean", "first"))
+        "embed/classify: 'mean' (of the real tokens) or 'first' (first token, [CLS]) pooling. 'auto': embed takes "
+        "a sentence-transformers folder's own pooling, else mean; classify takes 'first', which is what plain "
+        "transformers (AutoModelForSequenceClassification, pipeline) computes, unless the folder is already a "
+        "mean-pooled classifier. classify 'mean' (BERT-style models or ModernBERT) is recorded in config.json and "
+        "applied by encoderkit's evaluate/predict/serve/export, but plain transformers pools the first token of a "
+        "BERT anyway and gives OTHER outputs: the log and the card (hf_compatible: false) warn about it."),
+        choices=("auto", "mean", "first"))
     candidates: int = arg(100, help="rerank on a BEIR source: the bi-encoder's top-K documents per query that the "
                                     "cross-encoder reorders.")
     seed: int = arg(0, help="Seed of the new head's initialisation, shuffling, subsets, negative sampling and dropout.")

@@ -136,6 +136,29 @@ def featurize_qa(
     return QaFeatures(input_ids, attention, types, offsets, example, list(contexts), starts, ends)
 
 
+def window_rows(feats: QaFeatures, with_answers: bool = False) -> list[dict[str, np.ndarray]]:
+    """One feature row per window, padding cut off (``start/end_positions`` too with ``with_answers``)."""
+    rows = []
+    for w in range(len(feats.input_ids)):
+        n = int(feats.attention_mask[w].sum())
+        row = {"input_ids": feats.input_ids[w, :n], "token_type_ids": feats.token_type_ids[w, :n]}
+        if with_answers:
+            row["start_positions"] = feats.start_positions[w]
+            row["end_positions"] = feats.end_positions[w]
+        rows.append(row)
+    return rows
+
+
+def window_span_logits(feats: QaFeatures, outs: Sequence[Sequence[np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end logits (W, L) from each window row's (start (n,), end (n,)) outputs; padding -1e9."""
+    width = feats.input_ids.shape[1]
+    start = np.full((len(outs), width), -1e9, dtype=np.float32)
+    end = np.full((len(outs), width), -1e9, dtype=np.float32)
+    for w, (s, e) in enumerate(outs):
+        start[w, : len(s)], end[w, : len(e)] = s, e
+    return start, end
+
+
 def decode_answers(
     features: QaFeatures,
     start_logits: np.ndarray,

@@ -8,15 +8,17 @@ it against all gold answers with the official SQuAD v1.1 EM/F1.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from encoderkit.evaluate.metrics import squad_scores
+from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, load_task_model, run_batches, seeded_subset
-from encoderkit.tasks.qa import QaFeatures, decode_answers, featurize_qa
+from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
+from encoderkit.tasks.qa import QaFeatures, decode_answers, featurize_qa, window_rows, window_span_logits
 from encoderkit.tasks.squad import QaExample, read_squad
 
 DEFAULT_MAX_LENGTH = 256
@@ -39,28 +41,12 @@ def featurize(tokenizer, examples: list[QaExample], cfg: Any, with_answers: bool
                         max_length=max_length(cfg), doc_stride=doc_stride(cfg), max_question_length=cfg.max_query_length, **kw)
 
 
-def _rows(f: QaFeatures, with_answers: bool) -> list[dict[str, np.ndarray]]:
-    rows = []
-    for w in range(len(f.input_ids)):
-        n = int(f.attention_mask[w].sum())
-        row = {"input_ids": f.input_ids[w, :n], "token_type_ids": f.token_type_ids[w, :n]}
-        if with_answers:
-            row["start_positions"] = f.start_positions[w]
-            row["end_positions"] = f.end_positions[w]
-        rows.append(row)
-    return rows
-
-
 def predict(module, tokenizer, examples: list[QaExample], cfg: Any, batch_size: int) -> list[str]:
     """The best answer text per example ('' when no valid span)."""
     feats = featurize(tokenizer, examples, cfg, with_answers=False)
-    outs = run_batches(module, _rows(feats, False), tokenizer.pad_token_id, batch_size,
+    outs = run_batches(module, window_rows(feats), tokenizer.pad_token_id, batch_size,
                        lambda o: (o.start_logits, o.end_logits), per_token=True)
-    width = feats.input_ids.shape[1]
-    start = np.full((len(outs), width), -1e9, dtype=np.float32)
-    end = np.full((len(outs), width), -1e9, dtype=np.float32)
-    for w, out in enumerate(outs):  # out: (2, n)
-        start[w, : out.shape[1]], end[w, : out.shape[1]] = out[0], out[1]
+    start, end = window_span_logits(feats, outs)  # each out: (2, n)
     answers = decode_answers(feats, start, end, n_best=cfg.n_best, max_answer_length=cfg.max_answer_length)
     return [a[0].text if a else "" for a in answers]
 
@@ -70,13 +56,13 @@ def scores(module, tokenizer, examples: list[QaExample], cfg: Any, batch_size: i
     return squad_scores(preds, [[t for t, _ in e.answers] for e in examples])
 
 
-def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
+def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     from transformers import AutoModelForQuestionAnswering
 
     same_file = bool(cfg.dev) and Path(cfg.train).resolve() == Path(cfg.dev).resolve()
     train, _ = read_squad(cfg.train, "train" if same_file else cfg.qa_split)
     train = seeded_subset(train, cfg.max_train_examples, cfg.seed)
-    rows = _rows(featurize(tokenizer, train, cfg, with_answers=True), True)
+    rows = window_rows(featurize(tokenizer, train, cfg, with_answers=True), with_answers=True)
     evaluate = None
     if cfg.dev:
         dev, _ = read_squad(cfg.dev, "heldout" if same_file else "all")
@@ -85,7 +71,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
         def evaluate(module) -> dict[str, float]:
             return scores(module, tokenizer, dev, cfg, cfg.eval_batch_size)
 
-    model = AutoModelForQuestionAnswering.from_pretrained(model_dir)
+    model = folder.load(AutoModelForQuestionAnswering)
     pad_id = tokenizer.pad_token_id
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), cfg.batch_size,
                              lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=cfg.seed, bucket=cfg.bucket)
@@ -99,14 +85,12 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
-    from transformers import AutoModelForQuestionAnswering
-
-    model = load_task_model(model_dir, AutoModelForQuestionAnswering)
-    for key, field in (("max_length", "max_length"), ("doc_stride", "doc_stride"), ("max_answer_length", "max_answer_length"),
-                       ("max_question_length", "max_query_length")):
-        if key in card:
-            setattr(cfg, field, card[key])
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
+    model = folder.load(task="qa")
+    card = folder.card
+    saved = (("max_length", "max_length"), ("doc_stride", "doc_stride"), ("max_answer_length", "max_answer_length"),
+             ("max_question_length", "max_query_length"))
+    cfg = dataclasses.replace(cfg, **{field: card[key] for key, field in saved if key in card})
     examples, skipped = read_squad(data, cfg.qa_split)
     examples = seeded_subset(examples, cfg.max_examples, cfg.seed)
     return {**scores(model, tokenizer, examples, cfg, cfg.batch_size), "questions": len(examples), "skipped_answers": skipped}

@@ -18,6 +18,7 @@ on JSONL it ranks each row's positive among its negatives (MRR, accuracy@1).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,10 @@ import torch
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import reciprocal_rank_fusion, retrieval_scores
+from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.beir import Retrieval, Triple, is_beir_source, load_retrieval, read_triples
-from encoderkit.tasks.common import TaskRun, load_task_model, resolve_model, run_batches, seeded_subset
+from encoderkit.tasks.common import TaskRun, resolve_model, run_batches, seeded_subset
 
 DEFAULT_MAX_LENGTH = 256
 
@@ -92,7 +94,7 @@ def groups_from_beir(data: Retrieval, cfg: Any, pool: bool = False) -> list[Trip
     return out
 
 
-def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
+def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     from transformers import AutoModelForSequenceClassification
 
     max_length = cfg.max_length or DEFAULT_MAX_LENGTH
@@ -128,7 +130,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     evaluate, primary = None, ("mrr@10", "max")
     if cfg.dev:
         evaluate, primary = dev_evaluator(cfg, tokenizer, max_length)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    model = folder.load(AutoModelForSequenceClassification, num_labels=1)
     card = {"task": "rerank", "max_length": max_length, "num_labels": 1, "loss": "listwise softmax over 1 positive + negatives"}
     return TaskRun(model, loss_fn, source, evaluate, (cfg.metric or primary[0], "max"),
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(groups))
@@ -172,10 +174,8 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
     return evaluate_triples, ("mrr@10", "max")
 
 
-def evaluate_folder(model_dir: Path, tokenizer, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
-    from transformers import AutoModelForSequenceClassification
-
-    model = load_task_model(model_dir, AutoModelForSequenceClassification)
-    cfg.eval_batch_size = cfg.batch_size
-    evaluate, _ = dev_evaluator(cfg, tokenizer, card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH), str(data), cfg.max_examples)
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
+    model = folder.load(task="rerank")
+    cfg = dataclasses.replace(cfg, eval_batch_size=cfg.batch_size)
+    evaluate, _ = dev_evaluator(cfg, tokenizer, folder.card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH), str(data), cfg.max_examples)
     return evaluate(model)

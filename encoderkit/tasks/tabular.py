@@ -90,6 +90,35 @@ def column(rows: list[Row], name: str, path: str | Path, flag: str) -> list[Any]
     return out
 
 
+TEXT_NAMES = ("text", "sentence", "content", "review", "document", "body", "comment", "sentence1", "question", "tweet",
+              "utterance", "title")
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def find_text_column(rows: list[Row], path: str | Path, exclude: tuple[str, ...] = ()) -> tuple[str, str]:
+    """The column holding the text and how it was found: by its name (the first of :data:`TEXT_NAMES`
+    present, in any case), else the only column of non-numeric strings; ``exclude`` (the label column)
+    is never picked. An error lists the columns when neither rule decides."""
+    columns = [c for c in rows[0].fields if c not in exclude]
+    by_lower = {str(c).lower(): c for c in columns}
+    for name in TEXT_NAMES:
+        if name in by_lower:
+            return by_lower[name], "found by its name"
+    texty = [c for c in columns if all(isinstance(r.fields.get(c), str) and not _is_number(r.fields[c]) for r in rows[:100])]
+    if len(texty) == 1:
+        return texty[0], "the only text column"
+    why = f"several look like text ({', '.join(map(str, texty))})" if texty else "none looks like text"
+    raise EncoderkitError(f"{path}: cannot tell which column holds the text (columns: {', '.join(map(str, rows[0].fields))}; "
+                          f"{why}); set --text-column")
+
+
 def text_column(rows: list[Row], name: str, path: str | Path, flag: str) -> list[str]:
     """A text column: strings, none empty (an empty text is an error naming its line)."""
     values = column(rows, name, path, flag)

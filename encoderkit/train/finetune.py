@@ -8,6 +8,7 @@ max length, dev metrics).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import shutil
 import time
@@ -19,8 +20,10 @@ from encoderkit.config import arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import check_output_dir, output_dir, write_card
 from encoderkit.tasks import TASK_MODULES
-from encoderkit.tasks.common import DEFAULT_MODEL, load_tokenizer, resolve_model, settle_max_length
+from encoderkit.tasks.common import DEFAULT_MODEL, open_model, settle_max_length
 from encoderkit.tasks.options import TaskDataOptions
+from encoderkit.train import checkpoint
+from encoderkit.train.engine import TrainSettings, fit
 
 
 @dataclass
@@ -100,19 +103,18 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
     """Fine-tune a model on a task and write the best checkpoint as a model folder."""
     import torch
 
-    from encoderkit.train import checkpoint
-    from encoderkit.train.engine import TrainSettings, fit
 
     out = check_output_dir(cfg.out, cfg.overwrite)
-    model_dir = resolve_model(cfg.model)
-    tokenizer = load_tokenizer(model_dir, cfg.tokenizer or None)
+    folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
+    model_dir = folder.path
+    tokenizer = folder.tokenizer(cfg.tokenizer or None)
     task = importlib.import_module(TASK_MODULES[cfg.task])
     default_for = getattr(task, "default_max_length", None)
-    cfg.max_length = settle_max_length(cfg.max_length, default_for(model_dir) if default_for else task.DEFAULT_MAX_LENGTH,
-                                       model_dir)
+    cfg = dataclasses.replace(cfg, max_length=settle_max_length(  # a copy: the caller's config stays as given
+        cfg.max_length, default_for(folder) if default_for else task.DEFAULT_MAX_LENGTH, folder))
     with torch.random.fork_rng(devices=[]):  # the new head's initialisation follows --seed
         torch.manual_seed(cfg.seed)
-        tr = task.build(cfg, tokenizer, model_dir)
+        tr = task.build(cfg, tokenizer, folder)
     _freeze(tr.module, cfg.freeze)
 
     steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)

@@ -40,6 +40,7 @@ import torch
 from encoderkit.config import arg, check
 from encoderkit.data.masking import Masker, MaskingSpec
 from encoderkit.data.nsp import PairBuilder
+from encoderkit.data.prepare import PrepareConfig, ensure_prepared, open_blocks, read_meta
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import cache_dir, check_output_dir, check_writable, output_dir, write_card, write_json_atomic
 from encoderkit.models.load import build_encoder, check_fits, load_encoder
@@ -52,6 +53,7 @@ from encoderkit.models.mlm import (
     mlm_nsp_loss_fn,
 )
 from encoderkit.models.presets import ARCHS, PRESETS, build_config
+from encoderkit.tokenizer import load_tokenizer
 from encoderkit.train import distributed as dist_util
 from encoderkit.train.engine import FitResult, IndexedBatches, TrainArgs, fit
 
@@ -132,8 +134,6 @@ class PretrainResult:
 
 def resolve_data(cfg: PretrainConfig, dist: dist_util.DistInfo) -> Path:
     """The token store: ``--data`` as given, or ``--corpus`` prepared into the cache (rank 0 first)."""
-    from encoderkit.data.prepare import PrepareConfig, ensure_prepared, read_meta
-
     if cfg.data:
         read_meta(cfg.data)
         return Path(cfg.data)
@@ -229,21 +229,17 @@ def _check_same_tokenizer(model_dir: Path, tokenizer: Any) -> None:
 
 def heldout_batches(folder: Path, masker: Masker, n_blocks: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
     """Fixed masked batches of the first ``n_blocks`` held-out blocks (0: all), epoch 0 masks."""
-    from encoderkit.data.prepare import open_blocks
-
     blocks = open_blocks(folder, "heldout")
     n = len(blocks) if n_blocks <= 0 else min(n_blocks, len(blocks))
     return [masker(np.asarray(blocks[i:min(i + batch_size, n)]), np.arange(i, min(i + batch_size, n)), 0)
             for i in range(0, n, batch_size)]
 
 
-def evaluate_folder(model_dir: Path, tokenizer: Any, data: str | Path, cfg: Any, card: dict) -> dict[str, float]:
+def evaluate_folder(folder: Any, tokenizer: Any, data: str | Path, cfg: Any) -> dict[str, float]:
     """``encoderkit evaluate --task mlm``: held-out MLM loss, masked-token accuracy and perplexity
     of a model folder on a token store's held-out blocks (epoch-0 masks of ``cfg.seed``, the same
     masks ``pretrain`` evaluates with at the same ``cfg.mask_rate``). ``cfg.max_examples`` caps the blocks (0: all)."""
-    from encoderkit.data.prepare import read_meta
-    from encoderkit.tokenizer import load_tokenizer
-
+    model_dir = folder.path  # a ModelFolder
     store = Path(data)
     if not (store / "meta.json").is_file():
         raise EncoderkitError(f"{store}: not a token store; --task mlm takes a folder made by `encoderkit data prepare`")
@@ -263,9 +259,6 @@ def evaluate_folder(model_dir: Path, tokenizer: Any, data: str | Path, cfg: Any,
 
 def run(cfg: PretrainConfig) -> PretrainResult:
     """Pretrain an encoder with masked language modelling (from scratch or continued)."""
-    from encoderkit.data.prepare import read_meta
-    from encoderkit.tokenizer import load_tokenizer
-
     dist = dist_util.current()
     out = Path(cfg.out)
     if dist.is_main:

@@ -1,0 +1,347 @@
+"""The one reader of a model folder: :class:`ModelFolder` reads ``config.json``, ``encoderkit.json``
+and the sentence-transformers files once, checks the folder is complete, and loads the model.
+
+    folder = ModelFolder.open("runs/sst2")          # config, weights readable, tokenizer files present
+    folder.task, folder.labels, folder.pooling       # "classify", ["neg", "pos"], "first"
+    model = folder.load()                            # eval-mode torch model (quantized/pruned folders rebuilt)
+    tokenizer = folder.tokenizer()
+
+Facts, each with one rule:
+
+- ``task``: ``encoderkit.json``'s ``task``; else a sentence-transformers folder (``modules.json``)
+  is ``embed``; else ``config.architectures``: ``*ForSequenceClassification`` is ``rerank`` with one
+  label (``len(id2label)``) and ``classify`` with more, ``*ForTokenClassification`` ``ner``,
+  ``*ForQuestionAnswering`` ``qa``, ``*ForMaskedLM`` ``mlm``, a bare encoder (``BertModel``) ``embed``.
+- ``pooling``, one vocabulary everywhere: ``"first"`` (the first token, [CLS]) or ``"mean"`` (of the
+  real tokens). ``"cls"`` is read as ``"first"`` (older cards; ModernBERT's ``classifier_pooling``).
+  classify/rerank: ``config.json``'s ``classifier_pooling``; embed: the card, else
+  ``1_Pooling/config.json``, else mean. None for the other tasks.
+- ``max_length``: the card's, else the sentence-transformers ``max_seq_length``, else the
+  tokenizer's ``model_max_length``, each capped at the usable ``positions``
+  (``max_position_embeddings``, less RoBERTa's padding offset).
+- which backends exist: torch weights (``model.safetensors``, ``pytorch_model.bin``, or the
+  quantized ``model.quantized.safetensors``), ``model.onnx``, ``model.int8.onnx``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.io import CARD
+from encoderkit.models.pooling import apply_pooling
+from encoderkit.models.rebuild import HEADS_KEY, QUANT_FILE, QUANT_KEY, rebuild_model
+from encoderkit.progress import note
+from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
+
+TASKS = ("mlm", "classify", "ner", "qa", "rerank", "embed")
+SERVABLE = ("classify", "ner", "qa", "rerank", "embed")
+POOLINGS = ("first", "mean")
+ONNX_FP32 = "model.onnx"
+ONNX_INT8 = "model.int8.onnx"
+TORCH_WEIGHTS = ("model.safetensors", "pytorch_model.bin", QUANT_FILE)
+HEAD_SUFFIX = {"classify": "ForSequenceClassification", "rerank": "ForSequenceClassification",
+               "ner": "ForTokenClassification", "qa": "ForQuestionAnswering", "mlm": "ForMaskedLM"}
+_AUTO = {"classify": "AutoModelForSequenceClassification", "rerank": "AutoModelForSequenceClassification",
+         "ner": "AutoModelForTokenClassification", "qa": "AutoModelForQuestionAnswering", "embed": "AutoModel",
+         "mlm": "AutoModelForMaskedLM"}
+
+
+def pooling_name(value: Any, where: str) -> str:
+    """``value`` in the one pooling vocabulary ('first' or 'mean'); 'cls' is an alias of 'first'."""
+    name = {"cls": "first"}.get(str(value), str(value))
+    if name not in POOLINGS:
+        raise EncoderkitError(f"{where}: pooling {value!r} is not supported; use 'first' or 'mean'")
+    return name
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; an error naming the file when it is unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EncoderkitError(f"{path} could not be read as JSON ({e}); fix or re-create the model folder") from e
+    if not isinstance(data, dict):
+        raise EncoderkitError(f"{path} must hold a JSON object; fix or re-create the model folder")
+    return data
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a damaged ``.safetensors`` file (truncated, bad header) with a message naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError, OSError: the file cannot be read as written
+        raise EncoderkitError(f"{path} is damaged or truncated ({e}); copy it again or re-create the folder "
+                              "with the stage that wrote it") from e
+
+
+def num_labels_of(config: dict[str, Any]) -> int:
+    """Labels of a classification head: ``len(id2label)`` (what ``save_pretrained`` writes), else ``num_labels``."""
+    return len(config.get("id2label") or {}) or int(config.get("num_labels", 0) or 0)
+
+
+def task_from_config(config: dict[str, Any]) -> str | None:
+    """The task a plain HF ``config.json`` implies by its architectures (see the module doc), or None."""
+    for arch in config.get("architectures") or []:
+        if arch.endswith("ForSequenceClassification"):
+            return "rerank" if num_labels_of(config) == 1 else "classify"
+        if arch.endswith("ForTokenClassification"):
+            return "ner"
+        if arch.endswith("ForQuestionAnswering"):
+            return "qa"
+        if arch.endswith(("ForMaskedLM", "ForPreTraining")):
+            return "mlm"
+        if arch.endswith("Model"):
+            return "embed"
+    return None
+
+
+def usable_positions(config: dict[str, Any]) -> int | None:
+    """Sub-tokens the model takes at once: ``max_position_embeddings`` less RoBERTa's pad id + 1."""
+    positions = config.get("max_position_embeddings")
+    if not isinstance(positions, int):
+        return None
+    if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+        positions -= int(config.get("pad_token_id", 1)) + 1
+    return positions
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """What a model folder is, read once; see the module docstring."""
+
+    path: Path
+    config: dict[str, Any]
+    card: dict[str, Any]
+    task: str | None
+    labels: list[str]
+    num_labels: int
+    pooling: str | None
+    normalize: bool
+    max_length: int
+    positions: int | None
+    quantization: dict[str, Any] | None
+    kept_heads: list[list[int]] | None
+    sentence_transformers: bool
+    torch_weights: Path | None
+    onnx_fp32: Path | None
+    onnx_int8: Path | None
+    tokenizer_files: tuple[str, ...]
+
+    @classmethod
+    def open(cls, path: str | Path, *, weights: bool = True, tokenizer: bool = True) -> ModelFolder:
+        """Read ``path``. Always checks ``config.json`` (and ``encoderkit.json`` when present) and that
+        every ``.safetensors`` file present is intact; ``weights`` also requires torch or ONNX weights,
+        ``tokenizer`` the tokenizer files."""
+        path = Path(path)
+        if not path.is_dir():
+            raise EncoderkitError(f"model folder {path} does not exist; pass a folder made by encoderkit or an HF "
+                                  "model folder (config.json, model.safetensors, tokenizer files)")
+        if not (path / "config.json").is_file():
+            raise EncoderkitError(f"{path} has no config.json; it is not a model folder in Hugging Face layout")
+        config = read_json_object(path / "config.json")
+        card = read_json_object(path / CARD) if (path / CARD).is_file() else {}
+        is_st = (path / "modules.json").is_file()
+        task = card.get("task") or ("embed" if is_st else task_from_config(config))
+        if task is not None and task not in TASKS:
+            raise EncoderkitError(f"{path}/{CARD}: task {task!r} is not one of {', '.join(TASKS)}")
+
+        id2label = config.get("id2label") or {}
+        labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(len(id2label))]
+        if card.get("labels"):
+            labels = [str(x) for x in card["labels"]]
+        positions = usable_positions(config)
+        max_length = positions or 512
+        tok_cfg = path / "tokenizer_config.json"
+        if tok_cfg.is_file():
+            tml = read_json_object(tok_cfg).get("model_max_length")
+            if isinstance(tml, (int, float)) and 0 < tml < 1e6:
+                max_length = min(max_length, int(tml))
+
+        pooling: str | None = None
+        normalize = True
+        if task in ("classify", "rerank"):
+            pooling = pooling_name(config.get("classifier_pooling") or "first", f"{path}/config.json classifier_pooling")
+        if is_st:
+            sbert = path / "sentence_bert_config.json"
+            if sbert.is_file():
+                msl = read_json_object(sbert).get("max_seq_length")
+                if isinstance(msl, int) and msl > 0:
+                    max_length = min(max_length, msl)
+            modules = json.loads((path / "modules.json").read_text(encoding="utf-8"))
+            normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
+        if task == "embed":
+            pooling = _st_pooling(path) or "mean"
+            if card.get("pooling"):
+                pooling = pooling_name(card["pooling"], f"{path}/{CARD}")
+        if "normalize" in card:
+            normalize = bool(card["normalize"])
+        if card.get("max_length"):
+            max_length = min(positions or int(card["max_length"]), int(card["max_length"]))
+
+        existing = [path / name for name in TORCH_WEIGHTS if (path / name).is_file()]
+        for p in sorted(path.glob("*.safetensors")):
+            check_safetensors(p)
+        quant = config.get(QUANT_KEY)
+        folder = cls(
+            path=path, config=config, card=card, task=task, labels=labels, num_labels=num_labels_of(config) or len(labels),
+            pooling=pooling, normalize=normalize, max_length=max_length, positions=positions,
+            quantization=quant, kept_heads=config.get(HEADS_KEY), sentence_transformers=is_st,
+            torch_weights=next((p for p in existing if (p.name == QUANT_FILE) == (quant is not None)), None),
+            onnx_fp32=path / ONNX_FP32 if (path / ONNX_FP32).is_file() else None,
+            onnx_int8=path / ONNX_INT8 if (path / ONNX_INT8).is_file() else None,
+            tokenizer_files=tuple(n for n in TOKENIZER_FILES if (path / n).is_file()),
+        )
+        if weights and folder.torch_weights is None and folder.onnx_fp32 is None and folder.onnx_int8 is None:
+            want = QUANT_FILE if quant is not None else "model.safetensors"
+            raise EncoderkitError(f"{path} holds no weights ({want} is missing, and there is no model.onnx); "
+                                  "the folder is incomplete: copy the weights or re-run the stage that wrote it")
+        if tokenizer:
+            folder.require_tokenizer()
+        return folder
+
+    # -- what the folder holds ----------------------------------------------------------------
+    @property
+    def backends(self) -> dict[str, Path]:
+        """Backend -> file: ``torch`` (safetensors/bin, or quantized), ``onnx-fp32``, ``onnx-int8``."""
+        found = {"torch": self.torch_weights, "onnx-fp32": self.onnx_fp32, "onnx-int8": self.onnx_int8}
+        return {k: v for k, v in found.items() if v is not None}
+
+    def onnx(self, int8: bool) -> Path | None:
+        """The exported ONNX graph (INT8 or FP32), or None."""
+        return self.onnx_int8 if int8 else self.onnx_fp32
+
+    def require_tokenizer(self) -> None:
+        """Refuse a folder without tokenizer files (nothing may invent a tokenizer for it)."""
+        if not self.tokenizer_files:
+            raise EncoderkitError(
+                f"{self.path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the tokenizer the "
+                "model was trained with into it (e.g. from its parent folder) or pass --tokenizer FOLDER where offered")
+
+    def tokenizer(self, override: str | Path | None = None) -> Any:
+        """The folder's fast tokenizer, or the one in ``override``."""
+        if override:
+            return load_tokenizer(override)
+        self.require_tokenizer()
+        return load_tokenizer(self.path)
+
+    def require_task(self, *tasks: str) -> str:
+        """The folder's task when it is one of ``tasks`` and its weights hold that task's head."""
+        if self.task not in tasks:
+            what = f"a {self.task!r} model" if self.task else "a model whose task cannot be told"
+            raise EncoderkitError(f"{self.path} is {what}; this needs one of {', '.join(tasks)} "
+                                  "(fine-tune it first: encoderkit finetune, or set 'task' in encoderkit.json)")
+        archs = self.config.get("architectures") or []
+        suffix = HEAD_SUFFIX.get(self.task)
+        if suffix and archs and self.task != "mlm" and not any(a.endswith(suffix) for a in archs):
+            raise EncoderkitError(
+                f"{self.path}: encoderkit.json says task {self.task!r} but config.json architectures are {archs}; "
+                f"a {self.task!r} model needs a *{suffix} head. Fix the 'task' field or use the right folder")
+        return self.task
+
+    def model_class(self, task: str | None = None) -> Any:
+        """The transformers class for ``task`` (an Auto class), else the one ``config.architectures`` names."""
+        import transformers
+
+        if task:
+            return getattr(transformers, _AUTO[task])
+        for arch in self.config.get("architectures") or []:
+            found = getattr(transformers, arch, None)
+            if found is not None:
+                return found
+        return transformers.AutoModel
+
+    # -- loading --------------------------------------------------------------------------------
+    def load(self, model_cls: Any = None, *, task: str | None = None, int8_runtime: bool = False,
+             attn: str | None = None, dtype: torch.dtype | None = None, frozen: bool = False,
+             **overrides: Any) -> torch.nn.Module:
+        """The eval-mode torch model: plain, quantized (dequantized to fp32) or head-pruned, with a
+        recorded classifier pooling applied.
+
+        ``model_cls`` (or ``task``'s Auto class) defaults to ``config.architectures``. ``overrides``
+        go to ``from_pretrained`` (a new head: ``num_labels=...``); the weights that the checkpoint
+        lacks are named in one line instead of transformers' load report. ``int8_runtime`` swaps the
+        Linear layers for dynamically quantized INT8 ones; ``attn`` picks the attention kernel
+        (``"eager"`` traces cleanly for ONNX); ``frozen`` turns gradients off."""
+        if self.torch_weights is None:
+            raise EncoderkitError(f"{self.path} has no torch weights (model.safetensors); only its ONNX graph can run")
+        cls = model_cls or self.model_class(task)
+        kwargs = {} if attn is None else {"attn_implementation": attn}
+        try:
+            if self.quantization is None and self.kept_heads is None:
+                model = _from_pretrained(cls, self.path, {**kwargs, **overrides})
+            else:
+                if overrides:
+                    raise EncoderkitError(f"{self.path} is quantized or head-pruned; it cannot take a new head")
+                model = rebuild_model(self.path, cls, self.torch_weights, self.quantization, self.kept_heads, kwargs)
+        except (OSError, ValueError) as e:
+            raise EncoderkitError(f"{self.path}: could not load the model as {cls.__name__} ({e})") from e
+        apply_pooling(model)
+        model.eval()
+        if int8_runtime:  # per-channel weights, as stored (the default qconfig would re-quantize them per tensor)
+            qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+            model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear: qconfig}, dtype=torch.qint8)
+        if dtype is not None:
+            model = model.to(dtype)
+        if frozen:
+            for p in model.parameters():
+                p.requires_grad_(False)
+        return model
+
+
+def _st_pooling(path: Path) -> str | None:
+    """'first' / 'mean' from a sentence-transformers ``1_Pooling/config.json``, None when absent."""
+    cfg = path / "1_Pooling" / "config.json"
+    if not cfg.is_file():
+        return None
+    p = read_json_object(cfg)
+    if p.get("pooling_mode_cls_token"):
+        return "first"
+    if p.get("pooling_mode_mean_tokens", True):
+        return "mean"
+    raise EncoderkitError(f"{cfg}: only mean and first-token (cls) pooling are supported")
+
+
+def _from_pretrained(cls: Any, path: Path, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """``cls.from_pretrained`` with transformers' load report replaced by one line of what was new or unused."""
+    log = logging.getLogger("transformers.modeling_utils")
+    old = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
+    finally:
+        log.setLevel(old)
+    missing = [k for k in info.get("missing_keys", []) if not k.endswith("position_ids")]
+    unused = list(info.get("unexpected_keys", []))
+    parts = []
+    if missing:
+        head = "new classification head" if all(k.startswith(("classifier", "score")) for k in missing) else "new weights"
+        parts.append(f"{head}: {len(missing)} weights initialised ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
+    if unused:
+        parts.append(f"{len(unused)} weights of the checkpoint not used ({', '.join(unused[:2])}{', ...' if len(unused) > 2 else ''})")
+    if parts:
+        note(f"{path}: " + "; ".join(parts))
+    return model
+
+
+def load_model(folder: str | Path, model_cls: Any = None, int8_runtime: bool = False,
+               attn_implementation: str | None = None) -> torch.nn.Module:
+    """:meth:`ModelFolder.load` for a folder path (the compression levers' shorthand)."""
+    return ModelFolder.open(folder, tokenizer=False).load(model_cls, int8_runtime=int8_runtime, attn=attn_implementation)
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    """``folder/config.json`` as a dict (an EncoderkitError naming it when missing or unreadable)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise EncoderkitError(f"{folder} is not a model folder: config.json is missing")
+    return read_json_object(path)

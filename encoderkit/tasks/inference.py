@@ -1,0 +1,52 @@
+"""Running a model over feature rows, whatever the engine: evaluation, the Predictor and training's
+dev evaluation call :func:`run_rows` with an injected engine (an object with
+``run(inputs: dict[str, int64 array (B, T)]) -> list[float32 array]``): :class:`ModuleEngine` for a
+torch module here, an ONNX Runtime session in :mod:`encoderkit.deploy.runtime`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from encoderkit.tasks.batching import length_batches, pad_arrays
+
+
+class Engine(Protocol):
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]: ...
+
+
+class ModuleEngine:
+    """A torch module as an engine: the inputs it accepts, on its device; ``outputs`` names the output
+    fields (``["logits"]``) or picks them from the model output (a function); float32 numpy out."""
+
+    def __init__(self, module: torch.nn.Module, outputs: Sequence[str] | Callable[[Any], Any]) -> None:
+        self.module = module
+        self.outputs = outputs
+        params = inspect.signature(module.forward).parameters
+        self.input_names = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in params]
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        device = next(self.module.parameters()).device
+        with torch.inference_mode():
+            out = self.module(**{k: torch.from_numpy(v).to(device) for k, v in inputs.items() if k in self.input_names})
+        picked = self.outputs(out) if callable(self.outputs) else tuple(out[name] for name in self.outputs)
+        picked = picked if isinstance(picked, (tuple, list)) else (picked,)
+        return [o.float().cpu().numpy() for o in picked]
+
+
+def run_rows(engine: Engine, rows: Sequence[dict[str, np.ndarray]], pad_id: int, max_batch: int,
+             per_token: bool = False) -> list[list[np.ndarray]]:
+    """Run ``engine`` on 1-D token rows in length-sorted batches (:func:`length_batches`); per row, in
+    input order, each output with its padding cut off ((C,) per sequence, or (T_row, ...) with ``per_token``)."""
+    results: list[list[np.ndarray]] = [[] for _ in rows]
+    for idx in length_batches([len(r["input_ids"]) for r in rows], max_batch):
+        outs = engine.run(pad_arrays([rows[i] for i in idx], pad_id))
+        for j, i in enumerate(idx):
+            n = len(rows[i]["input_ids"])
+            results[i] = [o[j, :n] if per_token else o[j] for o in outs]
+    return results
