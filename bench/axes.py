@@ -43,6 +43,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from encoderkit.hardware import describe, result_field
+
 # the real data sets, as in tests/conftest.py (ENCODERKIT_SHARED_DATA overrides, e.g. from a git worktree)
 SHARED = Path(os.environ.get("ENCODERKIT_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 BOOKS = SHARED / "mlm_corpus_gutenberg" / "gitenberg"
@@ -231,6 +233,7 @@ def main() -> None:
     ap.add_argument("--work", default="", help="work folder (default: a temporary one, kept and printed)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = ap.parse_args()
+    print(f"hardware: {describe()}", flush=True)
 
     import dataclasses
 
@@ -271,7 +274,7 @@ def main() -> None:
     parts = [f"{name}:loss={s.get('heldout_loss')},acc={s.get('heldout_accuracy')},sst2={s.get('sst2_dev_accuracy')},"
              f"tok_s={s.get('tokens_per_s')},seeds={s.get('seeds', 0)}" for name, s in table.items()]
     print(f"RESULT smoke={int(args.smoke)} token_slots={plan.steps * plan.batch * plan.seq_len} best={ranked[0]['model']} "
-          + " ".join(parts))
+          + " ".join(parts) + " " + result_field())
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import free_port, load  # the shared load generator beside this file
 
+from encoderkit.hardware import describe, result_field
+
 NAME = "minilm"
 
 
@@ -51,16 +53,6 @@ def sentences(limit: int = 2000) -> list[str]:
                     if 4 <= len(s.split()) <= 60:
                         out.append(s)
     return out[:limit]
-
-
-def cpu_line() -> str:
-    """The CPU model, core count and the vector-instruction flags that matter for inference."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    keep = [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
-                                      "amx_int8", "avx_vnni")]
-    return f"cpu: {model}; {os.cpu_count()} logical cores; flags: {' '.join(keep) or 'none of avx2/avx512/amx'}"
 
 
 def server_cpu(pid: int) -> float:
@@ -143,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(c) for c in args.clients.split(",")]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}  # own defaults
     env["HF_HUB_OFFLINE"] = "1"
-    print(cpu_line(), flush=True)
+    print(f"hardware: {describe()}", flush=True)
     print(f"model {model}; {len(texts)} docstring sentences, one per request; {args.seconds:.0f} s per point; "
           f"clients {counts}; each server alone; machine shared with other jobs", flush=True)
 
@@ -192,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {k: sorted(v, key=lambda r: r["rps"])[len(v) // 2] | {"errors_all": sum(r["errors_all"] for r in v)}
                for k, v in runs.items()}
 
-    fields = [f"engine={args.infinity_engine}", f"seconds={args.seconds:.0f}", f"rounds={args.rounds}"]
+    fields = [f"engine={args.infinity_engine}", f"seconds={args.seconds:.0f}", f"rounds={args.rounds}", result_field()]
     for (name, c), r in results.items():
         key = f"{'ek' if name == 'encoderkit' else 'inf'}{c}"
         fields += [f"{key}_rps={r['rps']:.1f}", f"{key}_p50_ms={r['p50_ms']:.0f}", f"{key}_p99_ms={r['p99_ms']:.0f}",

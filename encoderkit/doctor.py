@@ -119,7 +119,7 @@ def backend_choices(hw: Hardware) -> dict[str, Choice]:
     """What each stage picks on ``hw`` and why (pure: no measurement, no files)."""
     from encoderkit.compress.plan import PlanConfig, make_plan
     from encoderkit.deploy.runtime import INT8_TASKS
-    from encoderkit.deploy.tasks import SERVABLE
+    from encoderkit.models.folder import SERVABLE
 
     device = "cuda" if hw.cuda else "cpu"
     bf16 = hardware.bf16_choice(hw, device)

@@ -37,20 +37,11 @@ TASKS = ("classify", "ner", "qa", "rerank", "embed")
 FILL = ["the", "a", "of", "to", "and", "in", "is", "was", "it", "that", "for", "on", "with", "as", "at", "by"]
 TOPICS = ["python", "code", "data", "model", "movie", "film", "story", "love"]
 
-# (family, task) -> (where it fails today and why, a regex of the message raised). Both are in deploy/.
 # A known cell must still raise exactly that (else the test fails: fixed -> "DID NOT RAISE", remove it).
-PREDICT_XFAIL: dict[tuple[str, str], tuple[str, str]] = {
-    ("deberta-v2", task): ("deploy/runtime.py:51 loads the torch model with attn='sdpa', which DeBERTa-v2 lacks",
-                           (r"could not load the \w+ model \(DebertaV2\w+ does not support an attention "
-                            r"implementation through torch.nn.functional.scaled_dot_product_attention"))
-    for task in TASKS
-}
-EXPORT_XFAIL: dict[tuple[str, str], tuple[str, str]] = {
-    ("deberta-v2", task): (("deploy/export.py:231 feeds the tokenizer's token_type_ids to ONNX Runtime, but the "
-                            "traced graph has no such input (DeBERTa-v3 has type_vocab_size 0: unused, dropped)"),
-                           r"INVALID_ARGUMENT : Invalid input name: token_type_ids")
-    for task in TASKS
-}
+# (family, task) -> (where it fails today and why, a regex of the message raised). Empty: DeBERTa-v2 predicts
+# (eager attention where a family has no sdpa kernel) and exports (the graph is fed only the inputs it kept).
+PREDICT_XFAIL: dict[tuple[str, str], tuple[str, str]] = {}
+EXPORT_XFAIL: dict[tuple[str, str], tuple[str, str]] = {}
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
@@ -260,9 +251,6 @@ LEVER_XFAIL: dict[tuple[str, str], tuple[str, str]] = {
     ("deberta-v2", "prune-heads"): (
         "compress/prune.py:283 expects BERT's attention.self.query (DeBERTa-v2 has query_proj): a crash, not a refusal",
         r"'DisentangledSelfAttention' object has no attribute 'query'"),
-    **{("deberta-v2", lever): ("the lever runs, but predict cannot load DeBERTa-v2 (deploy/runtime.py:51, sdpa)",
-                               PREDICT_XFAIL["deberta-v2", "classify"][1])
-       for lever in ("prune-ffn", "quantize-dynamic", "distill-task")},
 }
 
 

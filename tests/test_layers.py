@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("encoderkit.train", "encoderkit.deploy", "encoderkit.evaluate"),
     ("encoderkit.compress", "encoderkit.report", "encoderkit.retrieval", "encoderkit.label"),
     ("encoderkit.deploy.serve",),
-    ("encoderkit.quickstart", "encoderkit.cli"),
+    ("encoderkit.quickstart", "encoderkit.doctor", "encoderkit.cli"),
 ]
 NEVER_IMPORTED = ("encoderkit.cli",)
 _MODULE_STRING = re.compile(r"^(encoderkit(?:\.\w+)+)(?::\w+)*$")

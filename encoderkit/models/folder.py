@@ -275,14 +275,21 @@ class ModelFolder:
         if self.torch_weights is None:
             raise EncoderkitError(f"{self.path} has no torch weights (model.safetensors); only its ONNX graph can run")
         cls = model_cls or self.model_class(task)
-        kwargs = {} if attn is None else {"attn_implementation": attn}
-        try:
+        if overrides and not (self.quantization is None and self.kept_heads is None):
+            raise EncoderkitError(f"{self.path} is quantized or head-pruned; it cannot take a new head")
+
+        def build(kwargs: dict[str, Any]) -> torch.nn.Module:
             if self.quantization is None and self.kept_heads is None:
-                model = _from_pretrained(cls, self.path, {**kwargs, **overrides})
-            else:
-                if overrides:
-                    raise EncoderkitError(f"{self.path} is quantized or head-pruned; it cannot take a new head")
-                model = rebuild_model(self.path, cls, self.torch_weights, self.quantization, self.kept_heads, kwargs)
+                return _from_pretrained(cls, self.path, {**kwargs, **overrides})
+            return rebuild_model(self.path, cls, self.torch_weights, self.quantization, self.kept_heads, kwargs)
+
+        try:
+            try:
+                model = build({} if attn is None else {"attn_implementation": attn})
+            except ValueError as e:  # a family without that attention kernel (DeBERTa-v2 has no sdpa): its eager one
+                if attn in (None, "eager") or "attention implementation" not in str(e):
+                    raise
+                model = build({"attn_implementation": "eager"})
         except (OSError, ValueError) as e:
             raise EncoderkitError(f"{self.path}: could not load the model as {cls.__name__} ({e})") from e
         apply_pooling(model)

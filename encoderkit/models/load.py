@@ -55,7 +55,7 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
                               f"is BERT's pretraining head); this folder holds a {config.model_type} model: "
                               "use --objective mlm")
     has_head = any(a.endswith("ForMaskedLM") or a == "BertForPreTraining" for a in (config.architectures or []))
-    if config.model_type == "deberta-v2" and any(k.startswith("lm_predictions.") for k in weight_names(folder)):
+    if config.model_type == "deberta-v2" and any(k.startswith("lm_predictions.") for k in weight_names(mf.path)):
         # DeBERTa-v2/v3 checkpoints (microsoft/deberta-v3-*) keep their MLM head as `lm_predictions`, which
         # transformers only loads with legacy=False; their config.json does not say so (the default is legacy)
         config.legacy, has_head = False, True
@@ -75,9 +75,11 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
     return model
 
 
-def weight_names(folder: Path) -> list[str]:
+def weight_names(folder: str | Path) -> list[str]:
     """The tensor names in a folder's safetensors weights (read from the headers; [] without them)."""
     import json
+
+    folder = Path(folder)
 
     from safetensors import safe_open
 
