@@ -241,17 +241,12 @@ LEVER_REFUSED: dict[tuple[str, str], str] = {
     ("modernbert", "prune-heads"): _NOT_BERT_LIKE.format("ModernBert"),
     ("modernbert", "prune-ffn"): _NOT_BERT_LIKE.format("ModernBert"),
     ("modernbert", "quantize-dynamic"): _NOT_BERT_LIKE.format("ModernBert"),
+    ("distilbert", "prune-ffn"): _NOT_BERT_LIKE.format("DistilBert"),
+    ("deberta-v2", "prune-heads"): r"prune --method heads: deberta-v2 models are not supported \(DebertaV2For\w+ lacks",
     ("modernbert", "distill-task"): r"cannot initialise the student from the teacher \(ModernBertForSequenceClassification\)",
 }
 # (family, lever) -> (where it breaks and why, a regex of the message): crashes, or a result that cannot be served
-LEVER_XFAIL: dict[tuple[str, str], tuple[str, str]] = {
-    ("distilbert", "prune-ffn"): (
-        "compress/prune.py:306 reads config.intermediate_size (DistilBERT's is hidden_dim): a crash, not a refusal",
-        r"'DistilBertConfig' object has no attribute 'intermediate_size'"),
-    ("deberta-v2", "prune-heads"): (
-        "compress/prune.py:283 expects BERT's attention.self.query (DeBERTa-v2 has query_proj): a crash, not a refusal",
-        r"'DisentangledSelfAttention' object has no attribute 'query'"),
-}
+LEVER_XFAIL: dict[tuple[str, str], tuple[str, str]] = {}
 
 
 def apply_lever(lever: str, folder: Path, train: Path, out: Path):

@@ -277,11 +277,14 @@ def prune_heads(model: torch.nn.Module, amount: float, scores: dict[str, torch.T
 
     Returns the heads kept per layer (indices into the original model's heads) and details.
     """
+    layers = encoder_layers(model)
+    _require_layout(model, layers, "heads", lambda layer: [getattr(layer.attention.self, p) for p in ("query", "key", "value")]
+                    + [layer.attention.output.dense], "BERT's attention.self.query/key/value and attention.output.dense")
     names = {m: n for n, m in model.named_modules()}
     kept_all: list[list[int]] = []
     n_heads_orig = model.config.num_attention_heads
     d = model.config.hidden_size // n_heads_orig
-    for li, layer in enumerate(encoder_layers(model)):
+    for li, layer in enumerate(layers):
         att = layer.attention
         h = att.self.num_attention_heads
         current = previous[li] if previous else list(range(h))
@@ -302,6 +305,17 @@ def prune_heads(model: torch.nn.Module, amount: float, scores: dict[str, torch.T
     return kept_all, {"heads_per_layer": [len(k) for k in kept_all], "heads_kept": kept_all}
 
 
+def _require_layout(model: torch.nn.Module, layers: list, method: str, parts: Any, expected: str) -> None:
+    """Refuse, naming the family, a model whose layers lack the modules ``prune --method {method}`` cuts."""
+    try:
+        for layer in layers:
+            parts(layer)
+    except AttributeError as e:
+        family = getattr(model.config, "model_type", type(model).__name__)
+        raise EncoderkitError(f"prune --method {method}: {family} models are not supported ({type(model).__name__} "
+                              f"lacks {expected}: {e}); use --method magnitude, or distill to fewer layers") from e
+
+
 @torch.no_grad()
 def prune_ffn(model: torch.nn.Module, amount: float, scores: dict[str, torch.Tensor] | None) -> dict[str, Any]:
     """Remove ``round(amount * intermediate_size)`` FFN neurons from every layer (lowest importance first).
@@ -309,10 +323,14 @@ def prune_ffn(model: torch.nn.Module, amount: float, scores: dict[str, torch.Ten
     The same count per layer keeps ``config.intermediate_size`` valid, so the folder reloads in
     plain transformers.
     """
+    layers = encoder_layers(model)
+    _require_layout(model, layers, "ffn", lambda layer: [layer.intermediate.dense, layer.output.dense,
+                                                         model.config.intermediate_size],
+                    "BERT's intermediate.dense / output.dense and config.intermediate_size")
     names = {m: n for n, m in model.named_modules()}
     size = model.config.intermediate_size
     n_keep = max(1, size - round(amount * size))
-    for layer in encoder_layers(model):
+    for layer in layers:
         up, down = layer.intermediate.dense, layer.output.dense
         wu, bu = _score(scores, up, names[up])
         wd, _ = _score(scores, down, names[down])
