@@ -30,14 +30,19 @@ from encoderkit.models.pooling import KEY, set_pooling
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, check_labels, load_task_model, run_batches, seeded_subset
 from encoderkit.tasks.embed import folder_pooling
+from encoderkit.tasks.labeled import labelled_rows
 from encoderkit.tasks.tabular import column, read_rows, text_column
 
 DEFAULT_MAX_LENGTH = 128
 
 
-def read_examples(path: str | Path, cfg: Any) -> tuple[list[str], list[str] | None, list[list[str]], list[str]]:
-    """texts, pairs (or None), labels (a list per row; one element unless multi-label), row locations."""
+def read_examples(path: str | Path, cfg: Any, train: bool = False) -> tuple[list[str], list[str] | None, list[list[str]], list[str]]:
+    """texts, pairs (or None), labels (a list per row; one element unless multi-label), row locations.
+    Output of ``encoderkit label`` loses its unlabeled lines; for training, its audit corrections
+    are applied and suspected errors dropped when asked (:mod:`encoderkit.tasks.labeled`)."""
     rows = read_rows(path)
+    rows = labelled_rows(rows, path, getattr(cfg, "audit_sheet", "") if train else "",
+                         bool(getattr(cfg, "drop_suspected", False)) and train)
     texts = text_column(rows, cfg.text_column, path, "--text-column")
     pairs = text_column(rows, cfg.text_pair_column, path, "--text-pair-column") if cfg.text_pair_column else None
     raw = column(rows, cfg.label_column, path, "--label-column")
@@ -103,7 +108,7 @@ def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:
     """Read train/dev, featurize, and make the HF classification model and its engine pieces."""
     from transformers import AutoModelForSequenceClassification
 
-    texts, pairs, labels, _ = read_examples(cfg.train, cfg)
+    texts, pairs, labels, _ = read_examples(cfg.train, cfg, train=True)
     texts, pairs, labels = _subset(cfg.max_train_examples, cfg.seed, texts, pairs, labels)
     names = label_names(labels)
     if len(names) < 2 and not cfg.multi_label:
