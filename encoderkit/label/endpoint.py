@@ -25,7 +25,7 @@ from encoderkit.label.prompt import parse_answer
 
 @dataclass
 class Labelled:
-    """One text's result: its label (None: no request named a label), confidence and raw answers."""
+    """One text's result: its label (None: no request named a label), confidence and every raw answer."""
 
     label: str | None
     confidence: float | None
@@ -80,9 +80,9 @@ class EndpointLabeller:
                 for attempt in range(self.parse_retries + 1):
                     answer = self._answer(prompt, text, model, sample, attempt)
                     label = parse_answer(answer, self.labels)
+                    raw.append(answer)
                     if label is not None or attempt == self.parse_retries:
                         votes.append(label)
-                        raw.append(answer)
                         break
         counts = Counter(v for v in votes if v is not None)
         if not counts:
