@@ -12,8 +12,9 @@ import argparse
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 
 def text_of(prompt: str) -> str:
@@ -78,7 +79,7 @@ class ChatServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def __enter__(self) -> ChatServer:
+    def __enter__(self) -> ChatServer:  # noqa: PYI034 -- no Self on Python 3.10
         self.thread.start()
         return self
 

@@ -16,7 +16,7 @@ from encoderkit.errors import EncoderkitError
 
 pytest.importorskip("openai")
 
-from encoderkit.label.run import LabelConfig, run  # noqa: E402
+from encoderkit.label.run import LabelConfig, run
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = {"a great film": "positive", "a dull film": "negative", "what a bore": "Negative.",

@@ -76,7 +76,9 @@ def read_texts(path: str | Path, text_field: str) -> tuple[list[str], list[dict[
         if not isinstance(v, str) or not v.strip():
             raise EncoderkitError(f"{r.where}: field {name!r} is missing, empty or not text ({v!r}); fill or drop the row")
         texts.append(v)
-    return texts, [{k: v for k, v in r.fields.items() if k != name} for r in rows]
+    # the text's own field is kept too (unless it is 'text'), so `finetune --text-column` names the same
+    # column in labeled.jsonl and in a dev file of the input's format
+    return texts, [{k: v for k, v in r.fields.items() if k != "text"} for r in rows]
 
 
 def output_record(text: str, label: str | None, confidence: float | None, labeller: str,
