@@ -165,3 +165,32 @@ def test_suspicion_finds_flipped_labels(tmp_path):
     assert (sus & flipped).sum() / max(sus.sum(), 1) >= 0.6   # precision (base rate 0.1)
     score = np.array([r["suspicion"] for r in out])
     assert score[flipped].mean() > score[~flipped].mean() + 0.3
+
+
+def test_finetune_trains_on_labeled_jsonl_with_the_audit_applied(tmp_path, tiny_bert_dir):
+    import torch
+
+    from encoderkit.train.finetune import FinetuneConfig
+    from encoderkit.train.finetune import run as finetune
+
+    recs = []
+    for i in range(40):
+        lab = "pos" if i % 2 else "neg"
+        recs.append({"text": f"the {'great' if lab == 'pos' else 'dull'} movie {i}", "label": lab, "confidence": 0.9,
+                     "labeller": "sim", "sentence": f"the {'great' if lab == 'pos' else 'dull'} movie {i}",
+                     "suspect": i in (3, 4, 5)})
+    recs[6]["label"] = None  # unlabeled: never trained on
+    (tmp_path / "labeled.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "sheet.csv").write_text("row,text,label,gold\n4,the dull movie 4,neg,pos\n")
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\nthe great movie\tpos\nthe dull movie\tneg\n")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = finetune(FinetuneConfig(model=str(tiny_bert_dir), train=str(tmp_path / "labeled.jsonl"),
+                                      dev=str(tmp_path / "dev.tsv"), out=str(tmp_path / "out"), max_steps=2,
+                                      batch_size=8, audit_sheet=str(tmp_path / "sheet.csv"), drop_suspected=True))
+    finally:
+        torch.set_num_threads(before)
+    card = json.loads((res.out / "encoderkit.json").read_text())
+    assert card["train_examples"] == 40 - 1 - 2  # unlabeled row 6 and suspects 3, 5 dropped; audited 4 kept
+    assert card["labels"] == ["neg", "pos"] and card["config"]["audit_sheet"].endswith("sheet.csv")

@@ -82,6 +82,15 @@ def test_samples_vote_and_agreement_is_the_confidence(tmp_path):
     assert [r["confidence"] for r in out] == [pytest.approx(2 / 3, abs=1e-3)] * 2
 
 
+def test_several_labellers_vote(tmp_path):
+    with ChatServer(lambda text, n, body: "negative" if body["model"] == "small" else "positive") as srv:
+        run(cfg(tmp_path, srv.url, write_input(tmp_path / "in.jsonl", ["x"]), llm=["big", "small", "other"]))
+        assert sorted(srv.answered) == ["x"] * 3
+    (rec,) = read(tmp_path / "labeled.jsonl")
+    assert rec["label"] == "positive" and rec["confidence"] == pytest.approx(2 / 3, abs=1e-3)
+    assert rec["labeller"] == "endpoint:big+small+other"
+
+
 KILLED_CHILD = """
 import json, sys
 from encoderkit.label.run import LabelConfig, run
