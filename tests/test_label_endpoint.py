@@ -167,3 +167,31 @@ def test_bad_label_sets_input_and_template_are_clear_errors(tmp_path):
     template.write_text("Pick one of {labels} for this review.")
     with pytest.raises(EncoderkitError, match=r"prompt.txt has no \{text\} placeholder"):
         run(cfg(tmp_path, url, inp, text_field="body_text", template=str(template)))
+
+
+def test_prompt_holds_labels_descriptions_and_examples_and_answers_parse_to_labels(tmp_path):
+    from encoderkit.label.prompt import DEFAULT_TEMPLATE, parse_answer, render
+
+    p = render(DEFAULT_TEMPLATE, "a {braced} text", ["neg", "pos"], {"neg": "a bad review"}, [("loved it", "pos")])
+    assert "neg, pos" in p and "- neg: a bad review" in p and "Text: loved it\nLabel: pos" in p
+    assert p.endswith("Text: a {braced} text\nLabel:")
+    labels = ["negative", "positive"]
+    assert [parse_answer(a, labels) for a in ["Positive", " 'negative'.", "Label: positive", "**negative**",
+                                               "positive\nbecause it is upbeat", "I'd say negative overall"]] == [
+        "positive", "negative", "positive", "negative", "positive", "negative"]
+    assert [parse_answer(a, labels) for a in ["", None, "neutral", "positive or negative", "positively"]] == [None] * 5
+    seen = []
+
+    def reply(text, n, body):
+        seen.append(body["messages"][-1]["content"])
+        return "pos"
+
+    (tmp_path / "shots.jsonl").write_text(json.dumps({"text": "what a joy", "label": "pos"}) + "\n")
+    with ChatServer(reply) as srv:
+        run(cfg(tmp_path, srv.url, write_input(tmp_path / "in.jsonl", ["x"]), labels="neg,pos",
+                descriptions=["pos=a good review"], examples=str(tmp_path / "shots.jsonl")))
+    assert "- pos: a good review" in seen[0] and "Text: what a joy\nLabel: pos" in seen[0]
+    (tmp_path / "shots.jsonl").write_text(json.dumps({"text": "meh", "label": "neutral"}) + "\n")
+    with pytest.raises(EncoderkitError, match="label 'neutral'.*--examples is not one of neg, pos"):
+        run(cfg(tmp_path, "http://127.0.0.1:9/v1", tmp_path / "in.jsonl", labels="neg,pos",
+                examples=str(tmp_path / "shots.jsonl"), overwrite=True))
