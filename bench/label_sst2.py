@@ -86,26 +86,41 @@ def part_embed(args: argparse.Namespace, out: Path) -> dict:
     return res
 
 
+def fill_gold(sheet: Path, gold: list[str]) -> None:
+    """The simulated reviewer: the sheet's gold column gets the true label of each row."""
+    with open(sheet, newline="", encoding="utf-8") as f:
+        srows = list(csv.DictReader(f))
+    for r in srows:
+        r["gold"] = gold[int(r["row"])]
+    with open(sheet, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(srows[0]), lineterminator="\n")
+        w.writeheader()
+        w.writerows(srows)
+
+
 def part_sim(args: argparse.Namespace, out: Path) -> dict:
     rows = [r.fields for r in read_rows(DATA / "train.tsv")]
     keep = seeded_subset(list(range(len(rows))), args.n, 0)  # the subset `label --max-examples` takes
-    rng = np.random.default_rng(1)
     table, truth = {}, {}
-    for i in keep:
-        text, gold = rows[i]["sentence"], rows[i]["label"]
-        flip = rng.random() < (args.flip_neg if gold == "0" else args.flip_pos)
-        table[text], truth[text] = ("1" if gold == "0" else "0") if flip else gold, gold
+    for split, chosen, seed in (("train", [rows[i] for i in keep], 1), ("dev", [r.fields for r in read_rows(DATA / "dev.tsv")], 2)):
+        rng = np.random.default_rng(seed)
+        for r in chosen:
+            text, gold = r["sentence"], r["label"]
+            flip = rng.random() < (args.flip_neg if gold == "0" else args.flip_pos)
+            table[text], truth[text] = ("1" if gold == "0" else "0") if flip else gold, gold
     (out / "sim_table.jsonl").write_text("".join(json.dumps({"text": t, "answer": a}) + "\n" for t, a in table.items()))
-    labeled = out / "sim_train.jsonl"
-    if not labeled.exists():
+    labeled, labeled_dev = out / "sim_train.jsonl", out / "sim_dev.jsonl"
+    if not (labeled.exists() and labeled_dev.exists()):
         port = str(args.port)
         server = subprocess.Popen([sys.executable, str(REPO / "tests" / "chat_server.py"), "--table",
                                    str(out / "sim_table.jsonl"), "--port", port], stdout=subprocess.PIPE)
         server.stdout.readline()  # "serving ..."
+        common = ["--labeller", "endpoint", "--endpoint", f"http://127.0.0.1:{port}/v1", "--llm", "simulated-llm",
+                  "--labels", "0,1", "--descriptions", "0=negative", "1=positive", "--concurrency", "4"]
         try:
-            sh(["label", "--labeller", "endpoint", "--endpoint", f"http://127.0.0.1:{port}/v1", "--llm", "simulated-llm",
-                "--input", str(DATA / "train.tsv"), "--max-examples", str(args.n), "--labels", "0,1", "--descriptions",
-                "0=negative", "1=positive", "--concurrency", "4", "--output", str(labeled)], labeled)
+            sh(["label", "--input", str(DATA / "train.tsv"), "--max-examples", str(args.n), "--output", str(labeled),
+                *common], labeled)
+            sh(["label", "--input", str(DATA / "dev.tsv"), "--output", str(labeled_dev), *common], labeled_dev)
         finally:
             server.terminate()
             server.wait()
@@ -117,14 +132,7 @@ def part_sim(args: argparse.Namespace, out: Path) -> dict:
     sheet = out / "sim_sheet.csv"
     if not sheet.exists():
         sh(["audit", "sample", "--input", str(sus), "--n", str(args.audit), "--output", str(sheet)], sheet)
-        with open(sheet, newline="", encoding="utf-8") as f:  # the simulated reviewer fills gold with the truth
-            srows = list(csv.DictReader(f))
-        for r in srows:
-            r["gold"] = gold[int(r["row"])]
-        with open(sheet, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=list(srows[0]), lineterminator="\n")
-            w.writeheader()
-            w.writerows(srows)
+        fill_gold(sheet, gold)
     with open(sheet, newline="", encoding="utf-8") as f:
         srows = list(csv.DictReader(f))
     top = srows[:round(0.15 * len(srows))]
@@ -144,11 +152,20 @@ def part_sim(args: argparse.Namespace, out: Path) -> dict:
            "suspect_recall": (wrong & flagged).sum() / wrong.sum()}
     res["encoder_raw_dev"] = finetune(labeled, out / "enc_sim_raw", args)
     res["encoder_clean_dev"] = finetune(sus, out / "enc_sim_clean", args, "--audit-sheet", str(sheet), "--drop-suspected")
+    # the decision on gold neither model was trained on: every dev sentence, "audited" with its gold label
+    dev_sheet = out / "sim_dev_sheet.csv"
+    if not dev_sheet.exists():
+        sh(["audit", "sample", "--input", str(labeled_dev), "--n", "100000", "--output", str(dev_sheet)], dev_sheet)
+        fill_gold(dev_sheet, [truth[r["text"]] for r in lines(labeled_dev)])
     decision = out / "sim_decision.json"
-    sh(["audit", "report", "--input", str(sus), "--sheet", str(sheet), "--ledger", f"{labeled}.ledger.json",
+    sh(["audit", "report", "--input", str(labeled_dev), "--sheet", str(dev_sheet), "--ledger", f"{labeled}.ledger.json",
         "--encoder", str(out / "enc_sim_clean"), "--price-per-1k-tokens", str(args.price_per_1k_tokens),
         "--cpu-hour-price", str(args.cpu_hour_price), "--output", str(decision)], decision)
-    print(json.dumps(json.loads(decision.read_text()), indent=1))
+    d = json.loads(decision.read_text())
+    print(json.dumps(d, indent=1))
+    res.update(dev_labeller=d["labeller"]["accuracy"], dev_encoder=d["encoder"]["accuracy"],
+               labeller_cost_1M=d["labeller"]["cost"].get("cost_per_1M"), encoder_cost_1M=d["encoder"]["cost"].get("cost_per_1M"),
+               encoder_cpu_s_1M=d["encoder"]["cost"]["cpu_seconds_per_1M"], labeller_tokens_1M=d["labeller"]["cost"]["tokens_per_1M"])
     return res
 
 

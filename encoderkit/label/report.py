@@ -78,6 +78,22 @@ def encoder_cost(predictor, texts: list[str], cpu_hour_price: float) -> dict[str
     return out
 
 
+def seen_in_training(encoder: str | Path, texts: list[str]) -> int | None:
+    """How many of ``texts`` the encoder was fine-tuned on (from its card's training file), or None
+    when that file is not at hand: an encoder scored on texts it trained on, with the audited
+    corrections as labels, looks better than it is."""
+    from encoderkit.io import read_card
+    from encoderkit.tasks.tabular import read_rows
+
+    config = read_card(encoder).get("config") or {}
+    train = config.get("train")
+    if not train or not Path(train).is_file():
+        return None
+    column = config.get("text_column", "sentence")
+    seen = {str(r.fields.get(column, "")).strip() for r in read_rows(train)}
+    return sum(t.strip() in seen for t in texts)
+
+
 def decide(lab: dict[str, Any], enc: dict[str, Any], lab_cost: dict[str, Any], enc_cost: dict[str, Any]) -> str:
     """The rule made concrete: the encoder replaces the labeller when it is not measurably less
     accurate on the audited gold (its accuracy reaches the labeller's interval) and costs less."""
@@ -131,10 +147,15 @@ def run(cfg: ReportConfig) -> ReportResult:
         if unknown:
             raise EncoderkitError(f"--encoder {cfg.encoder} predicts {unknown}, not in the label set {labels}")
         report["encoder"] = {"folder": cfg.encoder, **agreement(golds, preds, labels)}
+        seen = seen_in_training(cfg.encoder, [str(recs[i]["text"]) for i in order])
+        report["encoder"]["audited_texts_seen_in_training"] = seen
         texts = [str(r["text"]) for r in recs[:cfg.cost_texts]]
         enc_cost = encoder_cost(predictor, texts, cfg.cpu_hour_price)
         report["encoder"]["cost"] = enc_cost
         report["decision"] = decide(report["labeller"], report["encoder"], lab_cost or {}, enc_cost)
+        if seen:
+            report["decision"] += (f" (caution: the encoder was trained on {seen} of the {len(order)} audited texts; "
+                                   "score it on gold it never saw, e.g. a sheet drawn from labelled dev data)")
     if cfg.output:
         write_json_atomic(Path(cfg.output), report)
     return ReportResult(report)
