@@ -195,3 +195,16 @@ def test_prompt_holds_labels_descriptions_and_examples_and_answers_parse_to_labe
     with pytest.raises(EncoderkitError, match="label 'neutral'.*--examples is not one of neg, pos"):
         run(cfg(tmp_path, "http://127.0.0.1:9/v1", tmp_path / "in.jsonl", labels="neg,pos",
                 examples=str(tmp_path / "shots.jsonl"), overwrite=True))
+
+
+def test_cli_reports_a_bad_label_set_and_a_down_endpoint_with_exit_2(tmp_path, capsys):
+    from encoderkit.cli import main
+
+    inp = write_input(tmp_path / "in.jsonl", ["a great film"])
+    assert main(["label", "--input", str(inp), "--labels", "pos,pos", "--output", str(tmp_path / "o.jsonl"),
+                 "--endpoint", "http://127.0.0.1:9/v1", "--llm", "m"]) == 2
+    assert "pos given twice" in capsys.readouterr().err
+    assert main(["label", "--input", str(inp), "--labels", "neg,pos", "--output", str(tmp_path / "o.jsonl"),
+                 "--endpoint", "http://127.0.0.1:9/v1", "--llm", "m", "--retries", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach the endpoint http://127.0.0.1:9/v1" in err and "Traceback" not in err

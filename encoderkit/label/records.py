@@ -19,8 +19,8 @@ def parse_labels(spec: str | list[str]) -> list[str]:
     labels = [x.strip() for x in items]
     if any(not x for x in labels):
         raise EncoderkitError(f"--labels {spec!r}: an empty label name; give names separated by commas, e.g. negative,positive")
-    seen: set[str] = set()
-    dups = sorted({x for x in labels if x.lower() in seen or seen.add(x.lower())})  # type: ignore[func-returns-value]
+    lowered = [x.lower() for x in labels]
+    dups = sorted({x for x, low in zip(labels, lowered, strict=True) if lowered.count(low) > 1})
     if dups:
         raise EncoderkitError(f"--labels {spec!r}: {', '.join(dups)} given twice (labels are compared without case); "
                               "give each label once")

@@ -141,7 +141,7 @@ def run(cfg: LabelConfig) -> LabelResult:
         from encoderkit.label.offline import ClozeLabeller, EmbedLabeller
         from encoderkit.tasks.common import resolve_model
 
-        model = resolve_model(cfg.model) if cfg.model == "minilm" else Path(cfg.model)
+        model = resolve_model(cfg.model)
         if cfg.labeller == "embed":
             seeds = labelled_pairs(cfg.seeds, labels, "--seeds") if cfg.seeds else None
             lab: Any = EmbedLabeller(model, labels, descriptions, seeds, cfg.embed_temperature, cfg.backend, cfg.batch_size)
@@ -168,7 +168,8 @@ def run(cfg: LabelConfig) -> LabelResult:
     return LabelResult(out, counts, ledger)
 
 
-def _run_endpoint(cfg: LabelConfig, labels, descriptions, texts, bar) -> tuple[list, dict[str, Any]]:
+def _run_endpoint(cfg: LabelConfig, labels: list[str], descriptions: dict[str, str], texts: list[str],
+                  bar: Any) -> tuple[list, dict[str, Any]]:
     from encoderkit.label.cache import AnswerCache
     from encoderkit.label.endpoint import EndpointLabeller
     from encoderkit.label.prompt import load_template, render
