@@ -208,3 +208,13 @@ def test_cli_reports_a_bad_label_set_and_a_down_endpoint_with_exit_2(tmp_path, c
                  "--endpoint", "http://127.0.0.1:9/v1", "--llm", "m", "--retries", "0"]) == 2
     err = capsys.readouterr().err
     assert "cannot reach the endpoint http://127.0.0.1:9/v1" in err and "Traceback" not in err
+
+
+def test_a_reply_slower_than_the_timeout_is_retried(tmp_path):
+    def reply(text, n, body):
+        return ("sleep", 1.5, "positive") if n == 1 else "negative"
+
+    with ChatServer(reply) as srv:
+        res = run(cfg(tmp_path, srv.url, write_input(tmp_path / "in.jsonl", ["x"]), timeout=0.3))
+        assert srv.requests == ["x", "x"]
+    assert res.counts["negative"] == 1 and res.ledger["requests"] == 1  # the timed-out reply is never recorded
