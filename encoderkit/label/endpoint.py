@@ -49,6 +49,7 @@ class EndpointLabeller:
         self.retries, self.parse_retries, self.backoff, self.max_tokens = retries, parse_retries, backoff, max_tokens
         self.sent = 0  # requests actually sent by this object (cache hits excluded)
         self._lock = threading.Lock()
+        self._stop = threading.Event()  # set when the run fails: workers stop retrying at once
 
     @property
     def name(self) -> str:
@@ -68,6 +69,9 @@ class EndpointLabeller:
                     results[futures[f]] = f.result()  # re-raises a fatal error at once
                     if done:
                         done(futures[f], results[futures[f]])  # type: ignore[arg-type]
+        except BaseException:
+            self._stop.set()
+            raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
         return results  # type: ignore[return-value]
@@ -115,13 +119,13 @@ class EndpointLabeller:
             try:
                 return self.client.chat.completions.create(**kwargs)
             except (o.RateLimitError, o.InternalServerError, o.APITimeoutError, o.APIConnectionError) as e:
-                if attempt == self.retries:
+                if attempt == self.retries or self._stop.is_set():
                     what = ("cannot reach" if isinstance(e, o.APIConnectionError) and not isinstance(e, o.APITimeoutError)
                             else "kept failing at")
                     raise EncoderkitError(
                         f"{what} the endpoint {self.url} ({type(e).__name__}: {e}) after {self.retries + 1} tries; "
                         "every answer received so far is in the cache, rerun the same command to resume") from e
-                time.sleep(min(self.backoff * 2 ** attempt, 30.0))
+                self._stop.wait(min(self.backoff * 2 ** attempt, 30.0))
             except o.APIStatusError as e:
                 raise EncoderkitError(
                     f"the endpoint {self.url} answered HTTP {e.status_code} to a chat-completions request for model "
