@@ -41,6 +41,11 @@ STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("export",): ("encoderkit.deploy.export:ExportConfig:run", "export a task model to ONNX (fused, optional INT8), parity-checked"),
     ("predict",): ("encoderkit.deploy.runtime:PredictConfig:run", "run a task model over a .txt/.jsonl file into JSONL results"),
     ("serve",): ("encoderkit.deploy.serve:ServeConfig:run", "HTTP service with micro-batching: classify/extract/answer/rerank/embed"),
+    ("label",): ("encoderkit.label.run:LabelConfig:run", "label texts with an OpenAI-compatible endpoint, an embedding model or an MLM"),
+    ("audit", "suspect"): ("encoderkit.label.suspicion:SuspectConfig:run", "score likely label errors (out-of-fold probabilities + cleanlab)"),
+    ("audit", "sample"): ("encoderkit.label.sample:SampleConfig:run", "a stratified review sheet (CSV) with an empty gold column"),
+    ("audit", "review"): ("encoderkit.label.review:ReviewConfig:run", "fill a sheet's gold column in the terminal (resumable)"),
+    ("audit", "report"): ("encoderkit.label.report:ReportConfig:run", "accuracy with Wilson intervals, confusion, cost per 1M requests"),
 }
 
 

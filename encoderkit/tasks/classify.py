@@ -34,6 +34,7 @@ from encoderkit.progress import note
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, check_labels, run_batches, seeded_subset
 from encoderkit.tasks.inference import Engine, ModuleEngine, run_rows
+from encoderkit.tasks.labeled import labelled_rows
 from encoderkit.tasks.tabular import column, find_text_column, read_rows, text_column
 
 DEFAULT_MAX_LENGTH = 128
@@ -51,11 +52,14 @@ def resolve_text_column(rows: list, path: str | Path, cfg: Any, saved: str | Non
     return name
 
 
-def read_examples(path: str | Path, cfg: Any, saved_column: str | None = None
+def read_examples(path: str | Path, cfg: Any, saved_column: str | None = None, train: bool = False
                   ) -> tuple[list[str], list[str] | None, list[list[str]], list[str], str]:
     """texts, pairs (or None), labels (a list per row; one element unless multi-label), row locations,
-    and the text column read."""
+    and the text column read. Output of ``encoderkit label`` loses its unlabeled lines; for training, its
+    audit corrections are applied and suspected errors dropped when asked (:mod:`encoderkit.tasks.labeled`)."""
     rows = read_rows(path)
+    rows = labelled_rows(rows, path, getattr(cfg, "audit_sheet", "") if train else "",
+                         bool(getattr(cfg, "drop_suspected", False)) and train)
     name = resolve_text_column(rows, path, cfg, saved_column)
     texts = text_column(rows, name, path, "--text-column")
     pairs = text_column(rows, cfg.text_pair_column, path, "--text-pair-column") if cfg.text_pair_column else None
@@ -150,7 +154,7 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     """Read train/dev, featurize, and make the HF classification model and its engine pieces."""
     from transformers import AutoModelForSequenceClassification
 
-    texts, pairs, labels, _, text_col = read_examples(cfg.train, cfg)
+    texts, pairs, labels, _, text_col = read_examples(cfg.train, cfg, train=True)
     texts, pairs, labels = _subset(cfg.max_train_examples, cfg.seed, texts, pairs, labels)
     names = label_names(labels)
     if len(names) < 2 and not cfg.multi_label:

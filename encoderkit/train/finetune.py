@@ -52,6 +52,10 @@ class FinetuneConfig(TaskDataOptions):
     metric: str = arg("", help="Dev metric that picks the best checkpoint (default: the task's primary one).")
     freeze: list[str] = arg([], help="Parameter name prefixes to freeze (e.g. bert.embeddings); default: nothing frozen.")
     max_train_examples: int = arg(0, help="Use a seeded random subset of this many training examples (0: all).")
+    audit_sheet: str = arg("", help="classify on `encoderkit label` output: a reviewed audit sheet whose gold labels "
+                                    "replace the labeller's.")
+    drop_suspected: bool = arg(False, help="classify on `encoderkit label` output: drop the lines `audit suspect` "
+                                           "marked as likely wrong (audited lines are kept).")
     max_dev_examples: int = arg(0, help="Use a seeded random subset of this many dev examples (0: all).")
     resume: bool = arg(False, help="Continue an interrupted run (its checkpoints are in .<out>.run beside --out) with the "
                                    "same settings: same data order, no replay.")

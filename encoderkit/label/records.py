@@ -1,0 +1,106 @@
+"""Reading texts to label and writing labelled lines: the label set, the text field, the output record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.tasks.tabular import Row, read_rows
+
+TEXT_FIELDS = ("text", "sentence", "content", "body", "document", "review", "comment", "message", "question")
+OUTPUT_KEYS = ("text", "label", "confidence", "labeller")
+
+
+def parse_labels(spec: str | list[str]) -> list[str]:
+    """``"A,B,C"`` (or a list) -> ``["A", "B", "C"]``; duplicates, empty names and a single label are errors."""
+    items = spec if isinstance(spec, list) else str(spec).split(",")
+    labels = [x.strip() for x in items]
+    if any(not x for x in labels):
+        raise EncoderkitError(f"--labels {spec!r}: an empty label name; give names separated by commas, e.g. negative,positive")
+    lowered = [x.lower() for x in labels]
+    dups = sorted({x for x, low in zip(labels, lowered, strict=True) if lowered.count(low) > 1})
+    if dups:
+        raise EncoderkitError(f"--labels {spec!r}: {', '.join(dups)} given twice (labels are compared without case); "
+                              "give each label once")
+    if len(labels) < 2:
+        raise EncoderkitError(f"--labels {spec!r}: one label; labelling needs two or more")
+    return labels
+
+
+def parse_pairs(items: list[str], labels: list[str], flag: str) -> dict[str, str]:
+    """``["neg=a bad review", ...]`` -> ``{label: text}``; every key must be a label."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not value.strip():
+            raise EncoderkitError(f"{flag} {item!r}: expected LABEL=TEXT")
+        key = key.strip()
+        if key not in labels:
+            raise EncoderkitError(f"{flag} {item!r}: {key!r} is not one of the labels ({', '.join(labels)})")
+        out[key] = value.strip()
+    return out
+
+
+def find_text_field(row: Row, given: str) -> str:
+    """The input's text field: ``given`` if set, else the first of :data:`TEXT_FIELDS` present."""
+    if given:
+        if given not in row.fields:
+            raise EncoderkitError(f"{row.where}: no field {given!r} (fields: {', '.join(map(str, row.fields))}); "
+                                  "set --text-field to the field holding the text")
+        return given
+    for name in TEXT_FIELDS:
+        if name in row.fields:
+            return name
+    raise EncoderkitError(f"{row.where}: no text field (looked for {', '.join(TEXT_FIELDS)}; fields: "
+                          f"{', '.join(map(str, row.fields))}); name it with --text-field")
+
+
+def read_texts(path: str | Path, text_field: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """Texts to label and each row's own fields; a ``.txt`` file is one text per line."""
+    path = Path(path)
+    if path.suffix == ".txt":
+        if not path.is_file():
+            raise EncoderkitError(f"input file {path} does not exist")
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+        texts = [ln for ln in lines if ln]
+        if not texts:
+            raise EncoderkitError(f"{path} holds no text")
+        return texts, [{} for _ in texts]
+    rows = read_rows(path)
+    name = find_text_field(rows[0], text_field)
+    texts = []
+    for r in rows:
+        v = r.fields.get(name)
+        if not isinstance(v, str) or not v.strip():
+            raise EncoderkitError(f"{r.where}: field {name!r} is missing, empty or not text ({v!r}); fill or drop the row")
+        texts.append(v)
+    # the text's own field is kept too (unless it is 'text'), so `finetune --text-column` names the same
+    # column in labeled.jsonl and in a dev file of the input's format
+    return texts, [{k: v for k, v in r.fields.items() if k != "text"} for r in rows]
+
+
+def output_record(text: str, label: str | None, confidence: float | None, labeller: str,
+                  own: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One output line: the four keys, then the input's own fields (a clashing one is kept as ``input_<name>``)."""
+    rec: dict[str, Any] = {"text": text, "label": label,
+                           "confidence": None if confidence is None else round(float(confidence), 4), "labeller": labeller}
+    rec.update(extra or {})
+    for k, v in own.items():
+        rec[f"input_{k}" if k in rec else k] = v
+    return rec
+
+
+def read_labeled(path: str | Path) -> list[dict[str, Any]]:
+    """The lines of a ``labeled.jsonl`` written by ``encoderkit label``."""
+    rows = read_rows(path)
+    for r in rows:
+        if "label" not in r.fields or "text" not in r.fields:
+            raise EncoderkitError(f"{r.where}: not a labelled line (needs 'text' and 'label'); give the output of "
+                                  "`encoderkit label`")
+    return [r.fields for r in rows]
+
+
+def dumps(rec: dict[str, Any]) -> str:
+    return json.dumps(rec, ensure_ascii=False)

@@ -1,0 +1,136 @@
+"""``encoderkit audit review``: fill a sheet's gold column in the terminal.
+
+One keystroke per line: Enter or ``a`` accepts the labeller's label, ``1``-``9`` picks a label by
+number (a correction), ``s`` skips, ``u`` undoes the last answer, ``q`` quits. The sheet is
+rewritten (atomically) after every answer, and a new session starts at the first line without
+gold, so a dropped SSH connection loses nothing. Plain stdin/stdout: works in any terminal, over
+SSH, or with lines piped in (one key per line).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from encoderkit.config import StageConfig, arg
+from encoderkit.errors import EncoderkitError
+from encoderkit.label.records import parse_labels
+from encoderkit.label.sheet import read_sheet, write_sheet
+
+
+@dataclass
+class ReviewConfig(StageConfig):
+    """Review a sheet in the terminal: accept, correct or skip each label."""
+
+    sheet: str = arg(help="Sheet (CSV) from `audit sample`; its gold column is filled in place.", required=True)
+    labels: str = arg("", help="The label set, comma-separated (default: the labels seen in the sheet, sorted).")
+
+
+@dataclass
+class ReviewResult:
+    sheet: Path
+    reviewed: int
+    total: int
+    corrected: int
+
+    def summary(self) -> dict[str, Any]:
+        return {"sheet": str(self.sheet), "reviewed": self.reviewed, "total": self.total, "corrected": self.corrected}
+
+
+class _Keys:
+    """Single keystrokes from a terminal (cbreak mode), else the first character of each line."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream, self.saved = stream, None
+        if stream.isatty():
+            import termios
+            import tty
+
+            self.saved = termios.tcgetattr(stream.fileno())
+            tty.setcbreak(stream.fileno())
+
+    def read(self) -> str:
+        if self.saved is not None:
+            ch = self.stream.read(1)
+            if ch == "":
+                return "q"
+            return "a" if ch in ("\r", "\n") else ch
+        line = self.stream.readline()
+        if line == "":
+            return "q"
+        return line.strip()[:1] or "a"
+
+    def close(self) -> None:
+        if self.saved is not None:
+            import termios
+
+            termios.tcsetattr(self.stream.fileno(), termios.TCSADRAIN, self.saved)
+
+
+def review(path: Path, labels: list[str], keys_in: IO[str], out: IO[str]) -> ReviewResult:
+    """The review loop over ``path`` (see the module docstring)."""
+    rows = read_sheet(path)
+    todo = [i for i, r in enumerate(rows) if not r["gold"]]
+    menu = "  ".join(f"{n}) {name}" for n, name in enumerate(labels, 1))
+    keys = _Keys(keys_in)
+    done: list[int] = []
+    pos = 0
+    try:
+        while pos < len(todo):
+            i = todo[pos]
+            r = rows[i]
+            filled = sum(1 for x in rows if x["gold"])
+            extra = "".join(f", {k} {r[k]}" for k in ("confidence", "suspicion") if r.get(k))
+            out.write(f"\n[{filled + 1}/{len(rows)}] {r['text']}\n  labeller: {r['label']}{extra}\n"
+                      f"  Enter/a accept  {menu}  s skip  u undo  q quit > ")
+            out.flush()
+            key = keys.read()
+            if key == "q":
+                break
+            if key == "s":
+                pos += 1
+                continue
+            if key == "u":
+                if done:
+                    last = done.pop()
+                    rows[last]["gold"] = ""
+                    write_sheet(path, rows)
+                    pos = todo.index(last)
+                continue
+            if key == "a":
+                gold = r["label"]
+            elif key.isdigit() and 1 <= int(key) <= len(labels):
+                gold = labels[int(key) - 1]
+            else:
+                out.write(f"\n  (unknown key {key!r})")
+                continue
+            r["gold"] = gold
+            write_sheet(path, rows)
+            out.write(f"{gold}\n")
+            done.append(i)
+            pos += 1
+    finally:
+        keys.close()
+    reviewed = sum(1 for x in rows if x["gold"])
+    corrected = sum(1 for x in rows if x["gold"] and x["gold"] != x["label"])
+    out.write(f"\n{reviewed}/{len(rows)} reviewed, {corrected} corrected; saved to {path}\n")
+    out.flush()
+    return ReviewResult(path, reviewed, len(rows), corrected)
+
+
+def run(cfg: ReviewConfig) -> ReviewResult:
+    """Review the sheet interactively (stdin/stdout)."""
+    path = Path(cfg.sheet)
+    rows = read_sheet(path)
+    if cfg.labels:
+        labels = parse_labels(cfg.labels)
+    else:
+        labels = sorted({r["label"] for r in rows if r["label"]} | {r["gold"] for r in rows if r["gold"]})
+        if len(labels) < 2:
+            raise EncoderkitError(f"{path}: fewer than two labels in the sheet; give the label set with --labels")
+    outside = [r["label"] for r in rows if r["label"] and r["label"] not in labels]
+    if outside:
+        raise EncoderkitError(f"{path}: label {outside[0]!r} is not in --labels ({', '.join(labels)})")
+    return review(path, labels, sys.stdin, sys.stdout)

@@ -1,0 +1,193 @@
+"""``encoderkit label``: label a file of texts with an endpoint, an embedding model or an MLM.
+
+Output: ``--output`` (JSONL), one line per input row, ``{"text", "label", "confidence",
+"labeller"}`` then the row's own fields (a field whose name clashes is kept as ``input_<name>``);
+a text no request could label has ``label: null`` and its raw answers under ``raw``. Beside it,
+``<output>.ledger.json``: requests, tokens and seconds (what the audit report's cost table reads).
+The endpoint labeller's answers are cached in ``<output>.cache.sqlite`` as they arrive: rerunning
+the same command after a kill or an error resumes without repeating an answered request.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from encoderkit.config import StageConfig, arg, check
+from encoderkit.errors import EncoderkitError
+from encoderkit.io import write_json_atomic, write_text_atomic
+from encoderkit.label.records import dumps, output_record, parse_labels, parse_pairs, read_texts
+from encoderkit.progress import note, progress
+from encoderkit.tasks.common import seeded_subset
+from encoderkit.tasks.tabular import read_rows
+
+LABELLERS = ("endpoint", "embed", "cloze")
+
+
+@dataclass
+class LabelConfig(StageConfig):
+    """Label texts with a general-purpose model or an offline encoder."""
+
+    input: str = arg(help="Texts to label: .txt (one per line), .jsonl, .tsv or .csv.", required=True)
+    labels: str = arg(help="The label set, comma-separated (e.g. negative,positive).", required=True)
+    output: str = arg(help="Output JSONL file (labeled.jsonl).", required=True)
+    overwrite: bool = arg(False, help="Replace an existing --output file.")
+    labeller: str = arg("endpoint", help="endpoint: an OpenAI-compatible chat-completions server; embed: nearest label "
+                                         "description in embedding space; cloze: a masked-LM pattern and verbalizer.",
+                        choices=LABELLERS)
+    text_field: str = arg("", help="Input field holding the text (default: the first of text, sentence, content, ...).")
+    max_examples: int = arg(0, help="Label a seeded random subset of this many rows (0: all).")
+    seed: int = arg(0, help="Seed of --max-examples' subset.")
+    descriptions: list[str] = arg([], help="LABEL=TEXT per label: a description (endpoint prompt; embed: the text "
+                                           "embedded for the label, default its name).")
+    # endpoint
+    endpoint: str = arg("", help="endpoint: the server's base URL, e.g. http://127.0.0.1:8080/v1.")
+    llm: list[str] = arg([], help="endpoint: model name(s); several models vote (their agreement is the confidence).")
+    api_key_env: str = arg("OPENAI_API_KEY", help="endpoint: environment variable holding the API key (unset: none sent).")
+    template: str = arg("", help="endpoint: prompt template (a file or the text) with {text} and optionally {labels}, "
+                                 "{descriptions}, {examples}; default: a short instruction.")
+    examples: str = arg("", help="endpoint: few-shot examples file (text and label fields) shown in the prompt.")
+    samples: int = arg(1, help="endpoint: requests per text and model; the label is the majority, the confidence the "
+                               "share that agrees (1: no confidence).")
+    temperature: float = arg(-1.0, help="endpoint: sampling temperature (-1: 0 for one sample, 0.7 for several).")
+    parse_retries: int = arg(1, help="endpoint: new requests after an answer that names no label, before the text is "
+                                     "recorded unlabeled with its raw answer.")
+    retries: int = arg(5, help="endpoint: tries again after 429/5xx/timeouts/refused connections (backoff doubling).")
+    cache: str = arg("", help="endpoint: answer cache (default <output>.cache.sqlite).")
+    # offline
+    model: str = arg("", help="embed/cloze: model folder (embed: a sentence-transformers folder or 'minilm'; cloze: "
+                              "an MLM folder).")
+    seeds: str = arg("", help="embed: a few labelled texts per class (file with text and label fields) added to the "
+                              "label prototypes.")
+    pattern: str = arg("{text} It was {mask}.", help="cloze: the pattern, with {text} and {mask} once each.")
+    verbalizer: list[str] = arg([], help="cloze: LABEL=WORD per label (one token each), e.g. negative=bad positive=good.")
+    embed_temperature: float = arg(0.05, help="embed: softmax temperature over cosines for the confidence.")
+    # speed
+    concurrency: int = arg(4, help="endpoint: requests in flight at once.", speed=True)
+    timeout: float = arg(60.0, help="endpoint: seconds to wait for one answer.", speed=True)
+    backoff: float = arg(1.0, help="endpoint: first retry delay in seconds (doubles each retry, at most 30).", speed=True)
+    backend: str = arg("auto", help="embed: Predictor backend.", speed=True,
+                       choices=("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8"))
+    batch_size: int = arg(32, help="embed/cloze: texts per forward pass.", speed=True)
+
+    def validate(self) -> None:
+        parse_labels(self.labels)
+        check(self.samples >= 1, "samples must be at least 1")
+        check(self.concurrency >= 1, "concurrency must be at least 1")
+        check(self.retries >= 0 and self.parse_retries >= 0, "retries and parse_retries must be 0 or more")
+        if self.labeller == "endpoint":
+            check(bool(self.endpoint), "--labeller endpoint needs --endpoint URL (the server's base URL, e.g. "
+                                       "http://127.0.0.1:8080/v1)")
+            check(bool(self.llm), "--labeller endpoint needs --llm NAME (the model name the server expects)")
+        else:
+            check(bool(self.model), f"--labeller {self.labeller} needs --model FOLDER")
+        if self.labeller == "cloze":
+            check(bool(self.verbalizer), "--labeller cloze needs --verbalizer LABEL=WORD for every label")
+
+
+@dataclass
+class LabelResult:
+    output: Path
+    counts: dict[str, int]
+    ledger: dict[str, Any]
+
+    def summary(self) -> dict[str, Any]:
+        return {"output": str(self.output), "labels": self.counts, "ledger": self.ledger}
+
+
+def ledger_path(output: str | Path) -> Path:
+    return Path(f"{output}.ledger.json")
+
+
+def labelled_pairs(path: str, labels: list[str], flag: str) -> list[tuple[str, str]]:
+    """(text, label) rows of a few-shot or seed file; labels must be in the label set."""
+    from encoderkit.label.records import find_text_field
+
+    rows = read_rows(path)
+    name = find_text_field(rows[0], "")
+    out = []
+    for r in rows:
+        lab = str(r.fields.get("label", "")).strip()
+        if lab not in labels:
+            raise EncoderkitError(f"{r.where}: label {lab!r} (field 'label') of {flag} is not one of {', '.join(labels)}")
+        out.append((str(r.fields[name]), lab))
+    return out
+
+
+def run(cfg: LabelConfig) -> LabelResult:
+    """Label every input row; write the JSONL output and its ledger."""
+    labels = parse_labels(cfg.labels)
+    out = Path(cfg.output)
+    if out.exists() and not cfg.overwrite:
+        raise EncoderkitError(f"{out} exists; pass --overwrite to replace it (a labelling rerun reads its cache and "
+                              "sends nothing already answered)")
+    descriptions = parse_pairs(cfg.descriptions, labels, "--descriptions")
+    texts, own = read_texts(cfg.input, cfg.text_field)
+    keep = seeded_subset(list(range(len(texts))), cfg.max_examples, cfg.seed)
+    texts, own = [texts[i] for i in keep], [own[i] for i in keep]
+    t0, c0 = time.perf_counter(), time.process_time()
+    bar = progress(total=len(texts), desc="label", unit="text")
+    extra: list[dict[str, Any]] = [{} for _ in texts]
+    if cfg.labeller == "endpoint":
+        results, ledger = _run_endpoint(cfg, labels, descriptions, texts, bar)
+        for e, r in zip(extra, results, strict=True):
+            if r.label is None:
+                e["raw"] = r.raw
+        name = "endpoint:" + "+".join(cfg.llm)
+    else:
+        from encoderkit.label.offline import ClozeLabeller, EmbedLabeller
+        from encoderkit.tasks.common import resolve_model
+
+        model = resolve_model(cfg.model)
+        if cfg.labeller == "embed":
+            seeds = labelled_pairs(cfg.seeds, labels, "--seeds") if cfg.seeds else None
+            lab: Any = EmbedLabeller(model, labels, descriptions, seeds, cfg.embed_temperature, cfg.backend, cfg.batch_size)
+        else:
+            lab = ClozeLabeller(model, labels, parse_pairs(cfg.verbalizer, labels, "--verbalizer"), cfg.pattern,
+                                batch_size=cfg.batch_size)
+        results = []
+        for start in range(0, len(texts), 256):
+            results += lab.label(texts[start:start + 256])
+            bar.update(len(texts[start:start + 256]))
+        name = f"{cfg.labeller}:{Path(cfg.model).name}"
+        ledger = {"requests": len(texts), "tokens": 0}
+    bar.close()
+    ledger.update(texts=len(texts), wall_seconds=round(time.perf_counter() - t0, 3),
+                  cpu_seconds=round(time.process_time() - c0, 3), labeller=name)
+    lines = [dumps(output_record(t, r.label, r.confidence, name, o, e))
+             for t, r, o, e in zip(texts, results, own, extra, strict=True)]
+    write_text_atomic(out, "\n".join(lines) + "\n")
+    write_json_atomic(ledger_path(out), ledger)
+    counts: dict[str, int] = {name_: 0 for name_ in labels}
+    counts["unlabeled"] = 0
+    for r in results:
+        counts[r.label or "unlabeled"] += 1
+    return LabelResult(out, counts, ledger)
+
+
+def _run_endpoint(cfg: LabelConfig, labels: list[str], descriptions: dict[str, str], texts: list[str],
+                  bar: Any) -> tuple[list, dict[str, Any]]:
+    from encoderkit.label.cache import AnswerCache
+    from encoderkit.label.endpoint import EndpointLabeller
+    from encoderkit.label.prompt import load_template, render
+
+    template = load_template(cfg.template)
+    examples = labelled_pairs(cfg.examples, labels, "--examples") if cfg.examples else []
+    cache = AnswerCache(cfg.cache or f"{cfg.output}.cache.sqlite")
+    temperature = cfg.temperature if cfg.temperature >= 0 else (0.0 if cfg.samples == 1 else 0.7)
+    try:
+        lab = EndpointLabeller(cfg.endpoint, cfg.llm, labels, cache, samples=cfg.samples, temperature=temperature,
+                               concurrency=cfg.concurrency, retries=cfg.retries, parse_retries=cfg.parse_retries,
+                               timeout=cfg.timeout, backoff=cfg.backoff, api_key=os.environ.get(cfg.api_key_env, ""))
+        prompts = [render(template, t, labels, descriptions, examples) for t in texts]
+        results = lab.label(prompts, texts, lambda i, r: bar.update(1))
+        ledger = cache.ledger()
+        ledger.update(sent_this_run=lab.sent)
+        if lab.sent < ledger["requests"]:
+            note(f"label: {ledger['requests'] - lab.sent} answers came from the cache {cache.path}")
+    finally:
+        cache.close()
+    return results, ledger
