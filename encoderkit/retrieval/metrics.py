@@ -19,10 +19,7 @@ RRF_K = 60  # the constant of Cormack et al. (2009), used without tuning
 def reciprocal_rank_fusion(rankings: Sequence[Sequence[str]], k: int = RRF_K) -> list[str]:
     """Documents ordered by the sum over ``rankings`` of ``1 / (k + rank)`` (rank from 1): the
     parameter-free way to combine, e.g., a cross-encoder's order with the first stage's."""
-    score: dict[str, float] = {}
-    for ranking in rankings:
-        for i, d in enumerate(ranking):
-            score[d] = score.get(d, 0.0) + 1.0 / (k + i + 1)
+    score = rrf_scores(rankings, k)
     return sorted(score, key=lambda d: -score[d])
 
 
@@ -55,3 +52,12 @@ def retrieval_scores(
     out = {f"ndcg@{k_ndcg}": float(np.mean(ndcg)) if ndcg else 0.0, f"mrr@{k_mrr}": float(np.mean(mrr)) if mrr else 0.0}
     out.update({f"recall@{k}": float(np.mean(v)) if v else 0.0 for k, v in recall.items()})
     return out
+
+
+def rrf_scores(rankings: Sequence[Sequence[str]], k: int = RRF_K) -> dict[str, float]:
+    """Each document's reciprocal-rank-fusion score (see :func:`reciprocal_rank_fusion`)."""
+    score: dict[str, float] = {}
+    for ranking in rankings:
+        for i, d in enumerate(ranking):
+            score[d] = score.get(d, 0.0) + 1.0 / (k + i + 1)
+    return score
