@@ -5,6 +5,7 @@ SciFact slice checks rescoring recall (tests/test_search_real.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -223,7 +224,7 @@ def test_passages_overlap_and_map_back_to_documents(embed_dir, tmp_path):
     n_tokens = len(tok(text, add_special_tokens=False)["input_ids"])
     assert len(spans) == -(-(n_tokens - 4) // 12)  # windows of 16 advancing by 12
     assert spans[0][0] == 0 and spans[-1][1] == len(text)
-    for (a0, a1), (b0, _) in zip(spans, spans[1:], strict=False):
+    for (a0, a1), (b0, _) in itertools.pairwise(spans):
         assert b0 < a1  # consecutive windows share text
         assert len(tok(text[a0:a1], add_special_tokens=False)["input_ids"]) == 16
     assert passage_spans(tok, "short text", 16, 4) == [(0, 10)]
@@ -297,7 +298,7 @@ def test_calibration_reports_and_recommends(embed_dir, tmp_path):
     rep = res.calibration
     rows = rep["settings"]
     assert {r["precision"] for r in rows} >= {"float16", "int8", "int8+float rescore", "binary", "binary+int8 rescore"}
-    full = [r for r in rows if r["precision"] == "float16" and r["dims"] == 32][0]
+    full = next(r for r in rows if r["precision"] == "float16" and r["dims"] == 32)
     assert full["overlap@10"] > 0.99  # float16 at full dims is the reference, up to rounding
     rec = rep["recommended"]
     assert rec["overlap@10"] >= 0.5

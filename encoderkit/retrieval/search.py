@@ -184,8 +184,11 @@ class Searcher:
             from encoderkit.retrieval.milvus import search as milvus_search
 
             ids, sc = milvus_search(self.milvus[0], self.milvus[1], q, fetch)
-            rows = np.array([[self._row_of[x] for x in row] for row in ids], dtype=np.int64).reshape(len(q), -1)
-            return rows, np.asarray(sc, dtype=np.float32).reshape(len(q), -1)
+            rows, scores = np.full((len(q), fetch), -1, np.int64), np.full((len(q), fetch), -np.inf, np.float32)
+            for i, (row, srow) in enumerate(zip(ids, sc, strict=True)):
+                rows[i, : len(row)] = [self._row_of[x] for x in row]
+                scores[i, : len(row)] = srow
+            return rows, scores
         if s.first_stage == "binary":
             qb = binary_codes(q)
             if self._ivf is not None and not s.exact:
