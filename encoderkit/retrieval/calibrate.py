@@ -15,7 +15,6 @@ optimistic stand-in; give real queries when you have them.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
