@@ -138,7 +138,7 @@ def _csv(path: Path, raw: bytes, skipped: list[str]):
 
 def passage_spans(tokenizer, text: str, size: int, overlap: int) -> list[tuple[int, int]]:
     """Character spans [start, end) of the token windows of ``text`` (one span for a short text)."""
-    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)["offset_mapping"]
     if size <= 0 or len(offsets) <= size:
         return [(0, len(text))]
     step = max(1, size - overlap)
