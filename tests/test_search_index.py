@@ -305,3 +305,24 @@ def test_calibration_reports_and_recommends(embed_dir, tmp_path):
     assert all(r["bytes_per_doc"] >= rec["bytes_per_doc"] for r in rows if r["overlap@10"] >= 0.5)
     assert json.loads((out / "calibration.json").read_text())["recommended"] == rec
     assert os.path.exists(out / "CURRENT")
+
+
+def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path):
+    pytest.importorskip("faiss")
+    out = tmp_path / "idx"
+    docs = {f"d{i}": _doc(i) for i in range(40)}
+    st = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=16, ann_threshold=10)).stats
+    s = Searcher.open(out, runtime="torch-fp32")
+    assert s.gen.arrays["binary"].shape == (st["passages"], 2) and s.gen.arrays["int8"].shape[1] == 16
+    assert "binary.ivf" in st["bytes"] and s._ivf is not None
+    assert s.embed(["python"]).vectors.shape == (1, 16)
+    q = ["python movie fun", "dull story", "great film data"]
+    qv = s.embed(q).vectors
+    _, approx = s.dense(qv, SearchSettings(rescore="none"), 20)
+    _, exact = s.dense(qv, SearchSettings(rescore="none", exact=True), 20)
+    # this small IVF probes every cell, so it finds codes as near as the exact search does (ties may differ)
+    assert np.array_equal(np.sort(approx, axis=1), np.sort(exact, axis=1))
+    assert all(len(r.hits) == 5 for r in s.search(q, SearchSettings(k=5)))
+    with pytest.raises(EncoderkitError, match="dims=16, this run asks 32"):
+        index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32))
+    assert index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32, rebuild=True)).stats["dims"] == 32
