@@ -46,6 +46,8 @@ STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("audit", "sample"): ("encoderkit.label.sample:SampleConfig:run", "a stratified review sheet (CSV) with an empty gold column"),
     ("audit", "review"): ("encoderkit.label.review:ReviewConfig:run", "fill a sheet's gold column in the terminal (resumable)"),
     ("audit", "report"): ("encoderkit.label.report:ReportConfig:run", "accuracy with Wilson intervals, confusion, cost per 1M requests"),
+    ("index",): ("encoderkit.retrieval.index:IndexConfig:run", "build or update a local semantic-search index (binary/int8/float16)"),
+    ("search",): ("encoderkit.retrieval.search:SearchConfig:run", "tiered search: binary -> int8/float rescoring -> BM25 fusion -> rerank"),
 }
 
 

@@ -28,8 +28,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "encoderkit"
 LAYERS: list[tuple[str, ...]] = [
     ("encoderkit", "encoderkit.errors", "encoderkit.config", "encoderkit.io", "encoderkit.progress",
      "encoderkit.seeding", "encoderkit.hardware"),
-    ("encoderkit.data", "encoderkit.tokenizer", "encoderkit.models", "encoderkit.evaluate.metrics"),
-    ("encoderkit.tasks",),
+    # retrieval's data reading and metrics sit low (tasks train and score with them); its index and search sit high
+    ("encoderkit.data", "encoderkit.tokenizer", "encoderkit.models", "encoderkit.evaluate.metrics",
+     "encoderkit.retrieval.beir", "encoderkit.retrieval.metrics"),
+    ("encoderkit.tasks", "encoderkit.retrieval.exact", "encoderkit.retrieval.mining"),
     ("encoderkit.train", "encoderkit.deploy", "encoderkit.evaluate"),
     ("encoderkit.compress", "encoderkit.report", "encoderkit.retrieval", "encoderkit.label"),
     ("encoderkit.deploy.serve",),

@@ -244,9 +244,11 @@ def _batched_fn(p: Predictor):
 
 
 def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_batch: int = 32,
-               max_wait_ms: float = 5.0, max_batch_tokens: int | None = 16384) -> FastAPI:
+               max_wait_ms: float = 5.0, max_batch_tokens: int | None = 16384, extra_routes: tuple = ()) -> FastAPI:
     """The ASGI app serving ``models`` (name -> Predictor); wrap-free, ready for uvicorn. A model call
-    holds at most ``max_batch`` items and ``max_batch_tokens`` padded tokens (longest item x items)."""
+    holds at most ``max_batch`` items and ``max_batch_tokens`` padded tokens (longest item x items). Each of
+    ``extra_routes`` is called as ``add(app, check_texts)`` (e.g. /v1/search); the outermost layer has already
+    checked the token of every request that reaches a route."""
     limits = limits or Limits()
     metrics = Metrics()
     served: dict[str, _Served] = {}
@@ -376,6 +378,8 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
 
     peer_routes = openai_router(served, None, limits.max_texts, limits.max_chars)  # _Guard checked the token
     app.include_router(peer_routes)
+    for add in extra_routes:
+        add(app, check_texts)
     known = {r.path for r in [*app.routes, *peer_routes.routes] if hasattr(r, "path")}
     app.add_middleware(_Guard, limits=limits, metrics=metrics, known_paths=known)
     app.state.metrics = metrics
@@ -482,6 +486,7 @@ class ServeConfig(StageConfig):
     keep_alive_s: float = arg(5.0, help="Seconds an idle keep-alive connection stays open between requests.")
     max_connections: int = arg(1000, help="Most open connections (and requests in progress); more get 503.")
     max_head_bytes: int = arg(65_536, help="Largest request head (request line and headers); a longer one is closed.")
+    index: list[str] = arg([], help="Search index folders (encoderkit index), as DIR or name=DIR: POST /v1/search.")
     access_log: bool = arg(False, help="Log one line per request (off by default: it costs CPU per request, and "
                                        "/metrics counts requests by path and status).")
 
@@ -523,7 +528,12 @@ def run(cfg: ServeConfig) -> None:
     models = load_models(cfg.model, cfg.backend, cfg.threads, cfg.max_batch)
     limits = Limits(cfg.max_body_bytes, cfg.max_texts, cfg.max_chars, os.environ.get(cfg.token_env) or None,
                     cfg.body_timeout_s)
-    app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms, cfg.max_batch_tokens)
+    extra = ()
+    if cfg.index:
+        from encoderkit.retrieval.http import search_routes
+
+        extra = (search_routes(cfg.index, threads=cfg.threads),)
+    app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms, cfg.max_batch_tokens, extra)
     for name, p in models.items():
         print(f"serving {name}: {p.task} from {p.folder} on {p.backend}")
     _freeze_startup_heap()
