@@ -18,7 +18,6 @@ the index was built with is refused unless ``--rebuild``.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,26 +32,9 @@ from encoderkit.progress import note, progress
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import binary_codes, int8_calibration, int8_codes
 from encoderkit.retrieval.corpus import SourceDoc, passage_spans, read_corpus
-from encoderkit.retrieval.store import Generation, current_folder, open_generation, write_generation
+from encoderkit.retrieval.store import Generation, current_folder, model_fingerprint, open_generation, write_generation
 
 EMBED_CHUNK = 256  # texts per Predictor call (it batches inside)
-
-
-def model_fingerprint(folder: str | Path) -> str:
-    """sha256 (first 16 hex) of a model folder's weights, tokenizer and pooling files: two folders
-    with the same fingerprint embed the same way."""
-    folder = Path(folder)
-    h = hashlib.sha256()
-    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".onnx", ".bin") and p.is_file())
-    names += [n for n in ("tokenizer.json", "vocab.txt", "config.json", "1_Pooling/config.json") if (folder / n).is_file()]
-    if not names:
-        raise EncoderkitError(f"{folder}: no model weights found to fingerprint")
-    for n in names:
-        h.update(n.encode())
-        with open(folder / n, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def embed_texts(p: Predictor, texts: list[str], desc: str = "embed") -> np.ndarray:

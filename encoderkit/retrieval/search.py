@@ -39,9 +39,8 @@ from encoderkit.io import write_text_atomic
 from encoderkit.progress import note
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_dequantize, top_k
-from encoderkit.retrieval.index import model_fingerprint
 from encoderkit.retrieval.metrics import rrf_scores
-from encoderkit.retrieval.store import Generation, open_generation
+from encoderkit.retrieval.store import Generation, model_fingerprint, open_generation
 
 FIRST_STAGES = ("binary", "int8", "float")
 RESCORES = ("int8", "float", "none")
