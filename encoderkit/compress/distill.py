@@ -366,7 +366,8 @@ class DistillConfig(StageConfig):
     student: str | None = arg(None, help="An existing student folder (same tokenizer as the teacher); default: built from the teacher.")
     layers: str = arg("every-other", help="Teacher layers the student keeps and is initialised from: 'every-other' (0,2,4,...) or a list like '0,2,5'.")
     hidden_size: int | None = arg(None, help="Build a narrower student of this width (random init, hidden states matched through a learned projection).")
-    train: str | None = arg(None, help="mode=task: task texts (.tsv with a sentence/sentence1+sentence2 column, .jsonl 'text', .txt); a 'label' column adds the hard loss.")
+    train: str | None = arg(None, help="mode=task: task texts (.tsv with a sentence/sentence1+sentence2 column, .jsonl 'text', .txt); a 'label' column adds the hard loss. "
+                                       "An embed teacher: any corpus (text files, JSONL, folders, a BEIR source like scifact.zip#test; comma-separated).")
     data: str | None = arg(None, help="mode=agnostic: a folder written by `encoderkit data prepare` (packed token blocks).")
     kl_weight: float = arg(1.0, help="Weight of T^2 * KL(teacher || student) on soft targets.")
     hard_weight: float = arg(0.5, help="Weight of the hard loss: MLM cross-entropy (agnostic) or cross-entropy on gold labels (task).")
@@ -381,6 +382,8 @@ class DistillConfig(StageConfig):
     seq_len: int = arg(128, help="mode=task: longest input in tokens (longer ones are truncated).")
     limit: int = arg(0, help="Use only the first N training examples (0: all).")
     seed: int = arg(0, help="Seed of shuffling, masking and dropout.")
+    matryoshka_dims: list[int] = arg([], help="embed teacher: also match these leading embedding sizes (Matryoshka), e.g. 128,256.")
+    loss: str = arg("kl", choices=("kl", "mse"), help="rerank teacher: KL over each query's candidate list (softmax of the scores) or MSE on the scores.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
     bf16: bool | None = arg(None, speed=True, help="bf16 autocast (default: on where the hardware has native bf16).")
 
@@ -425,9 +428,24 @@ def load_task_model(folder: str | Path) -> nn.Module:
     return load_model(folder, cls)
 
 
+def teacher_task(folder: str | Path) -> str:
+    """The teacher's task: its card's ``task``, else what its files say (see :func:`encoderkit.evaluate.run.infer_task`)."""
+    from encoderkit.evaluate.run import infer_task
+    from encoderkit.io import read_card
+
+    p = Path(folder)
+    check((p / "config.json").is_file(), f"teacher {folder}: no config.json; give a model folder")
+    return infer_task(p, read_card(p))
+
+
 def run(cfg: DistillConfig) -> DistillResult:
     """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style)."""
     import tempfile
+
+    if cfg.mode == "task" and teacher_task(cfg.teacher) == "embed":
+        from encoderkit.compress.distill_embed import run_embed
+
+        return run_embed(cfg)
 
     from transformers import AutoTokenizer
 
