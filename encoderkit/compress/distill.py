@@ -383,6 +383,8 @@ class DistillConfig(StageConfig):
     limit: int = arg(0, help="Use only the first N training examples (0: all).")
     seed: int = arg(0, help="Seed of shuffling, masking and dropout.")
     matryoshka_dims: list[int] = arg([], help="embed teacher: also match these leading embedding sizes (Matryoshka), e.g. 128,256.")
+    miner: str | None = arg(None, help="rerank teacher with a BEIR --train: the bi-encoder folder whose top --candidates per query the teacher scores.")
+    candidates: int = arg(16, help="rerank teacher: candidate passages per query (each list is cut to the shortest, at most this).")
     loss: str = arg("kl", choices=("kl", "mse"), help="rerank teacher: KL over each query's candidate list (softmax of the scores) or MSE on the scores.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
     bf16: bool | None = arg(None, speed=True, help="bf16 autocast (default: on where the hardware has native bf16).")
@@ -428,6 +430,23 @@ def load_task_model(folder: str | Path) -> nn.Module:
     return load_model(folder, cls)
 
 
+def make_student(cfg: DistillConfig, teacher: nn.Module) -> tuple[nn.Module, list[int] | None]:
+    """The student (``--student`` folder, a narrower random one, or the teacher's chosen layers) and
+    the teacher layers it was initialised from (None unless taken from the teacher)."""
+    n_teacher = teacher.config.num_hidden_layers
+    if cfg.student:
+        check_same_tokenizer(cfg.teacher, cfg.student)
+        student = load_task_model(cfg.student)
+        check(type(student) is type(teacher),
+              f"student {cfg.student} is a {type(student).__name__} but the teacher a {type(teacher).__name__}; use the same head")
+        return student, None
+    if cfg.hidden_size:
+        n = len(parse_layer_map(cfg.layers, n_teacher))
+        return build_narrow_student(teacher, cfg.hidden_size, n, cfg.seed), None
+    layers = parse_layer_map(cfg.layers, n_teacher)
+    return build_student_from_teacher(teacher, layers), layers
+
+
 def teacher_task(folder: str | Path) -> str:
     """The teacher's task: its card's ``task``, else what its files say (see :func:`encoderkit.evaluate.run.infer_task`)."""
     from encoderkit.evaluate.run import infer_task
@@ -442,10 +461,15 @@ def run(cfg: DistillConfig) -> DistillResult:
     """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style)."""
     import tempfile
 
-    if cfg.mode == "task" and teacher_task(cfg.teacher) == "embed":
+    task = teacher_task(cfg.teacher) if cfg.mode == "task" else "mlm"
+    if task == "embed":
         from encoderkit.compress.distill_embed import run_embed
 
         return run_embed(cfg)
+    if task in ("rerank", "ner", "qa"):
+        from encoderkit.compress.distill_tasks import run_task
+
+        return run_task(cfg, task)
 
     from transformers import AutoTokenizer
 
@@ -456,19 +480,7 @@ def run(cfg: DistillConfig) -> DistillResult:
     for p in teacher.parameters():
         p.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(cfg.teacher)
-    n_teacher = teacher.config.num_hidden_layers
-    layers: list[int] | None = None
-    if cfg.student:
-        check_same_tokenizer(cfg.teacher, cfg.student)
-        student = load_task_model(cfg.student)
-        check(type(student) is type(teacher),
-              f"student {cfg.student} is a {type(student).__name__} but the teacher a {type(teacher).__name__}; use the same head")
-    elif cfg.hidden_size:
-        n = len(parse_layer_map(cfg.layers, n_teacher))
-        student = build_narrow_student(teacher, cfg.hidden_size, n, cfg.seed)
-    else:
-        layers = parse_layer_map(cfg.layers, n_teacher)
-        student = build_student_from_teacher(teacher, layers)
+    student, layers = make_student(cfg, teacher)
     weights = LossWeights(cfg.kl_weight, cfg.hard_weight, cfg.cos_weight, cfg.temperature)
     if cfg.mode == "agnostic":
         source, n_examples = agnostic_batches(cfg.data, tokenizer, cfg.batch_size, cfg.mask_rate, cfg.seed, cfg.limit)
