@@ -55,8 +55,12 @@ def source_documents(spec: str) -> Iterator[str]:
             yield data.doc_text(doc_id)
         return
     from encoderkit.data.readers import iter_documents
+    from encoderkit.progress import note
 
-    for doc in iter_documents(spec, doc_split="blank_line"):
+    def skipped(source: str, why: str) -> None:
+        note(f"distill: left out {source} ({why})")
+
+    for doc in iter_documents(spec, doc_split="blank_line", skip_bad_encoding=True, on_skip=skipped):
         yield doc.text
 
 
@@ -154,11 +158,14 @@ def embedding_mse(student: torch.Tensor, teacher: torch.Tensor, dims: list[int])
 
 
 @torch.no_grad()
-def teacher_embeddings(teacher: Any, tokenizer: Any, texts: list[str], max_length: int, batch_size: int = 64) -> np.ndarray:
-    """The teacher's unit embeddings (N, H) float32, computed once (fp32, eval mode)."""
+def teacher_embeddings(teacher: Any, tokenizer: Any, texts: list[str], max_length: int, batch_size: int = 64,
+                       bf16: bool = False) -> np.ndarray:
+    """The teacher's unit embeddings (N, H) float32, computed once (eval mode). ``bf16``: under bf16
+    autocast (on MiniLM 2.5x faster on an AMX CPU; cosine to fp32 0.99998 on SciFact text)."""
     from encoderkit.tasks.embed import encode
 
-    return encode(teacher, tokenizer, texts, max_length, batch_size, progress=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return encode(teacher, tokenizer, texts, max_length, batch_size, progress=True)
 
 
 def embed_batches(tokenizer: Any, texts: list[str], targets: np.ndarray, seq_len: int, batch_size: int, seed: int) -> Any:
@@ -235,7 +242,10 @@ def run_embed(cfg: Any) -> Any:
 
     texts = training_texts(cfg.train, cfg.limit, seed=cfg.seed)
     seq_len = min(cfg.seq_len, max_length)
-    targets = teacher_embeddings(teacher, tokenizer, texts, seq_len)
+    from encoderkit.train.engine import native_bf16
+
+    bf16 = native_bf16(torch.device("cpu")) if cfg.bf16 is None else bool(cfg.bf16)
+    targets = teacher_embeddings(teacher, tokenizer, texts, seq_len, bf16=bf16)
     teacher_params = sum(p.numel() for p in teacher_enc.parameters())
     del teacher, teacher_enc
     source = embed_batches(tokenizer, texts, targets, seq_len, cfg.batch_size, cfg.seed)
