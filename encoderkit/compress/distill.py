@@ -13,6 +13,12 @@ Two modes share the student builder and the loss:
   also be narrower (``hidden_size``): it is then initialised at random and the hidden-state
   match goes through a learned projection student-width -> teacher-width.
 
+With ``mode=task`` the teacher's task (its card, else its files) picks the recipe: ``embed``
+teachers go to :mod:`encoderkit.compress.distill_embed` (embedding MSE on unlabelled text,
+optionally Matryoshka), ``rerank``, ``ner`` and ``qa`` teachers to
+:mod:`encoderkit.compress.distill_tasks` (candidate-list scores, token and span logits);
+``classify`` stays here.
+
 Teacher and student must share the tokenizer (the KL compares distributions over the same ids
 and the student reads the teacher's inputs); a mismatch is an error that says what differs.
 """
