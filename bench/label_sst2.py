@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from encoderkit.hardware import describe, result_field
 from encoderkit.tasks.common import seeded_subset
 from encoderkit.tasks.tabular import read_rows
 
@@ -182,13 +183,14 @@ def main() -> None:
     p.add_argument("--price-per-1k-tokens", type=float, default=0.00015, help="e.g. $0.15 per 1M input tokens")
     p.add_argument("--cpu-hour-price", type=float, default=0.05, help="one cloud CPU core-hour")
     args = p.parse_args()
+    print(f"hardware: {describe()}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     res = part_embed(args, out) if args.part == "embed" else part_sim(args, out)
     res["minutes"] = (time.perf_counter() - t0) / 60
     print("RESULT part=" + args.part + " " + " ".join(
-        f"{k}={round(v, 4) if isinstance(v, (float, np.floating)) else v}" for k, v in res.items()))
+        f"{k}={round(v, 4) if isinstance(v, (float, np.floating)) else v}" for k, v in res.items()) + " " + result_field())
 
 
 if __name__ == "__main__":

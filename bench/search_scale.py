@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from encoderkit.hardware import describe, result_field
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -59,18 +61,17 @@ def main() -> int:
     import faiss
 
     faiss.omp_set_num_threads(1)
-    from search_scifact import cpu_line
 
     from encoderkit.retrieval import ann
     from encoderkit.retrieval.codes import binary_codes, int8_calibration, int8_codes
     from encoderkit.retrieval.search import Searcher, SearchSettings
     from encoderkit.retrieval.store import Generation
 
-    print(cpu_line(), flush=True)
+    print(f"hardware: {describe()}", flush=True)
     st = SearchSettings(10, "binary", "int8", 4)
     if args.real_only:
         line = {f"real_overlap_{k}": v for k, v in real_overlaps(args.real, st).items()}
-        print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in line.items()))
+        print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in line.items()) + " " + result_field())
         return 0
     print(f"SYNTHETIC vectors for speed: {args.n:,} x {args.dims} unit Gaussian float32 ({args.n * args.dims * 4 / 2**30:.2f} GiB)",
           flush=True)
@@ -135,7 +136,8 @@ def main() -> int:
             "binary_ivf_rescore_p50_ms": summary["binary_ivf_rescore"][0],
             "speedup_exact": f50 / summary["binary_exact_rescore"][0], "speedup_ivf": f50 / summary["binary_ivf_rescore"][0],
             "build_ivf_s": t_ivf, **{f"real_overlap_{k}": v for k, v in real_overlap.items()}}
-    print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items()))
+    print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items())
+          + " " + result_field())
     return 0
 
 

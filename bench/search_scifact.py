@@ -17,20 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from encoderkit.hardware import describe, result_field
+
 DATA = Path("/work/shared/data/scifact/scifact_hf_export.zip")
-
-
-def cpu_line() -> str:
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
-    return f"CPU: {name}, {os.cpu_count()} cores visible, 1 thread used (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}); shared machine"
 
 
 def main() -> int:
@@ -57,7 +52,7 @@ def main() -> int:
     from encoderkit.tasks.common import resolve_model
 
     model = str(resolve_model(args.model))
-    print(cpu_line(), flush=True)
+    print(f"hardware: {describe()}", flush=True)
     data = load_retrieval(args.data)
     qids = list(data.qrels)
     texts = [data.queries[q] for q in qids]
@@ -156,7 +151,7 @@ def main() -> int:
             by_labels = min(ok, key=lambda r: r["bytes_per_doc"])
             print(f"labels would pick (smallest within 1% of float nDCG@10): {by_labels['precision']} @ {by_labels['dims']}",
                   flush=True)
-    print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in line.items()) + f" docs={n_docs} passages={len(s.gen.passages)} dims={d}")
+    print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in line.items()) + f" docs={n_docs} passages={len(s.gen.passages)} dims={d} " + result_field())
     return 0
 
 

@@ -1,0 +1,192 @@
+"""Distillation of rerank, NER and QA teachers (the student built as in :mod:`encoderkit.compress.distill`).
+
+- ``rerank``: each query comes with a list of candidate passages: a BEIR source's queries with the
+  top ``candidates`` of a first-stage bi-encoder (``miner``), or JSONL rows ``{query, positive,
+  negatives}`` (the list is the positive and the negatives; no label is used). The teacher
+  cross-encoder scores every pair once; the student learns the scores over each query's list:
+  ``loss=kl``: ``T^2 * KL(softmax(t / T) || softmax(s / T))`` (the order and the gaps within a
+  list, not the offset), ``loss=mse``: the squared error of the raw scores.
+- ``ner``: the teacher's per-token tag logits, ``T^2 * KL`` over every real token (padding left
+  out), on the sentences of a CoNLL or JSONL NER file (tags are not used).
+- ``qa``: the teacher's start and end logits over each (question, context) first window,
+  ``T^2 * KL`` of the start distribution plus that of the end distribution, halved; the
+  examples of a SQuAD JSON file's training articles (answers are not used).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from encoderkit.compress.students import soft_target_kl
+from encoderkit.config import check
+from encoderkit.errors import EncoderkitError
+
+NEG = -1e4  # logit given to padding before a softmax over positions
+
+
+# -- rerank ------------------------------------------------------------------------------------------
+
+def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
+    """(query, candidate passages) per query, every list cut to the same length (at most ``cfg.candidates``)."""
+    from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
+
+    if is_beir_source(cfg.train):
+        check(bool(cfg.miner), f"--train {cfg.train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
+                               "folder whose top --candidates per query the teacher scores")
+        from transformers import AutoTokenizer
+
+        from encoderkit.retrieval.exact import retrieve
+        from encoderkit.tasks.embed import folder_max_length, load_bi_encoder
+
+        data = load_retrieval(cfg.train)
+        miner = Path(cfg.miner)
+        ranked = retrieve(load_bi_encoder(miner), AutoTokenizer.from_pretrained(str(miner)), data,
+                          folder_max_length(miner) or 256, 64, 64, k=cfg.candidates, progress=True, cache_for=miner)
+        lists = [(data.queries[q], [data.doc_text(d) for d in docs]) for q, docs in ranked.items()]
+    else:
+        lists = [(t.query, [t.positive, *t.negatives]) for t in read_triples(cfg.train)]
+    if cfg.limit:
+        lists = lists[: cfg.limit]
+    size = min(min(len(c) for _, c in lists), cfg.candidates)
+    check(size >= 2, f"--train {cfg.train}: a query has {size} candidate(s); rerank distillation needs at least 2 per query "
+                     "(JSONL rows need 'negatives')")
+    return [(q, c[:size]) for q, c in lists]
+
+
+def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
+    """(batch source, loss_fn, number of queries): teacher scores computed once for every pair."""
+    from encoderkit.tasks.batching import BucketedBatches, encode_batch
+    from encoderkit.tasks.rerank import pair_rows, score_pairs
+
+    lists = candidate_lists(cfg)
+    size = len(lists[0][1])
+    queries = [q for q, c in lists for _ in c]
+    passages = [p for _, c in lists for p in c]
+    scores = score_pairs(teacher, tokenizer, queries, passages, cfg.seq_len)
+    rows = pair_rows(tokenizer, queries, passages, cfg.seq_len)
+    for r, s in zip(rows, scores):
+        r["teacher_score"] = np.float32(s)
+    check(len(lists) >= cfg.batch_size, f"--train {cfg.train}: {len(lists)} queries, fewer than one batch of {cfg.batch_size}")
+
+    def make_batch(idx: np.ndarray, epoch: int) -> dict[str, torch.Tensor]:
+        return encode_batch([rows[int(i) * size + j] for i in idx for j in range(size)], tokenizer.pad_token_id or 0)
+
+    lengths = np.asarray([max(len(rows[i * size + j]["input_ids"]) for j in range(size)) for i in range(len(lists))])
+    source = BucketedBatches(lengths, cfg.batch_size, make_batch, seed=cfg.seed)
+
+    def loss_fn(module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        inputs = {k: v for k, v in batch.items() if k != "teacher_score"}
+        s = module(**inputs).logits.float().view(-1, size)
+        t = batch["teacher_score"].float().view(-1, size)
+        loss = soft_target_kl(s, t, cfg.temperature) if cfg.loss == "kl" else F.mse_loss(s, t)
+        return loss, {cfg.loss: float(loss.detach())}
+
+    return source, loss_fn, len(lists)
+
+
+# -- NER and QA ----------------------------------------------------------------------------------------
+
+def masked_token_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T^2 * KL`` of per-token class distributions (B, L, C), averaged over real tokens (mask (B, L))."""
+    m = mask.bool()
+    return soft_target_kl(student[m], teacher[m], temperature)
+
+
+def position_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T^2 * KL`` of distributions over positions (B, L) (QA start or end), padding masked out."""
+    pad = ~mask.bool()
+    return soft_target_kl(student.float().masked_fill(pad, NEG), teacher.float().masked_fill(pad, NEG), temperature)
+
+
+def token_rows(cfg: Any, task: str, tokenizer: Any) -> list[dict[str, np.ndarray]]:
+    """Tokenised inputs: NER sentences (words) or QA (question, context) pairs (the first window)."""
+    if task == "ner":
+        from encoderkit.tasks.conll import read_ner
+
+        sents = read_ner(cfg.train)
+        enc = tokenizer([s.words for s in sents], is_split_into_words=True, truncation=True, max_length=cfg.seq_len)
+    else:
+        from encoderkit.tasks.squad import read_squad
+
+        examples, _ = read_squad(cfg.train, "train")  # the training articles; the held-out ones stay unseen
+        enc = tokenizer([e.question for e in examples], [e.context for e in examples], truncation="only_second",
+                        max_length=cfg.seq_len)
+    keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
+    rows = [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(enc["input_ids"]))]
+    return rows[: cfg.limit] if cfg.limit else rows
+
+
+def token_setup(cfg: Any, task: str, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
+    """(batch source, loss_fn, number of examples); the teacher runs under no_grad on each batch."""
+    from encoderkit.tasks.batching import BucketedBatches, encode_batch
+
+    rows = token_rows(cfg, task, tokenizer)
+    check(len(rows) >= cfg.batch_size, f"--train {cfg.train}: {len(rows)} examples, fewer than one batch of {cfg.batch_size}")
+
+    def make_batch(idx: np.ndarray, epoch: int) -> dict[str, torch.Tensor]:
+        return encode_batch([rows[int(i)] for i in idx], tokenizer.pad_token_id or 0)
+
+    source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), cfg.batch_size, make_batch, seed=cfg.seed)
+
+    def loss_fn(module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        with torch.no_grad():
+            t = teacher(**batch)
+        s = module(**batch)
+        mask = batch["attention_mask"]
+        if task == "ner":
+            loss = masked_token_kl(s.logits, t.logits, mask, cfg.temperature)
+            return loss, {"kl": float(loss.detach())}
+        start = position_kl(s.start_logits, t.start_logits, mask, cfg.temperature)
+        end = position_kl(s.end_logits, t.end_logits, mask, cfg.temperature)
+        return (start + end) / 2, {"kl_start": float(start.detach()), "kl_end": float(end.detach())}
+
+    return source, loss_fn, len(rows)
+
+
+# -- the stage -----------------------------------------------------------------------------------------
+
+def run_task(cfg: Any, task: str) -> Any:
+    """Distil a rerank, NER or QA teacher (``cfg`` is a DistillConfig); see the module docstring."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from encoderkit.compress.students import DistillResult, make_student
+    from encoderkit.io import inherited_card, output_dir, write_card
+    from encoderkit.models.folder import load_model as load_task_model
+    from encoderkit.train.engine import TrainSettings, fit
+
+    if task not in ("rerank", "ner", "qa"):
+        raise EncoderkitError(f"distill_tasks handles rerank, ner and qa teachers, not {task!r}")
+    check(bool(cfg.train), f"distilling a {task} model needs --train (" + {
+        "rerank": "a BEIR source with --miner, or JSONL {query, positive, negatives}",
+        "ner": "a CoNLL or JSONL NER file", "qa": "a SQuAD JSON file"}[task] + ")")
+    teacher = load_task_model(cfg.teacher).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.teacher)
+    student, layers = make_student(cfg, teacher)
+    if task == "rerank":
+        source, loss_fn, n = rerank_setup(cfg, teacher, tokenizer)
+    else:
+        source, loss_fn, n = token_setup(cfg, task, teacher, tokenizer)
+    settings = TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
+                             batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10)
+    out = Path(cfg.out)
+    with output_dir(out, cfg.overwrite) as tmp:
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.run-", dir=out.parent) as run_dir:
+            res = fit(student, loss_fn, source, settings, run_dir, fingerprint={"stage": "distill", **cfg.result_dict()})
+        student.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        facts = {"task": task, **inherited_card(cfg.teacher)}
+        metrics = {"train_" + k: v for k, v in res.train_logs.items()}
+        write_card(tmp, "distill", cfg.teacher, cfg.result_dict(), {**metrics, "examples": n, "steps": res.steps},
+                   layers_from_teacher=layers, **facts)
+    return DistillResult(out, layers, sum(p.numel() for p in teacher.parameters()),
+                         sum(p.numel() for p in student.parameters()), res.steps, res.train_logs)

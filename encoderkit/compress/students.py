@@ -1,0 +1,171 @@
+"""Students for every distillation recipe: a student built from chosen teacher layers, a narrower random
+one, or a given folder; the shared soft-target KL; and the result every recipe returns.
+
+:mod:`encoderkit.compress.distill` (classify, task-agnostic MLM), :mod:`encoderkit.compress.distill_embed`
+and :mod:`encoderkit.compress.distill_tasks` all build on this module, so none of them imports another.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from encoderkit.config import check
+from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
+from encoderkit.models.pooling import apply_pooling
+
+# -- student construction --------------------------------------------------------------------------
+
+_LAYER_KEY = re.compile(r"(^|\.)layer\.(\d+)\.")
+
+
+def parse_layer_map(spec: str | list[int] | None, n_teacher: int) -> list[int]:
+    """Teacher layer indices the student keeps, in order.
+
+    ``"every-other"`` keeps layers 0, 2, 4, ... (DistilBERT: half the depth, spread over the
+    whole stack); ``"0,2,5"`` or ``[0, 2, 5]`` keeps exactly those layers.
+    """
+    if spec is None or spec == "every-other":
+        return list(range(0, n_teacher, 2))
+    if isinstance(spec, str):
+        parts = [p for p in re.split(r"[,\s\[\]]+", spec) if p]
+        try:
+            layers = [int(p) for p in parts]
+        except ValueError as e:
+            raise EncoderkitError(f"layers={spec!r}: expected 'every-other' or teacher layer numbers like '0,2,4'") from e
+    else:
+        layers = [int(x) for x in spec]
+    check(len(layers) > 0, "layers: the student needs at least one layer")
+    bad = [i for i in layers if not 0 <= i < n_teacher]
+    check(not bad, f"layers={layers}: the teacher has layers 0..{n_teacher - 1}; {bad} do not exist")
+    check(len(set(layers)) == len(layers), f"layers={layers}: each teacher layer may be used once")
+    return layers
+
+
+def student_state_from_teacher(teacher_state: dict[str, torch.Tensor], layers: list[int]) -> dict[str, torch.Tensor]:
+    """The teacher's state dict with encoder layer ``layers[i]`` renamed to layer ``i`` and the
+    other layers dropped; embeddings, pooler and heads are kept as they are."""
+    where = {t: s for s, t in enumerate(layers)}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in teacher_state.items():
+        m = _LAYER_KEY.search(key)
+        if m is None:
+            out[key] = value.clone()
+            continue
+        t = int(m.group(2))
+        if t in where:
+            new_key = key[: m.start(2)] + str(where[t]) + key[m.end(2):]
+            out[new_key] = value.clone()
+    return out
+
+
+def build_student_from_teacher(teacher: nn.Module, layers: list[int]) -> nn.Module:
+    """A copy of ``teacher``'s architecture with ``len(layers)`` layers, initialised from the
+    teacher's layers ``layers`` (plus embeddings, pooler and heads)."""
+    config = teacher.config.__class__.from_dict(teacher.config.to_dict())
+    config.num_hidden_layers = len(layers)
+    student = apply_pooling(type(teacher)(config))
+    state = student_state_from_teacher(teacher.state_dict(), layers)
+    missing, unexpected = student.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "position_ids" not in k]
+    if missing or unexpected:
+        raise EncoderkitError(
+            f"cannot initialise the student from the teacher ({type(teacher).__name__}): missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}; use a BERT-style teacher or pass --student"
+        )
+    return student
+
+
+def build_narrow_student(teacher: nn.Module, hidden_size: int, num_layers: int, generator_seed: int) -> nn.Module:
+    """A randomly initialised student of the teacher's class with a smaller width.
+
+    Heads keep the teacher's head size where it divides ``hidden_size``; FFN width is 4x hidden.
+    """
+    config = teacher.config.__class__.from_dict(teacher.config.to_dict())
+    head_dim = teacher.config.hidden_size // teacher.config.num_attention_heads
+    check(hidden_size % head_dim == 0 or hidden_size % 4 == 0,
+          f"hidden_size={hidden_size}: must be a multiple of the head size {head_dim} or of 4")
+    config.hidden_size = hidden_size
+    config.num_attention_heads = hidden_size // head_dim if hidden_size % head_dim == 0 else 4
+    config.intermediate_size = 4 * hidden_size
+    config.num_hidden_layers = num_layers
+    fork = torch.random.fork_rng(devices=[])  # module init draws from the global RNG; leave it as found
+    with fork:
+        torch.manual_seed(generator_seed)
+        return apply_pooling(type(teacher)(config))
+
+
+def check_same_tokenizer(teacher_dir: str | Path, student_dir: str | Path) -> None:
+    """Raise unless both folders hold the same vocabulary (same tokens at the same ids)."""
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(str(teacher_dir))
+    s = AutoTokenizer.from_pretrained(str(student_dir))
+    tv, sv = t.get_vocab(), s.get_vocab()
+    if tv != sv:
+        only_t = sorted(set(tv) - set(sv))[:5]
+        only_s = sorted(set(sv) - set(tv))[:5]
+        moved = sorted(k for k in set(tv) & set(sv) if tv[k] != sv[k])[:5]
+        raise EncoderkitError(
+            f"teacher {teacher_dir} and student {student_dir} use different tokenizers "
+            f"({len(tv)} vs {len(sv)} tokens; only in teacher: {only_t}, only in student: {only_s}, "
+            f"different ids: {moved}); distillation compares outputs token by token, so give the student "
+            "the teacher's tokenizer (copy its tokenizer files) or let distill build the student"
+        )
+    if getattr(t, "do_lower_case", None) != getattr(s, "do_lower_case", None):
+        raise EncoderkitError(f"teacher {teacher_dir} and student {student_dir} differ in lower-casing; use the same tokenizer")
+
+
+# -- losses ----------------------------------------------------------------------------------------
+
+def soft_target_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(teacher_T || student_T) * T^2, averaged over rows.
+
+    student_logits, teacher_logits: (N, C). The T^2 factor keeps the gradient scale independent
+    of the temperature (Hinton et al. 2015). Zero when the logits are equal.
+    """
+    if student_logits.numel() == 0:
+        return student_logits.sum() * 0.0
+    t = temperature
+    log_p_s = F.log_softmax(student_logits.float() / t, dim=-1)
+    log_p_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
+    return F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True) * (t * t)
+
+
+@dataclass
+class DistillResult:
+    out: Path
+    layers: list[int] | None
+    teacher_params: int
+    student_params: int
+    steps: int
+    train_logs: dict[str, float]
+
+    def summary(self) -> dict[str, Any]:
+        return {"out": str(self.out), "layers_from_teacher": self.layers, "teacher_params": self.teacher_params,
+                "student_params": self.student_params, "steps": self.steps,
+                "final_losses": {k: round(v, 4) for k, v in self.train_logs.items()}}
+
+
+def make_student(cfg: Any, teacher: nn.Module) -> tuple[nn.Module, list[int] | None]:
+    """The student (``--student`` folder, a narrower random one, or the teacher's chosen layers) and
+    the teacher layers it was initialised from (None unless taken from the teacher)."""
+    n_teacher = teacher.config.num_hidden_layers
+    if cfg.student:
+        check_same_tokenizer(cfg.teacher, cfg.student)
+        student = ModelFolder.open(cfg.student, tokenizer=False).load()
+        check(type(student) is type(teacher),
+              f"student {cfg.student} is a {type(student).__name__} but the teacher a {type(teacher).__name__}; use the same head")
+        return student, None
+    if cfg.hidden_size:
+        n = len(parse_layer_map(cfg.layers, n_teacher))
+        return build_narrow_student(teacher, cfg.hidden_size, n, cfg.seed), None
+    layers = parse_layer_map(cfg.layers, n_teacher)
+    return build_student_from_teacher(teacher, layers), layers

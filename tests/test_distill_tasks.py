@@ -1,0 +1,163 @@
+"""Rerank, NER and QA distillation on tiny models: the distilled student agrees with the teacher
+better than the same student undistilled."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from encoderkit.compress.distill import DistillConfig, build_student_from_teacher
+from encoderkit.compress.distill import run as distill
+from encoderkit.compress.distill_tasks import masked_token_kl, position_kl
+from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import load_model as load_task_model
+from tests.conftest import WORDS, tiny_bert_config
+
+
+def sentence(g: np.random.Generator, lo: int = 3, hi: int = 10) -> str:
+    return " ".join(WORDS[j] for j in g.integers(0, len(WORDS), g.integers(lo, hi)))
+
+
+def save_tiny(cls_name: str, out: Path, tokenizer_dir: Path, head_scale: float, **cfg_kw) -> Path:
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(7)
+    model = getattr(transformers, cls_name)(tiny_bert_config(len(tok), num_hidden_layers=4, initializer_range=0.2, **cfg_kw))
+    head = model.qa_outputs if hasattr(model, "qa_outputs") else model.classifier
+    with torch.no_grad():
+        head.weight.mul_(head_scale)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def kendall(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean over rows of Kendall's tau between two (N, L) score arrays."""
+    taus = []
+    for x, y in zip(a, b):
+        i, j = np.triu_indices(len(x), 1)
+        taus.append(np.mean(np.sign(x[i] - x[j]) * np.sign(y[i] - y[j])))
+    return float(np.mean(taus))
+
+
+def test_position_and_token_kl_ignore_padding():
+    t = torch.randn(2, 5)
+    s = t.clone()
+    s[:, 3:] = 50.0  # differences only where the mask is 0
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 0, 0]])
+    assert position_kl(s, t, mask, 2.0).item() == pytest.approx(0.0, abs=1e-5)
+    assert position_kl(torch.randn(2, 5), t, mask, 2.0).item() > 0
+    logits = torch.randn(2, 5, 3)
+    noisy = logits.clone()
+    noisy[:, 3:] = torch.randn(2, 2, 3) * 9
+    assert masked_token_kl(noisy, logits, mask, 1.0).item() == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["mse", "kl"])
+def test_rerank_student_orders_candidates_like_the_teacher(tmp_path, tiny_tokenizer_dir, loss):
+    from transformers import AutoTokenizer
+
+    from encoderkit.tasks.rerank import score_pairs
+
+    teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 30.0, num_labels=1)
+    g = np.random.default_rng(0)
+    rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(5)]} for _ in range(96)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "student"
+    res = distill(DistillConfig(teacher=str(teacher), out=str(out), train=str(train), layers="0,2", loss=loss, candidates=6,
+                                epochs=8, lr=1e-3, batch_size=8, seq_len=48, bf16=False))
+    assert res.layers == [0, 2]
+    assert json.loads((out / "encoderkit.json").read_text())["task"] == "rerank"
+    tok = AutoTokenizer.from_pretrained(teacher)
+    g = np.random.default_rng(123)  # held-out lists
+    lists = [(sentence(g, 2, 5), [sentence(g) for _ in range(6)]) for _ in range(30)]
+
+    def scores(model) -> np.ndarray:
+        return np.stack([score_pairs(model, tok, q, ps, 48) for q, ps in lists])
+
+    t_model = load_task_model(teacher)
+    base = build_student_from_teacher(t_model, [0, 2])
+    ref = scores(t_model)
+    distilled, undistilled = kendall(scores(load_task_model(out)), ref), kendall(scores(base), ref)
+    assert distilled > undistilled + 0.1, (distilled, undistilled)
+
+
+def test_rerank_distillation_refuses_beir_without_a_miner_and_lists_without_negatives(tmp_path, tiny_tokenizer_dir):
+    teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 1.0, num_labels=1)
+    (tmp_path / "beir").mkdir()
+    with pytest.raises(EncoderkitError, match="--miner"):
+        distill(DistillConfig(teacher=str(teacher), out=str(tmp_path / "s"), train=str(tmp_path / "beir")))
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"query": "a", "positive": "the film"}) + "\n")
+    with pytest.raises(EncoderkitError, match="at least 2"):
+        distill(DistillConfig(teacher=str(teacher), out=str(tmp_path / "s"), train=str(bare)))
+
+
+def test_ner_student_tags_like_the_teacher(tmp_path, tiny_tokenizer_dir):
+    labels = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+    teacher = save_tiny("BertForTokenClassification", tmp_path / "ner", tiny_tokenizer_dir, 20.0, num_labels=5,
+                        id2label=dict(enumerate(labels)), label2id={k: i for i, k in enumerate(labels)})
+    g = np.random.default_rng(1)
+    conll = tmp_path / "train.conll"
+    conll.write_text("\n\n".join("\n".join(f"{w} O" for w in sentence(g, 4, 12).split()) for _ in range(160)) + "\n")
+    out = tmp_path / "student"
+    distill(DistillConfig(teacher=str(teacher), out=str(out), train=str(conll), layers="0,2", epochs=6, lr=1e-3,
+                          batch_size=16, seq_len=32, temperature=1.0, bf16=False))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher)
+    g = np.random.default_rng(99)
+    enc = tok([sentence(g, 4, 12) for _ in range(40)], padding=True, return_tensors="pt")
+    t_model = load_task_model(teacher)
+
+    def agree(model) -> float:
+        with torch.no_grad():
+            a, b = model(**enc).logits.argmax(-1), t_model(**enc).logits.argmax(-1)
+        m = enc["attention_mask"].bool()
+        return float((a[m] == b[m]).float().mean())
+
+    distilled, undistilled = agree(load_task_model(out)), agree(build_student_from_teacher(t_model, [0, 2]))
+    assert distilled > undistilled + 0.1 and distilled > 0.7, (distilled, undistilled)
+
+
+def test_qa_student_picks_the_teachers_start_and_end(tmp_path, tiny_tokenizer_dir):
+    teacher = save_tiny("BertForQuestionAnswering", tmp_path / "qa", tiny_tokenizer_dir, 20.0)
+    g = np.random.default_rng(2)
+
+    def article(i: int) -> dict:
+        paras = []
+        for p in range(6):
+            ctx = sentence(g, 12, 30)
+            qas = [{"id": f"{i}-{p}-{k}", "question": sentence(g, 3, 6), "answers": [{"text": ctx.split()[0], "answer_start": 0}]}
+                   for k in range(4)]
+            paras.append({"context": ctx, "qas": qas})
+        return {"title": f"a{i}", "paragraphs": paras}
+
+    squad = tmp_path / "squad.json"
+    squad.write_text(json.dumps({"data": [article(i) for i in range(10)]}))  # 8 training articles: 192 questions
+    out = tmp_path / "student"
+    distill(DistillConfig(teacher=str(teacher), out=str(out), train=str(squad), layers="0,2", epochs=6, lr=1e-3,
+                          batch_size=16, seq_len=48, temperature=1.0, bf16=False))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(teacher)
+    g = np.random.default_rng(77)
+    enc = tok([sentence(g, 3, 6) for _ in range(40)], [sentence(g, 12, 30) for _ in range(40)], padding=True, return_tensors="pt")
+    t_model = load_task_model(teacher)
+
+    def agree(model) -> float:
+        with torch.no_grad():
+            s, t = model(**enc), t_model(**enc)
+        pad = ~enc["attention_mask"].bool()
+        hits = [(x.masked_fill(pad, -1e4).argmax(-1) == y.masked_fill(pad, -1e4).argmax(-1)).float().mean()
+                for x, y in ((s.start_logits, t.start_logits), (s.end_logits, t.end_logits))]
+        return float(sum(hits) / 2)
+
+    distilled, undistilled = agree(load_task_model(out)), agree(build_student_from_teacher(t_model, [0, 2]))
+    assert distilled > undistilled + 0.1, (distilled, undistilled)
