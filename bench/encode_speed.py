@@ -29,7 +29,7 @@ DATA = Path(os.environ.get("ENCODERKIT_SHARED_DATA", REPO.parent / "shared" / "d
 
 def load_scifact(n_docs: int, seed: int) -> tuple[dict[str, str], dict[str, str], dict[str, dict[str, int]]]:
     """(docs, queries, qrels): every judged document plus random others up to ``n_docs`` (0 = all 5,183)."""
-    from encoderkit.tasks.beir import load_retrieval
+    from encoderkit.retrieval.beir import load_retrieval
 
     data = load_retrieval(str(DATA / "scifact" / "scifact_hf_export.zip") + "#test")
     queries = {}
@@ -50,7 +50,7 @@ def load_scifact(n_docs: int, seed: int) -> tuple[dict[str, str], dict[str, str]
 
 def ndcg10(doc_ids: list[str], doc_vecs: np.ndarray, queries: dict[str, str], query_vecs: np.ndarray,
            qrels: dict[str, dict[str, int]]) -> float:
-    from encoderkit.evaluate.metrics import retrieval_scores
+    from encoderkit.retrieval.metrics import retrieval_scores
 
     scores = query_vecs @ doc_vecs.T  # (Q, D), vectors are unit length
     top = np.argsort(-scores, axis=1)[:, :10]

@@ -34,11 +34,12 @@ def main() -> int:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from encoderkit.evaluate.metrics import retrieval_scores
     from encoderkit.hardware import describe, result_field
-    from encoderkit.tasks.beir import load_retrieval
+    from encoderkit.retrieval.beir import load_retrieval
+    from encoderkit.retrieval.exact import retrieve, search
+    from encoderkit.retrieval.metrics import retrieval_scores
     from encoderkit.tasks.common import load_tokenizer, resolve_model
-    from encoderkit.tasks.embed import folder_max_length, load_bi_encoder, retrieve, search
+    from encoderkit.tasks.embed import folder_max_length, load_bi_encoder
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -39,6 +39,8 @@ STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("export",): ("encoderkit.deploy.export:ExportConfig:run", "export a task model to ONNX (fused, optional INT8), parity-checked"),
     ("predict",): ("encoderkit.deploy.runtime:PredictConfig:run", "run a task model over a .txt/.jsonl file into JSONL results"),
     ("serve",): ("encoderkit.deploy.serve:ServeConfig:run", "HTTP service with micro-batching: classify/extract/answer/rerank/embed"),
+    ("index",): ("encoderkit.retrieval.index:IndexConfig:run", "build or update a local semantic-search index (binary/int8/float16)"),
+    ("search",): ("encoderkit.retrieval.search:SearchConfig:run", "tiered search: binary -> int8/float rescoring -> BM25 fusion -> rerank"),
 }
 
 

@@ -15,10 +15,9 @@ from encoderkit.evaluate.metrics import (
     macro_f1,
     multilabel_scores,
     normalize_answer,
-    reciprocal_rank_fusion,
-    retrieval_scores,
     squad_scores,
 )
+from encoderkit.retrieval.metrics import reciprocal_rank_fusion, retrieval_scores
 
 
 def test_classification_by_hand():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.retrieval.beir import load_retrieval, parse_scifact_abstract, read_triples
 from encoderkit.tasks.batching import BucketedBatches
-from encoderkit.tasks.beir import load_retrieval, parse_scifact_abstract, read_triples
 from encoderkit.tasks.tabular import read_rows
 
 

@@ -217,8 +217,9 @@ def _batched_fn(p: Predictor):
 
 
 def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_batch: int = 32,
-               max_wait_ms: float = 5.0) -> FastAPI:
-    """The ASGI app serving ``models`` (name -> Predictor); wrap-free, ready for uvicorn."""
+               max_wait_ms: float = 5.0, extra_routes: tuple = ()) -> FastAPI:
+    """The ASGI app serving ``models`` (name -> Predictor); wrap-free, ready for uvicorn. Each of
+    ``extra_routes`` is called as ``add(app, check_token, check_texts)`` (e.g. /v1/search)."""
     limits = limits or Limits()
     metrics = Metrics()
     served: dict[str, _Served] = {}
@@ -359,6 +360,8 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         check_token(request)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    for add in extra_routes:
+        add(app, check_token, check_texts)
     known = {r.path for r in app.routes if hasattr(r, "path")}
     app.add_middleware(_Guard, limits=limits, metrics=metrics, known_paths=known)
     app.state.metrics = metrics
@@ -393,6 +396,7 @@ class ServeConfig(StageConfig):
     max_batch: int = arg(32, help="Most texts per batched model call.", speed=True)
     max_wait_ms: float = arg(5.0, help="How long a batch waits for more requests.", speed=True)
     threads: int | None = arg(None, help="onnxruntime intra-op threads per model.", speed=True)
+    index: list[str] = arg([], help="Search index folders (encoderkit index), as DIR or name=DIR: POST /v1/search.")
     access_log: bool = arg(False, help="Log one line per request (off by default: it costs CPU per request, and "
                                        "/metrics counts requests by path and status).")
 
@@ -416,7 +420,12 @@ def run(cfg: ServeConfig) -> None:
 
     models = load_models(cfg.model, cfg.backend, cfg.threads, cfg.max_batch)
     limits = Limits(cfg.max_body_bytes, cfg.max_texts, cfg.max_chars, os.environ.get(cfg.token_env) or None)
-    app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms)
+    extra = ()
+    if cfg.index:
+        from encoderkit.retrieval.http import search_routes
+
+        extra = (search_routes(cfg.index, threads=cfg.threads),)
+    app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms, extra)
     for name, p in models.items():
         print(f"serving {name}: {p.task} from {p.folder} on {p.backend}")
     # loop/http "auto": uvloop and httptools when installed (uvicorn[standard]), else asyncio and h11

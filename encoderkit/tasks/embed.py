@@ -1,5 +1,5 @@
-"""Bi-encoder embeddings: encode texts, train with in-batch negatives (+ Matryoshka), save in the
-sentence-transformers layout, and score retrieval.
+"""Bi-encoder embeddings: encode texts, train with in-batch negatives (+ Matryoshka), and save in the
+sentence-transformers layout (exact search over the embeddings: :mod:`encoderkit.retrieval.exact`).
 
 * Embedding = pooling (``mean`` over real tokens, or the ``first`` token) of the encoder's last
   hidden states, then L2 normalisation, so a dot product is the cosine similarity. This is what
@@ -129,18 +129,6 @@ def save_sentence_transformers(model: BiEncoder, tokenizer, folder: Path, max_le
     write_json_atomic(folder / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
 
 
-def search(query_emb: np.ndarray, doc_emb: np.ndarray, doc_ids: list[str], query_ids: list[str], k: int = 100) -> dict[str, list[str]]:
-    """Exact top-k by dot product: query id -> doc ids, best first."""
-    out = {}
-    for start in range(0, len(query_ids), 256):
-        scores = query_emb[start : start + 256] @ doc_emb.T
-        top = np.argpartition(-scores, min(k, scores.shape[1] - 1), axis=1)[:, :k]
-        for row, qid in enumerate(query_ids[start : start + 256]):
-            order = top[row][np.argsort(-scores[row, top[row]], kind="stable")]
-            out[qid] = [doc_ids[j] for j in order]
-    return out
-
-
 def _digest(h: Any, path: Path) -> None:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -177,17 +165,3 @@ def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int
         np.save(f, out, allow_pickle=False)
     os.replace(tmp, path)
     return out
-
-
-def retrieve(model: BiEncoder, tokenizer, data: Any, max_length: int, max_query_length: int, batch_size: int = 64,
-             k: int = 100, progress: bool = False, cache_for: Path | None = None) -> dict[str, list[str]]:
-    """Top-k documents of every judged query of a :class:`~encoderkit.tasks.beir.Retrieval`.
-    ``cache_for``: the saved folder ``model`` was loaded from, to reuse its corpus embeddings
-    (:func:`encode_cached`); None while weights are changing (evaluation during training)."""
-    doc_ids = list(data.corpus)
-    texts = [data.doc_text(d) for d in doc_ids]
-    docs = (encode_cached(model, tokenizer, texts, max_length, batch_size, progress, cache_for) if cache_for is not None
-            else encode(model, tokenizer, texts, max_length, batch_size, progress))
-    qids = list(data.qrels)
-    queries = encode(model, tokenizer, [data.queries[q] for q in qids], max_query_length, batch_size)
-    return search(queries, docs, doc_ids, qids, k)

@@ -14,9 +14,11 @@ from typing import Any
 import numpy as np
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.evaluate.metrics import retrieval_scores
+from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
+from encoderkit.retrieval.exact import retrieve
+from encoderkit.retrieval.metrics import retrieval_scores
+from encoderkit.retrieval.mining import groups_from_beir
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.beir import is_beir_source, load_retrieval, read_triples
 from encoderkit.tasks.common import TaskRun, seeded_subset
 from encoderkit.tasks.embed import (
     BiEncoder,
@@ -24,11 +26,9 @@ from encoderkit.tasks.embed import (
     folder_pooling,
     load_bi_encoder,
     mnrl_loss,
-    retrieve,
     save_sentence_transformers,
     tokenize,
 )
-from encoderkit.tasks.rerank import groups_from_beir
 
 
 def default_max_length(folder: Path) -> int:

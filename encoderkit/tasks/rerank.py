@@ -5,7 +5,7 @@ is cross-entropy over the group's scores with the positive as the target (listwi
 Data: JSONL ``{query, positive, negatives}`` (each row needs at least ``num_negatives``
 negatives) or a BEIR source (each judged (query, doc) pair is a row; negatives ``sampled`` at
 random from the corpus, or ``mined``: drawn from ranks 4-30 of a bi-encoder's results, leaving
-out judged documents, so near-misses teach the model what relevance is not). Each group keeps a
+out judged documents; see :mod:`encoderkit.retrieval.mining`). Each group keeps a
 pool of negatives (a row's list, the mined ranks, or ``SAMPLED_POOL`` x N random documents) and
 every epoch draws a fresh ``num_negatives`` from it, seeded by (seed, epoch, row), so a run of
 several epochs sees several times as many distinct negatives.
@@ -25,16 +25,13 @@ import numpy as np
 import torch
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.evaluate.metrics import reciprocal_rank_fusion, retrieval_scores
+from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
+from encoderkit.retrieval.metrics import reciprocal_rank_fusion, retrieval_scores
+from encoderkit.retrieval.mining import CANDIDATES, candidates, groups_from_beir
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.beir import Retrieval, Triple, is_beir_source, load_retrieval, read_triples
-from encoderkit.tasks.common import TaskRun, load_task_model, resolve_model, run_batches, seeded_subset
+from encoderkit.tasks.common import TaskRun, load_task_model, run_batches, seeded_subset
 
 DEFAULT_MAX_LENGTH = 256
-
-CANDIDATES = 100
-MINE_FROM, MINE_TO = 3, 30
-SAMPLED_POOL = 8  # random negatives kept per group, as a multiple of num_negatives
 
 
 def pair_rows(tokenizer, queries: list[str], passages: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
@@ -50,46 +47,6 @@ def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], 
     queries = [query] * len(passages) if isinstance(query, str) else list(query)
     rows = pair_rows(tokenizer, queries, passages, max_length)
     return np.asarray(run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits[:, 0]), dtype=np.float32)
-
-
-def candidates(data: Retrieval, miner: str | Path, cfg: Any, k: int) -> dict[str, list[str]]:
-    """Top-k documents per judged query from the bi-encoder ``miner``."""
-    from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.embed import folder_max_length, load_bi_encoder, retrieve
-
-    folder = resolve_model(miner)
-    model = load_bi_encoder(folder)
-    tok = load_tokenizer(folder)
-    return retrieve(model, tok, data, folder_max_length(folder) or 256, cfg.max_query_length, cfg.eval_batch_size, k=k,
-                    progress=True, cache_for=folder)
-
-
-def groups_from_beir(data: Retrieval, cfg: Any, pool: bool = False) -> list[Triple]:
-    """One group per judged (query, doc) pair, with sampled or mined negatives: ``num_negatives``
-    of them, or with ``pool`` the whole pool to draw from (every mined one, or ``SAMPLED_POOL``
-    times as many random documents)."""
-    rng = np.random.default_rng(cfg.seed)
-    doc_ids = list(data.corpus)
-    mined = candidates(data, cfg.miner, cfg, MINE_TO) if cfg.negatives == "mined" else {}
-    out = []
-    for qid, rels in data.qrels.items():
-        ranked = [d for d in mined.get(qid, [])[MINE_FROM:] if d not in rels]
-        want = cfg.num_negatives * (SAMPLED_POOL if pool and not ranked else 1)
-        for d, r in rels.items():
-            if r <= 0:
-                continue
-            if ranked and pool:
-                negs = list(ranked)
-            elif ranked:
-                negs = list(rng.choice(ranked, size=min(cfg.num_negatives, len(ranked)), replace=False))
-            else:
-                negs = []
-            while len(negs) < want and len(negs) < len(doc_ids) - len(rels):
-                cand = doc_ids[int(rng.integers(len(doc_ids)))]
-                if cand not in rels and cand not in negs:
-                    negs.append(cand)
-            out.append(Triple(data.queries[qid], data.doc_text(d), [data.doc_text(n) for n in negs], f"query {qid}"))
-    return out
 
 
 def build(cfg: Any, tokenizer, model_dir: Path) -> TaskRun:

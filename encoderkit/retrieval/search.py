@@ -1,0 +1,344 @@
+"""Tiered search over an index, as a Python API and ``encoderkit search``.
+
+    s = Searcher.open("idx")                                    # the index's own model, same runtime
+    s.search(["what causes fever?"], SearchSettings(k=10, bm25=True))[0].hits
+
+Stages, each switchable:
+
+1. first stage over passages: ``binary`` (Hamming distance of packed sign bits; exact numpy below
+   the index's ANN threshold, a faiss binary IVF above it), ``int8`` (int8 query . int8 codes) or
+   ``float`` (the float16 vectors; needs ``--float16`` at index time), or Milvus (float, IP);
+2. rescoring of ``rescore_multiplier`` x depth candidates with the float query against the ``int8``
+   (dequantized) or ``float`` vectors, or ``none``; passages collapse to documents (a document
+   scores as its best passage), depth = k, or the rerank depth when reranking;
+3. ``bm25``: bm25s over the passage texts (built when first used), fused with the dense order by
+   reciprocal rank (k = 60, untuned); the score becomes the fusion score;
+4. ``rerank_top`` N: a cross-encoder (``--rerank DIR``) scores (query, best passage) of the top N
+   documents and reorders them; its logits become the scores.
+
+A query longer than the model's maximum length is truncated by the model; each result says so
+(``truncated``). Query vectors carry the fingerprint of the model that made them, and an index
+refuses vectors from another model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from encoderkit.config import StageConfig, arg, check
+from encoderkit.deploy.runtime import BACKENDS, Predictor
+from encoderkit.errors import EncoderkitError
+from encoderkit.io import write_text_atomic
+from encoderkit.progress import note
+from encoderkit.retrieval import ann
+from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_dequantize, top_k
+from encoderkit.retrieval.index import model_fingerprint
+from encoderkit.retrieval.metrics import rrf_scores
+from encoderkit.retrieval.store import Generation, open_generation
+
+FIRST_STAGES = ("binary", "int8", "float")
+RESCORES = ("int8", "float", "none")
+SCAN_CHUNK = 65_536  # rows per matrix product in the int8/float first stages
+
+
+@dataclass
+class SearchSettings:
+    k: int = 10
+    first_stage: str = "binary"
+    rescore: str = "int8"
+    rescore_multiplier: int = 4
+    bm25: bool = False
+    rerank_top: int = 0  # 0 = no cross-encoder
+    exact: bool = False  # exact Hamming search even past the ANN threshold
+
+    def check(self, gen: Generation, has_reranker: bool) -> None:
+        if self.first_stage not in FIRST_STAGES:
+            raise EncoderkitError(f"first stage {self.first_stage!r} is not one of {', '.join(FIRST_STAGES)}")
+        if self.rescore not in RESCORES:
+            raise EncoderkitError(f"rescore {self.rescore!r} is not one of {', '.join(RESCORES)}")
+        if "float" in (self.first_stage, self.rescore) and "float16" not in gen.arrays:
+            raise EncoderkitError("float search or rescoring needs float16 vectors: rebuild the index with --float16")
+        if self.k < 1 or self.rescore_multiplier < 1:
+            raise EncoderkitError("k and the rescore multiplier must be at least 1")
+        if self.rerank_top and not has_reranker:
+            raise EncoderkitError("reranking needs a cross-encoder folder (--rerank DIR)")
+
+
+@dataclass
+class Hit:
+    doc_id: str
+    score: float
+    text: str
+    passage_id: str
+
+
+@dataclass
+class Result:
+    hits: list[Hit]
+    truncated: bool = False
+
+
+@dataclass
+class QueryVectors:
+    """Unit query embeddings (Q, dims) and the fingerprint of the model that made them."""
+
+    vectors: np.ndarray
+    fingerprint: str
+    truncated: list[bool] = field(default_factory=list)
+
+
+class Searcher:
+    """An open index, its query model and optional reranker / Milvus first stage."""
+
+    def __init__(self, gen: Generation, root: Path, predictor: Predictor | None = None, reranker: Predictor | None = None,
+                 milvus: tuple[str, str] | None = None) -> None:
+        self.gen, self.root, self.predictor, self.reranker, self.milvus = gen, root, predictor, reranker, milvus
+        self.fingerprint = gen.manifest["model"]["fingerprint"]
+        self._bm25 = None
+        self._ivf = ann.load(gen.folder / "binary.ivf") if gen.folder and (gen.folder / "binary.ivf").is_file() else None
+        self._row_of = {r["id"]: i for i, r in enumerate(gen.passages)} if milvus else None
+
+    @classmethod
+    def open(cls, root: str | Path, model: str | Path | None = None, runtime: str | None = None, rerank: str | Path | None = None,
+             threads: int | None = None, verify: bool = True, milvus: tuple[str, str] | None = None) -> Searcher:
+        """Open index ``root``; queries are embedded by ``model`` (default: the folder the index was
+        built with), which must be the same model (same fingerprint)."""
+        root = Path(root)
+        gen = open_generation(root, verify=verify)
+        recorded = gen.manifest["model"]
+        folder = Path(model) if model is not None else Path(recorded["folder"])
+        if not folder.is_dir():
+            raise EncoderkitError(f"index {root}: its model folder {folder} is gone; pass the same model with --model")
+        if model is not None and model_fingerprint(folder) != recorded["fingerprint"]:
+            raise EncoderkitError(f"--model {folder} is not the model index {root} was built with ({recorded['folder']}, "
+                                  f"fingerprint {recorded['fingerprint']}); its vectors would not be comparable")
+        p = Predictor.load(folder, backend=runtime or recorded["runtime"], threads=threads)
+        r = Predictor.load(rerank, threads=threads) if rerank else None
+        if r is not None and r.task not in ("rerank", "classify"):
+            raise EncoderkitError(f"--rerank {rerank} is a {r.task!r} model, not a cross-encoder")
+        if milvus is not None:
+            from encoderkit.retrieval.milvus import check_collection
+
+            check_collection(milvus[0], milvus[1], gen)
+        return cls(gen, root, p, r, milvus)
+
+    # -- queries ----------------------------------------------------------------------------
+    def embed(self, queries: Sequence[str]) -> QueryVectors:
+        if self.predictor is None:
+            raise EncoderkitError("this searcher has no query model; pass QueryVectors to search_vectors")
+        p = self.predictor
+        lengths = [len(ids) for ids in p.tokenizer(list(queries), truncation=False)["input_ids"]]
+        vecs = p.embed(list(queries), dim=self.gen.dims, normalize=True)
+        return QueryVectors(vecs, self.fingerprint, [n > p.max_length for n in lengths])
+
+    def search(self, queries: Sequence[str], settings: SearchSettings | None = None) -> list[Result]:
+        if isinstance(queries, str):
+            queries = [queries]
+        qv = self.embed(queries)
+        return self.search_vectors(qv, settings, list(queries))
+
+    def search_vectors(self, qv: QueryVectors, settings: SearchSettings | None = None,
+                       texts: Sequence[str] | None = None) -> list[Result]:
+        """Search with precomputed query vectors (BM25 and rerank also need the query ``texts``)."""
+        s = settings or SearchSettings()
+        s.check(self.gen, self.reranker is not None)
+        if qv.fingerprint != self.fingerprint:
+            raise EncoderkitError(f"these query vectors come from a model with fingerprint {qv.fingerprint}, the index "
+                                  f"{self.root} from {self.fingerprint}; embed queries with the index's model")
+        if qv.vectors.shape[1] != self.gen.dims:
+            raise EncoderkitError(f"query vectors have {qv.vectors.shape[1]} dims, the index {self.gen.dims}")
+        if (s.bm25 or s.rerank_top) and texts is None:
+            raise EncoderkitError("BM25 and reranking need the query texts")
+        depth = max(s.k, s.rerank_top)
+        rows, scores = self.dense(qv.vectors, s, depth * s.rescore_multiplier)
+        out = []
+        for i in range(len(qv.vectors)):
+            ranked = self._collapse(rows[i], scores[i])
+            if s.bm25:
+                lexical = self._collapse(*self.bm25(texts[i], depth * s.rescore_multiplier))
+                fused = rrf_scores([[d for d, _, _ in ranked], [d for d, _, _ in lexical]])
+                best = {d: (d, sc, r) for d, sc, r in lexical} | {d: (d, sc, r) for d, sc, r in ranked}
+                ranked = sorted(((d, fused[d], best[d][2]) for d in fused), key=lambda x: -x[1])
+            ranked = ranked[:depth]
+            if s.rerank_top:
+                top = ranked[: s.rerank_top]
+                logits = self.reranker.score_pairs([texts[i]] * len(top), [self.gen.passages[r]["text"] for _, _, r in top])
+                order = np.argsort(-logits, kind="stable")
+                ranked = [(top[j][0], float(logits[j]), top[j][2]) for j in order] + ranked[s.rerank_top:]
+            hits = [Hit(d, float(sc), self.gen.passages[r]["text"], self.gen.passages[r]["id"]) for d, sc, r in ranked[: s.k]]
+            out.append(Result(hits, bool(qv.truncated[i]) if qv.truncated else False))
+        return out
+
+    # -- stages -----------------------------------------------------------------------------
+    def dense(self, q: np.ndarray, s: SearchSettings, fetch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Passage rows (Q, <=fetch) and their scores, best first, after the first stage and rescoring."""
+        a = self.gen.arrays
+        if self.milvus is not None:
+            from encoderkit.retrieval.milvus import search as milvus_search
+
+            ids, sc = milvus_search(self.milvus[0], self.milvus[1], q, fetch)
+            rows, scores = np.full((len(q), fetch), -1, np.int64), np.full((len(q), fetch), -np.inf, np.float32)
+            for i, (row, srow) in enumerate(zip(ids, sc, strict=True)):
+                rows[i, : len(row)] = [self._row_of[x] for x in row]
+                scores[i, : len(row)] = srow
+            return rows, scores
+        if s.first_stage == "binary":
+            qb = binary_codes(q)
+            if self._ivf is not None and not s.exact:
+                rows = ann.search(self._ivf, qb, fetch)
+                first = -hamming_rows(qb, a["binary"], rows)
+            else:
+                d = hamming(qb, a["binary"])
+                rows = top_k(d, fetch, largest=False)
+                first = -np.take_along_axis(d, rows, 1).astype(np.float32)
+        else:
+            if s.first_stage == "int8":
+                qq, codes = int8_codes(q, a["int8_calibration"]).astype(np.float32), a["int8"]
+            else:
+                qq, codes = q, a["float16"]
+            sc = np.concatenate([qq @ np.asarray(codes[j : j + SCAN_CHUNK], dtype=np.float32).T
+                                 for j in range(0, codes.shape[0], SCAN_CHUNK)], axis=1)
+            rows = top_k(sc, fetch)
+            first = np.take_along_axis(sc, rows, 1)
+        if s.rescore == "none":
+            return rows, first
+        out_rows, out_scores = np.empty_like(rows), np.empty(rows.shape, dtype=np.float32)
+        for i in range(len(q)):
+            r = rows[i]
+            valid = r >= 0
+            vec = (int8_dequantize(np.asarray(a["int8"][r[valid]]), a["int8_calibration"]) if s.rescore == "int8"
+                   else np.asarray(a["float16"][r[valid]], dtype=np.float32))
+            sc = np.full(len(r), -np.inf, dtype=np.float32)
+            sc[valid] = vec @ q[i]
+            order = np.argsort(-sc, kind="stable")
+            out_rows[i], out_scores[i] = r[order], sc[order]
+        return out_rows, out_scores
+
+    def bm25(self, query: str, fetch: int) -> tuple[np.ndarray, np.ndarray]:
+        import bm25s
+
+        if self._bm25 is None:
+            self._bm25 = bm25s.BM25()
+            self._bm25.index(bm25s.tokenize([p["text"] for p in self.gen.passages], show_progress=False), show_progress=False)
+        tokens = bm25s.tokenize([query], show_progress=False)
+        if not any(tokens.ids[0]) and not tokens.ids[0]:
+            return np.zeros(0, np.int64), np.zeros(0, np.float32)
+        rows, scores = self._bm25.retrieve(tokens, k=min(fetch, len(self.gen.passages)), show_progress=False, n_threads=1)
+        keep = scores[0] > 0
+        return rows[0][keep], scores[0][keep]
+
+    def _collapse(self, rows: np.ndarray, scores: np.ndarray) -> list[tuple[str, float, int]]:
+        """Passage rows, best first -> (doc id, score, best row) per document, best first."""
+        seen, out = set(), []
+        for r, sc in zip(rows, scores, strict=True):
+            if r < 0 or not np.isfinite(sc):
+                continue
+            d = self.gen.passages[r]["doc_id"]
+            if d not in seen:
+                seen.add(d)
+                out.append((d, float(sc), int(r)))
+        return out
+
+
+def hamming_rows(qb: np.ndarray, codes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Hamming distances (Q, k) of each query to its own candidate rows (-1 rows: a large distance)."""
+    out = np.full(rows.shape, codes.shape[1] * 8 + 1, dtype=np.float32)
+    for i in range(len(qb)):
+        ok = rows[i] >= 0
+        out[i, ok] = np.bitwise_count(codes[rows[i][ok]] ^ qb[i]).sum(axis=1)
+    return out
+
+
+# -- `encoderkit search` -----------------------------------------------------------------------
+@dataclass
+class SearchConfig(StageConfig):
+    """Settings of ``encoderkit search``."""
+
+    index: str = arg(help="Index folder written by `encoderkit index`.", required=True)
+    query: str | None = arg(None, help="One query; the hits are printed.")
+    queries: str | None = arg(None, help="JSONL of {'id', 'query'} lines (with --output).")
+    output: str | None = arg(None, help="JSONL written for --queries: {'id', 'hits': [{doc_id, score, text}], 'truncated'}.")
+    k: int = arg(10, help="Documents per query.")
+    first_stage: str = arg("binary", help="First stage over passages.", choices=FIRST_STAGES)
+    rescore: str = arg("int8", help="Rescore the candidates with these vectors (none: keep the first stage's order).",
+                       choices=RESCORES)
+    rescore_multiplier: int = arg(4, help="Candidates rescored per result: multiplier x k (x the rerank depth).")
+    bm25: bool = arg(False, help="Fuse BM25 (bm25s) with the dense order by reciprocal rank.")
+    rerank: str | None = arg(None, help="Cross-encoder folder: rerank the top --rerank-top documents.")
+    rerank_top: int = arg(100, help="Documents the cross-encoder reorders (with --rerank).")
+    model: str | None = arg(None, help="Query model (default: the one the index records; another model is refused).")
+    backend: str = arg("local", help="Dense search in the local index or in Milvus.", choices=("local", "milvus"))
+    uri: str | None = arg(None, help="Milvus URI for --backend milvus.")
+    collection: str = arg("encoderkit", help="Milvus collection name.")
+    exact: bool = arg(False, help="Exact Hamming search even where the index has an approximate one.")
+    runtime: str | None = arg(None, help="Predictor backend for queries (default: the one the index was built with).",
+                              choices=BACKENDS, speed=True)
+    threads: int | None = arg(None, help="onnxruntime threads.", speed=True)
+
+    def validate(self) -> None:
+        check((self.query is None) != (self.queries is None), "give exactly one of --query and --queries")
+        check(self.queries is None or self.output is not None, "--queries needs --output FILE.jsonl")
+        check(self.k >= 1 and self.rescore_multiplier >= 1, "--k and --rescore-multiplier must be at least 1")
+        check(self.backend != "milvus" or bool(self.uri), "--backend milvus needs --uri")
+
+    def settings(self) -> SearchSettings:
+        return SearchSettings(self.k, self.first_stage, self.rescore, self.rescore_multiplier, self.bm25,
+                              self.rerank_top if self.rerank else 0, self.exact)
+
+
+@dataclass
+class SearchRunResult:
+    results: list[dict[str, Any]]
+    output: str | None
+    seconds: float
+
+    def summary(self) -> Any:
+        if self.output:
+            return {"queries": len(self.results), "output": self.output, "seconds": round(self.seconds, 3),
+                    "truncated_queries": sum(r["truncated"] for r in self.results)}
+        return self.results[0]
+
+
+def read_queries(path: Path) -> list[tuple[str, str]]:
+    from encoderkit.io import json_line
+
+    if not path.is_file():
+        raise EncoderkitError(f"--queries {path} does not exist")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json_line(line, f"{path}:{n}")
+        q = rec.get("query")
+        if not isinstance(q, str) or not q.strip():
+            raise EncoderkitError(f"{path}:{n}: needs a non-empty 'query' string")
+        out.append((str(rec.get("id", n)), q))
+    if not out:
+        raise EncoderkitError(f"--queries {path} holds no query")
+    return out
+
+
+def run(cfg: SearchConfig) -> SearchRunResult:
+    """Search an index (see the module docstring); one --query prints its hits, --queries writes JSONL."""
+    milvus = (cfg.uri, cfg.collection) if cfg.backend == "milvus" else None
+    s = Searcher.open(cfg.index, cfg.model, cfg.runtime, cfg.rerank, cfg.threads, milvus=milvus)
+    items = [("query", cfg.query)] if cfg.query is not None else read_queries(Path(cfg.queries))
+    t0 = time.perf_counter()
+    results = s.search([q for _, q in items], cfg.settings())
+    seconds = time.perf_counter() - t0
+    rows = [{"id": qid, "hits": [{k: v for k, v in asdict(h).items()} for h in r.hits], "truncated": r.truncated}
+            for (qid, _), r in zip(items, results, strict=True)]
+    n_trunc = sum(r.truncated for r in results)
+    if n_trunc:
+        note(f"{n_trunc} quer{'y was' if n_trunc == 1 else 'ies were'} longer than the model's {s.predictor.max_length} "
+             "tokens and truncated (marked 'truncated' in the results)")
+    if cfg.output:
+        write_text_atomic(Path(cfg.output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return SearchRunResult(rows, cfg.output, seconds)

@@ -1,0 +1,328 @@
+"""The local search index: codes, updates, atomicity, refusals, the tiered search and its CLI.
+
+A tiny in-process embed model (random weights) is enough for the mechanics; the real MiniLM on a
+SciFact slice checks rescoring recall (tests/test_search_real.py)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from deploy_models import make_task_model, tiny_root
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.retrieval.codes import binary_codes, hamming, int8_calibration, int8_codes, int8_dequantize, top_k
+from encoderkit.retrieval.index import IndexConfig
+from encoderkit.retrieval.index import run as index
+from encoderkit.retrieval.search import QueryVectors, Searcher, SearchSettings
+
+WORDS = ["python", "data", "movie", "story", "fun", "great", "dull", "film"]
+
+
+@pytest.fixture(scope="module")
+def embed_dir(tmp_path_factory, tiny_tokenizer_dir):
+    return make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+
+
+def _doc(i: int, n: int | None = None) -> str:
+    n = n if n is not None else 3 + i % 30
+    return f"document {i} " + " ".join(WORDS[(i * 7 + j * (1 + i % 3)) % len(WORDS)] for j in range(n))
+
+
+def _corpus(path: Path, docs: dict[str, str]) -> Path:
+    path.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items()))
+    return path
+
+
+def _cfg(embed_dir, corpus, out, **kw) -> IndexConfig:
+    base = {"model": str(embed_dir), "corpus": [str(corpus)], "out": str(out), "runtime": "torch-fp32",
+            "passage_tokens": 16, "overlap": 4}
+    return IndexConfig(**{**base, **kw})
+
+
+def _sizes(out: Path) -> dict[str, int]:
+    gen = out / (out / "CURRENT").read_text().strip()
+    return {p.name: p.stat().st_size for p in gen.iterdir()}
+
+
+# -- codes ----------------------------------------------------------------------------------
+def test_hamming_search_equals_brute_force():
+    rng = np.random.default_rng(0)
+    docs, qs = rng.standard_normal((300, 72)), rng.standard_normal((5, 72))  # 72 bits: 9 bytes, not a multiple of 8
+    for d in (72, 64):
+        a, b = binary_codes(docs[:, :d]), binary_codes(qs[:, :d])
+        brute = np.array([[int(((docs[j, :d] > 0) != (qs[i, :d] > 0)).sum()) for j in range(300)] for i in range(5)])
+        assert np.array_equal(hamming(b, a), brute)
+        rows = top_k(hamming(b, a), 10, largest=False)
+        for i in range(5):
+            assert list(rows[i]) == sorted(range(300), key=lambda j: (brute[i, j], j))[:10]
+
+
+def test_int8_codes_round_trip_within_one_step():
+    x = np.random.default_rng(1).standard_normal((200, 16)).astype(np.float32)
+    cal = int8_calibration(x)
+    back = int8_dequantize(int8_codes(x, cal), cal)
+    assert np.abs(back - x).max() <= ((cal[1] - cal[0]) / 255).max() / 2 + 1e-6
+    assert int8_codes(x * 10, cal).min() == -128  # out of range: clipped, not wrapped
+
+
+# -- build, update, reload -------------------------------------------------------------------
+def test_updates_keep_ids_reembed_only_changed_and_really_delete(embed_dir, tmp_path, monkeypatch):
+    from encoderkit.retrieval import index as index_mod
+
+    embedded: list[str] = []
+    real = index_mod.embed_texts
+    monkeypatch.setattr(index_mod, "embed_texts", lambda p, texts, *a: embedded.extend(texts) or real(p, texts, *a))
+    docs = {f"d{i}": _doc(i) for i in range(40)}
+    out = tmp_path / "idx"
+    first = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out)).stats
+    assert first["added"] == 40 and first["passages"] > 40  # long documents were split
+    sizes = _sizes(out)
+    embedded.clear()
+    again = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out)).stats
+    assert embedded == [] and again["unchanged"] == 40 and _sizes(out) == sizes  # identical re-run: no growth
+    assert sorted(p.name for p in out.iterdir()) == ["CURRENT", again["generation"]]  # the old generation is gone
+
+    docs2 = dict(docs)
+    docs2["d3"] = _doc(3) + " changed"
+    del docs2["d5"]
+    docs2["new"] = _doc(99)
+    st = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs2), out)).stats
+    assert (st["added"], st["changed"], st["deleted"], st["unchanged"]) == (1, 1, 1, 38)
+    assert embedded and all(t in docs2["d3"] or t in docs2["new"] for t in embedded)  # only these were re-embedded
+    s = Searcher.open(out, runtime="torch-fp32")
+    ids = {p["doc_id"] for p in s.gen.passages}
+    assert "d5" not in ids and {"d3", "new"} <= ids
+    assert '"doc_id": "d5"' not in (out / st["generation"] / "passages.jsonl").read_text()
+    # stable ids: an unchanged document's passage ids and codes are what they were
+    before = {p["id"] for p in s.gen.passages if p["doc_id"] == "d7"}
+    assert before == {f"d7#{j}" for j in range(len(before))}
+    # back to the first corpus: same size as the first build
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out))
+    assert _sizes(out) == sizes
+
+
+def test_reload_after_restart_gives_identical_results(embed_dir, tmp_path):
+    out = tmp_path / "idx"
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(30)}), out, float16=True))
+    q = ["python movie fun", "dull story data"]
+    settings = [SearchSettings(), SearchSettings(first_stage="float", rescore="none"), SearchSettings(rescore="float"),
+                SearchSettings(first_stage="int8", rescore="none"), SearchSettings(bm25=True)]
+    a = [Searcher.open(out, runtime="torch-fp32").search(q, st) for st in settings]
+    b = [Searcher.open(out, runtime="torch-fp32").search(q, st) for st in settings]
+    assert a == b and all(len(r[0].hits) == 10 for r in a)
+    # exact float over the float16 vectors equals a brute-force cosine ranking of best passages
+    s = Searcher.open(out, runtime="torch-fp32")
+    qv = s.embed(q[:1]).vectors[0]
+    sc = np.asarray(s.gen.arrays["float16"], dtype=np.float32) @ qv
+    best: dict[str, float] = {}
+    for row in np.argsort(-sc, kind="stable"):
+        best.setdefault(s.gen.passages[row]["doc_id"], float(sc[row]))
+    assert [h.doc_id for h in a[1][0].hits] == list(best)[:10]
+
+
+def test_query_from_another_model_is_refused(embed_dir, tmp_path, tmp_path_factory, tiny_tokenizer_dir):
+    out = tmp_path / "idx"
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(10)}), out))
+    other = make_task_model(tmp_path / "other", tiny_tokenizer_dir, "embed", seed=1) if (tmp_path / "other").mkdir() is None else None
+    with pytest.raises(EncoderkitError, match="not the model index"):
+        Searcher.open(out, model=other, runtime="torch-fp32")
+    s = Searcher.open(out, runtime="torch-fp32")
+    with pytest.raises(EncoderkitError, match="fingerprint"):
+        s.search_vectors(QueryVectors(s.embed(["python"]).vectors, "0123456789abcdef"))
+    with pytest.raises(EncoderkitError, match="pass --rebuild"):
+        index(_cfg(other, _corpus(tmp_path / "c.jsonl", {"a": "python"}), out))
+
+
+def test_crash_mid_update_leaves_the_previous_index_readable(embed_dir, tmp_path, monkeypatch):
+    from encoderkit.retrieval import store
+
+    out = tmp_path / "idx"
+    docs = {f"d{i}": _doc(i) for i in range(20)}
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out))
+    before = Searcher.open(out, runtime="torch-fp32").search(["python data"])
+
+    real = np.save
+
+    def dying_save(f, arr, **kw):
+        real(f, arr[: len(arr) // 2], **kw)  # half a file, then the process "dies"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store.np, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {**docs, "x": "new movie"}), out))
+    monkeypatch.setattr(store.np, "save", real)
+    assert Searcher.open(out, runtime="torch-fp32").search(["python data"]) == before
+    # a leftover temporary generation (SIGKILL) is cleared by the next write
+    (out / ".gen-000009.tmp").mkdir()
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out))
+    assert not list(out.glob(".gen-*"))
+
+
+def test_corrupt_or_partly_written_index_is_detected_on_open(embed_dir, tmp_path):
+    out = tmp_path / "idx"
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(10)}), out))
+    gen = out / (out / "CURRENT").read_text().strip()
+    data = bytearray((gen / "binary.npy").read_bytes())
+    data[-1] ^= 0xFF
+    (gen / "binary.npy").write_bytes(bytes(data))
+    with pytest.raises(EncoderkitError, match=r"binary\.npy does not match its sha256"):
+        Searcher.open(out, runtime="torch-fp32")
+    data[-1] ^= 0xFF
+    (gen / "binary.npy").write_bytes(bytes(data))
+    (gen / "int8.npy").write_bytes((gen / "int8.npy").read_bytes()[:100])
+    with pytest.raises(EncoderkitError, match=r"int8\.npy has 100 bytes"):
+        Searcher.open(out, runtime="torch-fp32")
+    (gen / "manifest.json").unlink()
+    with pytest.raises(EncoderkitError, match="no manifest.json"):
+        Searcher.open(out, runtime="torch-fp32")
+    (out / "CURRENT").unlink()
+    with pytest.raises(EncoderkitError, match="no CURRENT"):
+        Searcher.open(out, runtime="torch-fp32")
+    with pytest.raises(EncoderkitError, match="does not exist"):
+        Searcher.open(tmp_path / "nothing", runtime="torch-fp32")
+
+
+# -- bad input --------------------------------------------------------------------------------
+def test_empty_corpus_and_duplicate_ids_are_refused(embed_dir, tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(EncoderkitError, match="holds no document"):
+        index(_cfg(embed_dir, tmp_path / "empty.jsonl", tmp_path / "i1"))
+    assert not (tmp_path / "i1" / "CURRENT").exists()
+    (tmp_path / "dup.jsonl").write_text('{"id": "a", "text": "python"}\n{"id": "b", "text": "movie"}\n{"id": "a", "text": "x"}\n')
+    with pytest.raises(EncoderkitError, match=r"'a' appears twice \(.*dup.jsonl:1 and .*dup.jsonl:3\)"):
+        index(_cfg(embed_dir, tmp_path / "dup.jsonl", tmp_path / "i2"))
+
+
+def test_non_utf8_documents_are_skipped_named_and_counted(embed_dir, tmp_path):
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("python data movie")
+    (folder / "sub" / "b.txt").write_text("a dull story")
+    (folder / "latin1.txt").write_bytes("caf\xe9 story".encode("latin-1"))
+    st = index(_cfg(embed_dir, folder, tmp_path / "idx")).stats
+    assert st["documents"] == 2 and st["skipped"] == 1 and "latin1.txt: not UTF-8" in st["skipped_examples"][0]
+    ids = {p["doc_id"] for p in Searcher.open(tmp_path / "idx", runtime="torch-fp32").gen.passages}
+    assert ids == {"a.txt", "sub/b.txt"}  # stable ids: paths relative to the folder
+    (tmp_path / "mixed.jsonl").write_bytes(b'{"id": "1", "text": "python"}\n{"id": "2", "text": "caf\xe9"}\n')
+    st = index(_cfg(embed_dir, tmp_path / "mixed.jsonl", tmp_path / "idx2")).stats
+    assert st["documents"] == 1 and "mixed.jsonl:2: not UTF-8" in st["skipped_examples"][0]
+
+
+def test_passages_overlap_and_map_back_to_documents(embed_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from encoderkit.retrieval.corpus import passage_spans
+
+    tok = AutoTokenizer.from_pretrained(embed_dir)
+    text = _doc(1, 40)
+    spans = passage_spans(tok, text, 16, 4)
+    n_tokens = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert len(spans) == -(-(n_tokens - 4) // 12)  # windows of 16 advancing by 12
+    assert spans[0][0] == 0 and spans[-1][1] == len(text)
+    for (a0, a1), (b0, _) in itertools.pairwise(spans):
+        assert b0 < a1  # consecutive windows share text
+        assert len(tok(text[a0:a1], add_special_tokens=False)["input_ids"]) == 16
+    assert passage_spans(tok, "short text", 16, 4) == [(0, 10)]
+    out = tmp_path / "idx"
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {"long": text, "short": "python"}), out))
+    hits = Searcher.open(out, runtime="torch-fp32").search(["python"], SearchSettings(k=5))[0].hits
+    assert sorted(h.doc_id for h in hits) == ["long", "short"]  # a document appears once, as its best passage
+    assert all(h.text in (text, "python") or h.text in text for h in hits)
+
+
+def test_over_long_query_is_truncated_and_said(embed_dir, tmp_path, capsys):
+    from encoderkit.retrieval.search import SearchConfig
+    from encoderkit.retrieval.search import run as search
+
+    out = tmp_path / "idx"
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(10)}), out))
+    long_q = " ".join(["python movie"] * 400)
+    r = search(SearchConfig(index=str(out), query=long_q, runtime="torch-fp32"))
+    assert r.results[0]["truncated"] is True and len(r.results[0]["hits"]) == 10
+    assert "truncated" in capsys.readouterr().err
+    assert search(SearchConfig(index=str(out), query="python movie", runtime="torch-fp32")).results[0]["truncated"] is False
+
+
+# -- stages and the CLI --------------------------------------------------------------------------
+def test_bm25_fusion_and_rerank_stages(embed_dir, tmp_path, tmp_path_factory, tiny_tokenizer_dir):
+    from encoderkit.deploy.runtime import Predictor
+    from encoderkit.retrieval.metrics import rrf_scores
+
+    out = tmp_path / "idx"
+    docs = {f"d{i}": _doc(i) for i in range(30)}
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out))
+    ce = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "rerank")
+    s = Searcher.open(out, runtime="torch-fp32", rerank=ce)
+    q = "dull film story"
+    dense = s.search([q], SearchSettings(k=20))[0].hits
+    fused = s.search([q], SearchSettings(k=20, bm25=True))[0].hits
+    lexical = s._collapse(*s.bm25(q, 80))
+    want = rrf_scores([[h.doc_id for h in s.search([q], SearchSettings(k=80))[0].hits][:20],
+                       [d for d, _, _ in lexical][:20]])
+    assert [h.doc_id for h in fused][:3] == sorted(want, key=lambda d: -want[d])[:3]
+    assert [h.doc_id for h in fused] != [h.doc_id for h in dense]
+    reranked = s.search([q], SearchSettings(k=10, rerank_top=20))[0].hits
+    r = Predictor.load(ce, backend="torch-fp32")
+    top20 = s.search([q], SearchSettings(k=20))[0].hits
+    scores = r.score_pairs([q] * 20, [h.text for h in top20])
+    assert [h.doc_id for h in reranked] == [top20[j].doc_id for j in np.argsort(-scores, kind="stable")][:10]
+    with pytest.raises(EncoderkitError, match="float16"):
+        s.search([q], SearchSettings(first_stage="float"))
+
+
+def test_search_cli_queries_file_to_jsonl(embed_dir, tmp_path):
+    from encoderkit.cli import main
+
+    corpus = _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(12)})
+    out = tmp_path / "idx"
+    assert main(["index", "--model", str(embed_dir), "--corpus", str(corpus), "--out", str(out), "--runtime", "torch-fp32",
+                 "--passage-tokens", "16", "--overlap", "4"]) in (0, None)
+    (tmp_path / "q.jsonl").write_text('{"id": "a", "query": "python data"}\n{"id": "b", "query": "dull story"}\n')
+    assert main(["search", "--index", str(out), "--queries", str(tmp_path / "q.jsonl"), "--output", str(tmp_path / "o.jsonl"),
+                 "--k", "3", "--bm25"]) in (0, None)
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b"] and all(len(r["hits"]) == 3 for r in rows)
+    assert set(rows[0]["hits"][0]) >= {"doc_id", "score", "text"}
+    assert main(["search", "--index", str(tmp_path / "nope"), "--query", "x"]) == 2
+
+
+def test_calibration_reports_and_recommends(embed_dir, tmp_path):
+    out = tmp_path / "idx"
+    res = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(40)}), out,
+                     calibrate=True, min_overlap=0.5))
+    rep = res.calibration
+    rows = rep["settings"]
+    assert {r["precision"] for r in rows} >= {"float16", "int8", "int8+float rescore", "binary", "binary+int8 rescore"}
+    full = next(r for r in rows if r["precision"] == "float16" and r["dims"] == 32)
+    assert full["overlap@10"] > 0.99  # float16 at full dims is the reference, up to rounding
+    rec = rep["recommended"]
+    assert rec["overlap@10"] >= 0.5
+    assert all(r["bytes_per_doc"] >= rec["bytes_per_doc"] for r in rows if r["overlap@10"] >= 0.5)
+    assert json.loads((out / "calibration.json").read_text())["recommended"] == rec
+    assert os.path.exists(out / "CURRENT")
+
+
+def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path):
+    pytest.importorskip("faiss")
+    out = tmp_path / "idx"
+    docs = {f"d{i}": _doc(i) for i in range(40)}
+    st = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=16, ann_threshold=10)).stats
+    s = Searcher.open(out, runtime="torch-fp32")
+    assert s.gen.arrays["binary"].shape == (st["passages"], 2) and s.gen.arrays["int8"].shape[1] == 16
+    assert "binary.ivf" in st["bytes"] and s._ivf is not None
+    assert s.embed(["python"]).vectors.shape == (1, 16)
+    q = ["python movie fun", "dull story", "great film data"]
+    qv = s.embed(q).vectors
+    _, approx = s.dense(qv, SearchSettings(rescore="none"), 20)
+    _, exact = s.dense(qv, SearchSettings(rescore="none", exact=True), 20)
+    # this small IVF probes every cell, so it finds codes as near as the exact search does (ties may differ)
+    assert np.array_equal(np.sort(approx, axis=1), np.sort(exact, axis=1))
+    assert all(len(r.hits) == 5 for r in s.search(q, SearchSettings(k=5)))
+    with pytest.raises(EncoderkitError, match="dims=16, this run asks 32"):
+        index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32))
+    assert index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32, rebuild=True)).stats["dims"] == 32
