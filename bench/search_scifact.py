@@ -41,6 +41,7 @@ def main() -> int:
     ap.add_argument("--runtime", default="onnx-fp32", help="Predictor backend (onnx-fp32: the weights as shipped)")
     ap.add_argument("--rerank", default=None, help="a cross-encoder folder for the rerank row")
     ap.add_argument("--skip-calibration", action="store_true")
+    ap.add_argument("--passage-tokens", type=int, default=0, help="0: the model's max length less 2; -1: no split")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -62,7 +63,8 @@ def main() -> int:
     texts = [data.queries[q] for q in qids]
     t0 = time.perf_counter()
     if not Path(args.out, "CURRENT").is_file():
-        st = build(IndexConfig(model=model, corpus=[args.data], out=args.out, float16=True, runtime=args.runtime, threads=1)).stats
+        st = build(IndexConfig(model=model, corpus=[args.data], out=args.out, float16=True, runtime=args.runtime, threads=1,
+                                passage_tokens=args.passage_tokens)).stats
         print(f"index: {st['documents']} documents, {st['passages']} passages, {time.perf_counter() - t0:.0f} s", flush=True)
     s = Searcher.open(args.out, runtime=args.runtime, rerank=args.rerank, threads=1)
     n_docs = len({p["doc_id"] for p in s.gen.passages})

@@ -191,7 +191,8 @@ def run(cfg: IndexConfig) -> IndexResult:
     if cfg.backend == "milvus":
         from encoderkit.retrieval.milvus import sync
 
-        removed = [r["id"] for r in (old.passages if old is not None else []) if r["id"] not in {x["id"] for x in passages}]
+        kept = {x["id"] for x in passages}
+        removed = [r["id"] for r in (old.passages if old is not None else []) if r["id"] not in kept]
         changed_ids = [passages[i]["id"] for i, r in enumerate(source_rows) if r < 0]
         before_swap = lambda folder: sync(cfg.uri, cfg.collection, gen, changed_ids, removed, root)
     folder = write_generation(root, gen, extra, before_swap)

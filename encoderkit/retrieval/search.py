@@ -227,9 +227,7 @@ class Searcher:
         if self._bm25 is None:
             self._bm25 = bm25s.BM25()
             self._bm25.index(bm25s.tokenize([p["text"] for p in self.gen.passages], show_progress=False), show_progress=False)
-        tokens = bm25s.tokenize([query], show_progress=False)
-        if not any(tokens.ids[0]) and not tokens.ids[0]:
-            return np.zeros(0, np.int64), np.zeros(0, np.float32)
+        tokens = bm25s.tokenize([query], show_progress=False)  # a query of stopwords scores 0 everywhere: no hits
         rows, scores = self._bm25.retrieve(tokens, k=min(fetch, len(self.gen.passages)), show_progress=False, n_threads=1)
         keep = scores[0] > 0
         return rows[0][keep], scores[0][keep]
