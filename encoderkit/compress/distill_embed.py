@@ -184,22 +184,6 @@ def embed_batches(tokenizer: Any, texts: list[str], targets: np.ndarray, seq_len
     return BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), batch_size, make_batch, seed=seed)
 
 
-class RawPooled(nn.Module):
-    """The student's pooled vectors before normalisation (the loss normalises each Matryoshka slice)."""
-
-    def __init__(self, encoder: nn.Module, pooling: str) -> None:
-        super().__init__()
-        self.encoder = encoder
-        self.pooling = pooling
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        from encoderkit.models.pooling import pool
-
-        kw = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
-        return pool(hidden.float(), attention_mask, self.pooling)
-
-
 def run_embed(cfg: Any) -> Any:
     """Distil an embed teacher (see the module docstring); ``cfg`` is a DistillConfig."""
     import tempfile
@@ -250,7 +234,7 @@ def run_embed(cfg: Any) -> Any:
     teacher_params = sum(p.numel() for p in teacher_enc.parameters())
     del teacher, teacher_enc
     source = embed_batches(tokenizer, texts, targets, seq_len, cfg.batch_size, cfg.seed)
-    module = RawPooled(student_enc, pooling)
+    module = BiEncoder(student_enc, pooling, normalize=False)  # raw pooled vectors: the loss normalises each slice
 
     def loss_fn(m: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         inputs = {k: v for k, v in batch.items() if k != "target"}

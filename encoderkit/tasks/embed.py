@@ -38,17 +38,21 @@ def folder_max_length(folder: Path) -> int | None:
 
 
 class BiEncoder(nn.Module):
-    """An HF encoder + pooling + L2 normalisation: token ids (B, T) -> unit embeddings (B, H)."""
+    """An HF encoder + pooling + L2 normalisation: token ids (B, T) -> unit embeddings (B, H).
+    ``normalize=False`` gives the pooled vectors as they are (embedding distillation normalises each
+    Matryoshka slice itself)."""
 
-    def __init__(self, encoder: nn.Module, pooling: str) -> None:
+    def __init__(self, encoder: nn.Module, pooling: str, normalize: bool = True) -> None:
         super().__init__()
         self.encoder = encoder
         self.pooling = pooling
+        self.normalize = normalize
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         kw = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
-        return nn.functional.normalize(pool(hidden.float(), attention_mask, self.pooling), dim=-1)
+        pooled = pool(hidden.float(), attention_mask, self.pooling)
+        return nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
 
 
 def tokenize(tokenizer, texts: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
