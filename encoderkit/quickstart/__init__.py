@@ -68,7 +68,6 @@ FULL = Sizes(mlm_steps=150, mlm_batch=16, mlm_eval_blocks=64, prompts=5, search_
              dev_per_label=40, max_length=96, epochs=2.0, measure_seq_len=128, repeats=5)
 FAST = Sizes(mlm_steps=20, mlm_batch=16, mlm_eval_blocks=32, prompts=3, search_every=8, train_per_label=32,
              dev_per_label=16, max_length=64, epochs=2.0, measure_seq_len=64, repeats=3)
-MLM_SEQ_LEN = 64
 
 
 @dataclass

@@ -38,6 +38,7 @@ class Context:
 
     def unpack(self) -> tuple[Path, Path, Path, list[Record], Any, int, Say]:
         return self.tmp, self.final, self.model_dir, self.records, self.sizes, self.seed, self.say
+MLM_SEQ_LEN = 64  # tokens per packed block of step 1's continued pretraining
 HELDOUT = 0.05  # share of modules the MLM never trains on (its held-out set and the prompts' source)
 # Every picked token becomes [MASK] (no 10% kept / 10% random): the new head learns only what
 # fill-mask asks, and its accuracy is not inflated by copying kept tokens. 40% picked: more
@@ -61,7 +62,6 @@ def mlm_step(ctx: Context) -> dict[str, Any]:
     import torch
 
     from encoderkit.data import prepare as prep_stage
-    from encoderkit.quickstart import MLM_SEQ_LEN
     from encoderkit.train import pretrain as pre_stage
 
     modules: dict[str, list[str]] = {}
