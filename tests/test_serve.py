@@ -11,10 +11,9 @@ import time
 import httpx
 import numpy as np
 import pytest
-from deploy_models import export_task_model, tiny_root
+from deploy_models import served_predictors
 
 from encoderkit.deploy.batching import MicroBatcher
-from encoderkit.deploy.runtime import Predictor
 from encoderkit.deploy.serve import BackgroundServer, FastJSONResponse, Limits, create_app, parse_models
 from encoderkit.errors import EncoderkitError
 
@@ -25,9 +24,7 @@ WORDS = ["good", "bad", "fun", "dull", "best", "worst", "great", "boring"]
 
 @pytest.fixture(scope="module")
 def predictors(tmp_path_factory, tiny_tokenizer_dir):
-    root = tiny_root(tmp_path_factory)
-    return {t: Predictor.load(export_task_model(root, tiny_tokenizer_dir, t), backend="onnx-fp32", max_batch=16)
-            for t in ("classify", "rerank", "ner", "qa", "embed")}
+    return served_predictors(tmp_path_factory, tiny_tokenizer_dir, max_batch=16)
 
 
 @pytest.fixture(scope="module")

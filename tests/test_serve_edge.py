@@ -9,9 +9,8 @@ import random
 
 import httpx
 import pytest
-from deploy_models import export_task_model, tiny_root
+from deploy_models import served_predictors
 
-from encoderkit.deploy.runtime import Predictor
 from encoderkit.deploy.serve import BackgroundServer, Limits, create_app
 
 TOKEN = "s3cret"
@@ -27,9 +26,7 @@ ENDPOINTS = {
 
 @pytest.fixture(scope="module")
 def predictors(tmp_path_factory, tiny_tokenizer_dir):
-    root = tiny_root(tmp_path_factory)
-    return {t: Predictor.load(export_task_model(root, tiny_tokenizer_dir, t), backend="onnx-fp32", max_batch=64)
-            for t in ("classify", "rerank", "ner", "qa", "embed")}
+    return served_predictors(tmp_path_factory, tiny_tokenizer_dir, max_batch=64)
 
 
 @pytest.fixture(scope="module")
