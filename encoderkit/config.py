@@ -113,6 +113,19 @@ class StageConfig:
         write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+def named_folders(specs: list[str], what: str) -> dict[str, Path]:
+    """``--<what> DIR`` / ``--<what> name=DIR`` values -> {name: folder}; a bare DIR is named after its folder."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep:
+            name, folder = Path(spec).name or what, spec
+        if not name or name in out:
+            raise EncoderkitError(f"--{what} {spec!r}: {what} names must be unique and non-empty (use name=DIR)")
+        out[name] = Path(folder)
+    return out
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
     """Read a YAML or TOML file that holds one mapping of keys to values."""
     p = Path(path)

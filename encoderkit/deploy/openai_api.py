@@ -48,10 +48,14 @@ class OpenAIError(HTTPException):
         self.code, self.param = code, param
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status (every error body of the service carries it)."""
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
 def error_response(status: int, message: str, code: str | None, param: str | None = None,
                    headers: Mapping[str, str] | None = None) -> JSONResponse:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+    return JSONResponse({"error": {"message": message, "type": error_type(status), "param": param, "code": code}},
                         status_code=status, headers=dict(headers or {}))
 
 

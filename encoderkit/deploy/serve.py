@@ -39,9 +39,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
-from encoderkit.config import StageConfig, arg, check
+from encoderkit.config import StageConfig, arg, check, named_folders
 from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
-from encoderkit.deploy.openai_api import ERROR_TYPES, openai_router
+from encoderkit.deploy.openai_api import error_type, openai_router
 from encoderkit.deploy.runtime import BACKENDS, Predictor, describe, finish_embeddings
 from encoderkit.errors import EncoderkitError
 
@@ -144,6 +144,7 @@ class _Guard:
 
     def __init__(self, app, limits: Limits, metrics: Metrics, known_paths: set[str]) -> None:
         self.app, self.limits, self.metrics, self.known = app, limits, metrics, known_paths
+        self.token = limits.token.encode() if limits.token else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -151,7 +152,8 @@ class _Guard:
         start, status = time.perf_counter(), [500]
         path = scope["path"] if scope["path"] in self.known else "other"
         limit = self.limits.max_body_bytes
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
 
         async def send_and_record(message) -> None:
             if message["type"] == "http.response.start":
@@ -177,7 +179,7 @@ class _Guard:
             return message
 
         try:
-            if self.limits.token and scope["path"] not in PUBLIC_PATHS and not _token_ok(scope, self.limits.token):
+            if self.token and scope["path"] not in PUBLIC_PATHS and not _token_ok(headers, self.token):
                 await JSONResponse(_error_body("unauthorized", "missing or wrong bearer token (header "
                                                "'Authorization: Bearer <token>')", 401),
                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_and_record)
@@ -191,10 +193,9 @@ class _Guard:
             self.metrics.observe_request(path, status[0], time.perf_counter() - start)
 
 
-def _token_ok(scope, token: str) -> bool:
-    header = dict(scope.get("headers") or []).get(b"authorization", b"")
-    scheme, _, given = header.partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token.encode())
+def _token_ok(headers: dict[bytes, bytes], token: bytes) -> bool:
+    scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token)
 
 
 class FastJSONResponse(JSONResponse):
@@ -219,8 +220,7 @@ def unencodable_at(text: str) -> int | None:
 def _error_body(code: str, message: str, status: int) -> dict[str, Any]:
     """Every error's body: encoderkit's ``code`` and ``message`` plus OpenAI's ``type`` and ``param``, so a client of
     either shape (the openai client included) reads errors raised before any route runs (401, 408, 413) too."""
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"code": code, "message": message, "type": kind, "param": None}}
+    return {"error": {"code": code, "message": message, "type": error_type(status), "param": None}}
 
 
 @dataclass
@@ -283,11 +283,12 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]]
         return JSONResponse(_error_body("invalid_request", "; ".join(parts), 422), status_code=422)
 
+    accepted = ", ".join(f"/v1/{e} (model {s.name})" for s in served.values()  # for error messages; fixed at start-up
+                         for e, t in ENDPOINT_TASK.items() if t == s.predictor.task)
+
     def pick(endpoint: str, name: str | None) -> _Served:
         task = ENDPOINT_TASK[endpoint]
         able = [s for s in served.values() if s.predictor.task == task]
-        accepted = ", ".join(f"/v1/{e} (model {s.name})" for s in served.values()
-                             for e, t in ENDPOINT_TASK.items() if t == s.predictor.task)
         if name is not None:
             if name not in served:
                 raise ApiError(404, "unknown_model", f"no model named {name!r}; served: {accepted}")
@@ -452,15 +453,7 @@ def server_options(head_timeout_s: float = 10.0, keep_alive_s: float = 5.0, max_
 
 def parse_models(specs: list[str]) -> dict[str, Path]:
     """``["DIR", "name=DIR"]`` -> {name: folder}; a bare DIR is named after its folder."""
-    out: dict[str, Path] = {}
-    for spec in specs:
-        name, sep, folder = spec.partition("=")
-        if not sep:
-            name, folder = Path(spec).name or "model", spec
-        if not name or name in out:
-            raise EncoderkitError(f"--model {spec!r}: model names must be unique and non-empty (use name=DIR)")
-        out[name] = Path(folder)
-    return out
+    return named_folders(specs, "model")
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from encoderkit.config import named_folders
 from encoderkit.errors import EncoderkitError
 from encoderkit.retrieval.search import Searcher, SearchSettings
 
@@ -45,23 +45,11 @@ class _Error(HTTPException):
         self.code = code
 
 
-def parse_indexes(specs: list[str]) -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for spec in specs:
-        name, sep, folder = spec.partition("=")
-        if not sep:
-            name, folder = Path(spec).name or "index", spec
-        if not name or name in out:
-            raise EncoderkitError(f"--index {spec!r}: index names must be unique and non-empty (use name=DIR)")
-        out[name] = Path(folder)
-    return out
-
-
 def search_routes(specs: list[str], runtime: str | None = None, threads: int | None = None, rerank: str | None = None
                   ) -> Callable[[FastAPI, Callable, Callable], None]:
     """Open the indexes now (a bad one fails at start-up) and return the hook that adds ``/v1/search``."""
     searchers = {name: Searcher.open(folder, runtime=runtime, rerank=rerank, threads=threads)
-                 for name, folder in parse_indexes(specs).items()}
+                 for name, folder in named_folders(specs, "index").items()}
     return lambda app, check_texts: add_search_route(app, searchers, check_texts)
 
 
