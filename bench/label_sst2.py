@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from encoderkit.hardware import describe, result_field
+from encoderkit.io import read_card
+from encoderkit.label.records import read_labeled
 from encoderkit.tasks.common import seeded_subset
 from encoderkit.tasks.tabular import read_rows
 
@@ -50,12 +52,8 @@ def sh(args: list[str], out: Path | None = None) -> None:
     subprocess.run(EK + args, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-def lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
-
-
 def dev_accuracy(model: Path) -> float:
-    return json.loads((model / "encoderkit.json").read_text())["metrics"]["dev"]["accuracy"]
+    return read_card(model)["metrics"]["dev"]["accuracy"]
 
 
 def finetune(train: Path, out: Path, args: argparse.Namespace, *extra: str) -> float:
@@ -76,9 +74,9 @@ def part_embed(args: argparse.Namespace, out: Path) -> dict:
     sh(["label", "--input", str(DATA / "dev.tsv"), "--output", str(dev), *common], dev)
     sus = out / "embed_train_suspect.jsonl"
     sh(["audit", "suspect", "--input", str(train), "--output", str(sus)], sus)
-    recs = lines(sus)
+    recs = read_labeled(sus)
     wrong, flagged = flags(recs, [r["input_label"] for r in recs])
-    res = {"n": len(recs), "labeller_dev": np.mean([r["label"] == r["input_label"] for r in lines(dev)]),
+    res = {"n": len(recs), "labeller_dev": np.mean([r["label"] == r["input_label"] for r in read_labeled(dev)]),
            "labeller_train": 1 - wrong.mean(), "suspects": int(flagged.sum()),
            "suspect_precision": (wrong & flagged).sum() / max(flagged.sum(), 1), "suspect_recall": (wrong & flagged).sum() / wrong.sum(),
            "kept_label_accuracy": 1 - wrong[~flagged].mean()}
@@ -127,7 +125,7 @@ def part_sim(args: argparse.Namespace, out: Path) -> dict:
             server.wait()
     sus = out / "sim_train_suspect.jsonl"
     sh(["audit", "suspect", "--input", str(labeled), "--output", str(sus), "--features", "both"], sus)
-    recs = lines(sus)
+    recs = read_labeled(sus)
     gold = [truth[r["text"]] for r in recs]
     wrong, flagged = flags(recs, gold)
     sheet = out / "sim_sheet.csv"
@@ -157,7 +155,7 @@ def part_sim(args: argparse.Namespace, out: Path) -> dict:
     dev_sheet = out / "sim_dev_sheet.csv"
     if not dev_sheet.exists():
         sh(["audit", "sample", "--input", str(labeled_dev), "--n", "100000", "--output", str(dev_sheet)], dev_sheet)
-        fill_gold(dev_sheet, [truth[r["text"]] for r in lines(labeled_dev)])
+        fill_gold(dev_sheet, [truth[r["text"]] for r in read_labeled(labeled_dev)])
     decision = out / "sim_decision.json"
     sh(["audit", "report", "--input", str(labeled_dev), "--sheet", str(dev_sheet), "--ledger", f"{labeled}.ledger.json",
         "--encoder", str(out / "enc_sim_clean"), "--price-per-1k-tokens", str(args.price_per_1k_tokens),

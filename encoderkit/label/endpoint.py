@@ -51,10 +51,6 @@ class EndpointLabeller:
         self._lock = threading.Lock()
         self._stop = threading.Event()  # set when the run fails: workers stop retrying at once
 
-    @property
-    def name(self) -> str:
-        return "endpoint:" + "+".join(self.models)
-
     def label(self, prompts: list[str], texts: list[str], done: Callable[[int, Labelled], None] | None = None) -> list[Labelled]:
         """Label every text (``prompts[i]`` is the rendered prompt of ``texts[i]``); ``done(i, result)``
         is called from the calling thread as each text completes."""

@@ -44,7 +44,6 @@ class EmbedLabeller:
             raise EncoderkitError(f"--model {model} is a {self.predictor.task!r} model; the embed labeller needs an "
                                   "embedding model (a sentence-transformers folder, e.g. minilm)")
         self.labels, self.temperature = labels, temperature
-        self.name = f"embed:{Path(model).name}"
         anchors = [descriptions.get(name, name) for name in labels]
         protos = self.predictor.embed(anchors, normalize=True)  # (C, H)
         if seeds:
@@ -99,7 +98,6 @@ class ClozeLabeller:
         enc = lambda s: self.tok(s.replace("{mask}", self.tok.mask_token), add_special_tokens=False)["input_ids"]
         self.before, self.after = enc(before), enc(after)
         self.labels, self.max_length, self.batch_size = labels, max_length, batch_size
-        self.name = f"cloze:{Path(model).name}"
 
     def _row(self, text: str) -> list[int]:
         budget = self.max_length - len(self.before) - len(self.after) - 2

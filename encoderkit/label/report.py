@@ -9,7 +9,6 @@ labelling ledger (``<input>.ledger.json``); the encoder's CPU seconds per text a
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import write_json_atomic
+from encoderkit.io import read_json, write_json_atomic
 from encoderkit.label.records import parse_labels, read_labeled
 from encoderkit.label.sheet import check_rows, gold_labels, read_sheet
 from encoderkit.label.stats import agreement
@@ -139,7 +138,7 @@ def run(cfg: ReportConfig) -> ReportResult:
                                            **agreement(golds, [_label(recs[i]) for i in order], labels)}}
     lab_cost = None
     if ledger_file.is_file():
-        lab_cost = labeller_cost(json.loads(ledger_file.read_text(encoding="utf-8")), cfg.price_per_1k_tokens)
+        lab_cost = labeller_cost(read_json(ledger_file, f"ledger {ledger_file} does not exist"), cfg.price_per_1k_tokens)
         report["labeller"]["cost"] = lab_cost
     if predictor is not None:
         preds = [p["label"] for p in predictor.classify([str(recs[i]["text"]) for i in order])]

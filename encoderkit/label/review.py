@@ -69,9 +69,8 @@ class _Keys:
             termios.tcsetattr(self.stream.fileno(), termios.TCSADRAIN, self.saved)
 
 
-def review(path: Path, labels: list[str], keys_in: IO[str], out: IO[str]) -> ReviewResult:
-    """The review loop over ``path`` (see the module docstring)."""
-    rows = read_sheet(path)
+def review(path: Path, rows: list[dict[str, str]], labels: list[str], keys_in: IO[str], out: IO[str]) -> ReviewResult:
+    """The review loop over ``rows`` (read from ``path``, rewritten there after each answer; see the module docstring)."""
     todo = [i for i, r in enumerate(rows) if not r["gold"]]
     menu = "  ".join(f"{n}) {name}" for n, name in enumerate(labels, 1))
     keys = _Keys(keys_in)
@@ -133,4 +132,4 @@ def run(cfg: ReviewConfig) -> ReviewResult:
     outside = [r["label"] for r in rows if r["label"] and r["label"] not in labels]
     if outside:
         raise EncoderkitError(f"{path}: label {outside[0]!r} is not in --labels ({', '.join(labels)})")
-    return review(path, labels, sys.stdin, sys.stdout)
+    return review(path, rows, labels, sys.stdin, sys.stdout)
