@@ -64,10 +64,11 @@ def teacher_full_corpus(teacher_dir: str | Path, batch: int) -> dict[str, float]
     """The teacher's SciFact BEIR-test scores over the full corpus, as ``encoderkit evaluate`` computes
     them (fp32 torch, the same figure as sentence-transformers: 0.6451 both for MiniLM as shipped);
     the corpus embeddings come from the evaluation cache when an earlier run left them."""
-    from encoderkit.evaluate.metrics import retrieval_scores
     from encoderkit.retrieval.beir import load_retrieval
+    from encoderkit.retrieval.exact import retrieve
+    from encoderkit.retrieval.metrics import retrieval_scores
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.embed import folder_max_length, load_bi_encoder, retrieve
+    from encoderkit.tasks.embed import folder_max_length, load_bi_encoder
 
     data = load_retrieval(str(DATA / "scifact" / "scifact_hf_export.zip") + "#test")
     max_length = folder_max_length(Path(teacher_dir)) or 256

@@ -146,12 +146,11 @@ def real_overlaps(real: str, st) -> dict[str, float]:
     from encoderkit.retrieval import ann
     from encoderkit.retrieval.beir import load_retrieval
     from encoderkit.retrieval.search import Searcher
-    from encoderkit.retrieval.store import open_generation
 
-    g = open_generation(real, verify=False)
+    s_real = Searcher.open(real, runtime="onnx-fp32", threads=1)
+    g = s_real.gen
     vec = np.asarray(g.arrays["float16"], dtype=np.float32)
     data = load_retrieval("/work/shared/data/scifact/scifact_hf_export.zip#test")
-    s_real = Searcher.open(real, runtime="onnx-fp32", threads=1)
     qv = s_real.embed([data.queries[k] for k in data.qrels]).vectors
     exact = [set(np.argsort(-(vec @ qq), kind="stable")[:10].tolist()) for qq in qv]
     out = {}

@@ -25,7 +25,7 @@ import numpy as np
 from encoderkit.deploy.runtime import Predictor, finish_embeddings
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import write_json_atomic
-from encoderkit.retrieval.codes import binary_codes, int8_calibration, int8_codes
+from encoderkit.retrieval.codes import int8_calibration, stored_codes
 from encoderkit.retrieval.store import Generation
 
 SAMPLE = 200
@@ -59,8 +59,7 @@ def dims_grid(full: int) -> list[int]:
 def in_memory(vecs: np.ndarray, passages: list[dict[str, str]], fingerprint: str) -> Generation:
     """A generation holding every precision of unit vectors ``vecs`` (N, d)."""
     cal = int8_calibration(vecs)
-    arrays = {"binary": binary_codes(vecs), "int8": int8_codes(vecs, cal), "int8_calibration": cal,
-              "float16": vecs.astype(np.float16)}
+    arrays = {**stored_codes(vecs, cal, float16=True), "int8_calibration": cal}
     return Generation({"dims": vecs.shape[1], "model": {"fingerprint": fingerprint}}, passages, arrays)
 
 

@@ -38,6 +38,14 @@ def int8_dequantize(codes: np.ndarray, calibration: np.ndarray) -> np.ndarray:
     return lo + (codes.astype(np.float32) + 128.0) * ((hi - lo) / 255.0)
 
 
+def stored_codes(x: np.ndarray, calibration: np.ndarray, float16: bool) -> dict[str, np.ndarray]:
+    """The arrays an index stores for unit vectors ``x`` (N, D): binary and int8 codes, and float16 copies."""
+    out = {"binary": binary_codes(x), "int8": int8_codes(x, calibration)}
+    if float16:
+        out["float16"] = np.asarray(x).astype(np.float16)
+    return out
+
+
 def hamming(q: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """Hamming distances (Q, N) between packed codes q (Q, B) and codes (N, B)."""
     if codes.shape[1] % 8 == 0:  # 8 bytes at a time

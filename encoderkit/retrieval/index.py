@@ -18,6 +18,7 @@ the index was built with is refused unless ``--rebuild``.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from encoderkit.deploy.runtime import BACKENDS, Predictor, finish_embeddings
 from encoderkit.errors import EncoderkitError
 from encoderkit.progress import note, progress
 from encoderkit.retrieval import ann
-from encoderkit.retrieval.codes import binary_codes, int8_calibration, int8_codes
+from encoderkit.retrieval.codes import int8_calibration, stored_codes
 from encoderkit.retrieval.corpus import SourceDoc, passage_spans, read_corpus
 from encoderkit.retrieval.store import Generation, current_folder, model_fingerprint, open_generation, write_generation
 
@@ -180,7 +181,7 @@ def run(cfg: IndexConfig) -> IndexResult:
     folder = write_generation(root, gen, extra, before_swap)
     counts.update({"passages": len(passages), "embedded_passages": len(new_texts), "skipped": len(read.skipped),
                    "skipped_examples": read.skipped[:5], "dims": dims, "generation": folder.name,
-                   "bytes": {f: m["bytes"] for f, m in open_generation(root, verify=False).manifest["files"].items()},
+                   "bytes": {f: m["bytes"] for f, m in json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["files"].items()},
                    "seconds": round(time.perf_counter() - t0, 2)})
     result = IndexResult(root, counts)
     if cfg.calibrate:
@@ -209,11 +210,8 @@ def _assemble(old: Generation | None, source_rows: list[int], vecs: np.ndarray, 
     src = np.asarray(source_rows)
     new_at = np.flatnonzero(src < 0)
     old_at = np.flatnonzero(src >= 0)
-    out = {"binary": binary_codes(vecs), "int8": int8_codes(vecs, calibration)}
-    if keep_float:
-        out["float16"] = vecs.astype(np.float16)
     arrays = {}
-    for key, fresh in out.items():
+    for key, fresh in stored_codes(vecs, calibration, keep_float).items():
         arr = np.empty((len(src), fresh.shape[1]), dtype=fresh.dtype)
         arr[new_at] = fresh
         if len(old_at):

@@ -330,7 +330,7 @@ def run(cfg: SearchConfig) -> SearchRunResult:
     t0 = time.perf_counter()
     results = s.search([q for _, q in items], cfg.settings())
     seconds = time.perf_counter() - t0
-    rows = [{"id": qid, "hits": [{k: v for k, v in asdict(h).items()} for h in r.hits], "truncated": r.truncated}
+    rows = [{"id": qid, "hits": [asdict(h) for h in r.hits], "truncated": r.truncated}
             for (qid, _), r in zip(items, results, strict=True)]
     n_trunc = sum(r.truncated for r in results)
     if n_trunc:
