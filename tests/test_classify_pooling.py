@@ -53,7 +53,7 @@ def test_mean_pooled_classifier_learns_and_every_loader_applies_it(tmp_path, tin
 
 
 def test_distilled_student_keeps_mean_pooling(tiny_bert_dir):
-    from encoderkit.compress.distill import build_student_from_teacher
+    from encoderkit.compress.students import build_student_from_teacher
 
     teacher = _tiny_classifier(tiny_bert_dir, "mean")
     student = build_student_from_teacher(teacher, list(range(teacher.config.num_hidden_layers))).eval()

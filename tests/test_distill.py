@@ -7,17 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from encoderkit.compress.distill import (
-    DistillConfig,
-    DistillLoss,
-    LossWeights,
+from encoderkit.compress.distill import DistillConfig, DistillLoss, LossWeights, hidden_cosine_loss
+from encoderkit.compress.distill import run as distill
+from encoderkit.compress.students import (
     build_student_from_teacher,
     check_same_tokenizer,
-    hidden_cosine_loss,
     parse_layer_map,
     soft_target_kl,
 )
-from encoderkit.compress.distill import run as distill
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import load_model as load_task_model
 from tests.conftest import WORDS, tiny_bert_config
@@ -249,7 +246,8 @@ def test_agnostic_distillation_on_mlm_blocks(tiny_tokenizer_dir, tmp_path, monke
 
 
 def test_narrow_student_matches_hidden_states_through_a_projection(teacher_dir):
-    from encoderkit.compress.distill import DistillModule, build_narrow_student, make_loss_fn
+    from encoderkit.compress.distill import DistillModule, make_loss_fn
+    from encoderkit.compress.students import build_narrow_student
 
     teacher = load_task_model(teacher_dir).eval()
     student = build_narrow_student(teacher, hidden_size=16, num_layers=2, generator_seed=0)

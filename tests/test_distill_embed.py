@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from encoderkit.compress.distill import DistillConfig, build_student_from_teacher, parse_layer_map
+from encoderkit.compress.distill import DistillConfig
 from encoderkit.compress.distill import run as distill
 from encoderkit.compress.distill_embed import embedding_mse, split_sentences, training_texts
+from encoderkit.compress.students import build_student_from_teacher, parse_layer_map
 from encoderkit.errors import EncoderkitError
 from tests.conftest import WORDS, tiny_bert_config
 

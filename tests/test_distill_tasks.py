@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from encoderkit.compress.distill import DistillConfig, build_student_from_teacher
+from encoderkit.compress.distill import DistillConfig
 from encoderkit.compress.distill import run as distill
 from encoderkit.compress.distill_tasks import masked_token_kl, position_kl
+from encoderkit.compress.students import build_student_from_teacher
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import load_model as load_task_model
 from tests.conftest import WORDS, tiny_bert_config

@@ -37,16 +37,7 @@ from torch import nn
 
 from encoderkit.compress.distill_embed import run_embed
 from encoderkit.compress.distill_tasks import run_task
-from encoderkit.compress.students import (  # noqa: F401 (re-exported: the student builder's older home)
-    DistillResult,
-    build_narrow_student,
-    build_student_from_teacher,
-    check_same_tokenizer,
-    make_student,
-    parse_layer_map,
-    soft_target_kl,
-    student_state_from_teacher,
-)
+from encoderkit.compress.students import DistillResult, fit_and_save, make_student, soft_target_kl
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
@@ -307,16 +298,13 @@ def teacher_task(folder: str | Path) -> str:
 
 def run(cfg: DistillConfig) -> DistillResult:
     """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style)."""
-    import tempfile
-
     task = teacher_task(cfg.teacher) if cfg.mode == "task" else "mlm"
     if task == "embed":
         return run_embed(cfg)
     if task in ("rerank", "ner", "qa"):
         return run_task(cfg, task)
 
-    from encoderkit.io import inherited_card, output_dir, write_card
-    from encoderkit.train.engine import TrainSettings, fit
+    from encoderkit.io import inherited_card
 
     teacher_folder = ModelFolder.open(cfg.teacher)
     teacher = teacher_folder.load(frozen=True)
@@ -332,18 +320,12 @@ def run(cfg: DistillConfig) -> DistillResult:
             weights = LossWeights(weights.kl, 0.0, weights.cos, weights.temperature)
     loss = DistillLoss(weights, student.config.hidden_size, teacher.config.hidden_size, mlm=cfg.mode == "agnostic")
     module = DistillModule(student, loss)
-    settings = TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
-                             batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10)
-    out = Path(cfg.out)
-    with output_dir(out, cfg.overwrite) as tmp:
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.run-", dir=out.parent) as run_dir:
-            res = fit(module, make_loss_fn(teacher, weights.cos > 0), source, settings, run_dir,
-                      fingerprint={"stage": "distill", **cfg.result_dict()})
-        student.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        extra = inherited_card(teacher_folder.card)
-        metrics = {"train_" + k: v for k, v in res.train_logs.items()}
-        write_card(tmp, "distill", cfg.teacher, cfg.result_dict(),
-                   {**metrics, "examples": n_examples, "steps": res.steps}, layers_from_teacher=layers, **extra)
-    return DistillResult(out, layers, sum(p.numel() for p in teacher.parameters()),
+
+    def save(folder: Path) -> None:
+        student.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    res = fit_and_save(cfg, module, make_loss_fn(teacher, weights.cos > 0), source, save, examples=n_examples,
+                       layers=layers, facts=inherited_card(teacher_folder.card))
+    return DistillResult(Path(cfg.out), layers, sum(p.numel() for p in teacher.parameters()),
                          sum(p.numel() for p in student.parameters()), res.steps, res.train_logs)

@@ -186,27 +186,26 @@ def embed_batches(tokenizer: Any, texts: list[str], targets: np.ndarray, seq_len
 
 def run_embed(cfg: Any) -> Any:
     """Distil an embed teacher (see the module docstring); ``cfg`` is a DistillConfig."""
-    import tempfile
-
     from transformers import AutoModel, AutoTokenizer
 
     from encoderkit.compress.students import (
         DistillResult,
         build_student_from_teacher,
         check_same_tokenizer,
+        fit_and_save,
         parse_layer_map,
     )
-    from encoderkit.io import inherited_card, output_dir, write_card
+    from encoderkit.io import inherited_card
     from encoderkit.models.folder import ModelFolder
     from encoderkit.tasks.embed import BiEncoder, folder_max_length, save_sentence_transformers
-    from encoderkit.train.engine import TrainSettings, fit
 
     teacher_dir = Path(cfg.teacher)
     check(bool(cfg.train), "distilling an embed model needs --train: a corpus of plain text (no labels)")
     check(cfg.hidden_size is None, "--hidden-size is not supported for embed distillation; use --layers or --student")
     check_plain_embedder(teacher_dir)
-    card = inherited_card(teacher_dir)
-    pooling = ModelFolder.open(teacher_dir, tokenizer=False).pooling or "mean"  # first/mean, from the card or the ST files
+    teacher_folder = ModelFolder.open(teacher_dir, tokenizer=False)
+    card = inherited_card(teacher_folder.card)
+    pooling = teacher_folder.pooling or "mean"  # first/mean, from the card or the ST files
     max_length = card.get("max_length") or folder_max_length(teacher_dir) or 256
     tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
     teacher_enc = AutoModel.from_pretrained(str(teacher_dir)).eval()
@@ -240,21 +239,15 @@ def run_embed(cfg: Any) -> Any:
         inputs = {k: v for k, v in batch.items() if k != "target"}
         return embedding_mse(m(**inputs), batch["target"], dims)
 
-    settings = TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
-                             batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10)
-    out = Path(cfg.out)
-    with output_dir(out, cfg.overwrite) as tmp:
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.run-", dir=out.parent) as run_dir:
-            res = fit(module, loss_fn, source, settings, run_dir, fingerprint={"stage": "distill", **cfg.result_dict()})
+    def save(folder: Path) -> None:
         if (teacher_dir / "modules.json").is_file():
-            student_enc.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            copy_st_files(teacher_dir, tmp)
+            student_enc.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            copy_st_files(teacher_dir, folder)
         else:
-            save_sentence_transformers(BiEncoder(student_enc, pooling), tokenizer, tmp, max_length)
-        metrics = {"train_" + k: v for k, v in res.train_logs.items()}
-        facts = {"task": "embed", "pooling": pooling, "normalize": True, "max_length": max_length,
-                 "similarity": "cosine", **card, "matryoshka_dims": dims or card.get("matryoshka_dims", [])}
-        write_card(tmp, "distill", cfg.teacher, cfg.result_dict(), {**metrics, "examples": len(texts), "steps": res.steps},
-                   layers_from_teacher=layers, **facts)
-    return DistillResult(out, layers, teacher_params, sum(p.numel() for p in student_enc.parameters()), res.steps, res.train_logs)
+            save_sentence_transformers(BiEncoder(student_enc, pooling), tokenizer, folder, max_length)
+
+    facts = {"task": "embed", "pooling": pooling, "normalize": True, "max_length": max_length,
+             "similarity": "cosine", **card, "matryoshka_dims": dims or card.get("matryoshka_dims", [])}
+    res = fit_and_save(cfg, module, loss_fn, source, save, examples=len(texts), layers=layers, facts=facts)
+    return DistillResult(Path(cfg.out), layers, teacher_params, sum(p.numel() for p in student_enc.parameters()), res.steps, res.train_logs)

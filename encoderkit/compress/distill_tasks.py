@@ -153,40 +153,29 @@ def token_setup(cfg: Any, task: str, teacher: nn.Module, tokenizer: Any) -> tupl
 
 def run_task(cfg: Any, task: str) -> Any:
     """Distil a rerank, NER or QA teacher (``cfg`` is a DistillConfig); see the module docstring."""
-    import tempfile
-
-    from transformers import AutoTokenizer
-
-    from encoderkit.compress.students import DistillResult, make_student
-    from encoderkit.io import inherited_card, output_dir, write_card
-    from encoderkit.models.folder import load_model as load_task_model
-    from encoderkit.train.engine import TrainSettings, fit
+    from encoderkit.compress.students import DistillResult, fit_and_save, make_student
+    from encoderkit.io import inherited_card
+    from encoderkit.models.folder import ModelFolder
 
     if task not in ("rerank", "ner", "qa"):
         raise EncoderkitError(f"distill_tasks handles rerank, ner and qa teachers, not {task!r}")
     check(bool(cfg.train), f"distilling a {task} model needs --train (" + {
         "rerank": "a BEIR source with --miner, or JSONL {query, positive, negatives}",
         "ner": "a CoNLL or JSONL NER file", "qa": "a SQuAD JSON file"}[task] + ")")
-    teacher = load_task_model(cfg.teacher).eval()
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.teacher)
+    teacher_folder = ModelFolder.open(cfg.teacher)
+    teacher = teacher_folder.load(frozen=True)
+    tokenizer = teacher_folder.tokenizer()
     student, layers = make_student(cfg, teacher)
     if task == "rerank":
         source, loss_fn, n = rerank_setup(cfg, teacher, tokenizer)
     else:
         source, loss_fn, n = token_setup(cfg, task, teacher, tokenizer)
-    settings = TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
-                             batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10)
-    out = Path(cfg.out)
-    with output_dir(out, cfg.overwrite) as tmp:
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.run-", dir=out.parent) as run_dir:
-            res = fit(student, loss_fn, source, settings, run_dir, fingerprint={"stage": "distill", **cfg.result_dict()})
-        student.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        facts = {"task": task, **inherited_card(cfg.teacher)}
-        metrics = {"train_" + k: v for k, v in res.train_logs.items()}
-        write_card(tmp, "distill", cfg.teacher, cfg.result_dict(), {**metrics, "examples": n, "steps": res.steps},
-                   layers_from_teacher=layers, **facts)
-    return DistillResult(out, layers, sum(p.numel() for p in teacher.parameters()),
+
+    def save(folder: Path) -> None:
+        student.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    res = fit_and_save(cfg, student, loss_fn, source, save, examples=n, layers=layers,
+                       facts={"task": task, **inherited_card(teacher_folder.card)})
+    return DistillResult(Path(cfg.out), layers, sum(p.numel() for p in teacher.parameters()),
                          sum(p.numel() for p in student.parameters()), res.steps, res.train_logs)

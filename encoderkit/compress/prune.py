@@ -354,7 +354,8 @@ def recover(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cf
 
     Pruned weights stay zero: their gradients are masked, so Adam never moves them.
     """
-    from encoderkit.compress.distill import soft_target_kl, task_batches
+    from encoderkit.compress.distill import task_batches
+    from encoderkit.compress.students import soft_target_kl
     from encoderkit.train.engine import TrainSettings, fit
 
     data = getattr(cfg, "recovery_data", "") or getattr(cfg, "train_data", "")

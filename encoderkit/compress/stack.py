@@ -281,24 +281,22 @@ class StepMeasurer:
         return gold  # type: ignore[return-value]
 
     def __call__(self, folder: Path) -> dict[str, Any]:
-        import json
-
         import numpy as np
         import torch
 
         from encoderkit.compress.measure import bytes_on_disk, count_parameters
-        from encoderkit.compress.packing import HEADS_KEY, QUANT_KEY, load_model
-        from encoderkit.deploy.tasks import onnx_file
+        from encoderkit.models.folder import ModelFolder
 
         folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        opened = ModelFolder.open(folder, weights=False, tokenizer=False)
+        config = opened.config
         label2id = {str(v): int(k) for k, v in (config.get("id2label") or {}).items()}
         gold = self._gold(label2id)
-        quant, heads = config.get(QUANT_KEY), config.get(HEADS_KEY)
-        int8_onnx = onnx_file(folder, True)
+        quant, heads = opened.quantization, opened.kept_heads
+        int8_onnx = opened.onnx(True)
         threads = torch.get_num_threads()
         has_torch_weights = any((folder / f).is_file() for f in ("model.safetensors", "model.quantized.safetensors"))
-        model = load_model(folder) if has_torch_weights else None
+        model = opened.load() if has_torch_weights else None
         params = count_parameters(model) if model is not None else onnx_parameters(int8_onnx or folder / "model.onnx")
         row: dict[str, Any] = {"params": params, "folder_bytes": bytes_on_disk(folder),
                                "seq_len": self.seq_len, "threads": threads}
@@ -329,7 +327,7 @@ class StepMeasurer:
             from transformers import AutoTokenizer
 
             int8 = bool(quant) and int(quant.get("bits", 8)) == 8
-            model = load_model(folder, int8_runtime=int8) if int8 else model
+            model = opened.load(int8_runtime=int8) if int8 else model
             tok = AutoTokenizer.from_pretrained(str(folder))
             pred_ids = []
             with torch.inference_mode():

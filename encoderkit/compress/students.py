@@ -169,3 +169,26 @@ def make_student(cfg: Any, teacher: nn.Module) -> tuple[nn.Module, list[int] | N
         return build_narrow_student(teacher, cfg.hidden_size, n, cfg.seed), None
     layers = parse_layer_map(cfg.layers, n_teacher)
     return build_student_from_teacher(teacher, layers), layers
+
+
+def fit_and_save(cfg: Any, module: nn.Module, loss_fn: Any, source: Any, save: Any, *, examples: int,
+                 layers: list[int] | None, facts: dict[str, Any]) -> Any:
+    """The tail every recipe shares: train ``module`` with ``cfg``'s settings (run files in a temporary
+    sibling of ``cfg.out``), write the student with ``save(folder)`` and a distill card carrying ``facts``;
+    returns the engine's fit result."""
+    import tempfile
+
+    from encoderkit.io import output_dir, write_card
+    from encoderkit.train.engine import TrainSettings, fit
+
+    settings = TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
+                             batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10)
+    out = Path(cfg.out)
+    with output_dir(out, cfg.overwrite) as tmp:
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.run-", dir=out.parent) as run_dir:
+            res = fit(module, loss_fn, source, settings, run_dir, fingerprint={"stage": "distill", **cfg.result_dict()})
+        save(tmp)
+        metrics = {"train_" + k: v for k, v in res.train_logs.items()}
+        write_card(tmp, "distill", cfg.teacher, cfg.result_dict(), {**metrics, "examples": examples, "steps": res.steps},
+                   layers_from_teacher=layers, **facts)
+    return res
