@@ -59,7 +59,6 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 def mlm_step(ctx: Context) -> dict[str, Any]:
     """Continued pretraining of the encoder with a new tied MLM head; fill-mask on held-out sentences."""
     tmp, final, model_dir, records, sizes, seed, say = ctx.unpack()
-    import torch
 
     from encoderkit.data import prepare as prep_stage
     from encoderkit.train import pretrain as pre_stage
@@ -74,12 +73,10 @@ def mlm_step(ctx: Context) -> dict[str, Any]:
     prep_stage.run(prep_stage.PrepareConfig(corpus=[str(corpus)], tokenizer=str(model_dir), out=str(tmp / "mlm-data"),
                                             seq_len=MLM_SEQ_LEN, heldout=HELDOUT, seed=seed))
     counts = prep_stage.read_meta(tmp / "mlm-data")["counts"]
-    with torch.random.fork_rng(devices=[]):  # the new head is initialised from torch's global RNG: seed it
-        torch.manual_seed(seed)
-        pre = pre_stage.run(pre_stage.PretrainConfig(
-            data=str(tmp / "mlm-data"), model=str(model_dir), out=str(tmp / "mlm"), run_dir=str(tmp / "mlm-run"),
-            max_steps=sizes.mlm_steps, batch_size=sizes.mlm_batch, lr=6e-4, warmup=0.06,
-            eval_blocks=sizes.mlm_eval_blocks, seed=seed, **MLM_MASKING))
+    pre = pre_stage.run(pre_stage.PretrainConfig(  # the new MLM head is seeded from ``seed`` by the stage
+        data=str(tmp / "mlm-data"), model=str(model_dir), out=str(tmp / "mlm"), run_dir=str(tmp / "mlm-run"),
+        max_steps=sizes.mlm_steps, batch_size=sizes.mlm_batch, lr=6e-4, warmup=0.06,
+        eval_blocks=sizes.mlm_eval_blocks, seed=seed, **MLM_MASKING))
     m = pre.metrics
     say(f"   made {final}/mlm-data (token store: {counts['train']['docs']} modules, {counts['train']['tokens']} tokens "
         f"for training; {counts['heldout']['docs']} modules held out) and {final}/mlm ({pre.steps} steps x "

@@ -151,7 +151,9 @@ def make_model(cfg: PretrainConfig, meta: dict[str, Any], tokenizer: Any) -> tor
     nsp = cfg.objective == "mlm+nsp"
     if cfg.model:
         _check_same_tokenizer(Path(cfg.model), tokenizer)
-        return load_encoder(cfg.model, vocab_size=vocab, seq_len=seq_len, pretraining=nsp)
+        with torch.random.fork_rng(devices=[]):  # a new MLM head's initialisation follows --seed, as build_encoder's does
+            torch.manual_seed(cfg.seed)
+            return load_encoder(cfg.model, vocab_size=vocab, seq_len=seq_len, pretraining=nsp)
     config = build_config(cfg.preset or None, vocab, max(512, seq_len), layers=cfg.layers or None,
                           hidden=cfg.hidden or None, heads=cfg.heads or None, ffn=cfg.ffn or None, arch=cfg.arch,
                           dropout=cfg.dropout, special_ids=meta.get("special_ids"))
