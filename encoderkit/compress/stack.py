@@ -380,7 +380,7 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     import torch
 
     from encoderkit.hardware import describe
-    from encoderkit.io import output_dir
+    from encoderkit.io import output_dir, relocate_paths
     from encoderkit.report import write_report
 
     steps = load_recipe(cfg.recipe)
@@ -395,4 +395,5 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
                 "runtime": cfg.runtime, "hardware": describe(),
                 "steps_config": [s.params | {"lever": s.lever} for s in steps]}
         write_report(tmp, rows, meta)
+        relocate_paths(tmp, tmp, out)  # the levers' report.json files name the step folders they wrote in tmp
     return CompressResult(out, rows)

@@ -120,28 +120,11 @@ def run(cfg: QuickstartConfig) -> QuickstartResult:
         shutil.rmtree(tmp / "mlm-run", ignore_errors=True)  # checkpoints: only needed to resume
         relocate_paths(tmp, tmp, final)  # cards name the final folders, not the temporary one
         relocate_text(tmp, tmp, final)
-        forget_tmp_names(tmp)
         metrics["seconds"] = round(time.perf_counter() - t0, 1)
         (tmp / "quickstart.json").write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
         say(f"done in {metrics['seconds']:.0f} s; this report is in {final / 'README.md'}")
         (tmp / "README.md").write_text("\n".join(say.lines) + "\n", encoding="utf-8")
     return QuickstartResult(final, say.lines, metrics)
-
-
-def forget_tmp_names(folder: Path) -> None:
-    """Replace the temporary sibling names that :func:`encoderkit.io.output_dir` gives a stage's
-    output while it is written (``.NAME.tmp-XXXX``) by ``NAME`` in the JSON, Markdown and YAML
-    files below ``folder``: the compress stage's levers record the runner's temporary folder in
-    their ``report.json`` (a compress bug, worked around here)."""
-    import re
-
-    pattern = re.compile(r"/\.([^/\s\"']+)\.tmp-[A-Za-z0-9_]+")
-    for path in sorted(folder.rglob("*")):
-        if path.suffix in (".json", ".md", ".yaml") and path.is_file():
-            text = path.read_text(encoding="utf-8")
-            fixed = pattern.sub(r"/\1", text)
-            if fixed != text:
-                path.write_text(fixed, encoding="utf-8")
 
 
 def relocate_text(folder: Path, old: Path, new: Path) -> None:
