@@ -159,8 +159,10 @@ def test_bad_label_sets_input_and_template_are_clear_errors(tmp_path):
         cfg(tmp_path, url, inp, labels="pos,neg,Pos")
     with pytest.raises(EncoderkitError, match="one label"):
         cfg(tmp_path, url, inp, labels="pos")
-    with pytest.raises(EncoderkitError, match=r"no text field .*--text-field"):
-        run(cfg(tmp_path, url, inp))
+    two = tmp_path / "two.jsonl"
+    two.write_text(json.dumps({"body_text": "a great film", "note": "seen twice"}) + "\n")
+    with pytest.raises(EncoderkitError, match=r"cannot tell which column holds the text .*--text-field"):
+        run(cfg(tmp_path, url, two))
     with pytest.raises(EncoderkitError, match="no field 'sentence'.*--text-field"):
         run(cfg(tmp_path, url, inp, text_field="sentence"))
     template = tmp_path / "prompt.txt"
@@ -218,3 +220,16 @@ def test_a_reply_slower_than_the_timeout_is_retried(tmp_path):
         res = run(cfg(tmp_path, srv.url, write_input(tmp_path / "in.jsonl", ["x"]), timeout=0.3))
         assert srv.requests == ["x", "x"]
     assert res.counts["negative"] == 1 and res.ledger["requests"] == 1  # the timed-out reply is never recorded
+
+
+def test_label_finds_the_text_field_as_finetune_finds_its_text_column(tmp_path):
+    from encoderkit.label.records import read_texts
+    from encoderkit.tasks.tabular import find_text_column, read_rows
+
+    for name, rows in {"by name, any case": [{"id": 1, "Review": "a great film", "Title": "x"}],
+                       "the only text column": [{"id": 1, "body_text": "a great film", "score": "0.5"}]}.items():
+        path = tmp_path / "in.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        texts, _ = read_texts(path, "")
+        assert texts == ["a great film"], name
+        assert rows[0][find_text_column(read_rows(path), path)[0]] == "a great film", name

@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.tasks.tabular import Row, read_rows
+from encoderkit.tasks.tabular import Row, find_text_column, read_rows
 
-TEXT_FIELDS = ("text", "sentence", "content", "body", "document", "review", "comment", "message", "question")
 OUTPUT_KEYS = ("text", "label", "confidence", "labeller")
 
 
@@ -43,18 +42,19 @@ def parse_pairs(items: list[str], labels: list[str], flag: str) -> dict[str, str
     return out
 
 
-def find_text_field(row: Row, given: str) -> str:
-    """The input's text field: ``given`` if set, else the first of :data:`TEXT_FIELDS` present."""
+def find_text_field(rows: list[Row], given: str, path: str | Path) -> str:
+    """The input's text field: ``given`` if set, else the column the task readers would pick
+    (:func:`~encoderkit.tasks.tabular.find_text_column`: one of :data:`TEXT_NAMES` by name, else the
+    only text column), so that ``label`` and ``finetune`` read one file the same way."""
     if given:
-        if given not in row.fields:
-            raise EncoderkitError(f"{row.where}: no field {given!r} (fields: {', '.join(map(str, row.fields))}); "
+        if given not in rows[0].fields:
+            raise EncoderkitError(f"{rows[0].where}: no field {given!r} (fields: {', '.join(map(str, rows[0].fields))}); "
                                   "set --text-field to the field holding the text")
         return given
-    for name in TEXT_FIELDS:
-        if name in row.fields:
-            return name
-    raise EncoderkitError(f"{row.where}: no text field (looked for {', '.join(TEXT_FIELDS)}; fields: "
-                          f"{', '.join(map(str, row.fields))}); name it with --text-field")
+    try:
+        return find_text_column(rows, path, exclude=("label",))[0]
+    except EncoderkitError as e:
+        raise EncoderkitError(str(e).replace("--text-column", "--text-field")) from None
 
 
 def read_texts(path: str | Path, text_field: str) -> tuple[list[str], list[dict[str, Any]]]:
@@ -69,7 +69,7 @@ def read_texts(path: str | Path, text_field: str) -> tuple[list[str], list[dict[
             raise EncoderkitError(f"{path} holds no text")
         return texts, [{} for _ in texts]
     rows = read_rows(path)
-    name = find_text_field(rows[0], text_field)
+    name = find_text_field(rows, text_field, path)
     texts = []
     for r in rows:
         v = r.fields.get(name)

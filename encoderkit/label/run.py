@@ -38,7 +38,9 @@ class LabelConfig(StageConfig):
     labeller: str = arg("endpoint", help="endpoint: an OpenAI-compatible chat-completions server; embed: nearest label "
                                          "description in embedding space; cloze: a masked-LM pattern and verbalizer.",
                         choices=LABELLERS)
-    text_field: str = arg("", help="Input field holding the text (default: the first of text, sentence, content, ...).")
+    text_field: str = arg("", help=(
+        "Input field holding the text (default: found as finetune finds its text column: one named text, sentence, "
+        "content, review, document, body, comment, ... in any case, else the only column of non-numeric text)."))
     max_examples: int = arg(0, help="Label a seeded random subset of this many rows (0: all).")
     seed: int = arg(0, help="Seed of --max-examples' subset.")
     descriptions: list[str] = arg([], help="LABEL=TEXT per label: a description (endpoint prompt; embed: the text "
@@ -107,7 +109,7 @@ def labelled_pairs(path: str, labels: list[str], flag: str) -> list[tuple[str, s
     from encoderkit.label.records import find_text_field
 
     rows = read_rows(path)
-    name = find_text_field(rows[0], "")
+    name = find_text_field(rows, "", path)
     out = []
     for r in rows:
         lab = str(r.fields.get("label", "")).strip()
