@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.exceptions import HTTPException
 
 from encoderkit.deploy.runtime import finish_embeddings
+from encoderkit.deploy.text_checks import text_problem
 from encoderkit.errors import EncoderkitError
 
 log = logging.getLogger(__name__)
@@ -149,21 +150,9 @@ def openai_router(served: Mapping[str, Any], authorize: Callable[[Request], None
         return served[able[0]]
 
     def check_texts(param: str, texts: list[str]) -> None:
-        if not texts:
-            raise OpenAIError(400, f"{param}: give at least one text", "empty_input", param)
-        if len(texts) > max_texts:
-            raise OpenAIError(400, f"{param}: {len(texts)} texts, more than the limit of {max_texts}", "too_many_texts", param)
-        for i, t in enumerate(texts):
-            if not t.strip():
-                raise OpenAIError(400, f"{param}[{i}] is empty", "empty_text", f"{param}[{i}]")
-            if len(t) > max_chars:
-                raise OpenAIError(400, f"{param}[{i}] has {len(t)} characters, over the limit of {max_chars}",
-                                  "text_too_long", f"{param}[{i}]")
-            try:
-                t.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise OpenAIError(400, f"{param}[{i}] is not valid Unicode text ({e.reason} at character {e.start})",
-                                  "invalid_text", f"{param}[{i}]") from e
+        problem = text_problem(param, texts, max_texts, max_chars)
+        if problem is not None:
+            raise OpenAIError(400, problem.message, problem.code, problem.param)
 
     async def run(s: Any, items: list[Any]) -> tuple[list[Any], int]:
         """Results for ``items`` from ``s``'s batcher, and their token count."""

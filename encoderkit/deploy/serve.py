@@ -43,6 +43,7 @@ from encoderkit.config import StageConfig, arg, check, named_folders
 from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
 from encoderkit.deploy.openai_api import error_type, openai_router
 from encoderkit.deploy.runtime import BACKENDS, Predictor, describe, finish_embeddings
+from encoderkit.deploy.text_checks import text_problem
 from encoderkit.errors import EncoderkitError
 
 ENDPOINT_TASK = {"classify": "classify", "extract": "ner", "answer": "qa", "rerank": "rerank", "embed": "embed"}
@@ -206,17 +207,6 @@ class FastJSONResponse(JSONResponse):
         return orjson.dumps(content)
 
 
-def unencodable_at(text: str) -> int | None:
-    """Index of the first character that cannot be UTF-8 encoded (a lone surrogate, which JSON's \\ud800 escape
-    allows), or None. The tokenizer raises on such a text, failing every request batched with it, so it is
-    refused at the edge."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return e.start
-    return None
-
-
 def _error_body(code: str, message: str, status: int) -> dict[str, Any]:
     """Every error's body: encoderkit's ``code`` and ``message`` plus OpenAI's ``type`` and ``param``, so a client of
     either shape (the openai client included) reads errors raised before any route runs (401, 408, 413) too."""
@@ -303,19 +293,9 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         return able[0]
 
     def check_texts(field: str, texts: list[str], allow_empty_list: bool = False) -> None:
-        if not texts and not allow_empty_list:
-            raise ApiError(422, "invalid_request", f"{field}: give at least one text")
-        if len(texts) > limits.max_texts:
-            raise ApiError(422, "too_many_texts", f"{field}: {len(texts)} texts, more than the limit of {limits.max_texts}")
-        for i, t in enumerate(texts):
-            if not t.strip():
-                raise ApiError(422, "empty_text", f"{field}[{i}] is empty")
-            bad = unencodable_at(t)
-            if bad is not None:
-                raise ApiError(422, "invalid_text", f"{field}[{i}] has a lone surrogate (U+{ord(t[bad]):04X}) at character "
-                                                    f"{bad}; texts must be valid Unicode (a \\ud800-\\udfff escape only as half of a pair)")
-            if len(t) > limits.max_chars:
-                raise ApiError(422, "text_too_long", f"{field}[{i}] has {len(t)} characters, over the limit of {limits.max_chars}")
+        problem = text_problem(field, texts, limits.max_texts, limits.max_chars, allow_empty_list)
+        if problem is not None:
+            raise ApiError(422, "invalid_request" if problem.code == "empty_input" else problem.code, problem.message)
 
     async def run_batch(s: _Served, items: list[Any]) -> list[Any]:
         try:
