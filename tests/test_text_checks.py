@@ -12,5 +12,5 @@ def test_text_problem_finds_the_first_problem_and_names_the_text():
     p = text_problem("input", ["ok", "  ", "x" * 500], 4, 100)
     assert (p.code, p.param) == ("empty_text", "input[1]")  # the first problem, in text order
     p = text_problem("input", ["ok", "bad \ud800 half"], 4, 100)
-    assert (p.code, p.param) == ("invalid_text", "input[1]") and "U+D800 at character 4" in p.message
+    assert (p.code, p.param) == ("invalid_text", "input[1]") and "(U+D800) at character 4" in p.message
     assert text_problem("texts", ["x" * 101], 4, 100).code == "text_too_long"
