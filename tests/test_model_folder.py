@@ -123,3 +123,16 @@ def test_evaluate_leaves_its_parsed_config_as_given(tmp_path_factory, tiny_token
     before = dataclasses.asdict(cfg)
     assert run(cfg).task == "classify"
     assert dataclasses.asdict(cfg) == before  # task, eval_batch_size, multi_label: read, never written back
+
+
+def test_loading_a_folder_prints_one_line_and_no_tensor_parallel_warning(tmp_path_factory, tiny_tokenizer_dir, capfd):
+    """transformers 5 warns that no layer "was sharded" when its loader's log level is raised; the load
+    report is replaced by one line of what is new, and that warning must not leak to a newcomer's log."""
+    from transformers import AutoModel
+
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")
+    capfd.readouterr()
+    ModelFolder.open(folder).load(AutoModel)  # the classifier's head is left out: one line says so
+    err = capfd.readouterr().err
+    assert "weights of the checkpoint not used" in err
+    assert "sharded" not in err and "LOAD REPORT" not in err

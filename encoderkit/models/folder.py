@@ -320,13 +320,17 @@ def _st_pooling(path: Path) -> str | None:
 
 def _from_pretrained(cls: Any, path: Path, kwargs: dict[str, Any]) -> torch.nn.Module:
     """``cls.from_pretrained`` with transformers' load report replaced by one line of what was new or unused."""
-    log = logging.getLogger("transformers.modeling_utils")
-    old = log.level
-    log.setLevel(logging.ERROR)
+    # transformers 5 checks a tensor-parallel plan when its loader's log level is WARNING or above, and every
+    # model without one (all of ours) then warns that none of its layers "were sharded": silenced with the report
+    logs = [logging.getLogger(n) for n in ("transformers.modeling_utils", "transformers.distributed.tensor_parallel")]
+    old = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
     finally:
-        log.setLevel(old)
+        for log, level in zip(logs, old, strict=True):
+            log.setLevel(level)
     missing = [k for k in info.get("missing_keys", []) if not k.endswith("position_ids")]
     unused = list(info.get("unexpected_keys", []))
     parts = []
