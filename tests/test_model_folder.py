@@ -125,14 +125,19 @@ def test_evaluate_leaves_its_parsed_config_as_given(tmp_path_factory, tiny_token
     assert dataclasses.asdict(cfg) == before  # task, eval_batch_size, multi_label: read, never written back
 
 
-def test_loading_a_folder_prints_one_line_and_no_tensor_parallel_warning(tmp_path_factory, tiny_tokenizer_dir, capfd):
+def test_loading_a_folder_prints_one_line_and_no_tensor_parallel_warning(tmp_path_factory, tiny_tokenizer_dir):
     """transformers 5 warns that no layer "was sharded" when its loader's log level is raised; the load
-    report is replaced by one line of what is new, and that warning must not leak to a newcomer's log."""
-    from transformers import AutoModel
+    report is replaced by one line of what is new, and that warning must not leak to a newcomer's log.
+    In a fresh process: transformers binds its log handler to the stderr of the moment it is configured."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
     folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")
-    capfd.readouterr()
-    ModelFolder.open(folder).load(AutoModel)  # the classifier's head is left out: one line says so
-    err = capfd.readouterr().err
+    code = ("from transformers import AutoModel; from encoderkit.models.folder import ModelFolder; "
+            f"ModelFolder.open({str(folder)!r}).load(AutoModel)")  # the classifier's head is left out: one line says so
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stderr
     assert "weights of the checkpoint not used" in err
     assert "sharded" not in err and "LOAD REPORT" not in err
