@@ -104,9 +104,7 @@ def main() -> int:
             ("float exact + BM25 fusion", SearchSettings(first_stage="float", rescore="none", bm25=True), 2 * d),
             ("binary + int8 rescore + BM25 fusion", SearchSettings(first_stage="binary", rescore="int8", bm25=True), d / 8 + d)]
     if args.rerank:
-        rows += [("binary + int8 rescore + rerank top 100",
-                  SearchSettings(first_stage="binary", rescore="int8", rerank_top=100), d / 8 + d),
-                 ("binary + int8 rescore + BM25 + rerank top 100",
+        rows += [("binary + int8 rescore + BM25 + rerank top 100",
                   SearchSettings(first_stage="binary", rescore="int8", bm25=True, rerank_top=100), d / 8 + d),
                  ("binary + int8 + BM25 + rerank 100, fused",
                   SearchSettings(first_stage="binary", rescore="int8", bm25=True, rerank_top=100, rerank_fuse=True), d / 8 + d)]
