@@ -270,7 +270,13 @@ def test_bm25_fusion_and_rerank_stages(embed_dir, tmp_path, tmp_path_factory, ti
     r = Predictor.load(ce, backend="torch-fp32")
     top20 = s.search([q], SearchSettings(k=20))[0].hits
     scores = r.score_pairs([q] * 20, [h.text for h in top20])
-    assert [h.doc_id for h in reranked] == [top20[j].doc_id for j in np.argsort(-scores, kind="stable")][:10]
+    ce_order = [top20[j].doc_id for j in np.argsort(-scores, kind="stable")]
+    assert [h.doc_id for h in reranked] == ce_order[:10]
+    # --rerank-fuse: the cross-encoder's order fused by reciprocal rank with the order it was handed
+    fused_ce = s.search([q], SearchSettings(k=10, rerank_top=20, rerank_fuse=True))[0].hits
+    want = rrf_scores([ce_order, [h.doc_id for h in top20]])
+    assert [h.doc_id for h in fused_ce] == sorted(want, key=lambda d: (-want[d], ce_order.index(d)))[:10]
+    assert [h.score for h in fused_ce] == pytest.approx([want[h.doc_id] for h in fused_ce])
     with pytest.raises(EncoderkitError, match="float16"):
         s.search([q], SearchSettings(first_stage="float"))
 

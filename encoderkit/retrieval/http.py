@@ -1,7 +1,7 @@
 """``POST /v1/search`` for ``encoderkit serve --index [name=]DIR``.
 
     {"query": "...", "k": 10?, "index": "name"?, "first_stage": "binary"?, "rescore": "int8"?,
-     "rescore_multiplier": 4?, "bm25": false?, "rerank_top": 0?}
+     "rescore_multiplier": 4?, "bm25": false?, "rerank_top": 0?, "rerank_fuse": false?}
     -> {"index": name, "hits": [{"doc_id", "score", "text", "passage_id"}], "truncated": bool}
 
 The route uses the service's own bearer-token check and text limits (handed in by
@@ -37,6 +37,7 @@ class SearchBody(BaseModel):
     rescore_multiplier: StrictInt = Field(4, ge=1, le=100)
     bm25: StrictBool = Field(False, description="Fuse BM25 by reciprocal rank.")
     rerank_top: StrictInt = Field(0, ge=0, le=MAX_K, description="Documents the index's cross-encoder reorders (0: off).")
+    rerank_fuse: StrictBool = Field(False, description="Fuse the cross-encoder's order with the order it reranked.")
 
 
 class _Error(HTTPException):
@@ -63,7 +64,8 @@ def add_search_route(app: FastAPI, searchers: dict[str, Searcher], check_texts: 
         if body.index is None and len(searchers) > 1:
             raise _Error(422, "index_required", f"several indexes are served ({', '.join(searchers)}); name one in 'index'")
         name = body.index or next(iter(searchers))
-        settings = SearchSettings(body.k, body.first_stage, body.rescore, body.rescore_multiplier, body.bm25, body.rerank_top)
+        settings = SearchSettings(body.k, body.first_stage, body.rescore, body.rescore_multiplier, body.bm25, body.rerank_top,
+                                  rerank_fuse=body.rerank_fuse)
         try:
             result = (await run_in_threadpool(searchers[name].search, [body.query], settings))[0]
         except EncoderkitError as e:

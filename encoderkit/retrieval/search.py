@@ -56,6 +56,7 @@ class SearchSettings:
     bm25: bool = False
     rerank_top: int = 0  # 0 = no cross-encoder
     exact: bool = False  # exact Hamming search even past the ANN threshold
+    rerank_fuse: bool = False  # fuse the cross-encoder's order with the order it reranked (reciprocal rank)
 
     def check(self, gen: Generation, has_reranker: bool) -> None:
         if self.first_stage not in FIRST_STAGES:
@@ -170,7 +171,11 @@ class Searcher:
                 top = ranked[: s.rerank_top]
                 logits = self.reranker.score_pairs([texts[i]] * len(top), [self.gen.passages[r]["text"] for _, _, r in top])
                 order = np.argsort(-logits, kind="stable")
-                ranked = [(top[j][0], float(logits[j]), top[j][2]) for j in order] + ranked[s.rerank_top:]
+                reranked = [(top[j][0], float(logits[j]), top[j][2]) for j in order]
+                if s.rerank_fuse:
+                    fused = rrf_scores([[d for d, _, _ in reranked], [d for d, _, _ in top]])
+                    reranked = sorted(((d, fused[d], r) for d, _, r in reranked), key=lambda x: -x[1])
+                ranked = reranked + ranked[s.rerank_top:]
             hits = [Hit(d, float(sc), self.gen.passages[r]["text"], self.gen.passages[r]["id"]) for d, sc, r in ranked[: s.k]]
             out.append(Result(hits, bool(qv.truncated[i]) if qv.truncated else False))
         return out
@@ -270,6 +275,10 @@ class SearchConfig(StageConfig):
     bm25: bool = arg(False, help="Fuse BM25 (bm25s) with the dense order by reciprocal rank.")
     rerank: str | None = arg(None, help="Cross-encoder folder: rerank the top --rerank-top documents.")
     rerank_top: int = arg(100, help="Documents the cross-encoder reorders (with --rerank).")
+    rerank_fuse: bool = arg(False, help=(
+        "With --rerank: fuse the cross-encoder's order of the top --rerank-top with the order it was given (the "
+        "dense / BM25 stages) by reciprocal rank (k = 60) instead of keeping the cross-encoder's order alone; "
+        "scores become fusion scores."))
     model: str | None = arg(None, help="Query model (default: the one the index records; another model is refused).")
     backend: str = arg("local", help="Dense search in the local index or in Milvus.", choices=("local", "milvus"))
     uri: str | None = arg(None, help="Milvus URI for --backend milvus.")
@@ -284,10 +293,11 @@ class SearchConfig(StageConfig):
         check(self.queries is None or self.output is not None, "--queries needs --output FILE.jsonl")
         check(self.k >= 1 and self.rescore_multiplier >= 1, "--k and --rescore-multiplier must be at least 1")
         check(self.backend != "milvus" or bool(self.uri), "--backend milvus needs --uri")
+        check(not self.rerank_fuse or bool(self.rerank), "--rerank-fuse needs --rerank DIR")
 
     def settings(self) -> SearchSettings:
         return SearchSettings(self.k, self.first_stage, self.rescore, self.rescore_multiplier, self.bm25,
-                              self.rerank_top if self.rerank else 0, self.exact)
+                              self.rerank_top if self.rerank else 0, self.exact, self.rerank_fuse and bool(self.rerank))
 
 
 @dataclass
