@@ -62,6 +62,35 @@ def test_hamming_search_equals_brute_force():
             assert list(rows[i]) == sorted(range(300), key=lambda j: (brute[i, j], j))[:10]
 
 
+@pytest.mark.parametrize("use_faiss", [True, False])
+def test_exact_binary_first_stage_equals_brute_force(use_faiss, monkeypatch):
+    """The exact Hamming first stage (faiss IndexBinaryFlat, or numpy without faiss) returns the
+    brute-force nearest codes in the brute-force order, ties to the lower row: 16 bits over 500
+    codes (half of them duplicates) make ties everywhere."""
+    from encoderkit.retrieval import ann
+    from encoderkit.retrieval.calibrate import in_memory
+
+    if use_faiss:
+        pytest.importorskip("faiss")
+    else:
+        monkeypatch.setattr(ann, "available", lambda: False)
+    rng = np.random.default_rng(3)
+    docs = rng.standard_normal((500, 16)).astype(np.float32)
+    docs[250:] = docs[:250]
+    docs /= np.linalg.norm(docs, axis=1, keepdims=True)
+    qs = rng.standard_normal((6, 16)).astype(np.float32)
+    qs /= np.linalg.norm(qs, axis=1, keepdims=True)
+    s = Searcher(in_memory(docs, [{"id": str(i), "doc_id": str(i), "text": ""} for i in range(500)], "fp"), Path("."))
+    brute = ((docs[None, :, :] > 0) != (qs[:, None, :] > 0)).sum(axis=2)
+    for fetch in (1, 40, 600):
+        rows, scores = s.dense(qs, SearchSettings(rescore="none"), fetch)
+        assert (s._flat is not None) == use_faiss
+        for i in range(6):
+            want = sorted(range(500), key=lambda j: (brute[i, j], j))[:fetch]
+            assert list(rows[i]) == want
+            assert np.array_equal(-scores[i], brute[i, want].astype(np.float32))
+
+
 def test_int8_codes_round_trip_within_one_step():
     x = np.random.default_rng(1).standard_normal((200, 16)).astype(np.float32)
     cal = int8_calibration(x)

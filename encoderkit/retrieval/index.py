@@ -62,7 +62,7 @@ class IndexConfig(StageConfig):
                                       "tokens; -1 = do not split (a long document is truncated by the model).")
     overlap: int = arg(32, help="Tokens shared by consecutive passages of one document.")
     ann_threshold: int = arg(200_000, help="Past this many passages the binary first stage is an approximate faiss "
-                                           "IVF index (exact numpy Hamming search below).")
+                                           "IVF index (exact Hamming search below).")
     rebuild: bool = arg(False, help="Re-embed everything (another model, dims or passage policy; recalibrate int8).")
     calibrate: bool = arg(False, help="Also report, per precision x dims, top-10 overlap with exact float search, "
                                       "bytes/doc and latency, and recommend the smallest setting (no labels needed).")

@@ -5,8 +5,8 @@
 
 Stages, each switchable:
 
-1. first stage over passages: ``binary`` (Hamming distance of packed sign bits; exact numpy below
-   the index's ANN threshold, a faiss binary IVF above it), ``int8`` (int8 query . int8 codes) or
+1. first stage over passages: ``binary`` (Hamming distance of packed sign bits; exact below the
+   index's ANN threshold (faiss ``IndexBinaryFlat``, numpy without faiss), a faiss binary IVF above it), ``int8`` (int8 query . int8 codes) or
    ``float`` (the float16 vectors; needs ``--float16`` at index time), or Milvus (float, IP);
 2. rescoring of ``rescore_multiplier`` x depth candidates with the float query against the ``int8``
    (dequantized) or ``float`` vectors, or ``none``; passages collapse to documents (a document
@@ -103,6 +103,13 @@ class Searcher:
         self._bm25 = None
         self._ivf = ann.load(gen.folder / "binary.ivf") if gen.folder and (gen.folder / "binary.ivf").is_file() else None
         self._row_of = {r["id"]: i for i, r in enumerate(gen.passages)} if milvus else None
+        self._flat = None  # the exact faiss binary index, built on first use
+
+    def _binary_flat(self):
+        """The exact faiss binary index over the codes (a copy of them), or None without faiss."""
+        if self._flat is None and ann.available():
+            self._flat = ann.build_binary_flat(np.asarray(self.gen.arrays["binary"]))
+        return self._flat
 
     @classmethod
     def open(cls, root: str | Path, model: str | Path | None = None, runtime: str | None = None, rerank: str | Path | None = None,
@@ -191,12 +198,14 @@ class Searcher:
         if s.first_stage == "binary":
             qb = binary_codes(q)
             if self._ivf is not None and not s.exact:
-                rows = ann.search(self._ivf, qb, fetch)
-                first = -hamming_rows(qb, a["binary"], rows)
-            else:
+                rows, dist = ann.search(self._ivf, qb, fetch)
+            elif self._binary_flat() is not None:
+                rows, dist = ann.search(self._flat, qb, min(fetch, len(a["binary"])))
+            else:  # no faiss: numpy popcount, the same rows and order
                 d = hamming(qb, a["binary"])
                 rows = top_k(d, fetch, largest=False)
-                first = -np.take_along_axis(d, rows, 1).astype(np.float32)
+                dist = np.take_along_axis(d, rows, 1).astype(np.float32)
+            first = -dist
         else:
             if s.first_stage == "int8":
                 qq, codes = int8_codes(q, a["int8_calibration"]).astype(np.float32), a["int8"]
@@ -242,15 +251,6 @@ class Searcher:
                 seen.add(d)
                 out.append((d, float(sc), int(r)))
         return out
-
-
-def hamming_rows(qb: np.ndarray, codes: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Hamming distances (Q, k) of each query to its own candidate rows (-1 rows: a large distance)."""
-    out = np.full(rows.shape, codes.shape[1] * 8 + 1, dtype=np.float32)
-    for i in range(len(qb)):
-        ok = rows[i] >= 0
-        out[i, ok] = np.bitwise_count(codes[rows[i][ok]] ^ qb[i]).sum(axis=1)
-    return out
 
 
 # -- `encoderkit search` -----------------------------------------------------------------------
