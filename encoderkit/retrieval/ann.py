@@ -18,6 +18,7 @@ import numpy as np
 
 from encoderkit.errors import EncoderkitError
 
+ANN_THRESHOLD = 200_000  # passages past which an index builds the IVF (``encoderkit index --ann-threshold``)
 PROBE_SHARE = 0.1  # cells scanned per query, as a share of the IVF's cells
 MIN_PROBE = 8
 

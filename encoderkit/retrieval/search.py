@@ -6,11 +6,13 @@
 Stages, each switchable:
 
 1. first stage over passages: ``binary`` (Hamming distance of packed sign bits; exact below the
-   index's ANN threshold (faiss ``IndexBinaryFlat``, numpy without faiss), a faiss binary IVF above it), ``int8`` (int8 query . int8 codes) or
-   ``float`` (the float16 vectors; needs ``--float16`` at index time), or Milvus (float, IP);
-2. rescoring of ``rescore_multiplier`` x depth candidates with the float query against the ``int8``
-   (dequantized) or ``float`` vectors, or ``none``; passages collapse to documents (a document
-   scores as its best passage), depth = k, or the rerank depth when reranking;
+   index's ANN threshold (faiss ``IndexBinaryFlat``; numpy without faiss), a faiss binary IVF
+   above it), ``int8`` (int8 query . int8 codes) or ``float`` (the float16 vectors; needs
+   ``--float16`` at index time), or Milvus (float, IP);
+2. rescoring of ``rescore_multiplier`` x depth candidates (0, the default: :func:`default_multiplier`,
+   larger behind the IVF) with the float query against the ``int8`` (dequantized) or ``float``
+   vectors, or ``none``; passages collapse to documents (a document scores as its best passage),
+   depth = k, or the rerank depth when reranking;
 3. ``bm25``: bm25s over the passage texts (built when first used), fused with the dense order by
    reciprocal rank (k = 60, untuned); the score becomes the fusion score;
 4. ``rerank_top`` N: a cross-encoder (``--rerank DIR``) scores (query, best passage) of the top N
@@ -45,6 +47,16 @@ from encoderkit.retrieval.store import Generation, model_fingerprint, open_gener
 FIRST_STAGES = ("binary", "int8", "float")
 RESCORES = ("int8", "float", "none")
 SCAN_CHUNK = 65_536  # rows per matrix product in the int8/float first stages
+# Candidates rescored per result when the settings leave it at 0. An exact first stage keeps 99% of
+# float nDCG@10 on SciFact at 4 (docs/search.md); the binary IVF (past the index's ANN threshold,
+# 1M+ passages) loses recall of its own and its scan dwarfs the rescoring, so it reads more.
+RESCORE_MULTIPLIER = 4
+RESCORE_MULTIPLIER_ANN = 20
+
+
+def default_multiplier(approximate: bool) -> int:
+    """The rescore multiplier used when none is given: larger behind the approximate (IVF) first stage."""
+    return RESCORE_MULTIPLIER_ANN if approximate else RESCORE_MULTIPLIER
 
 
 @dataclass
@@ -52,7 +64,7 @@ class SearchSettings:
     k: int = 10
     first_stage: str = "binary"
     rescore: str = "int8"
-    rescore_multiplier: int = 4
+    rescore_multiplier: int = 0  # 0 = default_multiplier() of the first stage in use
     bm25: bool = False
     rerank_top: int = 0  # 0 = no cross-encoder
     exact: bool = False  # exact Hamming search even past the ANN threshold
@@ -64,8 +76,8 @@ class SearchSettings:
             raise EncoderkitError(f"rescore {self.rescore!r} is not one of {', '.join(RESCORES)}")
         if "float" in (self.first_stage, self.rescore) and "float16" not in gen.arrays:
             raise EncoderkitError("float search or rescoring needs float16 vectors: rebuild the index with --float16")
-        if self.k < 1 or self.rescore_multiplier < 1:
-            raise EncoderkitError("k and the rescore multiplier must be at least 1")
+        if self.k < 1 or self.rescore_multiplier < 0:
+            raise EncoderkitError("k must be at least 1 and the rescore multiplier at least 0 (0: the default)")
         if self.rerank_top and not has_reranker:
             raise EncoderkitError("reranking needs a cross-encoder folder (--rerank DIR)")
 
@@ -163,12 +175,13 @@ class Searcher:
         if (s.bm25 or s.rerank_top) and texts is None:
             raise EncoderkitError("BM25 and reranking need the query texts")
         depth = max(s.k, s.rerank_top)
-        rows, scores = self.dense(qv.vectors, s, depth * s.rescore_multiplier)
+        mult = self.multiplier(s)
+        rows, scores = self.dense(qv.vectors, s, depth * mult)
         out = []
         for i in range(len(qv.vectors)):
             ranked = self._collapse(rows[i], scores[i])
             if s.bm25:
-                lexical = self._collapse(*self.bm25(texts[i], depth * s.rescore_multiplier))
+                lexical = self._collapse(*self.bm25(texts[i], depth * mult))
                 fused = rrf_scores([[d for d, _, _ in ranked], [d for d, _, _ in lexical]])
                 best = {d: (d, sc, r) for d, sc, r in lexical} | {d: (d, sc, r) for d, sc, r in ranked}
                 ranked = sorted(((d, fused[d], best[d][2]) for d in fused), key=lambda x: -x[1])
@@ -181,6 +194,13 @@ class Searcher:
             hits = [Hit(d, float(sc), self.gen.passages[r]["text"], self.gen.passages[r]["id"]) for d, sc, r in ranked[: s.k]]
             out.append(Result(hits, bool(qv.truncated[i]) if qv.truncated else False))
         return out
+
+    def approximate(self, s: SearchSettings) -> bool:
+        """Whether settings ``s`` search this index with the approximate binary IVF."""
+        return s.first_stage == "binary" and self._ivf is not None and not s.exact and self.milvus is None
+
+    def multiplier(self, s: SearchSettings) -> int:
+        return s.rescore_multiplier or default_multiplier(self.approximate(s))
 
     # -- stages -----------------------------------------------------------------------------
     def dense(self, q: np.ndarray, s: SearchSettings, fetch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -197,7 +217,7 @@ class Searcher:
             return rows, scores
         if s.first_stage == "binary":
             qb = binary_codes(q)
-            if self._ivf is not None and not s.exact:
+            if self.approximate(s):
                 rows, dist = ann.search(self._ivf, qb, fetch)
             elif self._binary_flat() is not None:
                 rows, dist = ann.search(self._flat, qb, min(fetch, len(a["binary"])))
@@ -266,7 +286,9 @@ class SearchConfig(StageConfig):
     first_stage: str = arg("binary", help="First stage over passages.", choices=FIRST_STAGES)
     rescore: str = arg("int8", help="Rescore the candidates with these vectors (none: keep the first stage's order).",
                        choices=RESCORES)
-    rescore_multiplier: int = arg(4, help="Candidates rescored per result: multiplier x k (x the rerank depth).")
+    rescore_multiplier: int = arg(0, help=f"Candidates rescored per result: multiplier x k (x the rerank depth); 0: "
+                                          f"{RESCORE_MULTIPLIER} after an exact first stage, {RESCORE_MULTIPLIER_ANN} after "
+                                          "the approximate binary IVF of an index past its --ann-threshold.")
     bm25: bool = arg(False, help="Fuse BM25 (bm25s) with the dense order by reciprocal rank.")
     rerank: str | None = arg(None, help="Cross-encoder folder: rerank the top --rerank-top documents.")
     rerank_top: int = arg(100, help="Documents the cross-encoder reorders (with --rerank).")
@@ -282,7 +304,7 @@ class SearchConfig(StageConfig):
     def validate(self) -> None:
         check((self.query is None) != (self.queries is None), "give exactly one of --query and --queries")
         check(self.queries is None or self.output is not None, "--queries needs --output FILE.jsonl")
-        check(self.k >= 1 and self.rescore_multiplier >= 1, "--k and --rescore-multiplier must be at least 1")
+        check(self.k >= 1 and self.rescore_multiplier >= 0, "--k must be at least 1 and --rescore-multiplier at least 0")
         check(self.backend != "milvus" or bool(self.uri), "--backend milvus needs --uri")
 
     def settings(self) -> SearchSettings:
