@@ -66,6 +66,7 @@ def main() -> int:
     ap.add_argument("--real", default="/tmp/scifact-idx", help="a SciFact index with --float16 (bench/search_scifact.py); '' skips")
     ap.add_argument("--real-only", action="store_true", help="only the overlap on real embeddings")
     ap.add_argument("--multipliers", default="4,10,20,40", help="rescore multipliers whose real overlap is measured")
+    ap.add_argument("--nprobes", default="", help="extra IVF nprobe values timed at --n (the index's own is always timed)")
     args = ap.parse_args()
     import faiss
 
@@ -154,6 +155,10 @@ def synthetic(args) -> dict:
         f"binary exact (faiss IndexBinaryFlat) + int8 {mult}x10": lambda qq: s_exact.dense(qq, st, 10 * mult)[0][0][:10],
         f"binary IVF (nprobe {ivf.nprobe}/{ivf.nlist}) + int8 {mult}x10": lambda qq: s_ivf.dense(qq, st, 10 * mult)[0][0][:10],
     }
+    own = ivf.nprobe
+    for npr in [int(v) for v in args.nprobes.split(",") if v and int(v) != own]:
+        methods[f"binary IVF (nprobe {npr}/{ivf.nlist}) + int8 {mult}x10"] = \
+            lambda qq, npr=npr: (setattr(ivf, "nprobe", npr), s_ivf.dense(qq, st, 10 * mult)[0][0][:10], setattr(ivf, "nprobe", own))[1]
     res = {}
     for name, fn in methods.items():
         res[name] = timed(fn, q)
