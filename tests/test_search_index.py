@@ -352,6 +352,17 @@ def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path):
     # this small IVF probes every cell, so it finds codes as near as the exact search does (ties may differ)
     assert np.array_equal(np.sort(approx, axis=1), np.sort(exact, axis=1))
     assert all(len(r.hits) == 5 for r in s.search(q, SearchSettings(k=5)))
+    # the default rescore multiplier follows the first stage: larger behind the IVF
+    from encoderkit.retrieval import search as search_mod
+
+    fetched = []
+    real_dense = s.dense
+    s.dense = lambda qq, st, fetch: fetched.append(fetch) or real_dense(qq, st, fetch)
+    for st in (SearchSettings(k=5), SearchSettings(k=5, exact=True), SearchSettings(k=5, first_stage="int8"),
+               SearchSettings(k=5, rescore_multiplier=3)):
+        s.search(q, st)
+    assert fetched == [5 * search_mod.RESCORE_MULTIPLIER_ANN, 5 * search_mod.RESCORE_MULTIPLIER, 5 * search_mod.RESCORE_MULTIPLIER, 15]
+    assert search_mod.RESCORE_MULTIPLIER_ANN > search_mod.RESCORE_MULTIPLIER
     with pytest.raises(EncoderkitError, match="dims=16, this run asks 32"):
         index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32))
     assert index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32, rebuild=True)).stats["dims"] == 32
