@@ -94,7 +94,7 @@ def synthetic(args) -> dict:
     from encoderkit.retrieval.store import Generation
 
     n, d = args.n, args.dims
-    mult = args.multiplier or default_multiplier(n > ann.ANN_THRESHOLD)
+    mult = args.multiplier or default_multiplier(n)
     print(f"SYNTHETIC vectors for speed and memory: {n:,} x {d} unit Gaussian float32 ({n * d * 4 / 2**20:,.0f} MiB); "
           f"{args.queries} queries one at a time; rescoring {mult} x 10 candidates", flush=True)
     rng = np.random.default_rng(0)

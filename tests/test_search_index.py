@@ -336,7 +336,7 @@ def test_calibration_reports_and_recommends(embed_dir, tmp_path):
     assert os.path.exists(out / "CURRENT")
 
 
-def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path):
+def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path, monkeypatch):
     pytest.importorskip("faiss")
     out = tmp_path / "idx"
     docs = {f"d{i}": _doc(i) for i in range(40)}
@@ -358,11 +358,17 @@ def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path):
     fetched = []
     real_dense = s.dense
     s.dense = lambda qq, st, fetch: fetched.append(fetch) or real_dense(qq, st, fetch)
-    for st in (SearchSettings(k=5), SearchSettings(k=5, exact=True), SearchSettings(k=5, first_stage="int8"),
-               SearchSettings(k=5, rescore_multiplier=3)):
-        s.search(q, st)
-    assert fetched == [5 * search_mod.RESCORE_MULTIPLIER_ANN, 5 * search_mod.RESCORE_MULTIPLIER, 5 * search_mod.RESCORE_MULTIPLIER, 15]
-    assert search_mod.RESCORE_MULTIPLIER_ANN > search_mod.RESCORE_MULTIPLIER
+    settings = (SearchSettings(k=5), SearchSettings(k=5, exact=True), SearchSettings(k=5, first_stage="int8"),
+                SearchSettings(k=5, rescore_multiplier=3))
+    for st_ in settings:
+        s.search(q, st_)
+    small, large = search_mod.RESCORE_MULTIPLIER, search_mod.RESCORE_MULTIPLIER_LARGE
+    assert fetched == [5 * small, 5 * small, 5 * small, 15] and large > small
+    fetched.clear()
+    monkeypatch.setattr(search_mod, "LARGE_INDEX", st["passages"] - 1)  # this index counts as large
+    for st_ in settings:
+        s.search(q, st_)
+    assert fetched == [5 * large, 5 * large, 5 * small, 15]  # binary first stages read more; int8 and explicit do not
     with pytest.raises(EncoderkitError, match="dims=16, this run asks 32"):
         index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32))
     assert index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32, rebuild=True)).stats["dims"] == 32

@@ -62,7 +62,8 @@ class IndexConfig(StageConfig):
                                       "tokens; -1 = do not split (a long document is truncated by the model).")
     overlap: int = arg(32, help="Tokens shared by consecutive passages of one document.")
     ann_threshold: int = arg(ann.ANN_THRESHOLD, help="Past this many passages the binary first stage is an approximate faiss "
-                                           "IVF index (exact Hamming search below).")
+                                                     f"IVF index (sqrt(N) cells, {ann.PROBE_SHARE:.0%} of them scanned per "
+                                                     "query); exact Hamming search (faiss IndexBinaryFlat) below.")
     rebuild: bool = arg(False, help="Re-embed everything (another model, dims or passage policy; recalibrate int8).")
     calibrate: bool = arg(False, help="Also report, per precision x dims, top-10 overlap with exact float search, "
                                       "bytes/doc and latency, and recommend the smallest setting (no labels needed).")
