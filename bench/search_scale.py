@@ -74,12 +74,12 @@ def main() -> int:
     print(f"hardware: {describe()}; {load()}", flush=True)
     mults = [int(m) for m in args.multipliers.split(",")]
     if args.real_only:
-        line = {f"real_overlap_{k}": v for k, v in real_overlaps(args.real, mults).items()}
+        line = {f"real_overlap_{k}": v for k, v in real_overlaps(args.real, mults, shares(args)).items()}
         print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in line.items()) + " " + result_field())
         return 0
     line = synthetic(args)
     if args.real:
-        line.update({f"real_overlap_{k}": v for k, v in real_overlaps(args.real, mults).items()})
+        line.update({f"real_overlap_{k}": v for k, v in real_overlaps(args.real, mults, shares(args)).items()})
     print("RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in line.items())
           + " " + result_field())
     return 0
@@ -184,7 +184,13 @@ def synthetic(args) -> dict:
             "build_ivf_s": build["faiss IndexBinaryIVF"], "nprobe": ivf.nprobe, "nlist": ivf.nlist}
 
 
-def real_overlaps(real: str, mults: list[int]) -> dict[str, float]:
+def shares(args) -> list[float]:
+    """The share of the 1M IVF's cells each --nprobes value scans (the real IVF probes the same shares too)."""
+    nlist = max(1, min(1024, int(np.sqrt(args.n))))
+    return [int(v) / nlist for v in args.nprobes.split(",") if v]
+
+
+def real_overlaps(real: str, mults: list[int], extra_shares: list[float]) -> dict[str, float]:
     """Overlap@10 (passages) with exact float search on real SciFact embeddings, binary + int8 (and float) rescoring of
     m x 10 candidates after the exact and the IVF first stage."""
     from encoderkit.retrieval import ann
@@ -205,15 +211,19 @@ def real_overlaps(real: str, mults: list[int]) -> dict[str, float]:
           f"nprobe {s_ivf._ivf.nprobe} (the same share as at 1M)", flush=True)
     print(f"{'first stage':12s} {'rescore':8s} " + " ".join(f"{m:>5d}x10" for m in mults))
     out = {}
-    for fname, srch in (("exact", s_exact), ("ivf", s_ivf)):
+    ivf, own = s_ivf._ivf, s_ivf._ivf.nprobe
+    for fname, srch, npr in [("exact", s_exact, own), ("ivf", s_ivf, own)] + [
+            (f"ivf {sh:.0%}", s_ivf, max(1, round(sh * ivf.nlist))) for sh in extra_shares]:
+        ivf.nprobe = npr
         for rescore in ("int8", "float"):
             vals = []
             for m in mults:
                 got = srch.dense(qv, SearchSettings(10, "binary", rescore, m), 10 * m)[0][:, :10]
                 v = float(np.mean([len(set(r.tolist()) & e) / 10 for r, e in zip(got, exact, strict=True)]))
                 vals.append(v)
-                out[f"{fname}_{rescore}_{m}x"] = v
+                out[f"{fname.replace(' ', '').replace('%', 'pct')}_{rescore}_{m}x"] = v
             print(f"{fname:12s} {rescore:8s} " + " ".join(f"{v:8.3f}" for v in vals), flush=True)
+    ivf.nprobe = own
     return out
 
 
