@@ -116,6 +116,7 @@ def main() -> int:
     print(f"{'BM25 alone (bm25s, passages)':40s} {bm_scores['ndcg@10']:.4f}   {bm_scores['recall@100']:.4f}", flush=True)
     results, base = {}, None
     for name, st, per_passage in rows:
+        st.rescore_multiplier = 4  # the 4 x 10 candidates, whatever the index size's default
         m10 = retrieval_scores(run(st, 10), data.qrels)
         ranked100 = run(st, 100)
         m100 = retrieval_scores(ranked100, data.qrels)

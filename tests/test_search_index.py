@@ -62,6 +62,35 @@ def test_hamming_search_equals_brute_force():
             assert list(rows[i]) == sorted(range(300), key=lambda j: (brute[i, j], j))[:10]
 
 
+@pytest.mark.parametrize("use_faiss", [True, False])
+def test_exact_binary_first_stage_equals_brute_force(use_faiss, monkeypatch):
+    """The exact Hamming first stage (faiss IndexBinaryFlat, or numpy without faiss) returns the
+    brute-force nearest codes in the brute-force order, ties to the lower row: 16 bits over 500
+    codes (half of them duplicates) make ties everywhere."""
+    from encoderkit.retrieval import ann
+    from encoderkit.retrieval.calibrate import in_memory
+
+    if use_faiss:
+        pytest.importorskip("faiss")
+    else:
+        monkeypatch.setattr(ann, "available", lambda: False)
+    rng = np.random.default_rng(3)
+    docs = rng.standard_normal((500, 16)).astype(np.float32)
+    docs[250:] = docs[:250]
+    docs /= np.linalg.norm(docs, axis=1, keepdims=True)
+    qs = rng.standard_normal((6, 16)).astype(np.float32)
+    qs /= np.linalg.norm(qs, axis=1, keepdims=True)
+    s = Searcher(in_memory(docs, [{"id": str(i), "doc_id": str(i), "text": ""} for i in range(500)], "fp"), Path("."))
+    brute = ((docs[None, :, :] > 0) != (qs[:, None, :] > 0)).sum(axis=2)
+    for fetch in (1, 40, 600):
+        rows, scores = s.dense(qs, SearchSettings(rescore="none"), fetch)
+        assert (s._flat is not None) == use_faiss
+        for i in range(6):
+            want = sorted(range(500), key=lambda j: (brute[i, j], j))[:fetch]
+            assert list(rows[i]) == want
+            assert np.array_equal(-scores[i], brute[i, want].astype(np.float32))
+
+
 def test_int8_codes_round_trip_within_one_step():
     x = np.random.default_rng(1).standard_normal((200, 16)).astype(np.float32)
     cal = int8_calibration(x)
@@ -313,7 +342,7 @@ def test_calibration_reports_and_recommends(embed_dir, tmp_path):
     assert os.path.exists(out / "CURRENT")
 
 
-def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path):
+def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path, monkeypatch):
     pytest.importorskip("faiss")
     out = tmp_path / "idx"
     docs = {f"d{i}": _doc(i) for i in range(40)}
@@ -329,6 +358,23 @@ def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path):
     # this small IVF probes every cell, so it finds codes as near as the exact search does (ties may differ)
     assert np.array_equal(np.sort(approx, axis=1), np.sort(exact, axis=1))
     assert all(len(r.hits) == 5 for r in s.search(q, SearchSettings(k=5)))
+    # the default rescore multiplier follows the first stage: larger behind the IVF
+    from encoderkit.retrieval import search as search_mod
+
+    fetched = []
+    real_dense = s.dense
+    s.dense = lambda qq, st, fetch: fetched.append(fetch) or real_dense(qq, st, fetch)
+    settings = (SearchSettings(k=5), SearchSettings(k=5, exact=True), SearchSettings(k=5, first_stage="int8"),
+                SearchSettings(k=5, rescore_multiplier=3))
+    for st_ in settings:
+        s.search(q, st_)
+    small, large = search_mod.RESCORE_MULTIPLIER, search_mod.RESCORE_MULTIPLIER_LARGE
+    assert fetched == [5 * small, 5 * small, 5 * small, 15] and large > small
+    fetched.clear()
+    monkeypatch.setattr(search_mod, "LARGE_INDEX", st["passages"] - 1)  # this index counts as large
+    for st_ in settings:
+        s.search(q, st_)
+    assert fetched == [5 * large, 5 * large, 5 * small, 15]  # binary first stages read more; int8 and explicit do not
     with pytest.raises(EncoderkitError, match="dims=16, this run asks 32"):
         index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32))
     assert index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32, rebuild=True)).stats["dims"] == 32

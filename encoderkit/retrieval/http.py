@@ -1,7 +1,7 @@
 """``POST /v1/search`` for ``encoderkit serve --index [name=]DIR``.
 
     {"query": "...", "k": 10?, "index": "name"?, "first_stage": "binary"?, "rescore": "int8"?,
-     "rescore_multiplier": 4?, "bm25": false?, "rerank_top": 0?, "rerank_fuse": false?}
+     "rescore_multiplier": 0?, "bm25": false?, "rerank_top": 0?, "rerank_fuse": false?}
     -> {"index": name, "hits": [{"doc_id", "score", "text", "passage_id"}], "truncated": bool}
 
 The route uses the service's own bearer-token check and text limits (handed in by
@@ -34,7 +34,7 @@ class SearchBody(BaseModel):
     index: StrictStr | None = Field(None, description="Served index name; needed when several are served.")
     first_stage: StrictStr = Field("binary", description="binary, int8 or float.")
     rescore: StrictStr = Field("int8", description="int8, float or none.")
-    rescore_multiplier: StrictInt = Field(4, ge=1, le=100)
+    rescore_multiplier: StrictInt = Field(0, ge=0, le=100, description="Candidates rescored per result (0: the index's default).")
     bm25: StrictBool = Field(False, description="Fuse BM25 by reciprocal rank.")
     rerank_top: StrictInt = Field(0, ge=0, le=MAX_K, description="Documents the index's cross-encoder reorders (0: off).")
     rerank_fuse: StrictBool = Field(False, description="Fuse the cross-encoder's order with the order it reranked.")

@@ -61,8 +61,9 @@ class IndexConfig(StageConfig):
     passage_tokens: int = arg(0, help="Passage length in tokens; 0 = the model's maximum length less its 2 special "
                                       "tokens; -1 = do not split (a long document is truncated by the model).")
     overlap: int = arg(32, help="Tokens shared by consecutive passages of one document.")
-    ann_threshold: int = arg(200_000, help="Past this many passages the binary first stage is an approximate faiss "
-                                           "IVF index (exact numpy Hamming search below).")
+    ann_threshold: int = arg(ann.ANN_THRESHOLD, help="Past this many passages the binary first stage is an approximate faiss "
+                                                     f"IVF index (sqrt(N) cells, {ann.PROBE_SHARE:.0%} of them scanned per "
+                                                     "query); exact Hamming search (faiss IndexBinaryFlat) below.")
     rebuild: bool = arg(False, help="Re-embed everything (another model, dims or passage policy; recalibrate int8).")
     calibrate: bool = arg(False, help="Also report, per precision x dims, top-10 overlap with exact float search, "
                                       "bytes/doc and latency, and recommend the smallest setting (no labels needed).")
