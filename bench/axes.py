@@ -164,11 +164,12 @@ def calibrated_tokens(plan: Plan, store: Path, work: Path, minutes: float, steps
 
 def heldout_metrics(model_dir: Path, store: Path, plan: Plan) -> dict[str, float]:
     """Held-out masked-token loss and accuracy with seed-0 masks (the same masks for every model)."""
+    from encoderkit.models.folder import ModelFolder
     from encoderkit.tokenizer import load_tokenizer
     from encoderkit.train.pretrain import evaluate_folder
 
     cfg = SimpleNamespace(mask_rate=0.15, seed=0, max_examples=plan.eval_blocks, batch_size=32)
-    return evaluate_folder(model_dir, load_tokenizer(store), store, cfg, {})
+    return evaluate_folder(ModelFolder.open(model_dir, tokenizer=False), load_tokenizer(store), store, cfg)
 
 
 def sst2(model_dir: Path, out: Path, plan: Plan, seed: int) -> float:
