@@ -233,3 +233,16 @@ def tuned(family_dir, tmp_path_factory):
         return made[family, task]
 
     return get
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """Run ``encoderkit argv`` in-process: it must exit 2 with one ``error:`` line and no traceback (progress
+    bars may come before it); returns that line."""
+    from encoderkit.cli import main
+
+    capsys.readouterr()  # drop what the fixtures printed
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]

@@ -15,7 +15,7 @@ from encoderkit.models.load import load_encoder
 from encoderkit.models.mlm import MaskedOnlyMLM, mlm_layout
 from encoderkit.train.pretrain import PretrainConfig, run
 from tests import families
-from tests.families import FAMILIES, MLM_CLASS, corpus_text
+from tests.families import FAMILIES, MLM_CLASS, cli_error, corpus_text
 from tests.test_pretrain import SENTENCE, make_store
 
 bpe_tokenizer_dir, family_dir = families.bpe_tokenizer_dir, families.family_dir  # the fixtures
@@ -145,3 +145,33 @@ def test_a_hub_style_deberta_folder_keeps_its_lm_predictions_head(family_dir, tm
     saved = AutoModelForMaskedLM.from_pretrained(family_dir("deberta-v2"))
     assert hasattr(model, "lm_predictions") and not model.config.legacy
     assert torch.equal(model.lm_predictions.lm_head.dense.weight, saved.lm_predictions.lm_head.dense.weight)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "bert"])
+def test_nsp_on_another_family_is_a_cli_error_naming_family_and_stage(family, family_dir, tmp_path, capsys) -> None:
+    folder = family_dir(family)
+    store = store_for(folder, tmp_path)
+    err = cli_error(["pretrain", "--data", str(store), "--model", str(folder), "--out", str(tmp_path / "o"),
+                           "--objective", "mlm+nsp", "--max-steps", "1", "--bf16", "off"], capsys)
+    assert "pretrain --objective mlm+nsp needs a BERT model" in err and f"holds a {family} model" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("arch", ["deberta", "modernbert"])
+def test_nsp_from_scratch_on_another_arch_is_a_cli_error(arch, tiny_tokenizer_dir, tmp_path, capsys) -> None:
+    store = store_for(tiny_tokenizer_dir, tmp_path)
+    err = cli_error(["pretrain", "--data", str(store), "--out", str(tmp_path / "o"), "--arch", arch,
+                           "--layers", "2", "--hidden", "32", "--heads", "4", "--ffn", "64",
+                           "--objective", "mlm+nsp", "--max-steps", "1"], capsys)
+    assert "pretrain: --objective mlm+nsp needs --arch bert" in err and f"got --arch {arch}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_agnostic_distillation_of_a_modernbert_is_a_cli_error_naming_family_and_stage(family_dir, tmp_path,
+                                                                                     capsys) -> None:
+    folder = family_dir("modernbert")
+    store = store_for(folder, tmp_path)
+    err = cli_error(["distill", "--teacher", str(folder), "--out", str(tmp_path / "o"), "--mode", "agnostic",
+                           "--data", str(store), "--max-steps", "1", "--batch-size", "4"], capsys)
+    assert err.startswith("error: distill: modernbert teachers are not supported") and "ModernBertForMaskedLM" in err, err
+    assert not (tmp_path / "o").exists()

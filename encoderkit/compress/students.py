@@ -76,9 +76,11 @@ def build_student_from_teacher(teacher: nn.Module, layers: list[int]) -> nn.Modu
     missing, unexpected = student.load_state_dict(state, strict=False)
     missing = [k for k in missing if "position_ids" not in k]
     if missing or unexpected:
+        family = getattr(teacher.config, "model_type", type(teacher).__name__)
         raise EncoderkitError(
-            f"cannot initialise the student from the teacher ({type(teacher).__name__}): missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}; use a BERT-style teacher or pass --student"
+            f"distill: {family} teachers are not supported: cannot initialise the student from the teacher's layers "
+            f"({type(teacher).__name__}): missing {missing[:5]}, unexpected {unexpected[:5]}; use a BERT-style "
+            "teacher or pass --student FOLDER"
         )
     return student
 
