@@ -25,7 +25,8 @@ segment is the rest of a paragraph and its random one a segment of another parag
 
     python bench/axes.py --smoke                 # the whole pipeline, tiny, a few minutes
     nice -n 5 python bench/axes.py --threads 2   # the measurement (~2-2.5 hours on 2 cores)
-    nice -n 10 python bench/axes.py --threads 1 --minutes-per-model 1   # the full-size models on a small budget
+    nice -n 10 python bench/axes.py --threads 1 --minutes-per-model 1 --sst2-train 256 --sst2-dev 200 \
+        --eval-blocks 64                         # the full-size models on a small budget: proves the pipeline runs
 
 ``--minutes-per-model M`` sets a smaller (or larger) budget in minutes instead of token slots: a short
 calibration run of BERT (the RoBERTa recipe) measures this machine's pretraining tokens/s, and every
@@ -116,10 +117,15 @@ def tokenizer_and_store(plan: Plan, work: Path) -> tuple[Path, Path]:
 
     text = corpus(plan, work)
     tok = work / "tokenizer"
-    if not (tok / "tokenizer.json").is_file():
+    trained = not (tok / "tokenizer.json").is_file()
+    if trained:
         train_tokenizer(TokenizerConfig(corpus=[str(text)], out=str(tok), kind="wordpiece", vocab_size=plan.vocab,
                                         doc_split="blank_line"))
     store = work / "store"
+    meta = store / "meta.json"
+    if not trained and meta.is_file() and json.loads(meta.read_text()).get("seq_len") == plan.seq_len:
+        print(f"reusing the tokenizer and token store of {work} (same seq_len)", flush=True)
+        return tok, store
     prepare(PrepareConfig(corpus=[str(text)], tokenizer=str(tok), out=str(store), seq_len=plan.seq_len,
                           heldout=0.02, doc_split="blank_line", overwrite=True))
     return tok, store
@@ -147,7 +153,7 @@ def matched_ffn(arch: str, plan: Plan, vocab: int) -> tuple[int, int, int]:
     return best, non_embedding_params(arch, plan, best, vocab), target
 
 
-def calibrated_tokens(plan: Plan, store: Path, work: Path, minutes: float, steps: int = 8) -> tuple[int, float]:
+def calibrated_tokens(plan: Plan, store: Path, work: Path, minutes: float, steps: int = 4) -> tuple[int, float]:
     """(token slots, measured tokens/s): ``minutes`` of BERT pretraining (the RoBERTa recipe, the plan's shape)
     at the rate a ``steps``-step run measures here, rounded down to whole steps (at least one)."""
     from encoderkit.train.pretrain import PretrainConfig
@@ -255,14 +261,19 @@ def main() -> None:
                         help="budget in minutes instead: M x 60 x BERT's pretraining tokens/s measured here by a "
                              "short calibration run, the same token slots for every model (e.g. 1 for a quick run "
                              "of the full-size models)")
+    ap.add_argument("--sst2-train", type=int, default=0, metavar="N",
+                    help="SST-2 training sentences of the fine-tune after pretraining (default 8000; --smoke 64)")
+    ap.add_argument("--sst2-dev", type=int, default=0, metavar="N", help="SST-2 dev sentences scored (default: all 872)")
+    ap.add_argument("--eval-blocks", type=int, default=0, metavar="N",
+                    help="held-out blocks for the masked-token loss and accuracy (default 512; --smoke 32)")
     ap.add_argument("--seeds", type=int, default=2, help="seeds for the best two pretrained models (others: 1)")
     ap.add_argument("--only", default="", help="comma-separated subset of " + ", ".join(CONFIGS))
     ap.add_argument("--work", default="", help="work folder (default: a temporary one, kept and printed)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = ap.parse_args()
     started = time.perf_counter()
-    if args.tokens < 0 or args.minutes_per_model < 0:
-        ap.error("--tokens and --minutes-per-model must be positive")
+    if min(args.tokens, args.minutes_per_model, args.sst2_train, args.sst2_dev, args.eval_blocks) < 0:
+        ap.error("--tokens, --minutes-per-model, --sst2-train, --sst2-dev and --eval-blocks must be positive")
     print(f"hardware: {describe()}", flush=True)
 
     import dataclasses
@@ -274,6 +285,8 @@ def main() -> None:
     plan = SMOKE if args.smoke else Plan()
     if args.tokens:
         plan = dataclasses.replace(plan, tokens=args.tokens)
+    sizes = {"sst2_train": args.sst2_train, "sst2_dev": args.sst2_dev, "eval_blocks": args.eval_blocks}
+    plan = dataclasses.replace(plan, **{k: v for k, v in sizes.items() if v > 0})
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="axes-"))
     work.mkdir(parents=True, exist_ok=True)
     names = [n for n in (args.only.split(",") if args.only else CONFIGS) if n]
@@ -285,7 +298,8 @@ def main() -> None:
         print(f"budget: {args.minutes_per_model:g} min per model at BERT's calibrated {rate:,.0f} tokens/s here "
               f"-> {tokens:,} token slots", flush=True)
     print(f"plan: {plan.steps} steps x {plan.batch} x {plan.seq_len} = {plan.steps * plan.batch * plan.seq_len:,} "
-          f"token slots per model; work folder {work}", flush=True)
+          f"token slots per model; held-out {plan.eval_blocks} blocks; SST-2 fine-tune on {plan.sst2_train} sentences, "
+          f"dev {plan.sst2_dev or 872}; work folder {work}", flush=True)
     ffn, params = {}, {}
     for name in names:
         ffn[name], params[name], bert_params = matched_ffn(CONFIGS[name]["arch"], plan, vocab)
@@ -308,7 +322,7 @@ def main() -> None:
         print(f"{name:28s} {s}")
     parts = [f"{name}:loss={s.get('heldout_loss')},acc={s.get('heldout_accuracy')},sst2={s.get('sst2_dev_accuracy')},"
              f"tok_s={s.get('tokens_per_s')},seeds={s.get('seeds', 0)}" for name, s in table.items()]
-    print(f"RESULT smoke={int(args.smoke)} minutes_per_model={args.minutes_per_model:g} token_slots={plan.steps * plan.batch * plan.seq_len} best={ranked[0]['model']} "
+    print(f"RESULT smoke={int(args.smoke)} minutes_per_model={args.minutes_per_model:g} token_slots={plan.steps * plan.batch * plan.seq_len} sst2_train={plan.sst2_train} eval_blocks={plan.eval_blocks} best={ranked[0]['model']} "
           + " ".join(parts) + f" wall_s={time.perf_counter() - started:.0f} " + result_field())
 
 
