@@ -138,8 +138,6 @@ LEVER_REFUSED: dict[tuple[str, str], str] = {
     ("modernbert", "quantize-dynamic"): _NOT_BERT_LIKE.format(stage="quantize --method dynamic --backend torch",
                                                               family="modernbert", cls="ModernBert"),
     ("deberta-v2", "prune-heads"): r"prune --method heads: deberta-v2 models are not supported \(DebertaV2For\w+ lacks",
-    ("modernbert", "distill-task"): r"distill: modernbert teachers are not supported: cannot initialise the student "
-                                    r"from the teacher's layers \(ModernBertForSequenceClassification\)",
 }
 # (family, lever) -> (where it breaks and why, a regex of the message): crashes, or a result that cannot be served
 LEVER_XFAIL: dict[tuple[str, str], tuple[str, str]] = {}

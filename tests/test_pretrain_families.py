@@ -167,11 +167,32 @@ def test_nsp_from_scratch_on_another_arch_is_a_cli_error(arch, tiny_tokenizer_di
     assert not (tmp_path / "o").exists()
 
 
-def test_agnostic_distillation_of_a_modernbert_is_a_cli_error_naming_family_and_stage(family_dir, tmp_path,
-                                                                                     capsys) -> None:
-    folder = family_dir("modernbert")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_agnostic_distillation_gives_a_half_depth_student_of_the_family(family, family_dir, tmp_path, capsys) -> None:
+    """DistilBERT-style distillation (every other layer copied, MLM distillation on token blocks) for each
+    family's masked-LM folder; ModernBERT's student keeps the attention kind (global/local) of the layers copied.
+    An ELECTRA discriminator (no masked-LM head) is refused through the CLI, naming the family and the stage."""
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    from encoderkit.compress.distill import DistillConfig
+    from encoderkit.compress.distill import run as distill
+
+    folder = family_dir(family)
     store = store_for(folder, tmp_path)
-    err = cli_error(["distill", "--teacher", str(folder), "--out", str(tmp_path / "o"), "--mode", "agnostic",
-                           "--data", str(store), "--max-steps", "1", "--batch-size", "4"], capsys)
-    assert err.startswith("error: distill: modernbert teachers are not supported") and "ModernBertForMaskedLM" in err, err
-    assert not (tmp_path / "o").exists()
+    if family == "electra":  # the discriminator has no masked-LM head: refused by name; its pretrained folder works
+        err = cli_error(["distill", "--teacher", str(folder), "--out", str(tmp_path / "s"), "--mode", "agnostic",
+                         "--data", str(store), "--max-steps", "2", "--batch-size", "4"], capsys)
+        assert err.startswith("error: distill --mode agnostic: electra teachers without a masked-LM head are not "
+                              "supported") and "ElectraForPreTraining" in err, err
+        assert not (tmp_path / "s").exists()
+        folder = tmp_path / "pretrained"
+        run(continued(family_dir(family), store, folder, max_steps=1))
+    result = distill(DistillConfig(teacher=str(folder), out=str(tmp_path / "s"), mode="agnostic",
+                                   data=str(store), max_steps=2, batch_size=4))
+    assert result.steps == 2 and result.student_params < result.teacher_params
+    student = AutoModelForMaskedLM.from_pretrained(tmp_path / "s")
+    teacher = AutoConfig.from_pretrained(folder)
+    assert type(student).__name__ == MLM_CLASS[family]
+    assert student.config.num_hidden_layers == teacher.num_hidden_layers // 2 == 1
+    if family == "modernbert":
+        assert student.config.layer_types == teacher.layer_types[:1]

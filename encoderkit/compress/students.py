@@ -23,7 +23,7 @@ from encoderkit.models.pooling import apply_pooling
 
 # -- student construction --------------------------------------------------------------------------
 
-_LAYER_KEY = re.compile(r"(^|\.)layer\.(\d+)\.")
+_LAYER_KEY = re.compile(r"(^|\.)layers?\.(\d+)\.")  # encoder.layer.N (BERT-like), model.layers.N (ModernBERT)
 
 
 def parse_layer_map(spec: str | list[int] | None, n_teacher: int) -> list[int]:
@@ -69,7 +69,11 @@ def student_state_from_teacher(teacher_state: dict[str, torch.Tensor], layers: l
 def build_student_from_teacher(teacher: nn.Module, layers: list[int]) -> nn.Module:
     """A copy of ``teacher``'s architecture with ``len(layers)`` layers, initialised from the
     teacher's layers ``layers`` (plus embeddings, pooler and heads)."""
-    config = teacher.config.__class__.from_dict(teacher.config.to_dict())
+    settings = teacher.config.to_dict()
+    if isinstance(settings.get("layer_types"), list):  # per-layer attention (ModernBERT: global or sliding window)
+        settings["layer_types"] = [settings["layer_types"][i] for i in layers]  # as the layers copied had it
+        settings["num_hidden_layers"] = len(layers)  # checked against layer_types when the config is built
+    config = teacher.config.__class__.from_dict(settings)
     config.num_hidden_layers = len(layers)
     student = apply_pooling(type(teacher)(config))
     state = student_state_from_teacher(teacher.state_dict(), layers)
