@@ -181,11 +181,8 @@ def test_auto_runs_a_folder_holding_only_the_int8_graph_on_it(folders, tmp_path,
 
 
 def test_predict_refuses_an_output_it_cannot_write_before_loading_the_model(folders, tmp_path, monkeypatch, capsys):
-    import errno
-    import tempfile
-    from pathlib import Path
-
     from encoderkit.deploy import runtime
+    from tests.test_write_failures import read_only
 
     loaded = []
     monkeypatch.setattr(runtime.Predictor, "load", classmethod(lambda cls, *a, **k: loaded.append(a)))
@@ -196,16 +193,7 @@ def test_predict_refuses_an_output_it_cannot_write_before_loading_the_model(fold
     assert f"--output {blocker / 'sub' / 'out.jsonl'} cannot be created: {blocker} is a file" in capsys.readouterr().err
     assert main([*args, str(tmp_path)]) == 2
     assert f"--output {tmp_path} is a folder; give a file name" in capsys.readouterr().err
-    parent = tmp_path / "read-only"
-    parent.mkdir()
-    real = tempfile.mkdtemp
-
-    def mkdtemp(*a, dir=None, **k):  # what a read-only file system (or a folder the user may not write) answers
-        if dir is not None and Path(dir) == parent:
-            raise OSError(errno.EROFS, "Read-only file system", str(dir))
-        return real(*a, dir=dir, **k)
-
-    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    parent = read_only(tmp_path / "read-only", monkeypatch)
     assert main([*args, str(parent / "out.jsonl")]) == 2
     err = capsys.readouterr().err
     assert f"--output {parent / 'out.jsonl'} cannot be written: creating a folder in {parent} failed" in err, err
