@@ -25,6 +25,13 @@ segment is the rest of a paragraph and its random one a segment of another parag
 
     python bench/axes.py --smoke                 # the whole pipeline, tiny, a few minutes
     nice -n 5 python bench/axes.py --threads 2   # the measurement (~2-2.5 hours on 2 cores)
+    nice -n 10 python bench/axes.py --threads 1 --minutes-per-model 1 --sst2-train 256 --sst2-dev 200 \
+        --eval-blocks 64                         # the full-size models on a small budget: proves the pipeline runs
+
+``--minutes-per-model M`` sets a smaller (or larger) budget in minutes instead of token slots: a short
+calibration run of BERT (the RoBERTa recipe) measures this machine's pretraining tokens/s, and every
+model then gets the same M x 60 x that many token slots (stated in the ``plan:`` line and the RESULT
+line). The other models' minutes differ by their speed; the token budget is what stays the same.
 
 Ends with one ``RESULT`` line; the full table is written to ``<work>/axes.json``.
 """
@@ -110,10 +117,15 @@ def tokenizer_and_store(plan: Plan, work: Path) -> tuple[Path, Path]:
 
     text = corpus(plan, work)
     tok = work / "tokenizer"
-    if not (tok / "tokenizer.json").is_file():
+    trained = not (tok / "tokenizer.json").is_file()
+    if trained:
         train_tokenizer(TokenizerConfig(corpus=[str(text)], out=str(tok), kind="wordpiece", vocab_size=plan.vocab,
                                         doc_split="blank_line"))
     store = work / "store"
+    meta = store / "meta.json"
+    if not trained and meta.is_file() and json.loads(meta.read_text()).get("seq_len") == plan.seq_len:
+        print(f"reusing the tokenizer and token store of {work} (same seq_len)", flush=True)
+        return tok, store
     prepare(PrepareConfig(corpus=[str(text)], tokenizer=str(tok), out=str(store), seq_len=plan.seq_len,
                           heldout=0.02, doc_split="blank_line", overwrite=True))
     return tok, store
@@ -141,13 +153,29 @@ def matched_ffn(arch: str, plan: Plan, vocab: int) -> tuple[int, int, int]:
     return best, non_embedding_params(arch, plan, best, vocab), target
 
 
+def calibrated_tokens(plan: Plan, store: Path, work: Path, minutes: float, steps: int = 4) -> tuple[int, float]:
+    """(token slots, measured tokens/s): ``minutes`` of BERT pretraining (the RoBERTa recipe, the plan's shape)
+    at the rate a ``steps``-step run measures here, rounded down to whole steps (at least one)."""
+    from encoderkit.train.pretrain import PretrainConfig
+    from encoderkit.train.pretrain import run as pretrain
+
+    res = pretrain(PretrainConfig(data=str(store), out=str(work / ".calibrate"), layers=plan.layers, hidden=plan.hidden,
+                                  heads=plan.heads, ffn=plan.ffn, lr=plan.lr, batch_size=plan.batch, max_steps=steps,
+                                  warmup=1, eval_blocks=8, overwrite=True, run_dir=str(work / ".calibrate-run"),
+                                  **CONFIGS["bert-roberta"]))
+    rate = float(res.tokens_per_s or 0.0)
+    per_step = plan.batch * plan.seq_len
+    return max(1, int(minutes * 60 * rate) // per_step) * per_step, rate
+
+
 def heldout_metrics(model_dir: Path, store: Path, plan: Plan) -> dict[str, float]:
     """Held-out masked-token loss and accuracy with seed-0 masks (the same masks for every model)."""
+    from encoderkit.models.folder import ModelFolder
     from encoderkit.tokenizer import load_tokenizer
     from encoderkit.train.pretrain import evaluate_folder
 
     cfg = SimpleNamespace(mask_rate=0.15, seed=0, max_examples=plan.eval_blocks, batch_size=32)
-    return evaluate_folder(model_dir, load_tokenizer(store), store, cfg, {})
+    return evaluate_folder(ModelFolder.open(model_dir, tokenizer=False), load_tokenizer(store), store, cfg)
 
 
 def sst2(model_dir: Path, out: Path, plan: Plan, seed: int) -> float:
@@ -227,12 +255,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--smoke", action="store_true", help="everything tiny (2 short books, 2-layer models, a few steps)")
-    ap.add_argument("--tokens", type=int, default=0, help="token slots per pretrained model (default 6,000,000)")
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--tokens", type=int, default=0, help="token slots per pretrained model (default 6,000,000)")
+    budget.add_argument("--minutes-per-model", type=float, default=0.0, metavar="M",
+                        help="budget in minutes instead: M x 60 x BERT's pretraining tokens/s measured here by a "
+                             "short calibration run, the same token slots for every model (e.g. 1 for a quick run "
+                             "of the full-size models)")
+    ap.add_argument("--sst2-train", type=int, default=0, metavar="N",
+                    help="SST-2 training sentences of the fine-tune after pretraining (default 8000; --smoke 64)")
+    ap.add_argument("--sst2-dev", type=int, default=0, metavar="N", help="SST-2 dev sentences scored (default: all 872)")
+    ap.add_argument("--eval-blocks", type=int, default=0, metavar="N",
+                    help="held-out blocks for the masked-token loss and accuracy (default 512; --smoke 32)")
     ap.add_argument("--seeds", type=int, default=2, help="seeds for the best two pretrained models (others: 1)")
     ap.add_argument("--only", default="", help="comma-separated subset of " + ", ".join(CONFIGS))
     ap.add_argument("--work", default="", help="work folder (default: a temporary one, kept and printed)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     args = ap.parse_args()
+    started = time.perf_counter()
+    if min(args.tokens, args.minutes_per_model, args.sst2_train, args.sst2_dev, args.eval_blocks) < 0:
+        ap.error("--tokens, --minutes-per-model, --sst2-train, --sst2-dev and --eval-blocks must be positive")
     print(f"hardware: {describe()}", flush=True)
 
     import dataclasses
@@ -244,13 +285,21 @@ def main() -> None:
     plan = SMOKE if args.smoke else Plan()
     if args.tokens:
         plan = dataclasses.replace(plan, tokens=args.tokens)
+    sizes = {"sst2_train": args.sst2_train, "sst2_dev": args.sst2_dev, "eval_blocks": args.eval_blocks}
+    plan = dataclasses.replace(plan, **{k: v for k, v in sizes.items() if v > 0})
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="axes-"))
     work.mkdir(parents=True, exist_ok=True)
     names = [n for n in (args.only.split(",") if args.only else CONFIGS) if n]
     _tok, store = tokenizer_and_store(plan, work)
     vocab = json.loads((store / "meta.json").read_text())["vocab_size"]
+    if args.minutes_per_model:
+        tokens, rate = calibrated_tokens(plan, store, work, args.minutes_per_model)
+        plan = dataclasses.replace(plan, tokens=tokens)
+        print(f"budget: {args.minutes_per_model:g} min per model at BERT's calibrated {rate:,.0f} tokens/s here "
+              f"-> {tokens:,} token slots", flush=True)
     print(f"plan: {plan.steps} steps x {plan.batch} x {plan.seq_len} = {plan.steps * plan.batch * plan.seq_len:,} "
-          f"token slots per model; work folder {work}", flush=True)
+          f"token slots per model; held-out {plan.eval_blocks} blocks; SST-2 fine-tune on {plan.sst2_train} sentences, "
+          f"dev {plan.sst2_dev or 872}; work folder {work}", flush=True)
     ffn, params = {}, {}
     for name in names:
         ffn[name], params[name], bert_params = matched_ffn(CONFIGS[name]["arch"], plan, vocab)
@@ -273,8 +322,8 @@ def main() -> None:
         print(f"{name:28s} {s}")
     parts = [f"{name}:loss={s.get('heldout_loss')},acc={s.get('heldout_accuracy')},sst2={s.get('sst2_dev_accuracy')},"
              f"tok_s={s.get('tokens_per_s')},seeds={s.get('seeds', 0)}" for name, s in table.items()]
-    print(f"RESULT smoke={int(args.smoke)} token_slots={plan.steps * plan.batch * plan.seq_len} best={ranked[0]['model']} "
-          + " ".join(parts) + " " + result_field())
+    print(f"RESULT smoke={int(args.smoke)} minutes_per_model={args.minutes_per_model:g} token_slots={plan.steps * plan.batch * plan.seq_len} sst2_train={plan.sst2_train} eval_blocks={plan.eval_blocks} best={ranked[0]['model']} "
+          + " ".join(parts) + f" wall_s={time.perf_counter() - started:.0f} " + result_field())
 
 
 if __name__ == "__main__":

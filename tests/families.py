@@ -1,6 +1,6 @@
 """Tiny random encoders of every family encoderkit supports, built in-process (hidden 32, 2 layers),
 each saved with a tokenizer of the kind the family ships with. Bring the fixtures into a test
-module with ``bpe_tokenizer_dir, family_dir = families.bpe_tokenizer_dir, families.family_dir``.
+module with ``family_dir, tuned = families.family_dir, families.tuned`` (and ``bpe_tokenizer_dir``).
 
 - bert, electra, deberta-v2, modernbert: the tiny WordPiece tokenizer of ``conftest`` (token types on);
 - distilbert: the same vocabulary in DistilBERT's tokenizer class (no token type ids: its model takes none);
@@ -8,19 +8,27 @@ module with ``bpe_tokenizer_dir, family_dir = families.bpe_tokenizer_dir, famili
 
 The folder holds the family's masked-LM model where the family has an MLM head; ELECTRA's is the
 discriminator (``ElectraForPreTraining``), which has none, as on the Hub. ``headless=True`` saves the
-bare encoder (``AutoModel``) instead.
+bare encoder (``AutoModel``) instead. ``tuned(family, task)`` is that bare encoder fine-tuned 2 steps on
+a tiny seeded data set of ``task`` (``task_data``), shared by the matrix's modules.
 """
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.conftest import WORDS
 
 FAMILIES = ("bert", "roberta", "deberta-v2", "electra", "distilbert", "modernbert")
+TASKS = ("classify", "ner", "qa", "rerank", "embed")
+# the words of the tiny task data sets (task_data)
+FILL = ["the", "a", "of", "to", "and", "in", "is", "was", "it", "that", "for", "on", "with", "as", "at", "by"]
+TOPICS = ["python", "code", "data", "model", "movie", "film", "story", "love"]
 # the class `AutoModelForMaskedLM` gives for each family's folder
 MLM_CLASS = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM", "deberta-v2": "DebertaV2ForMaskedLM",
              "electra": "ElectraForMaskedLM", "distilbert": "DistilBertForMaskedLM",
@@ -118,3 +126,123 @@ def family_dir(tmp_path_factory, tiny_tokenizer_dir, bpe_tokenizer_dir):
         return made[key]
 
     return get
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def task_data(task: str, tmp: Path) -> tuple[Path, Path, dict]:
+    """(train file, predict input file, finetune settings) of a tiny, seeded data set for ``task``."""
+    rng = random.Random(0)
+    if task == "classify":
+        lines = ["sentence\tlabel"] + [f"{' '.join(rng.sample(FILL, 3))} {t}\t{'pos' if t in TOPICS[:4] else 'neg'}"
+                                       for t in rng.choices(TOPICS, k=24)]
+        (tmp / "train.tsv").write_text("\n".join(lines) + "\n")
+        (tmp / "in.txt").write_text("the python code\na movie of love\nit was data\n")
+        return tmp / "train.tsv", tmp / "in.txt", {"max_length": 16}
+    if task == "ner":
+        lines = []
+        for _ in range(16):
+            for _ in range(rng.randint(3, 6)):
+                lines.append(f"{rng.choice(TOPICS[:2])} X I-LANG" if rng.random() < 0.3 else f"{rng.choice(FILL)} X O")
+            lines.append("")
+        (tmp / "train.conll").write_text("\n".join(lines) + "\n")
+        (tmp / "in.txt").write_text("the python code is data\nit was a film\n")
+        return tmp / "train.conll", tmp / "in.txt", {"max_length": 16, "stride": 4}
+    if task == "qa":
+        paras = []
+        for i in range(16):
+            words = rng.sample(FILL, 6)
+            ans = rng.choice(TOPICS[:3])
+            words.insert(rng.randint(0, 6), ans)
+            ctx = " ".join(words)
+            paras.append({"context": ctx, "qas": [{"id": str(i), "question": "which one ?",
+                                                   "answers": [{"text": ans, "answer_start": ctx.index(ans)}]}]})
+        (tmp / "train.json").write_text(json.dumps({"data": [{"title": "t", "paragraphs": paras}]}))
+        _jsonl(tmp / "in.jsonl", [{"question": "which one ?", "context": "the data was in it"},
+                                  {"question": "which one ?", "context": "a code of the model"}])
+        return tmp / "train.json", tmp / "in.jsonl", {"max_length": 32, "doc_stride": 8}
+    rows = []
+    for _ in range(16):
+        topic, *others = rng.sample(TOPICS, 4)
+        rows.append({"query": topic, "positive": f"{' '.join(rng.sample(FILL, 3))} {topic}",
+                     "negatives": [f"{' '.join(rng.sample(FILL, 3))} {t}" for t in others]})
+    _jsonl(tmp / "train.jsonl", rows)
+    if task == "rerank":
+        _jsonl(tmp / "in.jsonl", [{"query": "python", "passages": ["the python code", "a movie", "of data"]}])
+        return tmp / "train.jsonl", tmp / "in.jsonl", {"max_length": 16, "max_query_length": 8, "num_negatives": 1}
+    (tmp / "in.txt").write_text("the python code\na movie of love\n")
+    return tmp / "train.jsonl", tmp / "in.txt", {"max_length": 16, "max_query_length": 8}
+
+
+def numbers(record: dict) -> np.ndarray:
+    """Every float in a predict record, in order (labels and texts are compared apart)."""
+    out: list[float] = []
+
+    def walk(x) -> None:
+        if isinstance(x, float):
+            out.append(x)
+        elif isinstance(x, dict):
+            for k in sorted(x):
+                walk(x[k])
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(record)
+    return np.array(out)
+
+
+def strings(record: dict) -> list:
+    """Everything in a predict record but its floats (labels, answers, texts)."""
+    if isinstance(record, dict):
+        return [(k, strings(v)) for k, v in sorted(record.items()) if not isinstance(v, float)]
+    if isinstance(record, list):
+        return [strings(v) for v in record if not isinstance(v, float)]
+    return record
+
+
+def predict_records(folder: Path, inputs: Path, backend: str, out: Path) -> list[dict]:
+    from encoderkit.deploy.runtime import PredictConfig
+    from encoderkit.deploy.runtime import run as predict
+
+    predict(PredictConfig(model=str(folder), input=str(inputs), output=str(out), backend=backend))
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def tuned(family_dir, tmp_path_factory):
+    """``tuned(family, task) -> (folder, predict input)``: the family's bare encoder fine-tuned 2 steps
+    on ``task`` (cached per session, so the export, lever and serve cells reuse the fine-tuning cells' folders)."""
+    from encoderkit.train.finetune import FinetuneConfig
+    from encoderkit.train.finetune import run as finetune
+
+    made: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def get(family: str, task: str) -> tuple[Path, Path]:
+        if (family, task) not in made:
+            tmp = tmp_path_factory.mktemp(f"{family}-{task}")
+            train, inputs, kw = task_data(task, tmp)
+            result = finetune(FinetuneConfig(model=str(family_dir(family, headless=True)), task=task, train=str(train),
+                                             out=str(tmp / "ft"), max_steps=2, batch_size=4, lr=1e-3, bf16=False,
+                                             **kw))
+            assert result.steps == 2
+            made[family, task] = (tmp / "ft", inputs)
+        return made[family, task]
+
+    return get
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """Run ``encoderkit argv`` in-process: it must exit 2 with one ``error:`` line and no traceback (progress
+    bars may come before it); returns that line."""
+    from encoderkit.cli import main
+
+    capsys.readouterr()  # drop what the fixtures printed
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]

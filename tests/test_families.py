@@ -13,7 +13,8 @@ and a fix shows up as a failure saying "DID NOT RAISE", which asks for the entry
 Compression levers (prune heads, prune FFN, dynamic INT8, task distillation) on each family's
 fine-tuned classifier: a lever that works gives a smaller model (pruning, distillation: half the
 layers) whose predictions are well formed (INT8: within 0.1 of fp32); a lever that refuses a family
-must do so with an EncoderkitError naming the model class (LEVER_REFUSED) and leave no output;
+must do so with an EncoderkitError naming the family, the stage and the model class (LEVER_REFUSED),
+through the library and the CLI (exit 2, one "error:" line, no traceback), and leave no output;
 crashes are listed in LEVER_XFAIL with where they happen.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import re
 from pathlib import Path
 
@@ -29,126 +29,15 @@ import numpy as np
 import pytest
 
 from tests import families
-from tests.families import FAMILIES
+from tests.families import FAMILIES, TASKS, cli_error, numbers, predict_records, strings
 
-bpe_tokenizer_dir, family_dir = families.bpe_tokenizer_dir, families.family_dir  # the fixtures
-
-TASKS = ("classify", "ner", "qa", "rerank", "embed")
-FILL = ["the", "a", "of", "to", "and", "in", "is", "was", "it", "that", "for", "on", "with", "as", "at", "by"]
-TOPICS = ["python", "code", "data", "model", "movie", "film", "story", "love"]
+bpe_tokenizer_dir, family_dir, tuned = families.bpe_tokenizer_dir, families.family_dir, families.tuned  # the fixtures
 
 # A known cell must still raise exactly that (else the test fails: fixed -> "DID NOT RAISE", remove it).
 # (family, task) -> (where it fails today and why, a regex of the message raised). Empty: DeBERTa-v2 predicts
 # (eager attention where a family has no sdpa kernel) and exports (the graph is fed only the inputs it kept).
 PREDICT_XFAIL: dict[tuple[str, str], tuple[str, str]] = {}
 EXPORT_XFAIL: dict[tuple[str, str], tuple[str, str]] = {}
-
-
-def _jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def task_data(task: str, tmp: Path) -> tuple[Path, Path, dict]:
-    """(train file, predict input file, finetune settings) of a tiny, seeded data set for ``task``."""
-    rng = random.Random(0)
-    if task == "classify":
-        lines = ["sentence\tlabel"] + [f"{' '.join(rng.sample(FILL, 3))} {t}\t{'pos' if t in TOPICS[:4] else 'neg'}"
-                                       for t in rng.choices(TOPICS, k=24)]
-        (tmp / "train.tsv").write_text("\n".join(lines) + "\n")
-        (tmp / "in.txt").write_text("the python code\na movie of love\nit was data\n")
-        return tmp / "train.tsv", tmp / "in.txt", {"max_length": 16}
-    if task == "ner":
-        lines = []
-        for _ in range(16):
-            for _ in range(rng.randint(3, 6)):
-                lines.append(f"{rng.choice(TOPICS[:2])} X I-LANG" if rng.random() < 0.3 else f"{rng.choice(FILL)} X O")
-            lines.append("")
-        (tmp / "train.conll").write_text("\n".join(lines) + "\n")
-        (tmp / "in.txt").write_text("the python code is data\nit was a film\n")
-        return tmp / "train.conll", tmp / "in.txt", {"max_length": 16, "stride": 4}
-    if task == "qa":
-        paras = []
-        for i in range(16):
-            words = rng.sample(FILL, 6)
-            ans = rng.choice(TOPICS[:3])
-            words.insert(rng.randint(0, 6), ans)
-            ctx = " ".join(words)
-            paras.append({"context": ctx, "qas": [{"id": str(i), "question": "which one ?",
-                                                   "answers": [{"text": ans, "answer_start": ctx.index(ans)}]}]})
-        (tmp / "train.json").write_text(json.dumps({"data": [{"title": "t", "paragraphs": paras}]}))
-        _jsonl(tmp / "in.jsonl", [{"question": "which one ?", "context": "the data was in it"},
-                                  {"question": "which one ?", "context": "a code of the model"}])
-        return tmp / "train.json", tmp / "in.jsonl", {"max_length": 32, "doc_stride": 8}
-    rows = []
-    for _ in range(16):
-        topic, *others = rng.sample(TOPICS, 4)
-        rows.append({"query": topic, "positive": f"{' '.join(rng.sample(FILL, 3))} {topic}",
-                     "negatives": [f"{' '.join(rng.sample(FILL, 3))} {t}" for t in others]})
-    _jsonl(tmp / "train.jsonl", rows)
-    if task == "rerank":
-        _jsonl(tmp / "in.jsonl", [{"query": "python", "passages": ["the python code", "a movie", "of data"]}])
-        return tmp / "train.jsonl", tmp / "in.jsonl", {"max_length": 16, "max_query_length": 8, "num_negatives": 1}
-    (tmp / "in.txt").write_text("the python code\na movie of love\n")
-    return tmp / "train.jsonl", tmp / "in.txt", {"max_length": 16, "max_query_length": 8}
-
-
-def numbers(record: dict) -> np.ndarray:
-    """Every float in a predict record, in order (labels and texts are compared apart)."""
-    out: list[float] = []
-
-    def walk(x) -> None:
-        if isinstance(x, float):
-            out.append(x)
-        elif isinstance(x, dict):
-            for k in sorted(x):
-                walk(x[k])
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(record)
-    return np.array(out)
-
-
-def strings(record: dict) -> list:
-    """Everything in a predict record but its floats (labels, answers, texts)."""
-    if isinstance(record, dict):
-        return [(k, strings(v)) for k, v in sorted(record.items()) if not isinstance(v, float)]
-    if isinstance(record, list):
-        return [strings(v) for v in record if not isinstance(v, float)]
-    return record
-
-
-@pytest.fixture(scope="module")
-def tuned(family_dir, tmp_path_factory):
-    """``tuned(family, task) -> (folder, predict input)``: the family's bare encoder fine-tuned 2 steps
-    on ``task`` (cached per module, so the export cells reuse the fine-tuning cells' folders)."""
-    from encoderkit.train.finetune import FinetuneConfig
-    from encoderkit.train.finetune import run as finetune
-
-    made: dict[tuple[str, str], tuple[Path, Path]] = {}
-
-    def get(family: str, task: str) -> tuple[Path, Path]:
-        if (family, task) not in made:
-            tmp = tmp_path_factory.mktemp(f"{family}-{task}")
-            train, inputs, kw = task_data(task, tmp)
-            result = finetune(FinetuneConfig(model=str(family_dir(family, headless=True)), task=task, train=str(train),
-                                             out=str(tmp / "ft"), max_steps=2, batch_size=4, lr=1e-3, bf16=False,
-                                             **kw))
-            assert result.steps == 2
-            made[family, task] = (tmp / "ft", inputs)
-        return made[family, task]
-
-    return get
-
-
-def predict_records(folder: Path, inputs: Path, backend: str, out: Path) -> list[dict]:
-    from encoderkit.deploy.runtime import PredictConfig
-    from encoderkit.deploy.runtime import run as predict
-
-    predict(PredictConfig(model=str(folder), input=str(inputs), output=str(out), backend=backend))
-    return [json.loads(line) for line in out.read_text().splitlines()]
 
 
 def check_against_transformers(task: str, folder: Path, inputs: Path, records: list[dict]) -> None:
@@ -233,17 +122,22 @@ def test_family_exports_with_parity_and_onnx_predicts_like_torch(family, task, t
 
 # -- compression levers on each family's fine-tuned classifier --------------------------------------
 LEVERS = ("prune-heads", "prune-ffn", "quantize-dynamic", "distill-task")
-_NOT_BERT_LIKE = r"{}ForSequenceClassification: no encoder.layer list found; only BERT-like encoders"
-# (family, lever) -> the refusal (an EncoderkitError) it gives today: a clear "refused", the cell checks it
+LEVER_STAGE = {"prune-heads": "prune --method heads", "prune-ffn": "prune --method ffn",
+               "quantize-dynamic": "quantize --method dynamic", "distill-task": "distill"}  # how a refusal opens
+_NOT_BERT_LIKE = r"{stage}: {family} models are not supported \({cls}ForSequenceClassification has no BERT-style encoder"
+# (family, lever) -> the refusal (an EncoderkitError naming the family and the stage) it gives today: a clear
+# "refused", checked here through the library and in test_a_refused_lever_is_a_cli_error_naming_family_and_stage
+# through the CLI
 LEVER_REFUSED: dict[tuple[str, str], str] = {
-    ("distilbert", "prune-heads"): _NOT_BERT_LIKE.format("DistilBert"),
-    ("distilbert", "quantize-dynamic"): _NOT_BERT_LIKE.format("DistilBert"),  # compress/gptq.py:117 lists layers
-    ("modernbert", "prune-heads"): _NOT_BERT_LIKE.format("ModernBert"),
-    ("modernbert", "prune-ffn"): _NOT_BERT_LIKE.format("ModernBert"),
-    ("modernbert", "quantize-dynamic"): _NOT_BERT_LIKE.format("ModernBert"),
-    ("distilbert", "prune-ffn"): _NOT_BERT_LIKE.format("DistilBert"),
+    ("distilbert", "prune-heads"): _NOT_BERT_LIKE.format(stage="prune --method heads", family="distilbert", cls="DistilBert"),
+    ("distilbert", "prune-ffn"): _NOT_BERT_LIKE.format(stage="prune --method ffn", family="distilbert", cls="DistilBert"),
+    ("distilbert", "quantize-dynamic"): _NOT_BERT_LIKE.format(stage="quantize --method dynamic --backend torch",
+                                                              family="distilbert", cls="DistilBert"),
+    ("modernbert", "prune-heads"): _NOT_BERT_LIKE.format(stage="prune --method heads", family="modernbert", cls="ModernBert"),
+    ("modernbert", "prune-ffn"): _NOT_BERT_LIKE.format(stage="prune --method ffn", family="modernbert", cls="ModernBert"),
+    ("modernbert", "quantize-dynamic"): _NOT_BERT_LIKE.format(stage="quantize --method dynamic --backend torch",
+                                                              family="modernbert", cls="ModernBert"),
     ("deberta-v2", "prune-heads"): r"prune --method heads: deberta-v2 models are not supported \(DebertaV2For\w+ lacks",
-    ("modernbert", "distill-task"): r"cannot initialise the student from the teacher \(ModernBertForSequenceClassification\)",
 }
 # (family, lever) -> (where it breaks and why, a regex of the message): crashes, or a result that cannot be served
 LEVER_XFAIL: dict[tuple[str, str], tuple[str, str]] = {}
@@ -283,6 +177,26 @@ def test_family_compression_levers(family, lever, tuned, tmp_path) -> None:
         return
     with known_failure(LEVER_XFAIL.get((family, lever))):
         lever_and_checks(lever, folder, inputs, tmp_path)
+
+
+def lever_argv(lever: str, folder: Path, train: Path, out: Path) -> list[str]:
+    """``apply_lever``'s settings as an ``encoderkit`` command line."""
+    if lever.startswith("prune"):
+        return ["prune", "--model", str(folder), "--out", str(out), "--method", lever.split("-")[1], "--amount", "0.5",
+                "--importance", "magnitude", "--no-measure"]
+    if lever == "quantize-dynamic":
+        return ["quantize", "--model", str(folder), "--out", str(out), "--method", "dynamic", "--no-measure"]
+    return ["distill", "--teacher", str(folder), "--out", str(out), "--mode", "task", "--train", str(train),
+            "--max-steps", "2", "--batch-size", "4", "--seq-len", "16"]
+
+
+@pytest.mark.parametrize(("family", "lever"), [pytest.param(f, lv, id=f"{f}-{lv}") for f, lv in LEVER_REFUSED])
+def test_a_refused_lever_is_a_cli_error_naming_family_and_stage(family, lever, tuned, tmp_path, capsys) -> None:
+    folder, _ = tuned(family, "classify")
+    err = cli_error(lever_argv(lever, folder, folder.parent / "train.tsv", tmp_path / "out"), capsys)
+    assert err.startswith(f"error: {LEVER_STAGE[lever]}") and f" {family} " in err, err
+    assert re.search(LEVER_REFUSED[family, lever], err), err
+    assert not (tmp_path / "out").exists()
 
 
 def lever_and_checks(lever: str, folder: Path, inputs: Path, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from encoderkit.models.load import load_encoder
 from encoderkit.models.mlm import MaskedOnlyMLM, mlm_layout
 from encoderkit.train.pretrain import PretrainConfig, run
 from tests import families
-from tests.families import FAMILIES, MLM_CLASS, corpus_text
+from tests.families import FAMILIES, MLM_CLASS, cli_error, corpus_text
 from tests.test_pretrain import SENTENCE, make_store
 
 bpe_tokenizer_dir, family_dir = families.bpe_tokenizer_dir, families.family_dir  # the fixtures
@@ -145,3 +145,54 @@ def test_a_hub_style_deberta_folder_keeps_its_lm_predictions_head(family_dir, tm
     saved = AutoModelForMaskedLM.from_pretrained(family_dir("deberta-v2"))
     assert hasattr(model, "lm_predictions") and not model.config.legacy
     assert torch.equal(model.lm_predictions.lm_head.dense.weight, saved.lm_predictions.lm_head.dense.weight)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "bert"])
+def test_nsp_on_another_family_is_a_cli_error_naming_family_and_stage(family, family_dir, tmp_path, capsys) -> None:
+    folder = family_dir(family)
+    store = store_for(folder, tmp_path)
+    err = cli_error(["pretrain", "--data", str(store), "--model", str(folder), "--out", str(tmp_path / "o"),
+                           "--objective", "mlm+nsp", "--max-steps", "1", "--bf16", "off"], capsys)
+    assert "pretrain --objective mlm+nsp needs a BERT model" in err and f"holds a {family} model" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("arch", ["deberta", "modernbert"])
+def test_nsp_from_scratch_on_another_arch_is_a_cli_error(arch, tiny_tokenizer_dir, tmp_path, capsys) -> None:
+    store = store_for(tiny_tokenizer_dir, tmp_path)
+    err = cli_error(["pretrain", "--data", str(store), "--out", str(tmp_path / "o"), "--arch", arch,
+                           "--layers", "2", "--hidden", "32", "--heads", "4", "--ffn", "64",
+                           "--objective", "mlm+nsp", "--max-steps", "1"], capsys)
+    assert "pretrain: --objective mlm+nsp needs --arch bert" in err and f"got --arch {arch}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_agnostic_distillation_gives_a_half_depth_student_of_the_family(family, family_dir, tmp_path, capsys) -> None:
+    """DistilBERT-style distillation (every other layer copied, MLM distillation on token blocks) for each
+    family's masked-LM folder; ModernBERT's student keeps the attention kind (global/local) of the layers copied.
+    An ELECTRA discriminator (no masked-LM head) is refused through the CLI, naming the family and the stage."""
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    from encoderkit.compress.distill import DistillConfig
+    from encoderkit.compress.distill import run as distill
+
+    folder = family_dir(family)
+    store = store_for(folder, tmp_path)
+    if family == "electra":  # the discriminator has no masked-LM head: refused by name; its pretrained folder works
+        err = cli_error(["distill", "--teacher", str(folder), "--out", str(tmp_path / "s"), "--mode", "agnostic",
+                         "--data", str(store), "--max-steps", "2", "--batch-size", "4"], capsys)
+        assert err.startswith("error: distill --mode agnostic: electra teachers without a masked-LM head are not "
+                              "supported") and "ElectraForPreTraining" in err, err
+        assert not (tmp_path / "s").exists()
+        folder = tmp_path / "pretrained"
+        run(continued(family_dir(family), store, folder, max_steps=1))
+    result = distill(DistillConfig(teacher=str(folder), out=str(tmp_path / "s"), mode="agnostic",
+                                   data=str(store), max_steps=2, batch_size=4))
+    assert result.steps == 2 and result.student_params < result.teacher_params
+    student = AutoModelForMaskedLM.from_pretrained(tmp_path / "s")
+    teacher = AutoConfig.from_pretrained(folder)
+    assert type(student).__name__ == MLM_CLASS[family]
+    assert student.config.num_hidden_layers == teacher.num_hidden_layers // 2 == 1
+    if family == "modernbert":
+        assert student.config.layer_types == teacher.layer_types[:1]

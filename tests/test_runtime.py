@@ -153,6 +153,58 @@ def test_auto_backend_and_wrong_task_calls(folders, tmp_path_factory, tiny_token
         Predictor.load(folders["ner"], backend="gpu")
 
 
+def test_auto_runs_a_folder_holding_only_the_int8_graph_on_it(folders, tmp_path, monkeypatch, capsys):
+    """An INT8-only export of a classifier (no model.onnx, no weights): auto, serve's default, runs
+    model.int8.onnx rather than trying to export an FP32 graph it has nothing to export from."""
+    import shutil
+
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+    only = tmp_path / "int8-only"
+    shutil.copytree(folders["classify"], only)
+    for f in ["model.onnx", "model.safetensors", "pytorch_model.bin"]:
+        (only / f).unlink(missing_ok=True)
+    assert sorted(p.name for p in only.glob("*.onnx")) == ["model.int8.onnx"]
+    p = Predictor.load(only)
+    assert p.backend == "onnx-int8" and Predictor.load(folders["classify"]).backend == "onnx-fp32"
+    ref = Predictor.load(folders["classify"], backend="onnx-int8").classify(TEXTS)
+    assert [r["scores"] for r in p.classify(TEXTS)] == [r["scores"] for r in ref]
+    assert not (tmp_path / "cache").exists()  # nothing was exported
+    from encoderkit.deploy.serve import load_models
+
+    assert load_models([f"c={only}"])["c"].backend == "onnx-int8"  # `encoderkit serve --model c=DIR`
+    assert main(["predict", "--model", str(only), "--input", str(_txt(tmp_path)), "--output", str(tmp_path / "o.jsonl")]) == 0
+    assert [json.loads(x)["scores"] for x in (tmp_path / "o.jsonl").read_text().splitlines()] == [r["scores"] for r in ref]
+    assert main(["predict", "--model", str(only), "--backend", "onnx-fp32", "--input", str(_txt(tmp_path)),
+                 "--output", str(tmp_path / "f.jsonl")]) == 2  # asked for FP32 explicitly: a clear refusal
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err, err
+
+
+def test_predict_refuses_an_output_it_cannot_write_before_loading_the_model(folders, tmp_path, monkeypatch, capsys):
+    from encoderkit.deploy import runtime
+    from tests.test_write_failures import read_only
+
+    loaded = []
+    monkeypatch.setattr(runtime.Predictor, "load", classmethod(lambda cls, *a, **k: loaded.append(a)))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    args = ["predict", "--model", str(folders["classify"]), "--input", str(_txt(tmp_path)), "--output"]
+    assert main([*args, str(blocker / "sub" / "out.jsonl")]) == 2
+    assert f"--output {blocker / 'sub' / 'out.jsonl'} cannot be created: {blocker} is a file" in capsys.readouterr().err
+    assert main([*args, str(tmp_path)]) == 2
+    assert f"--output {tmp_path} is a folder; give a file name" in capsys.readouterr().err
+    parent = read_only(tmp_path / "read-only", monkeypatch)
+    assert main([*args, str(parent / "out.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"--output {parent / 'out.jsonl'} cannot be written: creating a folder in {parent} failed" in err, err
+    assert loaded == [] and list(parent.iterdir()) == []
+
+
+def _txt(tmp_path):
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS) + "\n")
+    return tmp_path / "in.txt"
+
+
 def test_auto_exports_a_plain_folder_once(tmp_path_factory, tiny_tokenizer_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
     src = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")

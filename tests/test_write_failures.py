@@ -160,11 +160,12 @@ def test_out_under_a_file_is_refused_before_training(store, tmp_path, monkeypatc
     assert started == [] and sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "train.tsv"]
 
 
-def test_read_only_parent_is_refused_before_training(store, tmp_path, monkeypatch, capsys, one_thread):
+def read_only(parent: Path, monkeypatch) -> Path:
+    """Make ``parent`` (created here) answer as a read-only file system to the write check's probe folder
+    (chmod would not do: the tests may run as root)."""
     import errno
     import tempfile
 
-    parent = tmp_path / "read-only"
     parent.mkdir()
     real = tempfile.mkdtemp
 
@@ -174,6 +175,11 @@ def test_read_only_parent_is_refused_before_training(store, tmp_path, monkeypatc
         return real(*a, dir=dir, **k)
 
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    return parent
+
+
+def test_read_only_parent_is_refused_before_training(store, tmp_path, monkeypatch, capsys, one_thread):
+    parent = read_only(tmp_path / "read-only", monkeypatch)
     started = _count_steps(monkeypatch)
     assert main([*_pretrain_args(store, parent / "model"), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err

@@ -296,6 +296,21 @@ def teacher_task(folder: str | Path) -> str:
     return ModelFolder.open(folder, tokenizer=False).task
 
 
+def require_masked_lm(teacher: nn.Module, folder: str) -> None:
+    """Refuse, naming the family, an agnostic-distillation teacher without a masked-LM head (an ELECTRA
+    discriminator, a bare encoder): MLM distillation matches the teacher's word predictions."""
+    from encoderkit.models.mlm import mlm_layout
+
+    try:
+        mlm_layout(teacher)
+    except EncoderkitError:
+        family = getattr(teacher.config, "model_type", type(teacher).__name__)
+        raise EncoderkitError(f"distill --mode agnostic: {family} teachers without a masked-LM head are not supported "
+                              f"({folder} holds a {type(teacher).__name__}); MLM distillation matches the teacher's "
+                              f"word predictions: continue pretraining it first (encoderkit pretrain --model {folder} "
+                              "adds a masked-LM head) and distil that folder") from None
+
+
 def run(cfg: DistillConfig) -> DistillResult:
     """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style)."""
     task = teacher_task(cfg.teacher) if cfg.mode == "task" else "mlm"
@@ -308,6 +323,8 @@ def run(cfg: DistillConfig) -> DistillResult:
 
     teacher_folder = ModelFolder.open(cfg.teacher)
     teacher = teacher_folder.load(frozen=True)
+    if cfg.mode == "agnostic":
+        require_masked_lm(teacher, cfg.teacher)
     tokenizer = teacher_folder.tokenizer()
     student, layers = make_student(cfg, teacher)
     weights = LossWeights(cfg.kl_weight, cfg.hard_weight, cfg.cos_weight, cfg.temperature)

@@ -104,6 +104,7 @@ def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
     folder = ModelFolder.open(model_dir)
     tokenizer = folder.tokenizer()
     model = folder.load()
+    encoder_layers(model, f"prune --method {cfg.method}")  # a family without BERT's layer list: refused by name, first
     heads = folder.kept_heads
     details: dict[str, Any] = {}
     masks: dict[str, torch.Tensor] = {}

@@ -119,8 +119,13 @@ def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
     tokenizer = folder.tokenizer()
     model = folder.load()
     details: dict[str, Any] = {}
+    onnx = cfg.method == "dynamic" and cfg.backend == "onnx" or cfg.method == "static"
+    if not onnx:  # torch methods walk BERT's layer list: another family is refused by name before any work
+        from encoderkit.models.rebuild import encoder_layers
+
+        encoder_layers(model, f"quantize --method {cfg.method} --backend torch")
     with output_dir(out_dir, cfg.overwrite) as tmp:
-        if cfg.method == "dynamic" and cfg.backend == "onnx" or cfg.method == "static":
+        if onnx:
             details = _quantize_onnx(model, tokenizer, cfg, model_dir, tmp, calib)
         else:
             if cfg.method in ("gptq", "rtn", "dynamic"):

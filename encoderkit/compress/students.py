@@ -23,7 +23,7 @@ from encoderkit.models.pooling import apply_pooling
 
 # -- student construction --------------------------------------------------------------------------
 
-_LAYER_KEY = re.compile(r"(^|\.)layer\.(\d+)\.")
+_LAYER_KEY = re.compile(r"(^|\.)layers?\.(\d+)\.")  # encoder.layer.N (BERT-like), model.layers.N (ModernBERT)
 
 
 def parse_layer_map(spec: str | list[int] | None, n_teacher: int) -> list[int]:
@@ -69,16 +69,22 @@ def student_state_from_teacher(teacher_state: dict[str, torch.Tensor], layers: l
 def build_student_from_teacher(teacher: nn.Module, layers: list[int]) -> nn.Module:
     """A copy of ``teacher``'s architecture with ``len(layers)`` layers, initialised from the
     teacher's layers ``layers`` (plus embeddings, pooler and heads)."""
-    config = teacher.config.__class__.from_dict(teacher.config.to_dict())
+    settings = teacher.config.to_dict()
+    if isinstance(settings.get("layer_types"), list):  # per-layer attention (ModernBERT: global or sliding window)
+        settings["layer_types"] = [settings["layer_types"][i] for i in layers]  # as the layers copied had it
+        settings["num_hidden_layers"] = len(layers)  # checked against layer_types when the config is built
+    config = teacher.config.__class__.from_dict(settings)
     config.num_hidden_layers = len(layers)
     student = apply_pooling(type(teacher)(config))
     state = student_state_from_teacher(teacher.state_dict(), layers)
     missing, unexpected = student.load_state_dict(state, strict=False)
     missing = [k for k in missing if "position_ids" not in k]
     if missing or unexpected:
+        family = getattr(teacher.config, "model_type", type(teacher).__name__)
         raise EncoderkitError(
-            f"cannot initialise the student from the teacher ({type(teacher).__name__}): missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}; use a BERT-style teacher or pass --student"
+            f"distill: {family} teachers are not supported: cannot initialise the student from the teacher's layers "
+            f"({type(teacher).__name__}): missing {missing[:5]}, unexpected {unexpected[:5]}; use a BERT-style "
+            "teacher or pass --student FOLDER"
         )
     return student
 

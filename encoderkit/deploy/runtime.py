@@ -10,7 +10,8 @@ into a cache folder (``ENCODERKIT_CACHE``, default ``~/.cache/encoderkit/onnx``)
 ONNX INT8 (per-channel weights) for ``embed`` (measured: mean cosine 0.992 to FP32 on MiniLM,
 SciFact nDCG@10 within 0.4%, see bench/encode_speed.py) and ONNX FP32 for the other tasks: on an
 SST-2 classifier INT8 changed 6% of the labels (bench/classify_speed.py), so it stays opt-in
-(``backend="onnx-int8"``) until measured on your model.
+(``backend="onnx-int8"``) until measured on your model; a folder that holds only ``model.int8.onnx``
+(an INT8 export, without the FP32 graph or the weights) runs on it.
 
 Long inputs: ``classify``, ``rerank`` and ``embed`` truncate to the model's maximum length (stated
 in ``Predictor.max_length``); ``extract`` and ``answer`` cut long texts into overlapping windows.
@@ -32,7 +33,7 @@ import numpy as np
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.export import copy_model_files, export_onnx, ort_session
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import cache_dir, output_dir, write_text_atomic
+from encoderkit.io import cache_dir, check_writable, output_dir, write_text_atomic
 from encoderkit.models.folder import SERVABLE, ModelFolder
 from encoderkit.tasks.classify import decode as decode_labels
 from encoderkit.tasks.classify import engine_logits
@@ -77,6 +78,16 @@ class _OnnxEngine:
         return self.session.run(self.outputs, feed)
 
 
+def auto_backend(folder: ModelFolder) -> str:
+    """What ``backend="auto"`` runs ``folder`` on: ONNX INT8 for the INT8_TASKS (from the folder's own
+    ``model.int8.onnx`` or an export of its weights), ONNX FP32 for the others; a folder that holds only
+    ``model.int8.onnx`` (no FP32 graph, no weights to export one from) runs on what it has."""
+    if folder.task in INT8_TASKS:
+        return "onnx-int8" if folder.onnx_int8 or folder.torch_weights else "onnx-fp32"
+    only_int8 = folder.onnx_int8 is not None and folder.onnx_fp32 is None and folder.torch_weights is None
+    return "onnx-int8" if only_int8 else "onnx-fp32"
+
+
 def cached_export(folder: ModelFolder, int8: bool) -> Path:
     """The wanted ONNX file of ``folder``: its own, else one in a cache folder exported once from it."""
     own = folder.onnx(int8)
@@ -117,8 +128,7 @@ class Predictor:
         info.require_task(*SERVABLE)
         tokenizer = info.tokenizer()
         if backend == "auto":
-            want_int8 = info.task in INT8_TASKS
-            backend = "onnx-int8" if want_int8 and (info.onnx_int8 or info.torch_weights) else "onnx-fp32"
+            backend = auto_backend(info)
         if backend.startswith("onnx"):
             engine: Any = _OnnxEngine(cached_export(info, backend == "onnx-int8"), info.task, threads, spin)
         else:
@@ -330,8 +340,11 @@ def run(cfg: PredictConfig) -> PredictResult:
 
 
     out = Path(cfg.output)
+    if out.is_dir():
+        raise EncoderkitError(f"--output {out} is a folder; give a file name (e.g. {out / 'predictions.jsonl'})")
     if out.exists() and not cfg.overwrite:
         raise EncoderkitError(f"output file {out} exists; pass --overwrite to replace it")
+    check_writable(out, "--output")  # before the model is loaded and run, as every stage checks its --out
     p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.max_batch)
     records = read_records(Path(cfg.input), p.task)
     start = time.perf_counter()

@@ -96,14 +96,17 @@ def from_storage(name: str, tensors: dict[str, torch.Tensor], meta: dict[str, An
                    g_idx.long() if g_idx is not None else None, spec)
 
 
-def encoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of a BERT-like encoder (``<base>.encoder.layer``)."""
+def encoder_layers(model: torch.nn.Module, stage: str = "") -> list[torch.nn.Module]:
+    """The transformer blocks of a BERT-like encoder (``<base>.encoder.layer``). A model without them is
+    refused naming its family and ``stage`` (the command that needs them, e.g. ``prune --method ffn``)."""
     base = getattr(model, "base_model", model)
     enc = getattr(base, "encoder", None)
     layers = getattr(enc, "layer", None)
     if layers is None:
-        raise EncoderkitError(f"{type(model).__name__}: no encoder.layer list found; only BERT-like encoders "
-                              "(BERT, MiniLM, RoBERTa, ...) can be pruned or GPTQ-quantized")
+        family = getattr(getattr(model, "config", None), "model_type", "") or type(model).__name__
+        raise EncoderkitError(f"{stage or 'pruning and torch quantization'}: {family} models are not supported "
+                              f"({type(model).__name__} has no BERT-style encoder.layer list; only BERT-like encoders "
+                              "(BERT, MiniLM, RoBERTa, ELECTRA, DeBERTa-v2) can be pruned or quantized in torch)")
     return list(layers)
 
 
