@@ -271,3 +271,17 @@ def test_cli_prune_stage_uses_the_task_reader(models, train_files, tmp_path):
                "--importance", "taylor", "--calib-data", str(train_files["qa"]), "--calib-samples", "8", "--no-measure"])
     assert rc == 0
     assert json.loads((out / "report.json").read_text())["details"]["heads_per_layer"] == [2, 2]
+
+
+def test_report_says_2_4_buys_no_time_without_a_sparse_gpu(models, train_files, tmp_path):
+    from encoderkit.hardware import detect
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: rerank\nsteps:\n  - {lever: prune, method: '2:4'}\n")
+    out = tmp_path / "out"
+    res = compress(CompressConfig(recipe=str(recipe), model=str(models["rerank"]), dev=str(train_files["rerank"]),
+                                  out=str(out)), measure=reload_measure)
+    report = (out / "report.md").read_text()
+    assert "Notes:" in report and "step 1 (prune): none on CPU (dense kernels)" in report
+    if detect().sparse_gpu is None:
+        assert "this machine has no CUDA GPU with 2:4 sparse tensor cores" in res.rows[1]["note"]

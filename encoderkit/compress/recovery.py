@@ -24,16 +24,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from encoderkit.compress.distill_tasks import NEG, masked_token_kl, position_kl
 from encoderkit.compress.students import soft_target_kl
 from encoderkit.compress.task_data import TaskInputs
 from encoderkit.config import check
-
-NEG = -1e4  # logit given to padding before a softmax over positions
-
-
-def _position_kl(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    pad = ~mask.bool()
-    return soft_target_kl(s.float().masked_fill(pad, NEG), t.float().masked_fill(pad, NEG), temperature)
 
 
 def _pooled(out: Any, mask: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -46,14 +40,13 @@ def output_kd(s_out: Any, t_out: Any, mask: torch.Tensor, temperature: float, po
     """The distance of student outputs ``s_out`` to teacher outputs ``t_out`` (see the module docstring);
     ``mask`` (B, L) is the attention mask. Zero when the outputs agree."""
     if getattr(s_out, "start_logits", None) is not None:
-        return (_position_kl(s_out.start_logits, t_out.start_logits, mask, temperature)
-                + _position_kl(s_out.end_logits, t_out.end_logits, mask, temperature)) / 2
+        return (position_kl(s_out.start_logits, t_out.start_logits, mask, temperature)
+                + position_kl(s_out.end_logits, t_out.end_logits, mask, temperature)) / 2
     logits = getattr(s_out, "logits", None)
     if logits is None:
         return ((_pooled(s_out, mask, pooling) - _pooled(t_out, mask, pooling)) ** 2).sum(-1).mean()
     if logits.dim() == 3:
-        m = mask.bool()
-        return soft_target_kl(logits[m], t_out.logits[m], temperature)
+        return masked_token_kl(logits, t_out.logits, mask, temperature)
     if logits.shape[-1] == 1:
         return F.mse_loss(logits.float(), t_out.logits.float())
     return soft_target_kl(logits, t_out.logits, temperature)
