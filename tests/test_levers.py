@@ -285,3 +285,27 @@ def test_report_says_2_4_buys_no_time_without_a_sparse_gpu(models, train_files, 
     assert "Notes:" in report and "step 1 (prune): none on CPU (dense kernels)" in report
     if detect().sparse_gpu is None:
         assert "this machine has no CUDA GPU with 2:4 sparse tensor cores" in res.rows[1]["note"]
+
+
+def test_pair_columns_come_from_the_fine_tuning_config_in_the_lineage(models, tmp_path):
+    """A pair classifier distilled once: the student's card names no columns, its parent's fine-tuning
+    config does; without the parent the pair column is unknown and that is an error, not single texts."""
+    import shutil
+
+    from encoderkit.io import write_card
+
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    for d in (parent, child):
+        shutil.copytree(models["classify"], d)
+    write_card(parent, "finetune", None, {"label_column": "gold", "text_pair_column": "hypothesis", "text_column": "premise"},
+               task="classify", labels=["negative", "positive"], text_column="premise", text_pair=True)
+    write_card(child, "distill", parent, {"layers": "every-other"}, task="classify", labels=["negative", "positive"],
+               text_column="premise", text_pair=True)
+    data = tmp_path / "dev.jsonl"
+    data.write_text("".join(json.dumps({"premise": f"p{i}", "hypothesis": f"h{i}", "gold": "positive"}) + "\n" for i in range(4)))
+    data_lv = LeverData.for_model(child, train=str(data))
+    inputs = data_lv.inputs("train", child)
+    assert inputs.texts[1] == ("p1", "h1") and inputs.labels == [1, 1, 1, 1]
+    shutil.rmtree(parent)
+    with pytest.raises(EncoderkitError, match="classifies text pairs, but its lineage no longer names the pair column"):
+        LeverData.for_model(child, train=str(data)).inputs("train", child)

@@ -166,6 +166,10 @@ def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None
         columns = card_columns(folder) if folder is not None else {}
         if card and card.get("text_column"):
             columns.setdefault("text_column", str(card["text_column"]))
+        if card and card.get("text_pair") and not columns.get("text_pair_column"):
+            raise EncoderkitError(f"{spec}: the model {folder} classifies text pairs, but its lineage no longer names the "
+                                  "pair column (the fine-tuned parent folder is gone); keep the parent folder or pass "
+                                  "single texts in a .txt file")
         out = _classify_inputs(path, columns, label2id)
     elif task == "ner":
         from encoderkit.tasks.conll import read_ner
