@@ -87,6 +87,8 @@ class DistillLever(_Base):
     runner_fields: tuple[str, ...] = ("teacher", "out", "overwrite")
 
     def needs(self, settings: dict[str, Any]) -> tuple[str, ...]:
+        if settings.get("mode", "task") == "agnostic":  # prepared MLM blocks ('data'), no task data
+            return ()
         return () if settings.get("train") else ("train",)
 
     def config(self, settings: dict[str, Any], model: Path, out: Path, data: LeverData) -> StageConfig:
