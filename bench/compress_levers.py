@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from encoderkit.compress.measure import read_texts, text_batches
+from encoderkit.compress.measure import text_batches
 from encoderkit.compress.packing import load_model
 from encoderkit.compress.prune import PruneConfig, prune
 from encoderkit.compress.quantize import QuantizeConfig, quantize
+from encoderkit.compress.task_data import read_task_inputs
 from encoderkit.hardware import describe
 
 SST2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue_sst2"
@@ -147,7 +148,7 @@ def main() -> None:
         print(f"{model} not found: using the MiniLM quick-head stand-in (mechanics only)")
         model = quick_head_model(work / "minilm-quickhead")
     train = str(SST2 / "train.tsv")
-    calib = read_texts(train, limit=args.calib)
+    calib = read_task_inputs(train, "classify", limit=args.calib).texts  # the classify table reader (text column 'sentence')
     results: dict[str, object] = {"model": str(model), "threads": torch.get_num_threads(), "seq_len": 128,
                                   "hardware": describe()}
     ow = {"overwrite": True}

@@ -249,3 +249,42 @@ def test_plan_run_backs_off_on_real_levers(tmp_path, tiny_tokenizer_dir):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["plan.json", "try0", "try1", "try2"]
     assert (tmp_path / "out" / "try2" / "02-gptq" / "encoderkit.json").is_file()
     assert (tmp_path / "out" / "try2" / "report.md").is_file()
+
+
+# -- the planner knows the task ---------------------------------------------------------------------
+
+CPU_ONLY = Hardware.from_cpuinfo(AVX2)
+
+
+def test_rerank_seed_scenario_budget_teacher_sparse_gpu_is_distill_2_4_int8_per_query_top_100():
+    """The seeds' scenario: a cross-encoder reranker with a budget, a teacher and a sparse GPU."""
+    plan = make_plan(PlanConfig(task="rerank", budget="some", teacher=True, hardware="gpu-sparse", goal="latency"),
+                     hw=CPU_ONLY)
+    assert plan.levers() == ["distill", "prune", "quantize"]
+    assert plan.steps[1].params["method"] == "2:4" and plan.steps[2].params["method"] == "dynamic-int8"
+    assert plan.latency_unit == (100, "one query's top 100 candidates (100 query-passage pairs in one batch)")
+    assert "top 100 candidates" in plan.steps[0].reason and "top 100 candidates" in plan.steps[1].reason
+    text = plan.describe()
+    assert "Task: rerank; latency planned per one query's top 100 candidates" in text and "(batch 100)" in text
+    # this machine (no CUDA) gets told that 2:4 buys no time here
+    assert "2:4 sparsity buys no time" in text
+    assert plan.recipe()["task"] == "rerank"
+    assert [s.lever for s in validate_recipe(plan.recipe(), source="planned")] == plan.levers()
+
+
+def test_rerank_seed_scenario_no_budget_cpu_is_ptq_only():
+    plan = make_plan(PlanConfig(task="rerank", budget="none", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
+    assert plan.levers() == ["quantize"] and plan.steps[0].params["method"] == "dynamic-int8"
+    assert plan.latency_unit[0] == 100 and not plan.notes
+
+
+def test_the_task_comes_from_the_model_folder(tmp_path, tiny_tokenizer_dir):
+    from deploy_models import make_task_model
+
+    reranker = make_task_model(tmp_path, tiny_tokenizer_dir, "rerank")
+    plan = make_plan(PlanConfig(model=str(reranker), budget="none", hardware="cpu"), hw=CPU_ONLY)
+    assert plan.task == "rerank" and plan.latency_unit[0] == 100
+    embedder = make_task_model(tmp_path, tiny_tokenizer_dir, "embed")
+    plan = make_plan(PlanConfig(model=str(embedder), budget="none", hardware="cpu"), hw=CPU_ONLY)
+    assert plan.task == "embed" and "a single query" in plan.latency_unit[1]
+    assert make_plan(PlanConfig(budget="none", hardware="cpu"), hw=CPU_ONLY).task is None  # no model: unknown

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -139,20 +138,10 @@ def make_loss_fn(teacher: nn.Module, want_hidden: bool) -> Callable[[nn.Module, 
 
 # -- data ------------------------------------------------------------------------------------------
 
-def _pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token id lists to the longest; returns ids and attention mask, both (B, L) long."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = 1
-    return ids, mask
-
-
 def read_labels(path: str | Path, label2id: dict[str, int] | None, n: int) -> list[int] | None:
     """The gold label of each of the first ``n`` records of a .tsv ('label' column) or .jsonl
-    ('label' key) file, as class ids; None when the file has no labels."""
+    ('label' key) file, as class ids; None when the file has no labels. Left for the recipe's
+    quality measurer only: the levers read task data through :mod:`encoderkit.compress.task_data`."""
     import json
 
     p = Path(path)
@@ -186,38 +175,20 @@ def read_labels(path: str | Path, label2id: dict[str, int] | None, n: int) -> li
 
 
 def task_batches(path: str, tokenizer: Any, teacher_config: Any, batch_size: int, seq_len: int, seed: int,
-                 limit: int = 0) -> tuple[Any, int, bool]:
-    """An engine batch source over a task file: input_ids/attention_mask (and token_type_ids,
-    labels when present) per micro-batch, padded to the batch's longest row; batches are
-    length-bucketed (rows of similar length together, batch order shuffled): on SST-2 train at
-    batch 32, 4.5% of the tokens are padding, against 67% in random batches. Returns the source,
-    the number of examples and whether gold labels were found."""
-    from encoderkit.compress.measure import read_texts
-    from encoderkit.tasks.batching import BucketedBatches
+                 limit: int = 0, folder: str | Path | None = None) -> tuple[Any, int, bool]:
+    """An engine batch source over a classify task file, read by the task's reader with the columns of
+    the teacher ``folder``'s card (:func:`encoderkit.compress.task_data.read_task_inputs`):
+    input_ids/attention_mask (and token_type_ids, labels when the file has the label column) per
+    micro-batch, padded to the batch's longest row; batches are length-bucketed (rows of similar
+    length together, batch order shuffled): on SST-2 train at batch 32, 4.5% of the tokens are
+    padding, against 67% in random batches. Returns the source, the number of examples and whether
+    gold labels were found."""
+    from encoderkit.compress.recovery import input_batches
+    from encoderkit.compress.task_data import read_task_inputs
 
-    texts = read_texts(path, limit=limit or None)
-    if isinstance(texts[0], tuple):
-        a, b = zip(*texts)
-        enc = tokenizer(list(a), list(b), truncation=True, max_length=seq_len)
-    else:
-        enc = tokenizer(list(texts), truncation=True, max_length=seq_len)
     label2id = {str(k): int(v) for k, v in (getattr(teacher_config, "label2id", None) or {}).items()}
-    labels = read_labels(path, label2id, len(texts))
-    check(labels is None or len(labels) == len(texts), f"{path}: {len(texts)} texts but {len(labels or [])} labels")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-    def make_batch(idx: Any, epoch: int) -> dict[str, torch.Tensor]:
-        ids, mask = _pad([enc["input_ids"][i] for i in idx], pad)
-        batch = {"input_ids": ids, "attention_mask": mask}
-        if "token_type_ids" in enc:
-            batch["token_type_ids"] = _pad([enc["token_type_ids"][i] for i in idx], 0)[0]
-        if labels is not None:
-            batch["labels"] = torch.tensor([labels[i] for i in idx], dtype=torch.long)
-        return batch
-
-    check(len(texts) >= batch_size, f"{path}: {len(texts)} examples, fewer than one batch of {batch_size}")
-    lengths = np.asarray([len(r) for r in enc["input_ids"]])
-    return BucketedBatches(lengths, batch_size, make_batch, seed=seed), len(texts), labels is not None
+    inputs = read_task_inputs(path, "classify", folder=folder, label2id=label2id, limit=limit)
+    return input_batches(tokenizer, inputs, seq_len, batch_size, seed), len(inputs), inputs.labels is not None
 
 
 def agnostic_batches(data: str, tokenizer: Any, batch_size: int, mask_rate: float, seed: int,
@@ -257,7 +228,7 @@ class DistillConfig(StageConfig):
     student: str | None = arg(None, help="An existing student folder (same tokenizer as the teacher); default: built from the teacher.")
     layers: str = arg("every-other", help="Teacher layers the student keeps and is initialised from: 'every-other' (0,2,4,...) or a list like '0,2,5'.")
     hidden_size: int | None = arg(None, help="Build a narrower student of this width (random init, hidden states matched through a learned projection).")
-    train: str | None = arg(None, help="mode=task: task texts (.tsv with a sentence/sentence1+sentence2 column, .jsonl 'text', .txt); a 'label' column adds the hard loss. "
+    train: str | None = arg(None, help="mode=task: the teacher's task data, read by the task's reader (classify: a table with the text/pair columns of the teacher's card; its label column adds the hard loss; ner: CoNLL/JSONL; qa: SQuAD JSON; rerank: see --miner). "
                                        "An embed teacher: any corpus (text files, JSONL, folders, a BEIR source like scifact.zip#test; comma-separated).")
     data: str | None = arg(None, help="mode=agnostic: a folder written by `encoderkit data prepare` (packed token blocks).")
     kl_weight: float = arg(1.0, help="Weight of T^2 * KL(teacher || student) on soft targets.")
@@ -332,7 +303,7 @@ def run(cfg: DistillConfig) -> DistillResult:
         source, n_examples = agnostic_batches(cfg.data, tokenizer, cfg.batch_size, cfg.mask_rate, cfg.seed, cfg.limit)
     else:
         source, n_examples, has_labels = task_batches(cfg.train, tokenizer, teacher.config, cfg.batch_size,
-                                                      cfg.seq_len, cfg.seed, cfg.limit)
+                                                      cfg.seq_len, cfg.seed, cfg.limit, folder=cfg.teacher)
         if not has_labels:
             weights = LossWeights(weights.kl, 0.0, weights.cos, weights.temperature)
     loss = DistillLoss(weights, student.config.hidden_size, teacher.config.hidden_size, mlm=cfg.mode == "agnostic")

@@ -191,6 +191,7 @@ def run_embed(cfg: Any) -> Any:
     from encoderkit.compress.students import (
         DistillResult,
         build_student_from_teacher,
+        check_same_task,
         check_same_tokenizer,
         fit_and_save,
         parse_layer_map,
@@ -213,6 +214,7 @@ def run_embed(cfg: Any) -> Any:
     layers: list[int] | None = None
     if cfg.student:
         check_same_tokenizer(teacher_dir, cfg.student)
+        check_same_task(teacher_dir, cfg.student)
         student_enc = AutoModel.from_pretrained(str(cfg.student))
         check(student_enc.config.hidden_size == teacher_enc.config.hidden_size,
               f"student {cfg.student} has hidden size {student_enc.config.hidden_size}, the teacher "

@@ -13,6 +13,12 @@ The planner is a short list of rules that encode what is known to work for encod
 - one quantization step at most: a quantized model is never quantized again, so GPTQ / RTN
   (bytes), dynamic INT8 (CPU speed) and QAT (quality under a tight floor) are alternatives.
 
+The planner knows the task (``--task``, else the ``--model`` folder's): latency is planned in the
+unit the task is served in (:data:`SERVED_UNIT`): a reranker per query's top 100 candidates (100
+query-passage pairs in one batch, where depth and matrix size are the cost and a sparse GPU's 2:4
+kernels pay off), an embedder per batch of documents and single query, NER/QA/classify per request.
+A planned recipe names its task, so the runner refuses a model of another task.
+
 ``--hardware auto`` (the default) plans for this machine as :mod:`encoderkit.hardware` finds it
 (a GPU with 2:4 sparse tensor cores, else a CPU with or without VNNI/AMX int8 dot products); the
 plan states the hardware and why.
@@ -37,12 +43,23 @@ from encoderkit.compress.stack import QUANT_LEVERS, CompressConfig, StepMeasurer
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import PLANNER_HARDWARE, Hardware, describe, detect, planner_hardware
+from encoderkit.tasks import TASKS
+
+# task -> (batch, what one timed call is): the unit the task is served in, which latency is planned for
+SERVED_UNIT: dict[str, tuple[int, str]] = {
+    "classify": (1, "one request (one text or text pair)"),
+    "ner": (1, "one request (one text)"),
+    "qa": (1, "one request (one question and its context)"),
+    "rerank": (100, "one query's top 100 candidates (100 query-passage pairs in one batch)"),
+    "embed": (32, "a batch of 32 documents, and a single query"),
+}
 
 
 @dataclass
 class PlanConfig(StageConfig):
     """The situation the recipe is planned for, and optionally a model to run it on."""
 
+    task: str = arg("auto", choices=("auto", *TASKS), help="The model's task, which sets the latency unit (rerank: one query's top 100 candidates; embed: a batch of documents and one query; others: one request). auto: the --model folder's task, else unknown (one request).")
     budget: str = arg("none", choices=("none", "some"), help="Training budget for compression: 'none' (post-training levers only) or 'some' (distillation, pruning with recovery, QAT).")
     teacher: bool = arg(False, help="A fine-tuned teacher model is available (the model to compress can be its own teacher).")
     hardware: str = arg("auto", choices=("auto", *PLANNER_HARDWARE), help="Where the model will run: auto (this machine, as `encoderkit doctor` finds it), plain CPU, CPU with VNNI/AMX int8 dot products, or a GPU with 2:4 sparse tensor cores.")
@@ -81,13 +98,21 @@ class Plan:
     left_out: list[tuple[str, str]] = field(default_factory=list)
     hardware: str = "cpu"
     hardware_why: str = ""
+    task: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def latency_unit(self) -> tuple[int, str]:
+        """(batch, what it is) of the latency the plan is for: the task's served unit, else one request."""
+        return SERVED_UNIT.get(self.task or "", (1, "one request"))
 
     def quantization(self) -> PlannedStep | None:
         """The plan's one quantization step (a plan never quantizes twice), if any."""
         return next((s for s in self.steps if s.lever in QUANT_LEVERS), None)
 
     def recipe(self) -> dict[str, Any]:
-        return {"steps": [s.as_recipe_step() for s in self.steps]}
+        """The recipe mapping; it names the task when the plan knows it (the runner then checks the model's)."""
+        return {**({"task": self.task} if self.task else {}), "steps": [s.as_recipe_step() for s in self.steps]}
 
     def levers(self) -> list[str]:
         return [s.lever for s in self.steps]
@@ -95,7 +120,9 @@ class Plan:
     def describe(self) -> str:
         q = self.quantization()
         quant = f"{q.lever}({', '.join(f'{k}={v}' for k, v in q.params.items())})" if q else "none"
+        batch, unit = self.latency_unit
         lines = [f"Hardware: {self.hardware} ({self.hardware_why})",
+                 f"Task: {self.task or 'unknown'}; latency planned per {unit} (batch {batch})",
                  f"Quantization lever on {self.hardware}: {quant}", "Planned recipe (in order):"]
         for i, s in enumerate(self.steps, 1):
             params = ", ".join(f"{k}={v}" for k, v in s.params.items())
@@ -103,6 +130,7 @@ class Plan:
         if self.left_out:
             lines.append("Left out:")
             lines += [f"  - {lever}: {why}" for lever, why in self.left_out]
+        lines += [f"Note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -114,10 +142,26 @@ def resolve_hardware(cfg: PlanConfig, hw: Hardware | None = None) -> tuple[str, 
     return choice.value, f"auto: {choice.why}"
 
 
+def resolve_task(cfg: PlanConfig) -> str | None:
+    """The task planned for: ``--task``, else the ``--model`` folder's task, else None (unknown)."""
+    if cfg.task != "auto":
+        return cfg.task
+    if cfg.model:
+        from encoderkit.models.folder import ModelFolder
+
+        task = ModelFolder.open(cfg.model, weights=False, tokenizer=False).task
+        return task if task in TASKS else None
+    return None
+
+
 def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
     """The ordered recipe for ``cfg``'s situation; pure (reads no files) except that
-    ``--hardware auto`` looks at ``hw`` (default: this machine, :func:`encoderkit.hardware.detect`)."""
+    ``--hardware auto`` looks at ``hw`` (default: this machine, :func:`encoderkit.hardware.detect`),
+    and ``--task auto`` reads the ``--model`` folder's task."""
     kind, kind_why = resolve_hardware(cfg, hw)
+    task = resolve_task(cfg)
+    batch, unit = SERVED_UNIT.get(task or "", (1, "one request"))
+    per_query = task == "rerank" and cfg.goal == "latency"
     trains = cfg.budget == "some"
     steps: list[PlannedStep] = []
     out: list[tuple[str, str]] = []
@@ -128,7 +172,9 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
         steps.append(PlannedStep("distill", {"layers": "every-other", "epochs": 3},
                                  "a teacher and a training budget: a student with every other layer, initialised from the "
                                  "teacher's layers and trained on its soft targets, halves depth-bound latency and size "
-                                 "for a small quality cost"))
+                                 "for a small quality cost" + (
+                                     f"; per {unit} the cross-encoder's time is depth x {batch} full sequences, so half "
+                                     "the layers is about half the time per query" if per_query else "")))
     elif not trains:
         out.append(("distill", "no training budget: distillation needs training"))
     else:
@@ -139,7 +185,10 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
         if trains:
             steps.append(PlannedStep("prune", {"method": "2:4", "recovery_steps": 500},
                                      "the GPU has 2:4 sparse tensor cores: half the weights in every group of four are "
-                                     "zeroed in the pattern they skip, and short recovery training restores quality"))
+                                     "zeroed in the pattern they skip, and short recovery training restores quality" + (
+                                         f"; per {unit} the matrix multiplies are large enough ({batch} x sequence "
+                                         "rows) for the sparse kernels to pay off, which single requests are not"
+                                         if per_query else "")))
         else:
             out.append(("prune 2:4", "2:4 sparsity costs quality that needs recovery training; no budget"))
         out.append(("prune structured", "on a 2:4 sparse GPU, 2:4 sparsity gives the speed-up without removing whole heads"))
@@ -218,7 +267,13 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
                                 "is too large")))
         else:
             out.append(("qat", "no training budget: QAT needs training"))
-    return Plan(steps=steps, left_out=out, hardware=kind, hardware_why=kind_why)
+    notes = []
+    if any(s.params.get("method") == "2:4" for s in steps):
+        here = (hw or detect()).sparse_gpu
+        if here is None:
+            notes.append("this machine has no CUDA GPU with 2:4 sparse tensor cores: here 2:4 sparsity buys no time "
+                         "(dense kernels); the speed-up needs the planned GPU, and the compression report says so")
+    return Plan(steps=steps, left_out=out, hardware=kind, hardware_why=kind_why, task=task, notes=notes)
 
 
 # -- backoff ------------------------------------------------------------------------------------
@@ -329,7 +384,8 @@ def run_recipe_for_plan(recipe: dict[str, Any], plan_cfg: PlanConfig, measure: A
             steps = validate_recipe(r, source=f"{tag}/recipe.yaml")
             cfg = CompressConfig(recipe=str(work / "recipe.yaml"), model=plan_cfg.model, dev=plan_cfg.dev,
                                  out=str(out / tag), train=plan_cfg.train)
-            rows = run_steps(steps, cfg, work, out.resolve() / tag, lambda f: start if Path(f) == Path(plan_cfg.model) else measure(f))
+            rows = run_steps(steps, cfg, work, out.resolve() / tag, lambda f: start if Path(f) == Path(plan_cfg.model) else measure(f),
+                             task=r.get("task"))
             write_report(work, rows, {"title": f"plan --run {tag}", "model": plan_cfg.model, "dev": plan_cfg.dev,
                                       "floor": round(floor, 4), "hardware": describe()})
             return float(rows[-1]["quality"])

@@ -21,22 +21,16 @@ model as teacher (KD on logits) through the training engine.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from encoderkit.compress.measure import (
-    LeverReport,
-    QualityFn,
-    finish_lever,
-    measure_folder,
-    read_texts,
-    text_batches,
-)
+from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, text_batches
 from encoderkit.compress.packing import HEADS_KEY, copy_side_files, is_quantized, load_model
+from encoderkit.compress.recovery import recover, self_target_loss
+from encoderkit.compress.task_data import LeverData, TaskInputs
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import describe, detect
@@ -61,13 +55,13 @@ class PruneConfig(StageConfig):
                         choices=("oneshot", "gradual"))
     importance: str = arg("taylor", help="heads/ffn: score by weight norms or first-order Taylor |w*grad| on calibration data",
                           choices=("magnitude", "taylor"))
-    calib_data: str = arg("", help="Texts (.txt/.tsv/.jsonl) for Taylor importance scores")
+    calib_data: str = arg("", help="The task's inputs for Taylor importance scores (its data file, read by the task's reader; or a .txt of texts)")
     calib_samples: int = arg(128, help="Number of calibration texts")
-    vocab_data: list[str] = arg([], help="vocab: text files whose tokens are kept (the task's train/dev/test data)")
+    vocab_data: list[str] = arg([], help="vocab: the task's data files whose tokens are kept (train/dev/test, read by the task's reader)")
     keep_tokens: int = arg(0, help="vocab: also keep the first N tokens of the old vocabulary (e.g. frequent pieces)")
-    recovery_data: str = arg("", help="Labelled training file for recovery fine-tuning (empty: no recovery)")
-    recovery_steps: int = arg(0, help="Recovery fine-tuning steps (KD from the unpruned model + task loss)")
-    kd_alpha: float = arg(0.5, help="Recovery loss = alpha * KD(logits) + (1 - alpha) * task loss")
+    recovery_data: str = arg("", help="The task's training data for recovery fine-tuning (read by the task's reader)")
+    recovery_steps: int = arg(0, help="Recovery fine-tuning steps (KD from the unpruned model's outputs, + the label loss for labelled classify data)")
+    kd_alpha: float = arg(0.5, help="Recovery loss = alpha * KD(outputs) + (1 - alpha) * label loss (classify data with labels)")
     temperature: float = arg(2.0, help="KD temperature")
     lr: float = arg(3e-5, help="Recovery learning rate")
     batch_size: int = arg(32, help="Recovery / calibration batch size")
@@ -85,21 +79,34 @@ class PruneConfig(StageConfig):
               "schedule=gradual needs recovery_steps > 0 and recovery_data")
 
 
+def data_needs(cfg: PruneConfig) -> tuple[str, ...]:
+    """The lever data fields (:mod:`encoderkit.compress.task_data`) ``cfg`` needs and does not name itself."""
+    needs = []
+    if cfg.recovery_steps > 0 and not cfg.recovery_data:
+        needs.append("train")
+    if (cfg.method == "vocab" and not cfg.vocab_data) or (
+            cfg.method in ("heads", "ffn") and cfg.importance == "taylor" and not (cfg.calib_data or cfg.recovery_data)):
+        needs.append("calib")
+    return tuple(needs)
+
+
 def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
-          calib: list[Any] | None = None, quality_fn: QualityFn | None = None) -> LeverReport:
+          calib: list[Any] | None = None, quality_fn: QualityFn | None = None, data: LeverData | None = None) -> LeverReport:
     """Prune the model in ``model_dir`` as ``cfg`` says and write the result to ``out_dir``.
 
-    ``calib`` (texts or pairs) overrides ``cfg.calib_data`` for importance scores;
-    ``quality_fn(folder) -> dict`` is measured before and after.
+    ``calib`` (texts or pairs) overrides the calibration data for importance scores; ``data`` is
+    where the declared data fields come from (default: ``cfg``'s own files, read as the model's
+    task's data); ``quality_fn(folder) -> dict`` is measured before and after.
     """
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if is_quantized(model_dir):
         raise EncoderkitError(f"{model_dir} is quantized; prune its unquantized parent first, then quantize")
+    data = (data or LeverData.for_model(model_dir)).with_sources(train=cfg.recovery_data, calib=cfg.calib_data)
     if cfg.method == "vocab":
         from encoderkit.compress.vocab import prune_vocab
 
-        return prune_vocab(model_dir, cfg, out_dir, quality_fn)
+        return prune_vocab(model_dir, cfg, out_dir, quality_fn, data)
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
     folder = ModelFolder.open(model_dir)
     tokenizer = folder.tokenizer()
@@ -109,7 +116,7 @@ def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
     details: dict[str, Any] = {}
     masks: dict[str, torch.Tensor] = {}
     if cfg.method in ("heads", "ffn"):
-        texts = _calib(cfg, calib) if cfg.importance == "taylor" else []
+        texts = _calib(cfg, calib, data, model_dir) if cfg.importance == "taylor" else []
         scores = taylor_scores(model, tokenizer, texts, cfg) if texts else None
         if cfg.method == "heads":
             heads, details = prune_heads(model, cfg.amount, scores, heads)
@@ -125,12 +132,14 @@ def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
     elif cfg.schedule == "oneshot":
         masks = magnitude_masks(model, cfg.amount, cfg.scope)
     if cfg.recovery_steps > 0:
-        check(bool(cfg.recovery_data), "recovery_steps > 0 needs --recovery-data (a labelled training file)")
+        data.require(("train",), f"prune --recovery-steps {cfg.recovery_steps} (pass --recovery-data)")
+        inputs = data.inputs("train", model_dir)
         teacher = load_model(model_dir)
         if cfg.method == "magnitude" and cfg.schedule == "gradual":
-            masks, details["recovery"] = gradual_magnitude(model, teacher, tokenizer, cfg)
+            masks, details["recovery"] = gradual_magnitude(model, teacher, tokenizer, cfg, inputs, folder.pooling or "mean")
         else:
-            details["recovery"] = recover(model, teacher, tokenizer, cfg, masks, cfg.recovery_steps)
+            details["recovery"] = recover(model, teacher, tokenizer, inputs, cfg, masks, cfg.recovery_steps,
+                                          _linears(model), folder.pooling or "mean")
     for name, lin in _linears(model):
         if name in masks:
             lin.weight.data.mul_(masks[name])
@@ -153,13 +162,13 @@ def save_pruned(model: torch.nn.Module, src: Path, out: Path, heads: list[list[i
     copy_side_files(src, out)
 
 
-def _calib(cfg: PruneConfig, calib: list[Any] | None) -> list[Any]:
+def _calib(cfg: PruneConfig, calib: list[Any] | None, data: LeverData, model_dir: Path) -> list[Any]:
     if calib is not None:
         return list(calib)[: cfg.calib_samples]
-    src = cfg.calib_data or cfg.recovery_data
-    if not src:
-        raise EncoderkitError("importance=taylor needs calibration texts: pass --calib-data FILE, or use --importance magnitude")
-    return read_texts(src, limit=cfg.calib_samples)
+    if not data.source("calib"):
+        raise EncoderkitError(f"importance=taylor needs calibration inputs of the {data.task} model: pass --calib-data "
+                              "FILE (the task's data), or use --importance magnitude")
+    return data.inputs("calib", model_dir, limit=cfg.calib_samples).texts
 
 
 def _linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
@@ -241,21 +250,15 @@ def sparsity(model: torch.nn.Module) -> float:
 def taylor_scores(model: torch.nn.Module, tokenizer: Any, texts: list[Any], cfg: PruneConfig) -> dict[str, torch.Tensor]:
     """Accumulated ``|w * dL/dw|`` (first-order Taylor) of every encoder Linear weight and bias.
 
-    The loss is the cross-entropy of the model against its own predictions (no labels needed),
-    or the squared norm of the last hidden state for a model without logits.
+    The loss is :func:`encoderkit.compress.recovery.self_target_loss`: the model against its own
+    predictions (no labels needed) for every task's head.
     """
     params = {n: p for n, p in model.named_parameters() if ".encoder.layer." in f".{n}" or n.startswith("encoder.layer.")}
     scores = {n: torch.zeros_like(p) for n, p in params.items()}
     model.eval()
     for batch in progress(list(text_batches(tokenizer, texts, cfg.seq_len, cfg.batch_size)), desc="importance"):
         model.zero_grad(set_to_none=True)
-        out = model(**batch)
-        logits = getattr(out, "logits", None)
-        if logits is not None:
-            logits = logits.reshape(-1, logits.shape[-1]) if logits.dim() == 3 else logits
-            loss = torch.nn.functional.cross_entropy(logits, logits.argmax(-1).detach())
-        else:
-            loss = out.last_hidden_state.pow(2).mean()
+        loss = self_target_loss(model(**batch), batch["attention_mask"])
         loss.backward()
         for n, p in params.items():
             if p.grad is not None:
@@ -346,53 +349,9 @@ def prune_ffn(model: torch.nn.Module, amount: float, scores: dict[str, torch.Ten
     return {"intermediate_size": [size, n_keep]}
 
 
-# -- recovery -------------------------------------------------------------------------------
-def recover(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg: Any,
-            masks: dict[str, torch.Tensor], steps: int) -> dict[str, Any]:
-    """Fine-tune ``model`` for ``steps`` with the training engine: ``kd_alpha`` * KD on the
-    teacher's logits (temperature ``cfg.temperature``) + (1 - ``kd_alpha``) * cross-entropy on
-    the gold labels of ``cfg.recovery_data`` (KD only when the file has no labels).
-
-    Pruned weights stay zero: their gradients are masked, so Adam never moves them.
-    """
-    from encoderkit.compress.distill import task_batches
-    from encoderkit.compress.students import soft_target_kl
-    from encoderkit.train.engine import TrainSettings, fit
-
-    data = getattr(cfg, "recovery_data", "") or getattr(cfg, "train_data", "")
-    source, n, has_labels = task_batches(data, tokenizer, teacher.config, cfg.batch_size,
-                                         getattr(cfg, "seq_len", 128), cfg.seed)
-    hooks = [lin.weight.register_hook(lambda g, m=masks[n]: g * m) for n, lin in _linears(model) if n in masks]
-    alpha = getattr(cfg, "kd_alpha", 0.5) if has_labels else 1.0
-    temperature = getattr(cfg, "temperature", 2.0)
-    teacher.eval()
-
-    def loss_fn(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        labels = batch.get("labels")
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = module(**inputs).logits
-        with torch.no_grad():
-            t_logits = teacher(**inputs).logits
-        c = logits.shape[-1]
-        kd = soft_target_kl(logits.reshape(-1, c), t_logits.reshape(-1, c), temperature)
-        loss = alpha * kd
-        if labels is not None and alpha < 1:
-            loss = loss + (1 - alpha) * torch.nn.functional.cross_entropy(logits.reshape(-1, c).float(), labels.reshape(-1))
-        return loss, {"kd": float(kd.detach())}
-
-    settings = TrainSettings(lr=cfg.lr, max_steps=steps, batch_size=cfg.batch_size, warmup=0.1, seed=cfg.seed)
-    try:
-        with tempfile.TemporaryDirectory(prefix="encoderkit-recovery-") as run_dir:
-            result = fit(model, loss_fn, source, settings, run_dir)
-    finally:
-        for h in hooks:
-            h.remove()
-    model.eval()
-    return {"steps": result.steps, "examples": n, "kd_alpha": alpha, "last": result.train_logs, "seconds": round(result.seconds, 1)}
-
-
-def gradual_magnitude(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any,
-                      cfg: PruneConfig, stages: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+# -- recovery (the training itself: encoderkit.compress.recovery) ---------------------------------
+def gradual_magnitude(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, cfg: PruneConfig,
+                      inputs: TaskInputs, pooling: str = "mean", stages: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Magnitude pruning in ``stages`` steps on the cubic schedule ``s_k = amount * (1 - (1 - k/K)^3)``
     (Zhu & Gupta, 2017), with recovery fine-tuning between them; returns the final masks."""
     masks: dict[str, torch.Tensor] = {}
@@ -403,8 +362,8 @@ def gradual_magnitude(model: torch.nn.Module, teacher: torch.nn.Module, tokenize
         with torch.no_grad():
             for name, lin in _linears(model):
                 lin.weight.mul_(masks[name])
-        logs.append({"sparsity": round(amount_k, 4), **recover(model, teacher, tokenizer, cfg, masks,
-                                                               max(1, cfg.recovery_steps // stages))})
+        logs.append({"sparsity": round(amount_k, 4), **recover(model, teacher, tokenizer, inputs, cfg, masks,
+                                                               max(1, cfg.recovery_steps // stages), _linears(model), pooling)})
     return masks, {"stages": logs}
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, read_texts, text_batches
+from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, text_batches
 from encoderkit.compress.onnx_embeddings import BLOCK_SIZES
 from encoderkit.compress.packing import (
     QTensor,
@@ -39,6 +39,7 @@ from encoderkit.compress.packing import (
     rtn_quantize,
     save_quantized,
 )
+from encoderkit.compress.task_data import LeverData
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir
@@ -72,17 +73,17 @@ class QuantizeConfig(StageConfig):
                                        "as packed uint4 blocks of --group-size columns (ORT GatherBlockQuantized); ORT dynamic "
                                        "INT8 already stores them in uint8",
                           choices=("fp32", "int8", "int4"))
-    calib_data: str = arg("", help="Calibration texts (.txt, .tsv with 'sentence' column, or .jsonl 'text'): static/gptq/qat")
+    calib_data: str = arg("", help="Calibration inputs: the task's data file, read by the task's reader (or a .txt of texts): static/gptq")
     calib_samples: int = arg(0, help="Number of calibration texts (0: the method's default: gptq 4096, a Hessian per "
                                      "Linear needs many tokens and short texts give few; static/qat 128)")
     calib_seq_len: int = arg(128, help="Max tokens per calibration text")
     calib_method: str = arg("minmax", help="static: activation range calibration", choices=("minmax", "entropy", "percentile"))
     fallback_layers: int = arg(0, help="static: keep this many most sensitive MatMuls in fp32 (measured by output error)")
-    train_data: str = arg("", help="qat: labelled training file for the quantization-aware fine-tuning")
+    train_data: str = arg("", help="qat: the task's training data for the quantization-aware fine-tuning (read by the task's reader)")
     qat_steps: int = arg(200, help="qat: optimisation steps")
     lr: float = arg(2e-5, help="qat: learning rate")
-    kd_alpha: float = arg(0.5, help="qat: loss = alpha * KD from the fp32 model's logits + (1 - alpha) * task loss "
-                                    "(1: match the fp32 model only)")
+    kd_alpha: float = arg(0.5, help="qat: loss = alpha * KD from the fp32 model's outputs + (1 - alpha) * label loss "
+                                    "(classify data with labels; 1: match the fp32 model only)")
     batch_size: int = arg(16, help="qat: training batch size; static/gptq: calibration batch size")
     overwrite: bool = arg(False, help="Replace an existing output folder")
     seed: int = arg(0, help="Seed for calibration sampling and QAT")
@@ -102,18 +103,31 @@ class QuantizeConfig(StageConfig):
               f"embeddings=int4 on ONNX needs --group-size in {BLOCK_SIZES} (columns per block), got {self.group_size}")
 
 
+def data_needs(cfg: QuantizeConfig) -> tuple[str, ...]:
+    """The lever data fields (:mod:`encoderkit.compress.task_data`) ``cfg`` needs and does not name itself."""
+    if cfg.method == "qat":
+        return () if cfg.train_data else ("train",)
+    return ("calib",) if cfg.method in ("gptq", "static") and not cfg.calib_data else ()
+
+
 def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
-             calib: list[Any] | None = None, quality_fn: QualityFn | None = None) -> LeverReport:
+             calib: list[Any] | None = None, quality_fn: QualityFn | None = None, data: LeverData | None = None) -> LeverReport:
     """Quantize the model in ``model_dir`` as ``cfg`` says and write the result to ``out_dir``.
 
-    ``calib`` (texts or text pairs) overrides ``cfg.calib_data``; ``quality_fn(folder) -> dict``
-    is measured before and after. Returns the :class:`LeverReport` (also saved in the card).
+    ``calib`` (texts or text pairs) overrides the calibration data; ``data`` is where the declared
+    data fields come from (default: ``cfg``'s own files, read as the model's task's data);
+    ``quality_fn(folder) -> dict`` is measured before and after. Returns the :class:`LeverReport`
+    (also saved in the card).
     """
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if is_quantized(model_dir):
         raise EncoderkitError(f"{model_dir} is already quantized; quantize its unquantized parent "
                               "(see 'parent' in its encoderkit.json) instead of stacking quantizers")
+    data = (data or LeverData.for_model(model_dir)).with_sources(train=cfg.train_data, calib=cfg.calib_data)
+    onnx_check = cfg.method == "dynamic" and cfg.backend == "onnx" and data.source("calib")  # the INT8 graph's output error
+    if calib is None and (cfg.method in ("gptq", "static") or onnx_check):
+        calib = calibration_texts(cfg, None, data, model_dir)
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
     folder = ModelFolder.open(model_dir)
     tokenizer = folder.tokenizer()
@@ -131,7 +145,7 @@ def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
             if cfg.method in ("gptq", "rtn", "dynamic"):
                 qtensors, details = _weight_only(model, tokenizer, cfg, calib)
             else:
-                qtensors, details = _qat(model, model_dir, tokenizer, cfg, calib)
+                qtensors, details = _qat(model, model_dir, tokenizer, cfg, data, folder.pooling or "mean")
             qtensors.update(_embedding_codes(model, cfg))
             runtime = "torch-int8" if cfg.method in ("dynamic", "qat") else "dequantized-fp32"
             info = {"method": cfg.method, "bits": cfg.bits, "group_size": cfg.group_size, "runtime": runtime}
@@ -141,16 +155,19 @@ def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
     return report
 
 
-def calibration_texts(cfg: QuantizeConfig, calib: list[Any] | None) -> list[Any]:
-    """``calib`` if given, else the first ``cfg.calib_samples`` texts of ``cfg.calib_data``."""
+def calibration_texts(cfg: QuantizeConfig, calib: list[Any] | None, data: LeverData | None = None,
+                      model_dir: Path | None = None) -> list[Any]:
+    """``calib`` if given, else the first ``cfg.calib_samples`` inputs of ``data``'s calibration source
+    (read as the model's task's data)."""
     n = cfg.calib_samples or CALIB_DEFAULT.get(cfg.method, 128)
     if calib is not None:
         texts = list(calib)[:n]
-    elif cfg.calib_data:
-        texts = read_texts(cfg.calib_data, limit=n)
+    elif data is not None and data.source("calib"):
+        texts = data.inputs("calib", model_dir, limit=n).texts
     else:
-        raise EncoderkitError(f"quantize method={cfg.method} needs calibration texts: pass --calib-data FILE "
-                              "(.txt, .tsv or .jsonl from the task's training data)")
+        task = f" of the {data.task} model" if data is not None else ""
+        raise EncoderkitError(f"quantize method={cfg.method} needs calibration inputs{task}: pass --calib-data FILE "
+                              "(the task's training data, or a .txt of in-domain texts)")
     check(len(texts) > 0, "calibration set is empty")
     return texts
 
@@ -240,16 +257,17 @@ def _path(model: torch.nn.Module, module: torch.nn.Module) -> str:
 
 
 def _qat(model: torch.nn.Module, model_dir: Path, tokenizer: Any, cfg: QuantizeConfig,
-         calib: list[Any] | None) -> tuple[dict[str, QTensor], dict[str, Any]]:
-    """Quantization-aware fine-tuning (KD from the fp32 model + task loss), then real INT8 codes."""
-    from encoderkit.compress.prune import recover
+         data: LeverData, pooling: str) -> tuple[dict[str, QTensor], dict[str, Any]]:
+    """Quantization-aware fine-tuning (KD from the fp32 model + label loss), then real INT8 codes."""
+    from encoderkit.compress.recovery import recover
 
-    if not cfg.train_data:
-        raise EncoderkitError("quantize method=qat needs --train-data FILE (labelled .tsv/.jsonl of the task)")
+    if not data.source("train"):
+        raise EncoderkitError(f"quantize method=qat needs --train-data FILE (the {data.task} model's training data)")
+    inputs = data.inputs("train", model_dir)
     teacher = load_model(model_dir)
     _swap_linears(model, wrap=True, per_channel=cfg.per_channel)
     try:
-        log = recover(model, teacher, tokenizer, cfg, {}, cfg.qat_steps)
+        log = recover(model, teacher, tokenizer, inputs, cfg, {}, cfg.qat_steps, [], pooling)
     finally:
         _swap_linears(model, wrap=False)
     qtensors, details = _weight_only(model, tokenizer, QuantizeConfig(method="dynamic", per_channel=cfg.per_channel,

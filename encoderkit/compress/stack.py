@@ -2,63 +2,56 @@
 
 A recipe is YAML (or TOML/JSON) with a list of steps, each a lever and its settings::
 
+    task: rerank            # optional: the model must be of this task
     steps:
       - {lever: distill, layers: every-other, epochs: 3}
       - {lever: prune, method: structured, heads: 0.3, ffn: 0.4, recover_steps: 500}
       - {lever: quantize, method: dynamic-int8}
 
-Levers and their settings are the lever configs' own fields (``encoderkit prune --help`` ...):
-``distill`` (:class:`~encoderkit.compress.distill.DistillConfig`, mode task, the previous step's
-model as teacher), ``prune`` / ``vocab`` (:class:`~encoderkit.compress.prune.PruneConfig`),
-``quantize`` / ``gptq`` / ``qat`` (:class:`~encoderkit.compress.quantize.QuantizeConfig`).
-Shorthands: ``prune method: structured`` with ``heads``/``ffn`` fractions runs the heads and
-FFN pruning one after the other (recovery after the last); ``recover_steps`` is
-``recovery_steps``; ``quantize method: dynamic-int8`` is dynamic INT8 through ONNX Runtime.
-Model, output and data paths are filled in by the runner (``--train`` feeds distillation,
-recovery and calibration unless a step names its own file).
+The levers (:mod:`encoderkit.compress.levers`) all have one shape: model folder + their config +
+the data they declare -> model folder + report. Their settings are the lever configs' own fields
+(``encoderkit prune --help`` ...): ``distill`` (:class:`~encoderkit.compress.distill.DistillConfig`,
+mode task, the previous step's model as teacher), ``prune`` / ``vocab``
+(:class:`~encoderkit.compress.prune.PruneConfig`), ``quantize`` / ``gptq`` / ``qat``
+(:class:`~encoderkit.compress.quantize.QuantizeConfig`). Shorthands: ``prune method: structured``
+with ``heads``/``ffn`` fractions runs the heads and FFN pruning one after the other (recovery after
+the last); ``recover_steps`` is ``recovery_steps``; ``quantize method: dynamic-int8`` is dynamic
+INT8 through ONNX Runtime. Model and output paths are filled in by the runner; the data a step
+declares (``train``, ``calib``: :mod:`encoderkit.compress.task_data`) comes from ``--train`` /
+``--calib`` unless the step names its own file, read by the model's task's readers.
 
 The whole recipe is validated before anything runs: an unknown lever or field, or a bad value,
 is an error naming the step (number and lever) and the field, and so is a second quantizing step
-(``quantize``, ``gptq``, ``qat``: each refuses an already quantized model). Everything is written into one
-output folder (``NN-lever/`` per step, ``report.md``, ``report.json``, ``report.png``) that
+(``quantize``, ``gptq``, ``qat``: each refuses an already quantized model), a step whose declared
+data was not given (naming the task, the field and the step), a lever that does not handle the
+model's task, and a model of another task than the recipe's ``task``. Everything is written into
+one output folder (``NN-lever/`` per step, ``report.md``, ``report.json``, ``report.png``) that
 appears only when the whole recipe finished.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from encoderkit.compress.levers import LEVERS, QUANT_LEVERS, check_task
+from encoderkit.compress.task_data import LeverData
 from encoderkit.config import StageConfig, arg, check, load_mapping
 from encoderkit.errors import EncoderkitError
 
-# lever name -> (module, config class, function, fixed settings)
-LEVERS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
-    "distill": ("encoderkit.compress.distill", "DistillConfig", "run", {"mode": "task"}),
-    "prune": ("encoderkit.compress.prune", "PruneConfig", "prune", {}),
-    "vocab": ("encoderkit.compress.prune", "PruneConfig", "prune", {"method": "vocab"}),
-    "quantize": ("encoderkit.compress.quantize", "QuantizeConfig", "quantize", {}),
-    "gptq": ("encoderkit.compress.quantize", "QuantizeConfig", "quantize", {"method": "gptq"}),
-    "qat": ("encoderkit.compress.quantize", "QuantizeConfig", "quantize", {"method": "qat"}),
-}
-# levers that quantize the model; a quantized model is never quantized again (the lever refuses it)
-QUANT_LEVERS = ("quantize", "gptq", "qat")
-RUNNER_FIELDS = ("model", "out", "teacher", "overwrite")  # set by the runner, never by a recipe
-ALIASES = {"recover_steps": "recovery_steps"}
-# field of each lever's config that takes the runner's --train / --calib file, when the step sets none
-TRAIN_FIELDS = {"DistillConfig": ("train",), "PruneConfig": ("recovery_data",), "QuantizeConfig": ("train_data",)}
-CALIB_FIELDS = {"PruneConfig": ("calib_data",), "QuantizeConfig": ("calib_data",)}
+__all__ = ["QUANT_LEVERS", "CompressConfig", "RecipeStep", "load_recipe", "run", "run_steps", "validate_recipe"]
+RECIPE_KEYS = {"steps", "name", "description", "task"}
+# what the validation builds each lever call's config with, in place of the runner's folders and data
+_PLACEHOLDER_DATA = LeverData("<task>", {"train": "<--train>", "calib": "<--calib>"})
 
 
 @dataclass
 class RecipeStep:
     """One validated step: ``calls`` are the settings of the lever calls it makes (two for
-    structured pruning), without the paths that the runner fills in."""
+    structured pruning), without the paths and data that the runner fills in."""
 
     index: int
     lever: str
@@ -69,77 +62,65 @@ class RecipeStep:
     def name(self) -> str:
         return f"{self.index:02d}-{self.lever}"
 
+    def needs(self) -> list[tuple[str, int]]:
+        """(data field, call number) of every field the step's calls declare."""
+        lever = LEVERS[self.lever]
+        return [(f, j) for j, c in enumerate(self.calls) for f in lever.needs(c)]
 
-def _lever_config_class(lever: str) -> type[StageConfig]:
-    mod, cls, _, _ = LEVERS[lever]
-    return getattr(importlib.import_module(mod), cls)
 
-
-def _expand(lever: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-    """Turn a step's recipe settings into the settings of its lever calls (shorthands resolved)."""
-    p = {ALIASES.get(k, k): v for k, v in params.items()}
-    p = {**LEVERS[lever][3], **p}
-    if lever == "quantize" and p.get("method") == "dynamic-int8":
-        p["method"] = "dynamic"
-        p.setdefault("backend", "onnx")
-    if lever == "prune" and p.get("method") == "structured":
-        heads, ffn = p.pop("heads", 0.0), p.pop("ffn", 0.0)
-        rest = {k: v for k, v in p.items() if k != "method"}
-        recovery = {k: rest.pop(k) for k in ("recovery_steps", "recovery_data") if k in rest}
-        calls = [{**rest, "method": m, "amount": a} for m, a in (("heads", heads), ("ffn", ffn)) if a]
-        if not calls:
-            raise EncoderkitError("prune method 'structured' needs 'heads' and/or 'ffn' fractions above 0")
-        calls[-1].update(recovery)
-        return calls
-    return [p]
+def recipe_task(data: Any) -> str | None:
+    """The ``task`` a recipe mapping names, if any."""
+    return str(data["task"]) if isinstance(data, dict) and data.get("task") else None
 
 
 def validate_recipe(data: Any, source: str = "recipe") -> list[RecipeStep]:
     """Check every step of a recipe mapping (or list of steps) before anything runs."""
     steps = data.get("steps") if isinstance(data, dict) else data
     if isinstance(data, dict):
-        extra = sorted(set(data) - {"steps", "name", "description"})
-        check(not extra, f"{source}: unknown top-level key(s) {extra}; a recipe holds 'steps' (and optional 'name', 'description')")
+        extra = sorted(set(data) - RECIPE_KEYS)
+        check(not extra, f"{source}: unknown top-level key(s) {extra}; a recipe holds 'steps' (and optional 'task', 'name', 'description')")
+        from encoderkit.tasks import TASKS
+
+        task = recipe_task(data)
+        check(task is None or task in TASKS, f"{source}: task {task!r} is not one of {', '.join(TASKS)}")
     check(isinstance(steps, list) and len(steps) > 0, f"{source}: expected a non-empty list under 'steps'")
     out: list[RecipeStep] = []
     for i, raw in enumerate(steps, 1):
         if not isinstance(raw, dict) or "lever" not in raw:
             raise EncoderkitError(f"{source}: step {i} must be a mapping with a 'lever' key, got {raw!r}")
-        lever = str(raw["lever"])
-        where = f"{source}: step {i} (lever '{lever}')"
-        if lever not in LEVERS:
+        name = str(raw["lever"])
+        where = f"{source}: step {i} (lever '{name}')"
+        if name not in LEVERS:
             raise EncoderkitError(f"{where}: unknown lever; known levers: {', '.join(LEVERS)}")
+        lever = LEVERS[name]
         params = {k: v for k, v in raw.items() if k != "lever"}
-        cls = _lever_config_class(lever)
-        known = {f.name for f in dataclasses.fields(cls)} | set(ALIASES)
-        if lever == "prune":
-            known |= {"heads", "ffn"}
+        known = lever.recipe_keys()
         for key in params:
-            name = key.replace("-", "_")
-            if name in RUNNER_FIELDS:
+            field_name = key.replace("-", "_")
+            if field_name in lever.runner_fields or field_name in ("model", "out", "teacher"):
                 raise EncoderkitError(f"{where}: field '{key}' is set by the runner (the previous step's model and the step folder); remove it")
-            if name not in known:
-                raise EncoderkitError(f"{where}: unknown field '{key}'; known fields: {', '.join(sorted(known - set(RUNNER_FIELDS)))}")
+            if field_name not in known:
+                raise EncoderkitError(f"{where}: unknown field '{key}'; known fields: {', '.join(sorted(known))}")
         params = {k.replace("-", "_"): v for k, v in params.items()}
         try:
-            calls = _expand(lever, params)
-            placeholders = {"teacher": "<previous step>", "out": "<step folder>", "train": "<--train>"} if lever == "distill" else {}
+            calls = lever.calls(params)
             for c in calls:
-                cls.from_dict({**placeholders, **c}, source=where)
+                lever.config(c, Path("<previous step>"), Path("<step folder>"), _PLACEHOLDER_DATA)
+                lever.needs(c)
         except EncoderkitError as e:
             msg = str(e)
             raise EncoderkitError(msg if msg.startswith(where) else f"{where}: {msg}") from e
-        earlier = next((o for o in out if o.lever in QUANT_LEVERS), None) if lever in QUANT_LEVERS else None
+        earlier = next((o for o in out if o.lever in QUANT_LEVERS), None) if name in QUANT_LEVERS else None
         if earlier is not None:
             raise EncoderkitError(f"{where}: step {earlier.index} ({earlier.lever}) already quantizes the model and a "
                                   "quantized model is never quantized again; keep one quantization step (they are "
                                   "alternatives: gptq/rtn for bytes, dynamic-int8/static for CPU speed, qat for quality)")
-        out.append(RecipeStep(i, lever, params, calls))
+        out.append(RecipeStep(i, name, params, calls))
     return out
 
 
-def load_recipe(path: str | Path) -> list[RecipeStep]:
-    """Read and validate a recipe file."""
+def read_recipe(path: str | Path) -> Any:
+    """The mapping of a recipe file (YAML, TOML or JSON)."""
     p = Path(path)
     if p.suffix in (".yaml", ".yml"):
         import yaml
@@ -147,12 +128,15 @@ def load_recipe(path: str | Path) -> list[RecipeStep]:
         if not p.is_file():
             raise EncoderkitError(f"recipe file {p} does not exist")
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+            return yaml.safe_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
             raise EncoderkitError(f"recipe file {p} is not valid YAML: {e}") from e
-    else:
-        data = load_mapping(p)
-    return validate_recipe(data, source=str(p))
+    return load_mapping(p)
+
+
+def load_recipe(path: str | Path) -> list[RecipeStep]:
+    """Read and validate a recipe file."""
+    return validate_recipe(read_recipe(path), source=str(path))
 
 
 @dataclass
@@ -160,11 +144,13 @@ class CompressConfig(StageConfig):
     """Settings of `encoderkit compress`."""
 
     recipe: str = arg(help="Recipe file (YAML/TOML/JSON) with the levers to run in order.", required=True)
-    model: str = arg(help="Fine-tuned model folder to compress (a classify model).", required=True)
-    dev: str = arg(help="Labelled dev file (.tsv with 'label', or .jsonl) on which quality is re-measured after every step.", required=True)
+    model: str = arg(help="Fine-tuned model folder to compress, of any task (classify, ner, qa, rerank, embed); its card says which.", required=True)
+    dev: str = arg(help="The task's dev data on which quality is re-measured after every step (classify: a labelled table; "
+                        "ner: CoNLL/JSONL; qa: SQuAD JSON; rerank/embed: a BEIR source).", required=True)
     out: str = arg(help="Output folder: one model folder per step plus report.md/json/png.", required=True)
-    train: str | None = arg(None, help="Labelled task training file for distillation, recovery training and calibration.")
-    calib: str | None = arg(None, help="Unlabelled in-domain texts for calibration and vocabulary (default: --train).")
+    train: str | None = arg(None, help="The task's training data (read by the task's reader, with the columns of the model's card) "
+                                       "for distillation, recovery training and calibration.")
+    calib: str | None = arg(None, help="In-domain inputs for calibration and vocabulary, the task's data or a .txt of texts (default: --train).")
     seq_len: int = arg(128, help="Sequence length of the latency measurement (every row of the batch this long).")
     runtime: str = arg("deploy", choices=("deploy", "torch"), help="Runtime for latency and quality: 'deploy' (the ONNX Runtime Predictor; torch for folders it cannot load) or 'torch'.")
     dev_limit: int = arg(0, help="Measure quality on only the first N dev examples (0: all).")
@@ -183,69 +169,59 @@ class CompressResult:
         return f"{markdown_table(self.rows)}\n\nreport: {self.out / 'report.md'}"
 
 
-def with_data(lever: str, call: dict[str, Any], train: str | None, calib: str | None, where: str) -> dict[str, Any]:
-    """Fill the data files a lever call needs and the recipe left out with the runner's files."""
-    call = dict(call)
-    calib = calib or train
-    if lever == "distill" and not call.get("train"):
-        check(bool(train), f"{where}: distillation needs task texts; pass --train (or set 'train' in the step)")
-        call["train"] = train
-    if LEVERS[lever][1] == "PruneConfig":
-        if call.get("recovery_steps", 0) > 0 and not call.get("recovery_data"):
-            check(bool(train), f"{where}: recovery_steps > 0 needs labelled data; pass --train")
-            call["recovery_data"] = train
-        if calib and not call.get("calib_data"):
-            call["calib_data"] = calib
-        if call.get("method") == "vocab" and not call.get("vocab_data"):
-            check(bool(calib), f"{where}: vocabulary pruning needs in-domain texts; pass --train or --calib")
-            call["vocab_data"] = [calib]
-    if LEVERS[lever][1] == "QuantizeConfig":
-        if calib and not call.get("calib_data"):
-            call["calib_data"] = calib
-        if call.get("method") == "qat" and not call.get("train_data"):
-            check(bool(train), f"{where}: QAT needs labelled data; pass --train")
-            call["train_data"] = train
-    return call
+def check_steps(steps: list[RecipeStep], data: LeverData, source: str, task: str | None = None) -> None:
+    """Before anything runs: the model is of the recipe's ``task``, every lever handles the model's
+    task, and every step has the data its calls declare (errors name the task, the field and the step)."""
+    if task is not None and task != data.task:
+        raise EncoderkitError(f"{source}: the recipe is for {task} models but the model {data.folder} is a {data.task} "
+                              f"model; use a {task} model or a recipe for {data.task}")
+    for step in steps:
+        where = f"{source}: step {step.index} (lever '{step.lever}')"
+        check_task(LEVERS[step.lever], data.task, where)
+        data.require(tuple(dict.fromkeys(f for f, _ in step.needs())), where)
 
 
-def run_lever(lever: str, call: dict[str, Any], model_dir: Path, out_dir: Path, where: str) -> None:
-    """Run one lever call (validated settings ``call``) from ``model_dir`` into the new folder ``out_dir``."""
-    mod, _, fn_name, _ = LEVERS[lever]
-    fn = getattr(importlib.import_module(mod), fn_name)
-    cls = _lever_config_class(lever)
-    if lever == "distill":
-        fn(cls.from_dict({**call, "teacher": str(model_dir), "out": str(out_dir)}, source=where))
-    else:
-        # the runner measures every step itself; the lever's own before/after timing would double the time
-        quiet = {"measure": False} if "measure" in {f.name for f in dataclasses.fields(cls)} else {}
-        cfg = cls.from_dict({**quiet, **call, "model": str(model_dir), "out": str(out_dir)}, source=where)
-        fn(model_dir, cfg, out_dir)
+def lever_notes(details: dict[str, Any]) -> str:
+    """What a lever's report says about speed or bytes that the numbers alone do not (e.g. that 2:4
+    sparsity buys no time without a sparse GPU)."""
+    return "; ".join(str(details[k]) for k in ("speedup", "bytes_note") if details.get(k))
 
 
 def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: Path,
-              measure: Any = None) -> list[dict[str, Any]]:
+              measure: Any = None, task: str | None = None) -> list[dict[str, Any]]:
     """Run ``steps`` from ``cfg.model`` into ``work/NN-lever`` folders, measuring each; returns the
     report rows (row 0 is the starting model). ``final`` is where ``work`` will be renamed to,
     so that lineage in the step cards points at the final folders. ``measure(folder) -> row``
-    defaults to a :class:`StepMeasurer` on ``cfg.dev``."""
+    defaults to a :class:`StepMeasurer` on ``cfg.dev``; ``task`` is the recipe's task, if it names one."""
     from encoderkit.io import inherited_card, read_card, write_card
     from encoderkit.progress import note, progress
 
+    data = LeverData.for_model(cfg.model, train=cfg.train, calib=cfg.calib)
+    check_steps(steps, data, str(cfg.recipe), task)
     measure = measure or make_measure(cfg)
     rows = [{"step": 0, "lever": "start", "folder": str(Path(cfg.model).resolve()), **measure(Path(cfg.model))}]
     cur, cur_final = Path(cfg.model), Path(cfg.model).resolve()
     for step in progress(steps, desc="recipe", unit="step"):
         dst = work / step.name
         where = f"{cfg.recipe}: step {step.index} (lever '{step.lever}')"
+        lever = LEVERS[step.lever]
+        notes = []
         for j, call in enumerate(step.calls):
-            call = with_data(step.lever, call, cfg.train, cfg.calib, where)
+            src = cur if j == 0 else work / f".{step.name}-part{j - 1}"
             target = dst if j == len(step.calls) - 1 else work / f".{step.name}-part{j}"
-            run_lever(step.lever, call, cur if j == 0 else work / f".{step.name}-part{j - 1}", target, where)
+            try:
+                config = lever.config(call, src, target, data)
+            except EncoderkitError as e:
+                raise EncoderkitError(f"{where}: {e}") from e
+            report = lever.run(src, config, data, target)
+            notes.append(lever_notes(report.details))
         for j in range(len(step.calls) - 1):
             shutil.rmtree(work / f".{step.name}-part{j}", ignore_errors=True)
         card = read_card(dst)
         extra = inherited_card(card)
         row = {"step": step.index, "lever": step.lever, "folder": str(final / step.name), **measure(dst)}
+        if any(notes):
+            row["note"] = "; ".join(n for n in notes if n)
         write_card(dst, card.get("stage", step.lever), cur_final, card.get("config", step.params),
                    {**card.get("metrics", {}), "recipe_measurement": {k: v for k, v in row.items() if k not in ("step", "folder")}},
                    **{**extra, "recipe_step": step.index, "recipe_params": step.params})
@@ -383,12 +359,13 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     from encoderkit.io import output_dir, relocate_paths
     from encoderkit.report import write_report
 
-    steps = load_recipe(cfg.recipe)
+    recipe = read_recipe(cfg.recipe)
+    steps = validate_recipe(recipe, source=str(cfg.recipe))
     check(Path(cfg.model).is_dir(), f"--model {cfg.model} is not a folder")
-    check(Path(cfg.dev).is_file(), f"--dev {cfg.dev} does not exist")
+    check(Path(cfg.dev.partition("#")[0]).exists(), f"--dev {cfg.dev} does not exist")
     out = Path(cfg.out)
     with output_dir(out, cfg.overwrite) as tmp:
-        rows = run_steps(steps, cfg, tmp, out.resolve(), measure)
+        rows = run_steps(steps, cfg, tmp, out.resolve(), measure, task=recipe_task(recipe))
         meta = {"title": f"Compression report: {Path(cfg.recipe).name} on {Path(cfg.model).name}",
                 "model": str(Path(cfg.model).resolve()), "recipe": str(cfg.recipe), "dev": str(cfg.dev),
                 "seq_len": cfg.seq_len, "batch_sizes": "1 and 32", "threads": torch.get_num_threads(),

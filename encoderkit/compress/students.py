@@ -129,6 +129,17 @@ def check_same_tokenizer(teacher_dir: str | Path, student_dir: str | Path) -> No
         raise EncoderkitError(f"teacher {teacher_dir} and student {student_dir} differ in lower-casing; use the same tokenizer")
 
 
+def check_same_task(teacher_dir: str | Path, student_dir: str | Path) -> None:
+    """Raise unless teacher and student folders are models of the same task (a one-label cross-encoder
+    and a classifier share a head class, so the class alone does not tell)."""
+    t = ModelFolder.open(teacher_dir, weights=False, tokenizer=False).task
+    s = ModelFolder.open(student_dir, weights=False, tokenizer=False).task
+    if t != s:
+        raise EncoderkitError(f"student {student_dir} is a {s} model but the teacher {teacher_dir} a {t} model; "
+                              f"distillation needs a student of the teacher's task ({t}): pass a {t} student or "
+                              "let distill build one from the teacher")
+
+
 # -- losses ----------------------------------------------------------------------------------------
 
 def soft_target_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -166,6 +177,7 @@ def make_student(cfg: Any, teacher: nn.Module) -> tuple[nn.Module, list[int] | N
     n_teacher = teacher.config.num_hidden_layers
     if cfg.student:
         check_same_tokenizer(cfg.teacher, cfg.student)
+        check_same_task(cfg.teacher, cfg.student)
         student = ModelFolder.open(cfg.student, tokenizer=False).load()
         check(type(student) is type(teacher),
               f"student {cfg.student} is a {type(student).__name__} but the teacher a {type(teacher).__name__}; use the same head")

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, read_texts
+from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder
 from encoderkit.compress.packing import copy_side_files
+from encoderkit.compress.task_data import LeverData, read_task_inputs
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, write_json_atomic
 from encoderkit.models.folder import ModelFolder
@@ -95,12 +96,17 @@ def shrink_embeddings(model: torch.nn.Module, kept: list[int]) -> None:
     model.config.pad_token_id = new_pad
 
 
-def prune_vocab(model_dir: str | Path, cfg: Any, out_dir: str | Path, quality_fn: QualityFn | None = None) -> LeverReport:
-    """The ``prune method=vocab`` lever: keep the tokens of ``cfg.vocab_data`` files (+ specials)."""
+def prune_vocab(model_dir: str | Path, cfg: Any, out_dir: str | Path, quality_fn: QualityFn | None = None,
+                data: LeverData | None = None) -> LeverReport:
+    """The ``prune method=vocab`` lever: keep the tokens of ``cfg.vocab_data`` files (+ specials), each
+    read by the model's task's reader; without them, those of ``data``'s calibration source."""
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if not cfg.vocab_data:
-        raise EncoderkitError("prune method=vocab needs --vocab-data FILE [FILE ...]: the task's train/dev/test texts")
+    data = data or LeverData.for_model(model_dir)
+    sources = list(cfg.vocab_data) or ([data.source("calib")] if data.source("calib") else [])
+    if not sources:
+        raise EncoderkitError(f"prune method=vocab needs --vocab-data FILE [FILE ...]: the {data.task} model's "
+                              "train/dev/test data")
     tok_json = model_dir / "tokenizer.json"
     if not tok_json.is_file():
         raise EncoderkitError(f"{model_dir}: tokenizer.json is missing; vocabulary pruning rewrites a fast tokenizer")
@@ -108,8 +114,8 @@ def prune_vocab(model_dir: str | Path, cfg: Any, out_dir: str | Path, quality_fn
     folder = ModelFolder.open(model_dir)
     tokenizer = folder.tokenizer()
     texts: list[Any] = []
-    for f in cfg.vocab_data:
-        texts.extend(read_texts(f))
+    for f in sources:
+        texts.extend(read_task_inputs(str(f), data.task, card=folder.card, folder=model_dir).texts)
     kept = used_token_ids(tokenizer, texts, cfg.keep_tokens)
     model = folder.load()
     old_vocab = model.config.vocab_size
