@@ -71,7 +71,8 @@ def main() -> int:
     import faiss
 
     faiss.omp_set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    print(f"hardware: {describe()}; {load()}", flush=True)
+    print(f"hardware: {describe()}", flush=True)
+    print(load(), flush=True)
     mults = [int(m) for m in args.multipliers.split(",")]
     if args.real_only:
         line = {f"real_overlap_{k}": v for k, v in real_overlaps(args.real, mults, shares(args)).items()}
