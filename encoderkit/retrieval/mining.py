@@ -17,7 +17,7 @@ import numpy as np
 from encoderkit.retrieval.beir import Retrieval, Triple
 from encoderkit.retrieval.exact import retrieve
 from encoderkit.tasks.common import load_tokenizer, resolve_model
-from encoderkit.tasks.embed import folder_max_length, load_bi_encoder
+from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
 CANDIDATES = 100
 MINE_FROM, MINE_TO = 3, 30

@@ -1,4 +1,4 @@
-"""Bi-encoder fine-tuning and evaluation (contrastive, in-batch negatives; see :mod:`encoderkit.tasks.embed`).
+"""Bi-encoder fine-tuning and evaluation (contrastive, in-batch negatives; see :mod:`encoderkit.tasks.embed.features`).
 
 Training data: JSONL ``{query, positive, negatives?}`` or a BEIR source (each judged (query, doc)
 pair is a row; ``--num-negatives`` hard negatives are added when ``--negatives mined``).
@@ -21,7 +21,7 @@ from encoderkit.retrieval.metrics import retrieval_scores
 from encoderkit.retrieval.mining import groups_from_beir
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, seeded_subset
-from encoderkit.tasks.embed import (
+from encoderkit.tasks.embed.features import (
     BiEncoder,
     load_bi_encoder,
     mnrl_loss,

@@ -3,7 +3,7 @@
 Labels sit on the first sub-token of each word (-100 on the others); sentences longer than
 ``max_length`` sub-tokens are split into windows overlapping by ``stride`` (each window is one
 training row; a word in an overlap is trained on twice). Dev/test scoring predicts per word
-(:func:`encoderkit.tasks.ner.decode_word_tags`) and counts entities the way seqeval does.
+(:func:`encoderkit.tasks.ner.features.decode_word_tags`) and counts entities the way seqeval does.
 Entity types in dev data that never occur in training are an error.
 """
 
@@ -20,8 +20,8 @@ from encoderkit.evaluate.metrics import entity_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
-from encoderkit.tasks.conll import Sentence, entity_types, read_ner
-from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words, window_logits, window_rows
+from encoderkit.tasks.ner.data import Sentence, entity_types, read_ner
+from encoderkit.tasks.ner.features import NerFeatures, decode_word_tags, featurize_words, window_logits, window_rows
 
 DEFAULT_MAX_LENGTH = 128
 
@@ -88,7 +88,7 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
         return module(**batch).loss, {}
 
     card = {"task": "ner", "labels": labels, "tag_scheme": "iob2", "max_length": cfg.max_length or DEFAULT_MAX_LENGTH, "stride": cfg.stride,
-            "word_split": "encoderkit.tasks.ner.split_words"}
+            "word_split": "encoderkit.tasks.ner.features.split_words"}
     return TaskRun(model, loss_fn, source, evaluate, (cfg.metric or "f1", "max"),
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 

@@ -2,7 +2,7 @@
 
 Training uses each question's first answer; every context window is a training row (a window
 without the answer targets the [CLS] position, as in Hugging Face's SQuAD recipe). Evaluation
-decodes the best span over all windows (:func:`encoderkit.tasks.qa.decode_answers`) and scores
+decodes the best span over all windows (:func:`encoderkit.tasks.qa.features.decode_answers`) and scores
 it against all gold answers with the official SQuAD v1.1 EM/F1.
 """
 
@@ -18,8 +18,8 @@ from encoderkit.evaluate.metrics import squad_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
-from encoderkit.tasks.qa import QaFeatures, decode_answers, featurize_qa, window_rows, window_span_logits
-from encoderkit.tasks.squad import QaExample, read_squad
+from encoderkit.tasks.qa.data import QaExample, read_squad
+from encoderkit.tasks.qa.features import QaFeatures, decode_answers, featurize_qa, window_rows, window_span_logits
 
 DEFAULT_MAX_LENGTH = 256
 

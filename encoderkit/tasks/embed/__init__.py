@@ -1,0 +1,1 @@
+"""Bi-encoder embeddings: ``features`` encodes and saves, ``train`` wires fine-tuning and evaluation."""

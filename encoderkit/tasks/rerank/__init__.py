@@ -1,0 +1,1 @@
+"""Cross-encoder reranking: see ``train`` for the listwise head and its wiring."""
