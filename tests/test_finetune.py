@@ -153,7 +153,7 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch, capsys):
     from transformers import AutoModelForSequenceClassification
 
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.rerank.train import score_pairs
+    from encoderkit.tasks.rerank.features import score_pairs
 
     train, dev = _jsonl(tmp_path / "train.jsonl", _pairs(320, 0)), _jsonl(tmp_path / "dev.jsonl", _pairs(40, 1))
     # fp32 on every CPU: bf16 autocast turns itself on where it is native (AVX512-BF16/AMX), and this tiny model at
@@ -182,13 +182,15 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch, capsys):
 def test_rerank_draws_fresh_negatives_each_epoch(tmp_path, tiny_bert_dir):
     from encoderkit.models.folder import ModelFolder
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.rerank.train import build
+    from encoderkit.train.finetune import task_inputs
 
     rows = [{"query": f"q{i}", "positive": f"pos {i}", "negatives": [f"neg {i} {j}" for j in range(12)]} for i in range(8)]
     cfg = _cfg(tmp_path, tiny_bert_dir, task="rerank", train=str(_jsonl(tmp_path / "t.jsonl", rows)), max_length=16,
                num_negatives=2, batch_size=2)
     tok = load_tokenizer(tiny_bert_dir)
-    task = build(cfg, tok, ModelFolder.open(tiny_bert_dir))
+    folder = ModelFolder.open(tiny_bert_dir)
+    module, data, options = task_inputs(cfg, folder)
+    task = module.build(data, options, tok, folder)
     idx = np.arange(8)
 
     def texts(epoch: int) -> list[str]:
@@ -289,7 +291,7 @@ def test_bad_inputs_raise_and_leave_no_output(tmp_path, tiny_bert_dir):
 
 
 def test_long_texts_are_truncated_for_classify(tiny_bert_dir):
-    from encoderkit.tasks.classify.train import featurize
+    from encoderkit.tasks.classify.features import featurize
     from encoderkit.tasks.common import load_tokenizer
 
     tok = load_tokenizer(tiny_bert_dir)
@@ -315,7 +317,7 @@ def test_max_length_default_fits_the_model_and_a_longer_request_is_refused(tmp_p
 
 def test_rerank_pairs_cut_a_query_longer_than_max_length(tiny_bert_dir):
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.rerank.train import pair_rows
+    from encoderkit.tasks.rerank.features import pair_rows
 
     tok = load_tokenizer(tiny_bert_dir)
     rows = pair_rows(tok, ["python data " * 40, "python"], ["the movie " * 40, "the movie"], 24)

@@ -62,7 +62,7 @@ def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
 def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
     """(batch source, loss_fn, number of queries): teacher scores computed once for every pair."""
     from encoderkit.tasks.batching import BucketedBatches, encode_batch
-    from encoderkit.tasks.rerank.train import pair_rows, score_pairs
+    from encoderkit.tasks.rerank.features import pair_rows, score_pairs
 
     lists = candidate_lists(cfg)
     size = len(lists[0][1])

@@ -34,9 +34,9 @@ from encoderkit.deploy.export import copy_model_files, export_onnx, ort_session
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import cache_dir, output_dir, write_text_atomic
 from encoderkit.models.folder import SERVABLE, ModelFolder
-from encoderkit.tasks.classify.train import decode as decode_labels
-from encoderkit.tasks.classify.train import engine_logits
-from encoderkit.tasks.classify.train import featurize as featurize_pairs
+from encoderkit.tasks.classify.features import decode as decode_labels
+from encoderkit.tasks.classify.features import engine_logits
+from encoderkit.tasks.classify.features import featurize as featurize_pairs
 from encoderkit.tasks.inference import ModuleEngine, run_rows
 from encoderkit.tasks.ner.features import decode_entities, featurize_text, window_logits
 from encoderkit.tasks.ner.features import window_rows as ner_window_rows

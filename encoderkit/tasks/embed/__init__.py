@@ -1,1 +1,1 @@
-"""Bi-encoder embeddings: ``features`` encodes and saves, ``train`` wires fine-tuning and evaluation."""
+"""Bi-encoder embeddings: ``data`` builds (query, positive, negatives) groups, ``features`` encodes and saves, ``train`` wires fine-tuning and evaluation."""

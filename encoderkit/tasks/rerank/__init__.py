@@ -1,1 +1,1 @@
-"""Cross-encoder reranking: see ``train`` for the listwise head and its wiring."""
+"""Cross-encoder reranking: ``data`` builds query groups, ``features`` makes and scores (query, passage) pairs, ``train`` wires listwise fine-tuning and evaluation."""
