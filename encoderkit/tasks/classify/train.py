@@ -11,11 +11,8 @@ export included, applies it, but plain ``transformers`` pools the first token of
 the config says (ModernBERT reads the key itself), so a mean-pooled BERT folder gives other labels
 there: the log, the card (``hf_compatible: false`` and a ``warning``) and the README say so.
 
-Labels: the sorted set of training labels (numeric order when all are integers). A dev label that
-never occurs in training is an error. Multi-label rows give their labels joined by
-``label_separator`` (or as a JSON list in JSONL); the loss is BCE and a label is predicted when its
-probability is at least 0.5. Texts longer than ``max_length`` sub-tokens are truncated (the longer
-of a pair first).
+Labels (read by :mod:`encoderkit.tasks.classify.data`): a dev label that never occurs in training is
+an error. Multi-label: the loss is BCE and a label is predicted when its probability is at least 0.5.
 """
 
 from __future__ import annotations
