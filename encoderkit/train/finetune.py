@@ -18,6 +18,7 @@ from typing import Any
 from encoderkit.config import arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import check_output_dir, output_dir, write_card
+from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks import TASK_MODULES
 from encoderkit.tasks.common import DEFAULT_MODEL, TrainData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
@@ -102,7 +103,7 @@ def _identity(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k not in ("resume", "overwrite")}
 
 
-def task_inputs(cfg: FinetuneConfig, folder) -> tuple[Any, TrainData, Any]:
+def task_inputs(cfg: FinetuneConfig, folder: ModelFolder) -> tuple[Any, TrainData, Any]:
     """The task module of ``--task``, what it trains on (:class:`TrainData`) and its options, each
     built once from the parsed config (which stays as given: derived values live in the options)."""
     task = importlib.import_module(TASK_MODULES[cfg.task])
