@@ -7,8 +7,8 @@ itself by default, or a student (``encoderkit distill``), optionally Matryoshka-
 Both embed the same texts in one process, at the same batch size and thread count: SciFact
 documents (title + abstract, as BEIR encodes them), its 300 BEIR test queries and SST-2 dev
 sentences. Reported: texts/s of each, the speed ratio, the cosine of ours to the teacher's, and
-SciFact nDCG@10 / recall@100 of each (exact search with :func:`encoderkit.tasks.embed.search` and
-:func:`encoderkit.evaluate.metrics.retrieval_scores`, as ``encoderkit evaluate`` does) over the
+SciFact nDCG@10 / recall@100 of each (exact search with :func:`encoderkit.retrieval.exact.search` and
+:func:`encoderkit.retrieval.metrics.retrieval_scores`, as ``encoderkit evaluate`` does) over the
 documents encoded: with ``--docs 0`` the full 5,183-document corpus (the BEIR figure), otherwise
 every judged document plus seeded random others.
 
@@ -68,7 +68,7 @@ def teacher_full_corpus(teacher_dir: str | Path, batch: int) -> dict[str, float]
     from encoderkit.retrieval.exact import retrieve
     from encoderkit.retrieval.metrics import retrieval_scores
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.embed import folder_max_length, load_bi_encoder
+    from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
     data = load_retrieval(str(DATA / "scifact" / "scifact_hf_export.zip") + "#test")
     max_length = folder_max_length(Path(teacher_dir)) or 256

@@ -39,7 +39,7 @@ def main() -> int:
     from encoderkit.retrieval.exact import retrieve, search
     from encoderkit.retrieval.metrics import retrieval_scores
     from encoderkit.tasks.common import load_tokenizer, resolve_model
-    from encoderkit.tasks.embed import folder_max_length, load_bi_encoder
+    from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
     if args.threads:
         torch.set_num_threads(args.threads)

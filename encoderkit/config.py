@@ -59,7 +59,11 @@ def check(ok: bool, message: str) -> None:
 
 @dataclass
 class StageConfig:
-    """Base of every stage config. Subclasses add fields with :func:`arg` and may override ``validate``."""
+    """Base of every stage config. Subclasses add fields with :func:`arg` and may override ``validate``.
+
+    A config is read-only once built and checked: a stage that needs another value derives it (a
+    local variable, a task's options object, ``dataclasses.replace`` for a new config) instead of
+    writing it back, so the config a run records is the one it was given."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -72,6 +76,17 @@ class StageConfig:
                     f"{type(self).__name__}: {f.name}={value!r} is not one of {', '.join(map(str, choices))}"
                 )
         self.validate()
+        object.__setattr__(self, "_parsed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_parsed"):
+            raise dataclasses.FrozenInstanceError(
+                f"{type(self).__name__}.{name}: a stage config is read-only once parsed; derive the value instead "
+                "(a local, the task's options, or dataclasses.replace(config, ...) for a new config)")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"{type(self).__name__}.{name}: a stage config is read-only")
 
     def validate(self) -> None:
         """Check cross-field rules; raise :class:`EncoderkitError` with a useful message."""

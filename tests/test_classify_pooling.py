@@ -94,7 +94,7 @@ def test_auto_pooling_is_the_first_token_unless_the_folder_is_a_mean_pooled_clas
     import shutil
 
     from encoderkit.models.folder import ModelFolder
-    from encoderkit.tasks.classify import resolve_pooling
+    from encoderkit.tasks.classify.options import resolve_pooling
 
     assert resolve_pooling("auto", ModelFolder.open(tiny_bert_dir)) == "first"
     st = tmp_path / "st"

@@ -26,7 +26,7 @@ def embed_teacher(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """A tiny 4-layer sentence-transformers folder (mean pooling, normalised)."""
     from transformers import AutoTokenizer, BertModel
 
-    from encoderkit.tasks.embed import BiEncoder, save_sentence_transformers
+    from encoderkit.tasks.embed.features import BiEncoder, save_sentence_transformers
 
     out = tmp_path_factory.mktemp("embed_teacher")
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
@@ -81,7 +81,7 @@ def test_distilled_student_matches_teacher_better_than_undistilled(tmp_path, emb
     distilled = cosines(embed_teacher, st_student, held_out)
     teacher = AutoModel.from_pretrained(embed_teacher)
     base = build_student_from_teacher(teacher, parse_layer_map("0,2", 4))
-    from encoderkit.tasks.embed import BiEncoder, encode
+    from encoderkit.tasks.embed.features import BiEncoder, encode
 
     tok = st_student.tokenizer
     undistilled = cosines(embed_teacher, encode(BiEncoder(base, "mean"), tok, held_out, 64), held_out)
@@ -115,7 +115,7 @@ def test_minilm_three_layer_student_moves_towards_the_teacher(tmp_path, minilm_d
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
 
-    from encoderkit.tasks.embed import BiEncoder, encode
+    from encoderkit.tasks.embed.features import BiEncoder, encode
 
     scifact = shared_data / "scifact" / "scifact_hf_export.zip"
     texts = training_texts(str(scifact), seed=0)

@@ -63,7 +63,7 @@ def test_position_and_token_kl_ignore_padding():
 def test_rerank_student_orders_candidates_like_the_teacher(tmp_path, tiny_tokenizer_dir, loss):
     from transformers import AutoTokenizer
 
-    from encoderkit.tasks.rerank import score_pairs
+    from encoderkit.tasks.rerank.features import score_pairs
 
     teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 30.0, num_labels=1)
     g = np.random.default_rng(0)

@@ -15,7 +15,7 @@ from encoderkit.cli import main
 from encoderkit.deploy.runtime import Predictor
 from encoderkit.deploy.serve import BackgroundServer, create_app
 from encoderkit.tasks.common import load_tokenizer
-from encoderkit.tasks.embed import encode, load_bi_encoder
+from encoderkit.tasks.embed.features import encode, load_bi_encoder
 
 TEXTS = ["the movie python", "a story data", "good code and a great film about the love of data"]
 

@@ -153,7 +153,7 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch, capsys):
     from transformers import AutoModelForSequenceClassification
 
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.rerank import score_pairs
+    from encoderkit.tasks.rerank.features import score_pairs
 
     train, dev = _jsonl(tmp_path / "train.jsonl", _pairs(320, 0)), _jsonl(tmp_path / "dev.jsonl", _pairs(40, 1))
     # fp32 on every CPU: bf16 autocast turns itself on where it is native (AVX512-BF16/AMX), and this tiny model at
@@ -170,8 +170,7 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch, capsys):
     # evaluate reuses the saved max length (16) unless --max-length asks for another
     from encoderkit.evaluate.run import EvaluateConfig
     from encoderkit.evaluate.run import run as evaluate
-    from encoderkit.tasks import rerank
-
+    from encoderkit.tasks.rerank import train as rerank
     seen, real = [], rerank.score_pairs
     monkeypatch.setattr(rerank, "score_pairs", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
     evaluate(EvaluateConfig(model=str(res.out), data=str(dev), max_examples=2))
@@ -183,13 +182,15 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch, capsys):
 def test_rerank_draws_fresh_negatives_each_epoch(tmp_path, tiny_bert_dir):
     from encoderkit.models.folder import ModelFolder
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.rerank import build
+    from encoderkit.train.finetune import task_inputs
 
     rows = [{"query": f"q{i}", "positive": f"pos {i}", "negatives": [f"neg {i} {j}" for j in range(12)]} for i in range(8)]
     cfg = _cfg(tmp_path, tiny_bert_dir, task="rerank", train=str(_jsonl(tmp_path / "t.jsonl", rows)), max_length=16,
                num_negatives=2, batch_size=2)
     tok = load_tokenizer(tiny_bert_dir)
-    task = build(cfg, tok, ModelFolder.open(tiny_bert_dir))
+    folder = ModelFolder.open(tiny_bert_dir)
+    module, data, options = task_inputs(cfg, folder)
+    task = module.build(data, options, tok, folder)
     idx = np.arange(8)
 
     def texts(epoch: int) -> list[str]:
@@ -242,7 +243,7 @@ def test_rerank_on_beir_reorders_the_first_stage_top_k(tmp_path, tiny_bert_dir, 
 def test_embed_learns_and_loads_in_sentence_transformers(tmp_path, tiny_bert_dir):
     st = pytest.importorskip("sentence_transformers")
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.embed import encode, load_bi_encoder
+    from encoderkit.tasks.embed.features import encode, load_bi_encoder
 
     beir = _beir(tmp_path)
     train = _jsonl(tmp_path / "train.jsonl", _pairs(320, 0))
@@ -290,7 +291,7 @@ def test_bad_inputs_raise_and_leave_no_output(tmp_path, tiny_bert_dir):
 
 
 def test_long_texts_are_truncated_for_classify(tiny_bert_dir):
-    from encoderkit.tasks.classify import featurize
+    from encoderkit.tasks.classify.features import featurize
     from encoderkit.tasks.common import load_tokenizer
 
     tok = load_tokenizer(tiny_bert_dir)
@@ -316,7 +317,7 @@ def test_max_length_default_fits_the_model_and_a_longer_request_is_refused(tmp_p
 
 def test_rerank_pairs_cut_a_query_longer_than_max_length(tiny_bert_dir):
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.rerank import pair_rows
+    from encoderkit.tasks.rerank.features import pair_rows
 
     tok = load_tokenizer(tiny_bert_dir)
     rows = pair_rows(tok, ["python data " * 40, "python"], ["the movie " * 40, "the movie"], 24)
@@ -395,8 +396,8 @@ def test_finetune_killed_and_resumed_matches_uninterrupted(tmp_path, tiny_bert_d
 def test_corpus_embeddings_are_cached_per_model_and_texts(tmp_path, tiny_bert_dir, monkeypatch):
     from transformers import AutoModel
 
-    from encoderkit.tasks import embed
     from encoderkit.tasks.common import load_tokenizer
+    from encoderkit.tasks.embed import features as embed
 
     monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
     calls = []

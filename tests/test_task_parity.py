@@ -16,8 +16,8 @@ from test_finetune import _conll, _evaluate, _tsv, one_thread  # noqa: F401  (on
 from encoderkit.cli import main
 from encoderkit.deploy.runtime import Predictor
 from encoderkit.evaluate.metrics import classification_scores, entity_scores
-from encoderkit.tasks.conll import read_ner
-from encoderkit.tasks.ner import split_words
+from encoderkit.tasks.ner.data import read_ner
+from encoderkit.tasks.ner.features import split_words
 
 
 def _rows(tsv: Path) -> tuple[list[str], list[str]]:

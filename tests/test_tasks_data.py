@@ -71,7 +71,7 @@ def test_bi_encoder_matches_sentence_transformers(minilm_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # faster on a shared machine; restored below
     from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.embed import encode, load_bi_encoder
+    from encoderkit.tasks.embed.features import encode, load_bi_encoder
 
     texts = ["A man is eating food.", "Proteins fold into shapes " * 70, "x"]  # the long one is truncated at 256
     ours = encode(load_bi_encoder(minilm_dir), load_tokenizer(minilm_dir), texts, 256)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.tasks.conll import read_ner
-from encoderkit.tasks.ner import IGNORE, decode_entities, featurize_text, featurize_words
+from encoderkit.tasks.ner.data import read_ner
+from encoderkit.tasks.ner.features import IGNORE, decode_entities, featurize_text, featurize_words
 from encoderkit.tasks.tags import guess_scheme, iob2_to_spans, to_bioes, to_iob1, to_iob2
 
 IOB2 = ["B-PER", "I-PER", "O", "B-LOC", "B-LOC", "I-LOC", "O", "B-MISC"]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.tasks.qa import decode_answers, featurize_qa
-from encoderkit.tasks.squad import read_squad
+from encoderkit.tasks.qa.data import read_squad
+from encoderkit.tasks.qa.features import decode_answers, featurize_qa
 
 
 @pytest.fixture(scope="module")

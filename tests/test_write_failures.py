@@ -190,8 +190,8 @@ def test_read_only_parent_is_refused_before_training(store, tmp_path, monkeypatc
 def test_a_cache_that_cannot_be_written_is_skipped_with_a_note(tmp_path, tiny_bert_dir, monkeypatch, capsys):
     import numpy as np
 
-    from encoderkit.tasks import embed
     from encoderkit.tasks.common import load_tokenizer
+    from encoderkit.tasks.embed import features as embed
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

@@ -162,7 +162,7 @@ def teacher_embeddings(teacher: Any, tokenizer: Any, texts: list[str], max_lengt
                        bf16: bool = False) -> np.ndarray:
     """The teacher's unit embeddings (N, H) float32, computed once (eval mode). ``bf16``: under bf16
     autocast (on MiniLM 2.5x faster on an AMX CPU; cosine to fp32 0.99998 on SciFact text)."""
-    from encoderkit.tasks.embed import encode
+    from encoderkit.tasks.embed.features import encode
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         return encode(teacher, tokenizer, texts, max_length, batch_size, progress=True)
@@ -171,7 +171,7 @@ def teacher_embeddings(teacher: Any, tokenizer: Any, texts: list[str], max_lengt
 def embed_batches(tokenizer: Any, texts: list[str], targets: np.ndarray, seq_len: int, batch_size: int, seed: int) -> Any:
     """A length-bucketed engine batch source: token ids of each text and its teacher embedding."""
     from encoderkit.tasks.batching import BucketedBatches, encode_batch
-    from encoderkit.tasks.embed import tokenize
+    from encoderkit.tasks.embed.features import tokenize
 
     rows = tokenize(tokenizer, texts, seq_len)
     for r, t in zip(rows, targets):
@@ -198,7 +198,7 @@ def run_embed(cfg: Any) -> Any:
     )
     from encoderkit.io import inherited_card
     from encoderkit.models.folder import ModelFolder
-    from encoderkit.tasks.embed import BiEncoder, folder_max_length, save_sentence_transformers
+    from encoderkit.tasks.embed.features import BiEncoder, folder_max_length, save_sentence_transformers
 
     teacher_dir = Path(cfg.teacher)
     check(bool(cfg.train), "distilling an embed model needs --train: a corpus of plain text (no labels)")

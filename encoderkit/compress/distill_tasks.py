@@ -42,7 +42,7 @@ def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
         from transformers import AutoTokenizer
 
         from encoderkit.retrieval.exact import retrieve
-        from encoderkit.tasks.embed import folder_max_length, load_bi_encoder
+        from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
         data = load_retrieval(cfg.train)
         miner = Path(cfg.miner)
@@ -62,7 +62,7 @@ def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
 def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
     """(batch source, loss_fn, number of queries): teacher scores computed once for every pair."""
     from encoderkit.tasks.batching import BucketedBatches, encode_batch
-    from encoderkit.tasks.rerank import pair_rows, score_pairs
+    from encoderkit.tasks.rerank.features import pair_rows, score_pairs
 
     lists = candidate_lists(cfg)
     size = len(lists[0][1])
@@ -107,12 +107,12 @@ def position_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor
 def token_rows(cfg: Any, task: str, tokenizer: Any) -> list[dict[str, np.ndarray]]:
     """Tokenised inputs: NER sentences (words) or QA (question, context) pairs (the first window)."""
     if task == "ner":
-        from encoderkit.tasks.conll import read_ner
+        from encoderkit.tasks.ner.data import read_ner
 
         sents = read_ner(cfg.train)
         enc = tokenizer([s.words for s in sents], is_split_into_words=True, truncation=True, max_length=cfg.seq_len)
     else:
-        from encoderkit.tasks.squad import read_squad
+        from encoderkit.tasks.qa.data import read_squad
 
         examples, _ = read_squad(cfg.train, "train")  # the training articles; the held-out ones stay unseen
         enc = tokenizer([e.question for e in examples], [e.context for e in examples], truncation="only_second",

@@ -35,14 +35,14 @@ from encoderkit.deploy.export import copy_model_files, export_onnx, ort_session
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import cache_dir, check_writable, output_dir, write_text_atomic
 from encoderkit.models.folder import SERVABLE, ModelFolder
-from encoderkit.tasks.classify import decode as decode_labels
-from encoderkit.tasks.classify import engine_logits
-from encoderkit.tasks.classify import featurize as featurize_pairs
+from encoderkit.tasks.classify.features import decode as decode_labels
+from encoderkit.tasks.classify.features import engine_logits
+from encoderkit.tasks.classify.features import featurize as featurize_pairs
 from encoderkit.tasks.inference import ModuleEngine, run_rows
-from encoderkit.tasks.ner import decode_entities, featurize_text, window_logits
-from encoderkit.tasks.ner import window_rows as ner_window_rows
-from encoderkit.tasks.qa import decode_answers, featurize_qa, window_span_logits
-from encoderkit.tasks.qa import window_rows as qa_window_rows
+from encoderkit.tasks.ner.features import decode_entities, featurize_text, window_logits
+from encoderkit.tasks.ner.features import window_rows as ner_window_rows
+from encoderkit.tasks.qa.features import decode_answers, featurize_qa, window_span_logits
+from encoderkit.tasks.qa.features import window_rows as qa_window_rows
 
 BACKENDS = ("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8")
 INT8_TASKS = ("embed",)

@@ -8,7 +8,6 @@ folder is embed, else its architecture: ``*ForSequenceClassification`` with one 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import time
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from encoderkit.config import arg
 from encoderkit.errors import EncoderkitError
 from encoderkit.progress import note
 from encoderkit.tasks import TASK_MODULES, TASKS
-from encoderkit.tasks.common import open_model
+from encoderkit.tasks.common import EvalData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
 
 
@@ -64,13 +63,15 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
         if saved and saved != cfg.max_length:
             note(f"{folder.path}: scoring at --max-length {cfg.max_length}, but the model was fine-tuned at {saved}; "
                  "quality can drop at a length the model has not seen")
-        folder = dataclasses.replace(folder, card={**folder.card, "max_length": cfg.max_length}, max_length=cfg.max_length)
     task = cfg.task or folder.task
     if task not in MODULES:
         raise EncoderkitError(f"{folder.path}: cannot tell the task from encoderkit.json or config.json "
                               f"(architectures {folder.config.get('architectures') or 'missing'}); pass --task")
-    cfg = dataclasses.replace(cfg, task=task, eval_batch_size=cfg.batch_size)  # a copy: the parsed config stays as given
     tokenizer = folder.tokenizer(cfg.tokenizer or None)
+    module = importlib.import_module(MODULES[task])
     t0 = time.perf_counter()
-    metrics = importlib.import_module(MODULES[task]).evaluate_folder(folder, tokenizer, cfg.data, cfg)
+    if task == "mlm":
+        metrics = module.evaluate_folder(folder, tokenizer, cfg.data, cfg)
+    else:  # the task's options: the folder's saved settings, an explicit --max-length winning
+        metrics = module.evaluate_folder(folder, tokenizer, pick(EvalData, cfg), module.OPTIONS.for_folder(cfg, folder))
     return EvaluateResult(str(folder.path), task, cfg.data, metrics, time.perf_counter() - t0)

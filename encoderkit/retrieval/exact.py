@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from encoderkit.tasks.embed import BiEncoder, encode, encode_cached
+from encoderkit.tasks.embed.features import BiEncoder, encode, encode_cached
 
 
 def search(query_emb: np.ndarray, doc_emb: np.ndarray, doc_ids: list[str], query_ids: list[str], k: int = 100) -> dict[str, list[str]]:

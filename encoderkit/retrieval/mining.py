@@ -10,47 +10,48 @@ when a pool is asked for).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from encoderkit.retrieval.beir import Retrieval, Triple
 from encoderkit.retrieval.exact import retrieve
 from encoderkit.tasks.common import load_tokenizer, resolve_model
-from encoderkit.tasks.embed import folder_max_length, load_bi_encoder
+from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
 CANDIDATES = 100
 MINE_FROM, MINE_TO = 3, 30
 SAMPLED_POOL = 8  # random negatives kept per group, as a multiple of num_negatives
 
 
-def candidates(data: Retrieval, miner: str | Path, cfg: Any, k: int) -> dict[str, list[str]]:
-    """Top-k documents per judged query from the bi-encoder ``miner``."""
+def candidates(data: Retrieval, miner: str | Path, k: int, max_query_length: int = 64, batch_size: int = 64
+               ) -> dict[str, list[str]]:
+    """Top-k documents per judged query from the bi-encoder ``miner`` (queries cut to ``max_query_length``)."""
     folder = resolve_model(miner)
     model = load_bi_encoder(folder)
     tok = load_tokenizer(folder)
-    return retrieve(model, tok, data, folder_max_length(folder) or 256, cfg.max_query_length, cfg.eval_batch_size, k=k,
+    return retrieve(model, tok, data, folder_max_length(folder) or 256, max_query_length, batch_size, k=k,
                     progress=True, cache_for=folder)
 
 
-def groups_from_beir(data: Retrieval, cfg: Any, pool: bool = False) -> list[Triple]:
-    """One group per judged (query, doc) pair, with sampled or mined negatives: ``num_negatives``
-    of them, or with ``pool`` the whole pool to draw from (every mined one, or ``SAMPLED_POOL``
-    times as many random documents)."""
-    rng = np.random.default_rng(cfg.seed)
+def groups_from_beir(data: Retrieval, *, negatives: str, num_negatives: int, seed: int, miner: str | Path = "",
+                     max_query_length: int = 64, batch_size: int = 64, pool: bool = False) -> list[Triple]:
+    """One group per judged (query, doc) pair, with ``sampled`` or ``mined`` negatives (by the
+    bi-encoder ``miner``): ``num_negatives`` of them, or with ``pool`` the whole pool to draw from
+    (every mined one, or ``SAMPLED_POOL`` times as many random documents)."""
+    rng = np.random.default_rng(seed)
     doc_ids = list(data.corpus)
-    mined = candidates(data, cfg.miner, cfg, MINE_TO) if cfg.negatives == "mined" else {}
+    mined = candidates(data, miner, MINE_TO, max_query_length, batch_size) if negatives == "mined" else {}
     out = []
     for qid, rels in data.qrels.items():
         ranked = [d for d in mined.get(qid, [])[MINE_FROM:] if d not in rels]
-        want = cfg.num_negatives * (SAMPLED_POOL if pool and not ranked else 1)
+        want = num_negatives * (SAMPLED_POOL if pool and not ranked else 1)
         for d, r in rels.items():
             if r <= 0:
                 continue
             if ranked and pool:
                 negs = list(ranked)
             elif ranked:
-                negs = list(rng.choice(ranked, size=min(cfg.num_negatives, len(ranked)), replace=False))
+                negs = list(rng.choice(ranked, size=min(num_negatives, len(ranked)), replace=False))
             else:
                 negs = []
             while len(negs) < want and len(negs) < len(doc_ids) - len(rels):

@@ -4,9 +4,9 @@ its tokenizer, running a model over sorted batches, and the :class:`TaskRun` bun
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from encoderkit.tasks.inference import ModuleEngine, run_rows
 from encoderkit.tokenizer import load_tokenizer as load_fast_tokenizer
 
 DEFAULT_MODEL = "minilm"
+T = TypeVar("T")
 
 
 def resolve_model(name: str | Path) -> Path:
@@ -56,6 +57,34 @@ def settle_max_length(requested: int, default: int, folder: ModelFolder) -> int:
                                   f"use --max-length {positions} or less")
         return requested
     return min(default, positions) if positions else default
+
+
+@dataclass(frozen=True)
+class TrainData:
+    """What fine-tuning hands a task's ``build`` beside its options: the data files, how much of them,
+    the batch sizes, the seed of subsets/shuffling/negatives, and the metric that picks the checkpoint
+    (``""``: the task's own). Built once from the parsed config (:func:`encoderkit.tasks.options.pick`)."""
+
+    train: str
+    dev: str = ""
+    max_train_examples: int = 0
+    max_dev_examples: int = 0
+    batch_size: int = 32
+    eval_batch_size: int = 128
+    bucket: bool = True
+    seed: int = 0
+    metric: str = ""
+
+
+@dataclass(frozen=True)
+class EvalData:
+    """What ``evaluate`` hands a task's ``evaluate_folder`` beside its options: the labelled data, a
+    seeded subset size (0: all), the inference batch size and the seed."""
+
+    data: str
+    max_examples: int = 0
+    batch_size: int = 64
+    seed: int = 0
 
 
 @dataclass
@@ -113,3 +142,21 @@ def check_labels(train_labels: set[str], dev_labels: Sequence[str], where: Seque
                 f"{w}: label {label!r} does not occur in the training data (labels: {', '.join(sorted(train_labels))}); "
                 "a head cannot predict a label it never saw: fix the label, add training rows, or drop the dev row"
             )
+
+
+def pick(cls: type[T], cfg: Any, **derived: Any) -> T:
+    """An instance of the (frozen) options class ``cls``: each field from ``derived`` when given there,
+    else from the stage config's field of that name, else the class default (a flag only one stage
+    has, e.g. finetune's ``--negatives``). List values become tuples, so the options stay immutable."""
+    values = {}
+    for f in fields(cls):
+        if f.name in derived:
+            value = derived[f.name]
+        elif hasattr(cfg, f.name):
+            value = getattr(cfg, f.name)
+        elif f.default is not MISSING:
+            value = f.default
+        else:
+            raise TypeError(f"{type(cfg).__name__} has no {f.name!r} and {cls.__name__} has no default for it")
+        values[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)

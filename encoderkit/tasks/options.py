@@ -1,5 +1,13 @@
-"""Settings shared by ``encoderkit finetune`` and ``encoderkit evaluate``: how task data is read
-and featurised. Both stage configs inherit these fields, so one flag means one thing everywhere."""
+"""The task flags shared by ``encoderkit finetune`` and ``encoderkit evaluate``: how task data is read
+and featurised. Both stage configs inherit these fields, so one flag means one thing everywhere and
+the CLI stays one flat, generated set of flags.
+
+Task code never reads a stage config: each task has one frozen options class
+(``encoderkit.tasks.<task>.options``) holding only its own settings, built once from the parsed
+config by :func:`encoderkit.tasks.common.pick` (its ``for_training`` / ``for_folder``), with derived values (a default
+max length settled against the model, settings saved in a model folder) worked out there instead of
+written back into the config.
+"""
 
 from __future__ import annotations
 

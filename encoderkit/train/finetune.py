@@ -8,7 +8,6 @@ max length, dev metrics).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import shutil
 import time
@@ -19,8 +18,9 @@ from typing import Any
 from encoderkit.config import arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import check_output_dir, output_dir, write_card
+from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks import TASK_MODULES
-from encoderkit.tasks.common import DEFAULT_MODEL, open_model, settle_max_length
+from encoderkit.tasks.common import DEFAULT_MODEL, TrainData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
 from encoderkit.train import checkpoint
 from encoderkit.train.engine import TrainSettings, fit
@@ -98,9 +98,16 @@ class _EarlyStop(Exception):
     pass
 
 
-def _identity(cfg: FinetuneConfig) -> dict[str, Any]:
+def _identity(settings: dict[str, Any]) -> dict[str, Any]:
     """What makes a run this run: the result settings, less how it was started."""
-    return {k: v for k, v in cfg.result_dict().items() if k not in ("resume", "overwrite")}
+    return {k: v for k, v in settings.items() if k not in ("resume", "overwrite")}
+
+
+def task_inputs(cfg: FinetuneConfig, folder: ModelFolder) -> tuple[Any, TrainData, Any]:
+    """The task module of ``--task``, what it trains on (:class:`TrainData`) and its options, each
+    built once from the parsed config (which stays as given: derived values live in the options)."""
+    task = importlib.import_module(TASK_MODULES[cfg.task])
+    return task, pick(TrainData, cfg), task.OPTIONS.for_training(cfg, folder)
 
 
 def run(cfg: FinetuneConfig) -> FinetuneResult:
@@ -112,17 +119,16 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
     folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
     model_dir = folder.path
     tokenizer = folder.tokenizer(cfg.tokenizer or None)
-    task = importlib.import_module(TASK_MODULES[cfg.task])
-    default_for = getattr(task, "default_max_length", None)
-    cfg = dataclasses.replace(cfg, max_length=settle_max_length(  # a copy: the caller's config stays as given
-        cfg.max_length, default_for(folder) if default_for else task.DEFAULT_MAX_LENGTH, folder))
+    task, data, options = task_inputs(cfg, folder)
+    # the settings as run: the settled max length, not the 0 that asked for the task's default
+    settings = {**cfg.result_dict(), "max_length": options.max_length}
     with torch.random.fork_rng(devices=[]):  # the new head's initialisation follows --seed
         torch.manual_seed(cfg.seed)
-        tr = task.build(cfg, tokenizer, folder)
+        tr = task.build(data, options, tokenizer, folder)
     _freeze(tr.module, cfg.freeze)
 
     steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)
-    settings = TrainSettings(
+    train_settings = TrainSettings(
         lr=cfg.lr, weight_decay=cfg.weight_decay, warmup=cfg.warmup, schedule="linear", max_steps=cfg.max_steps,
         epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, clip_norm=cfg.clip_norm,
         betas=(0.9, 0.999), eps=1e-8, eval_every=(cfg.eval_every or steps_per_epoch) if tr.evaluate else 0,
@@ -135,8 +141,8 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
     t0 = time.perf_counter()
     stopped_early = False
     try:
-        result = fit(tr.module, tr.loss_fn, tr.source, settings, run_dir, evaluate=evaluate, primary=tr.primary,
-                     fingerprint={"config": _identity(cfg)}, resume=cfg.resume)
+        result = fit(tr.module, tr.loss_fn, tr.source, train_settings, run_dir, evaluate=evaluate, primary=tr.primary,
+                     fingerprint={"config": _identity(settings)}, resume=cfg.resume)
         steps, best_metrics = result.steps, result.best_metrics
         best, start = result.best_checkpoint, result.start_step
     except _EarlyStop as stop:
@@ -158,7 +164,7 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
         tokenizer.save_pretrained(tmp)
         if (run_dir / "metrics.jsonl").is_file():
             shutil.copy(run_dir / "metrics.jsonl", tmp / "metrics.jsonl")
-        write_card(tmp, "finetune", model_dir, cfg.result_dict(), {"dev": best_metrics},
+        write_card(tmp, "finetune", model_dir, settings, {"dev": best_metrics},
                    stopped_early=stopped_early, steps=steps, train_examples=tr.num_train, **tr.card)
     shutil.rmtree(run_dir, ignore_errors=True)
     return FinetuneResult(out, cfg.task, steps, seconds, examples_per_s, best_metrics)

@@ -6,7 +6,7 @@
   usually means a space inside a token or a broken line; the error names the line).
 * JSONL, either ``{"tokens": [...], "tags": [...]}`` or ``{"text": "...", "entities":
   [{"start": 0, "end": 5, "label": "PER"}, ...]}`` (character spans; the text is split into
-  words by :func:`encoderkit.tasks.ner.split_words`, and an entity must start and end on word
+  words by :func:`encoderkit.tasks.ner.features.split_words`, and an entity must start and end on word
   edges).
 Tags are converted to IOB2 by :func:`encoderkit.tasks.tags.to_iob2` with the file's scheme
 (``auto`` guesses it from the whole file).
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.tasks.ner import split_words
+from encoderkit.tasks.ner.features import split_words
 from encoderkit.tasks.tags import guess_scheme, iob2_to_spans, split_tag, to_iob2
 
 

@@ -3,15 +3,11 @@
 Labels sit on the first sub-token of each word (-100 on the others); sentences longer than
 ``max_length`` sub-tokens are split into windows overlapping by ``stride`` (each window is one
 training row; a word in an overlap is trained on twice). Dev/test scoring predicts per word
-(:func:`encoderkit.tasks.ner.decode_word_tags`) and counts entities the way seqeval does.
+(:func:`encoderkit.tasks.ner.features.decode_word_tags`) and counts entities the way seqeval does.
 Entity types in dev data that never occur in training are an error.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -19,11 +15,12 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.metrics import entity_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
-from encoderkit.tasks.conll import Sentence, entity_types, read_ner
-from encoderkit.tasks.ner import NerFeatures, decode_word_tags, featurize_words, window_logits, window_rows
+from encoderkit.tasks.common import EvalData, TaskRun, TrainData, run_batches, seeded_subset
+from encoderkit.tasks.ner.data import Sentence, entity_types, read_ner
+from encoderkit.tasks.ner.features import NerFeatures, decode_word_tags, featurize_words, window_logits, window_rows
+from encoderkit.tasks.ner.options import NerOptions
 
-DEFAULT_MAX_LENGTH = 128
+OPTIONS = NerOptions
 
 
 def label_list(types: list[str]) -> list[str]:
@@ -31,11 +28,11 @@ def label_list(types: list[str]) -> list[str]:
     return ["O"] + [f"{p}-{t}" for t in types for p in ("B", "I")]
 
 
-def featurize(tokenizer, sents: list[Sentence], cfg: Any, label2id: dict[str, int] | None = None) -> list[NerFeatures]:
+def featurize(tokenizer, sents: list[Sentence], options: NerOptions, label2id: dict[str, int] | None = None) -> list[NerFeatures]:
     feats = []
     for s in sents:
         ids = [label2id[t] for t in s.tags] if label2id is not None else None
-        feats.append(featurize_words(tokenizer, s.words, max_length=cfg.max_length or DEFAULT_MAX_LENGTH, stride=cfg.stride,
+        feats.append(featurize_words(tokenizer, s.words, max_length=options.max_length, stride=options.stride,
                                      label_ids=ids, text=s.text, word_spans=s.word_spans))
     return feats
 
@@ -58,47 +55,45 @@ def _check_types(train_types: list[str], sents: list[Sentence], path: str) -> No
         )
 
 
-def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
+def build(data: TrainData, options: NerOptions, tokenizer, folder: ModelFolder) -> TaskRun:
     from transformers import AutoModelForTokenClassification
 
-    train = seeded_subset(read_ner(cfg.train, cfg.tag_scheme), cfg.max_train_examples, cfg.seed)
+    train = seeded_subset(read_ner(data.train, options.tag_scheme), data.max_train_examples, data.seed)
     types = entity_types(train)
     if not types:
-        raise EncoderkitError(f"{cfg.train}: no entity in the training data; check the tag column (the last one)")
+        raise EncoderkitError(f"{data.train}: no entity in the training data; check the tag column (the last one)")
     labels = label_list(types)
     label2id = {t: i for i, t in enumerate(labels)}
-    rows, _ = window_rows(featurize(tokenizer, train, cfg, label2id), with_labels=True)
+    rows, _ = window_rows(featurize(tokenizer, train, options, label2id), with_labels=True)
     evaluate = None
-    if cfg.dev:
-        dev = seeded_subset(read_ner(cfg.dev, cfg.tag_scheme), cfg.max_dev_examples, cfg.seed)
-        _check_types(types, dev, cfg.dev)
-        dev_feats = featurize(tokenizer, dev, cfg)
+    if data.dev:
+        dev = seeded_subset(read_ner(data.dev, options.tag_scheme), data.max_dev_examples, data.seed)
+        _check_types(types, dev, data.dev)
+        dev_feats = featurize(tokenizer, dev, options)
 
         def evaluate(module) -> dict[str, float]:
-            pred = predict_tags(module, tokenizer, dev_feats, dict(enumerate(labels)), cfg.eval_batch_size)
+            pred = predict_tags(module, tokenizer, dev_feats, dict(enumerate(labels)), data.eval_batch_size)
             return entity_scores([s.tags for s in dev], pred)
 
     model = folder.load(AutoModelForTokenClassification, num_labels=len(labels), id2label=dict(enumerate(labels)),
                         label2id=label2id)
     pad_id = tokenizer.pad_token_id
-    source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), cfg.batch_size,
-                             lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=cfg.seed, bucket=cfg.bucket)
+    source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), data.batch_size,
+                             lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=data.seed, bucket=data.bucket)
 
     def loss_fn(module, batch):
         return module(**batch).loss, {}
 
-    card = {"task": "ner", "labels": labels, "tag_scheme": "iob2", "max_length": cfg.max_length or DEFAULT_MAX_LENGTH, "stride": cfg.stride,
-            "word_split": "encoderkit.tasks.ner.split_words"}
-    return TaskRun(model, loss_fn, source, evaluate, (cfg.metric or "f1", "max"),
+    card = {"task": "ner", "labels": labels, "tag_scheme": "iob2", "max_length": options.max_length, "stride": options.stride,
+            "word_split": "encoderkit.tasks.ner.features.split_words"}
+    return TaskRun(model, loss_fn, source, evaluate, (data.metric or "f1", "max"),
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: NerOptions) -> dict[str, float]:
     model = folder.load(task="ner")
-    card = folder.card
     id2label = {int(k): v for k, v in model.config.id2label.items()}
-    sents = seeded_subset(read_ner(data, cfg.tag_scheme), cfg.max_examples, cfg.seed)
-    _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data))
-    cfg = dataclasses.replace(cfg, max_length=card.get("max_length", cfg.max_length), stride=card.get("stride", cfg.stride))
-    pred = predict_tags(model, tokenizer, featurize(tokenizer, sents, cfg), id2label, cfg.batch_size)
+    sents = seeded_subset(read_ner(data.data, options.tag_scheme), data.max_examples, data.seed)
+    _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data.data))
+    pred = predict_tags(model, tokenizer, featurize(tokenizer, sents, options), id2label, data.batch_size)
     return {**entity_scores([s.tags for s in sents], pred), "sentences": len(sents)}

@@ -18,10 +18,6 @@ on JSONL it ranks each row's positive among its negatives (MRR, accuracy@1).
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -29,38 +25,22 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
 from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
 from encoderkit.retrieval.metrics import reciprocal_rank_fusion, retrieval_scores
-from encoderkit.retrieval.mining import CANDIDATES, candidates, groups_from_beir
+from encoderkit.retrieval.mining import candidates
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import TaskRun, run_batches, seeded_subset
+from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
+from encoderkit.tasks.rerank.data import train_groups
+from encoderkit.tasks.rerank.features import pair_rows, score_pairs
+from encoderkit.tasks.rerank.options import RerankOptions
 
-DEFAULT_MAX_LENGTH = 256
-
-
-def pair_rows(tokenizer, queries: list[str], passages: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
-    # longest_first: the passage is cut first; a query longer than the passage is cut too (only_second
-    # fails outright on a query longer than max_length). The deploy runtime truncates the same way.
-    enc = tokenizer(queries, passages, truncation="longest_first", max_length=max_length)
-    keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
-    return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(queries))]
+OPTIONS = RerankOptions
 
 
-def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], max_length: int = 256, batch_size: int = 64) -> np.ndarray:
-    """Relevance scores (N,) of (query, passage) pairs; ``query`` is one string or one per passage."""
-    queries = [query] * len(passages) if isinstance(query, str) else list(query)
-    rows = pair_rows(tokenizer, queries, passages, max_length)
-    return np.asarray(run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits[:, 0]), dtype=np.float32)
-
-
-def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
+def build(data: TrainData, options: RerankOptions, tokenizer, folder: ModelFolder) -> TaskRun:
     from transformers import AutoModelForSequenceClassification
 
-    max_length = cfg.max_length or DEFAULT_MAX_LENGTH
-    if is_beir_source(cfg.train):
-        groups = groups_from_beir(load_retrieval(cfg.train), cfg, pool=True)
-    else:
-        groups = read_triples(cfg.train)
-    groups = seeded_subset(groups, cfg.max_train_examples, cfg.seed)
-    k = cfg.num_negatives
+    max_length = options.max_length
+    groups = train_groups(data, options)
+    k = options.num_negatives
     short = [g for g in groups if len(g.negatives) < k]
     if short:
         raise EncoderkitError(f"{short[0].where}: {len(short[0].negatives)} negatives, fewer than --num-negatives {k}; "
@@ -69,7 +49,7 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
 
     def group_rows(i: int, epoch: int) -> list[dict[str, np.ndarray]]:
         g = groups[i]
-        pick = np.random.default_rng([cfg.seed, epoch, i]).choice(len(g.negatives), size=k, replace=False)
+        pick = np.random.default_rng([data.seed, epoch, i]).choice(len(g.negatives), size=k, replace=False)
         return pair_rows(tokenizer, [g.query] * (k + 1), [g.positive] + [g.negatives[j] for j in pick], max_length)
 
     def make_batch(idx: np.ndarray, epoch: int):
@@ -77,7 +57,7 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
 
     # bucket by the query + positive length (negatives change every epoch)
     lengths = [len(r["input_ids"]) for r in pair_rows(tokenizer, [g.query for g in groups], [g.positive for g in groups], max_length)]
-    source = BucketedBatches(np.asarray(lengths), cfg.batch_size, make_batch, seed=cfg.seed, bucket=cfg.bucket)
+    source = BucketedBatches(np.asarray(lengths), data.batch_size, make_batch, seed=data.seed, bucket=data.bucket)
 
     def loss_fn(module, batch):
         scores = module(**batch).logits.view(-1, k + 1).float()  # (B, 1+k), positive first
@@ -85,24 +65,24 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
         return torch.nn.functional.cross_entropy(scores, target), {}
 
     evaluate, primary = None, ("mrr@10", "max")
-    if cfg.dev:
-        evaluate, primary = dev_evaluator(cfg, tokenizer, max_length)
+    if data.dev:
+        evaluate, primary = dev_evaluator(data.dev, data.max_dev_examples, data.seed, data.eval_batch_size, options, tokenizer)
     model = folder.load(AutoModelForSequenceClassification, num_labels=1)
     card = {"task": "rerank", "max_length": max_length, "num_labels": 1, "loss": "listwise softmax over 1 positive + negatives"}
-    return TaskRun(model, loss_fn, source, evaluate, (cfg.metric or primary[0], "max"),
+    return TaskRun(model, loss_fn, source, evaluate, (data.metric or primary[0], "max"),
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(groups))
 
 
-def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = None, limit: int | None = None):
-    """``(evaluate(module) -> metrics, primary)`` for a BEIR source or a triples JSONL."""
-    spec = data_spec or cfg.dev
-    limit = cfg.max_dev_examples if limit is None else limit
+def dev_evaluator(spec: str, limit: int, seed: int, batch_size: int, options: RerankOptions, tokenizer):
+    """``(evaluate(module) -> metrics, primary)`` on a BEIR source or a triples JSONL (a seeded subset
+    of ``limit`` queries or rows; 0: all), scoring pairs of ``options.max_length`` sub-tokens."""
+    max_length = options.max_length
     if is_beir_source(spec):
         data = load_retrieval(spec)
         if limit:
-            keep = set(seeded_subset(sorted(data.qrels), limit, cfg.seed))
+            keep = set(seeded_subset(sorted(data.qrels), limit, seed))
             data.qrels = {q: r for q, r in data.qrels.items() if q in keep}
-        first = candidates(data, cfg.miner, cfg, getattr(cfg, "candidates", CANDIDATES))
+        first = candidates(data, options.miner, options.candidates, options.max_query_length, batch_size)
         before = {f"first_stage_{k}": v for k, v in retrieval_scores(first, data.qrels).items()}
 
         def evaluate(module) -> dict[str, float]:
@@ -110,19 +90,19 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
 
             ranked = {}
             for qid, docs in progress(first.items(), total=len(first), desc="rerank", unit="query", leave=False):
-                s = score_pairs(module, tokenizer, data.queries[qid], [data.doc_text(d) for d in docs], max_length, cfg.eval_batch_size)
+                s = score_pairs(module, tokenizer, data.queries[qid], [data.doc_text(d) for d in docs], max_length, batch_size)
                 ranked[qid] = [docs[i] for i in np.argsort(-s, kind="stable")]
             fused = {q: reciprocal_rank_fusion([ranked[q], first[q]]) for q in ranked}
             return {**retrieval_scores(ranked, data.qrels), **before,
                     **{f"fused_{k}": v for k, v in retrieval_scores(fused, data.qrels).items()}}
 
         return evaluate, ("ndcg@10", "max")
-    triples = seeded_subset(read_triples(spec), limit, cfg.seed)
+    triples = seeded_subset(read_triples(spec), limit, seed)
 
     def evaluate_triples(module) -> dict[str, float]:
         rr, top1 = [], []
         for t in triples:
-            s = score_pairs(module, tokenizer, t.query, [t.positive] + t.negatives, max_length, cfg.eval_batch_size)
+            s = score_pairs(module, tokenizer, t.query, [t.positive] + t.negatives, max_length, batch_size)
             rank = int((s[1:] > s[0]).sum())
             rr.append(1.0 / (rank + 1))
             top1.append(float(rank == 0))
@@ -131,8 +111,7 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
     return evaluate_triples, ("mrr@10", "max")
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: RerankOptions) -> dict[str, float]:
     model = folder.load(task="rerank")
-    cfg = dataclasses.replace(cfg, eval_batch_size=cfg.batch_size)
-    evaluate, _ = dev_evaluator(cfg, tokenizer, folder.card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH), str(data), cfg.max_examples)
+    evaluate, _ = dev_evaluator(str(data.data), data.max_examples, data.seed, data.batch_size, options, tokenizer)
     return evaluate(model)

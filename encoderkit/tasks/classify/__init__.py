@@ -1,0 +1,1 @@
+"""Sequence classification (single texts or pairs; multi-class or multi-label): ``data`` reads labelled tables, ``features`` featurises and decodes, ``train`` wires fine-tuning and evaluation."""

@@ -1,0 +1,27 @@
+"""Embed training data: (query, positive, negatives) groups from a triples JSONL or a BEIR source
+(each judged (query, doc) pair is a group; hard negatives only with ``--negatives mined``, see
+:mod:`encoderkit.retrieval.mining`; ``sampled`` relies on the in-batch negatives alone)."""
+
+from __future__ import annotations
+
+from encoderkit.retrieval.beir import Triple, is_beir_source, load_retrieval, read_triples
+from encoderkit.retrieval.mining import groups_from_beir
+from encoderkit.tasks.common import TrainData, seeded_subset
+from encoderkit.tasks.embed.options import EmbedOptions
+
+
+def train_groups(data: TrainData, options: EmbedOptions) -> tuple[list[Triple], int]:
+    """The training groups of ``data.train`` (a seeded subset of ``data.max_train_examples``; 0: all)
+    and the number of hard negatives each contributes to a batch (0 unless ``mined``; for JSONL, the
+    fewest any row has)."""
+    mined = options.negatives == "mined"
+    if is_beir_source(data.train):
+        k = options.num_negatives if mined else 0
+        # sampled: in-batch negatives only (random extra negatives add little to MNRL)
+        groups = groups_from_beir(load_retrieval(data.train), negatives=options.negatives, num_negatives=k, seed=data.seed,
+                                  miner=options.miner, max_query_length=options.max_query_length,
+                                  batch_size=data.eval_batch_size)
+    else:
+        groups = read_triples(data.train)
+        k = min((len(g.negatives) for g in groups), default=0) if mined else 0
+    return seeded_subset(groups, data.max_train_examples, data.seed), k

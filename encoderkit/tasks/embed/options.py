@@ -1,0 +1,43 @@
+"""Bi-encoder settings: one frozen object built once from the parsed stage config (flags and their
+help: :class:`encoderkit.tasks.options.TaskDataOptions` and the stage configs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from encoderkit.models.folder import ModelFolder
+from encoderkit.tasks.common import DEFAULT_MODEL, pick, settle_max_length
+
+
+def default_max_length(folder: ModelFolder) -> int:
+    """A sentence-transformers folder's own max_seq_length (cut to its positions), else 256."""
+    return folder.max_length if folder.sentence_transformers else 256
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """Sub-tokens per document and per query, pooling (``auto``: the folder's own, else mean), hard
+    negatives (``mined`` by ``miner``), Matryoshka sizes and the contrastive loss's scale."""
+
+    max_length: int = 256
+    max_query_length: int = 64
+    pooling: str = "auto"
+    negatives: str = "sampled"
+    num_negatives: int = 3
+    miner: str = DEFAULT_MODEL
+    matryoshka_dims: tuple[int, ...] = ()
+    scale: float = 20.0
+
+    @classmethod
+    def for_training(cls, cfg: Any, folder: ModelFolder) -> EmbedOptions:
+        return pick(cls, cfg, max_length=settle_max_length(cfg.max_length, default_max_length(folder), folder),
+                    matryoshka_dims=tuple(sorted(set(cfg.matryoshka_dims))))
+
+    @classmethod
+    def for_folder(cls, cfg: Any, folder: ModelFolder) -> EmbedOptions:
+        """The folder's own lengths and pooling (``--max-length`` overrides the document length)."""
+        card = folder.card
+        return pick(cls, cfg, max_length=cfg.max_length or card.get("max_length") or default_max_length(folder),
+                    max_query_length=card.get("max_query_length", cfg.max_query_length),
+                    pooling=folder.pooling or cfg.pooling)

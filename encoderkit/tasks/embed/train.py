@@ -1,0 +1,88 @@
+"""Bi-encoder fine-tuning and evaluation (contrastive, in-batch negatives; see :mod:`encoderkit.tasks.embed.features`).
+
+Training data: JSONL ``{query, positive, negatives?}`` or a BEIR source (each judged (query, doc)
+pair is a row; ``--num-negatives`` hard negatives are added when ``--negatives mined``).
+Evaluation: nDCG@10 / MRR@10 / recall@100 of exact search over the whole corpus of a BEIR source.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
+from encoderkit.retrieval.beir import is_beir_source, load_retrieval
+from encoderkit.retrieval.exact import retrieve
+from encoderkit.retrieval.metrics import retrieval_scores
+from encoderkit.tasks.batching import BucketedBatches, encode_batch
+from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
+from encoderkit.tasks.embed.data import train_groups
+from encoderkit.tasks.embed.features import (
+    BiEncoder,
+    load_bi_encoder,
+    mnrl_loss,
+    save_sentence_transformers,
+    tokenize,
+)
+from encoderkit.tasks.embed.options import EmbedOptions
+
+OPTIONS = EmbedOptions
+
+
+def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder) -> TaskRun:
+    max_length = options.max_length
+    groups, k = train_groups(data, options)
+    if len(groups) < data.batch_size:
+        raise EncoderkitError(f"{data.train}: {len(groups)} training pairs, fewer than one batch ({data.batch_size}); lower --batch-size")
+    q_rows = tokenize(tokenizer, [g.query for g in groups], options.max_query_length)
+    p_rows = tokenize(tokenizer, [g.positive for g in groups], max_length)
+    n_rows = [tokenize(tokenizer, g.negatives[:k], max_length) if k else [] for g in groups]
+    pad_id = tokenizer.pad_token_id
+
+    def make_batch(idx: np.ndarray, epoch: int):
+        q = encode_batch([q_rows[i] for i in idx], pad_id)
+        # positives of the batch first (row i's positive at i), then every row's negatives
+        p = encode_batch([p_rows[i] for i in idx] + [r for i in idx for r in n_rows[i]], pad_id)
+        return {**{f"q_{a}": b for a, b in q.items()}, **{f"p_{a}": b for a, b in p.items()}}
+
+    source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in p_rows]), data.batch_size, make_batch,
+                             seed=data.seed, bucket=data.bucket)
+    dims = list(options.matryoshka_dims)
+
+    def loss_fn(module, batch):
+        q = module(**{a[2:]: b for a, b in batch.items() if a.startswith("q_")})
+        p = module(**{a[2:]: b for a, b in batch.items() if a.startswith("p_")})
+        return mnrl_loss(q, p, options.scale, dims), {}
+
+    model = load_bi_encoder(folder, options.pooling)
+    evaluate = None
+    if data.dev:
+        if not is_beir_source(data.dev):
+            raise EncoderkitError(f"--dev {data.dev}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
+        dev = load_retrieval(data.dev)
+
+        def evaluate(module: BiEncoder) -> dict[str, float]:
+            return retrieval_scores(retrieve(module, tokenizer, dev, max_length, options.max_query_length, data.eval_batch_size),
+                                    dev.qrels)
+
+    def save(module: BiEncoder, folder: Path) -> None:
+        save_sentence_transformers(module, tokenizer, folder, max_length)
+
+    card = {"task": "embed", "pooling": model.pooling, "normalize": True, "max_length": max_length,
+            "max_query_length": options.max_query_length, "matryoshka_dims": dims, "similarity": "cosine"}
+    return TaskRun(model, loss_fn, source, evaluate, (data.metric or "ndcg@10", "max"), save, card, num_train=len(groups))
+
+
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: EmbedOptions) -> dict[str, float]:
+    if not is_beir_source(str(data.data)):
+        raise EncoderkitError(f"--data {data.data}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
+    model = load_bi_encoder(folder, options.pooling)
+    ds = load_retrieval(str(data.data))
+    if data.max_examples:  # a seeded subset of the judged queries; the whole corpus stays searchable
+        keep = set(seeded_subset(sorted(ds.qrels), data.max_examples, data.seed))
+        ds.qrels = {q: r for q, r in ds.qrels.items() if q in keep}
+    ranked = retrieve(model, tokenizer, ds, options.max_length, options.max_query_length, data.batch_size,
+                      progress=True, cache_for=folder.path)
+    return {**retrieval_scores(ranked, ds.qrels), "queries": len(ds.qrels), "documents": len(ds.corpus)}

@@ -1,0 +1,23 @@
+"""Rerank training data: groups of one query, one positive and a pool of negatives, from a triples
+JSONL (``{query, positive, negatives}``) or a BEIR source (each judged (query, doc) pair is a group;
+negatives ``sampled`` at random from the corpus or ``mined`` from a bi-encoder's ranks 4-30, see
+:mod:`encoderkit.retrieval.mining`)."""
+
+from __future__ import annotations
+
+from encoderkit.retrieval.beir import Triple, is_beir_source, load_retrieval, read_triples
+from encoderkit.retrieval.mining import groups_from_beir
+from encoderkit.tasks.common import TrainData, seeded_subset
+from encoderkit.tasks.rerank.options import RerankOptions
+
+
+def train_groups(data: TrainData, options: RerankOptions) -> list[Triple]:
+    """The training groups of ``data.train`` (a seeded subset of ``data.max_train_examples``; 0: all),
+    each with its whole pool of negatives to draw from every epoch."""
+    if is_beir_source(data.train):
+        groups = groups_from_beir(load_retrieval(data.train), negatives=options.negatives, num_negatives=options.num_negatives,
+                                  seed=data.seed, miner=options.miner, max_query_length=options.max_query_length,
+                                  batch_size=data.eval_batch_size, pool=True)
+    else:
+        groups = read_triples(data.train)
+    return seeded_subset(groups, data.max_train_examples, data.seed)

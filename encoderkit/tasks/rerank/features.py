@@ -1,0 +1,25 @@
+"""Cross-encoder features: (query, passage) pairs -> token rows, and a model's relevance score per pair.
+
+Pairs longer than ``max_length`` sub-tokens are truncated ``longest_first``: the passage is cut
+first; a query longer than the passage is cut too (``only_second`` fails outright on a query longer
+than ``max_length``). The deploy runtime truncates the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from encoderkit.tasks.common import run_batches
+
+
+def pair_rows(tokenizer, queries: list[str], passages: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
+    enc = tokenizer(queries, passages, truncation="longest_first", max_length=max_length)
+    keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
+    return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(queries))]
+
+
+def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], max_length: int = 256, batch_size: int = 64) -> np.ndarray:
+    """Relevance scores (N,) of (query, passage) pairs; ``query`` is one string or one per passage."""
+    queries = [query] * len(passages) if isinstance(query, str) else list(query)
+    rows = pair_rows(tokenizer, queries, passages, max_length)
+    return np.asarray(run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits[:, 0]), dtype=np.float32)
