@@ -12,8 +12,8 @@ Inputs of each task, read by the task's own reader:
 - classify: :func:`encoderkit.tasks.tabular.read_rows`; the text column the model was fine-tuned on
   (its card's ``text_column``), the pair and label columns of the fine-tuning config in its lineage
   (else found as ``finetune`` finds them); labels become the model's class ids;
-- ner: :func:`encoderkit.tasks.conll.read_ner` (the words of a sentence joined by spaces);
-- qa: :func:`encoderkit.tasks.squad.read_squad`, the training articles, (question, context) pairs;
+- ner: :func:`encoderkit.tasks.ner.data.read_ner` (the words of a sentence joined by spaces);
+- qa: :func:`encoderkit.tasks.qa.data.read_squad`, the training articles, (question, context) pairs;
 - rerank: a BEIR source (:func:`encoderkit.retrieval.beir.load_retrieval`: each judged
   (query, document) pair) or JSONL triples (:func:`~encoderkit.retrieval.beir.read_triples`: the
   query with its positive and each negative);
@@ -102,7 +102,7 @@ def _label_ids(values: list[Any], label2id: dict[str, int], wheres: list[str]) -
 def _classify_inputs(path: Path, columns: dict[str, str], label2id: dict[str, int] | None) -> TaskInputs:
     from types import SimpleNamespace
 
-    from encoderkit.tasks.classify import resolve_text_column
+    from encoderkit.tasks.classify.data import resolve_text_column
     from encoderkit.tasks.tabular import column, read_rows, text_column
 
     rows = read_rows(path)
@@ -172,11 +172,11 @@ def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None
                                   "single texts in a .txt file")
         out = _classify_inputs(path, columns, label2id)
     elif task == "ner":
-        from encoderkit.tasks.conll import read_ner
+        from encoderkit.tasks.ner.data import read_ner
 
         out = TaskInputs([" ".join(s.words) for s in read_ner(path)], None, str(path))
     elif task == "qa":
-        from encoderkit.tasks.squad import read_squad
+        from encoderkit.tasks.qa.data import read_squad
 
         examples, _ = read_squad(path, "train")  # the training articles; the held-out ones stay unseen
         out = TaskInputs([(e.question, e.context) for e in examples], None, str(path))
