@@ -35,8 +35,8 @@ from encoderkit.compress.quantize import QuantizeConfig
 from encoderkit.compress.task_data import LeverData
 from encoderkit.config import StageConfig, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.tasks import TASKS
 
-TASKS = ("classify", "ner", "qa", "rerank", "embed")
 WEIGHT_TASKS = (*TASKS, "mlm")  # pruning and quantization also take a pretrained MLM model
 ALIASES = {"recover_steps": "recovery_steps"}
 
