@@ -16,6 +16,7 @@ from typing import Any
 
 from encoderkit.config import arg
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import note
 from encoderkit.tasks import TASK_MODULES, TASKS
 from encoderkit.tasks.common import open_model
@@ -59,6 +60,16 @@ MODULES = {**TASK_MODULES, "mlm": "encoderkit.train.pretrain"}
 def run(cfg: EvaluateConfig) -> EvaluateResult:
     """Print the task metrics (JSON) of a model folder on labelled data."""
     folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
+    t0 = time.perf_counter()
+    task, metrics = folder_metrics(folder, cfg)
+    return EvaluateResult(str(folder.path), task, cfg.data, metrics, time.perf_counter() - t0)
+
+
+def folder_metrics(folder: ModelFolder, cfg: EvaluateConfig, engine: Any = None) -> tuple[str, dict[str, Any]]:
+    """The task and its metrics for ``folder`` on ``cfg.data``: the one evaluation path, used by
+    ``encoderkit evaluate`` and by the compression measurer. ``engine`` runs the model (an object with
+    ``run(inputs) -> outputs``: ONNX Runtime on the folder's graph, a torch INT8 model...); None: the
+    folder's torch model, as ``evaluate`` runs it."""
     if cfg.max_length:
         saved = folder.card.get("max_length")
         if saved and saved != cfg.max_length:
@@ -71,6 +82,7 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
                               f"(architectures {folder.config.get('architectures') or 'missing'}); pass --task")
     cfg = dataclasses.replace(cfg, task=task, eval_batch_size=cfg.batch_size)  # a copy: the parsed config stays as given
     tokenizer = folder.tokenizer(cfg.tokenizer or None)
-    t0 = time.perf_counter()
-    metrics = importlib.import_module(MODULES[task]).evaluate_folder(folder, tokenizer, cfg.data, cfg)
-    return EvaluateResult(str(folder.path), task, cfg.data, metrics, time.perf_counter() - t0)
+    module = importlib.import_module(MODULES[task])
+    if engine is None:
+        return task, module.evaluate_folder(folder, tokenizer, cfg.data, cfg)
+    return task, module.evaluate_folder(folder, tokenizer, cfg.data, cfg, engine=engine)

@@ -203,12 +203,13 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     return TaskRun(model, loss_fn, source, evaluate, primary, save, card, num_train=len(rows))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
-    """Metrics of a saved classifier on a labelled file."""
-    model = folder.load(task="classify")
-    engine = ModuleEngine(model, ["logits"])
-    names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    multi = model.config.problem_type == "multi_label_classification"
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any, engine: Engine | None = None) -> dict[str, float]:
+    """Metrics of a saved classifier on a labelled file; ``engine`` (default: the folder's torch model)
+    is what computes the logits, e.g. ONNX Runtime on its export (the compression measurer)."""
+    if engine is None:
+        engine = ModuleEngine(folder.load(task="classify"), ["logits"])
+    names = folder.labels
+    multi = folder.config.get("problem_type") == "multi_label_classification"
     cfg = dataclasses.replace(cfg, multi_label=multi)
     texts, pairs, labels, where, _ = read_examples(data, cfg, folder.card.get("text_column"))
     texts, pairs, labels = _subset(cfg.max_examples, cfg.seed, texts, pairs, labels)

@@ -23,6 +23,7 @@ from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import TaskRun, seeded_subset
 from encoderkit.tasks.embed import (
     BiEncoder,
+    PooledEngine,
     load_bi_encoder,
     mnrl_loss,
     save_sentence_transformers,
@@ -90,10 +91,13 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
     return TaskRun(model, loss_fn, source, evaluate, (cfg.metric or "ndcg@10", "max"), save, card, num_train=len(groups))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any, engine: Any = None) -> dict[str, float]:
+    """nDCG@10 / MRR@10 / recall@100 of exact search over a BEIR corpus; ``engine`` (default: the folder's
+    torch encoder) gives the token states that are pooled as the folder says (:class:`PooledEngine`)."""
     if not is_beir_source(str(data)):
         raise EncoderkitError(f"--data {data}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
-    model = load_bi_encoder(folder, folder.pooling or cfg.pooling)
+    model = (load_bi_encoder(folder, folder.pooling or cfg.pooling) if engine is None
+             else PooledEngine(engine, folder.pooling or "mean", folder.normalize))
     card = folder.card
     ds = load_retrieval(str(data))
     if cfg.max_examples:  # a seeded subset of the judged queries; the whole corpus stays searchable
@@ -101,5 +105,5 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) 
         ds.qrels = {q: r for q, r in ds.qrels.items() if q in keep}
     max_length = card.get("max_length") or max_length_for(cfg, folder)
     ranked = retrieve(model, tokenizer, ds, max_length, card.get("max_query_length", cfg.max_query_length), cfg.batch_size,
-                      progress=True, cache_for=folder.path)
+                      progress=True, cache_for=folder.path if engine is None else None)
     return {**retrieval_scores(ranked, ds.qrels), "queries": len(ds.qrels), "documents": len(ds.corpus)}

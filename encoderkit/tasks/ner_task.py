@@ -93,10 +93,11 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
-    model = folder.load(task="ner")
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any, engine: Any = None) -> dict[str, float]:
+    """Entity P/R/F1 on a CoNLL file; ``engine`` (default: the folder's torch model) computes the logits."""
+    model = folder.load(task="ner") if engine is None else engine
     card = folder.card
-    id2label = {int(k): v for k, v in model.config.id2label.items()}
+    id2label = dict(enumerate(folder.labels))
     sents = seeded_subset(read_ner(data, cfg.tag_scheme), cfg.max_examples, cfg.seed)
     _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data))
     cfg = dataclasses.replace(cfg, max_length=card.get("max_length", cfg.max_length), stride=card.get("stride", cfg.stride))

@@ -85,8 +85,9 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
-    model = folder.load(task="qa")
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any, engine: Any = None) -> dict[str, float]:
+    """SQuAD EM/F1; ``engine`` (default: the folder's torch model) computes the span logits."""
+    model = folder.load(task="qa") if engine is None else engine
     card = folder.card
     saved = (("max_length", "max_length"), ("doc_stride", "doc_stride"), ("max_answer_length", "max_answer_length"),
              ("max_question_length", "max_query_length"))

@@ -45,10 +45,14 @@ def pair_rows(tokenizer, queries: list[str], passages: list[str], max_length: in
 
 
 def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], max_length: int = 256, batch_size: int = 64) -> np.ndarray:
-    """Relevance scores (N,) of (query, passage) pairs; ``query`` is one string or one per passage."""
+    """Relevance scores (N,) of (query, passage) pairs; ``query`` is one string or one per passage.
+    ``module``: a torch model or an engine whose output is the logits (the first one is the score)."""
+    if not passages:
+        return np.zeros(0, dtype=np.float32)
     queries = [query] * len(passages) if isinstance(query, str) else list(query)
     rows = pair_rows(tokenizer, queries, passages, max_length)
-    return np.asarray(run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits[:, 0]), dtype=np.float32)
+    out = run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits[:, :1])
+    return np.asarray(out, dtype=np.float32).reshape(len(rows), -1)[:, 0]
 
 
 def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
@@ -131,8 +135,10 @@ def dev_evaluator(cfg: Any, tokenizer, max_length: int, data_spec: str | None = 
     return evaluate_triples, ("mrr@10", "max")
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any) -> dict[str, float]:
-    model = folder.load(task="rerank")
+def evaluate_folder(folder: ModelFolder, tokenizer, data: str | Path, cfg: Any, engine: Any = None) -> dict[str, float]:
+    """nDCG@10 reranking a first stage (BEIR) or MRR of each row's positive (JSONL); ``engine`` (default:
+    the folder's torch model) computes the relevance logits."""
+    model = folder.load(task="rerank") if engine is None else engine
     cfg = dataclasses.replace(cfg, eval_batch_size=cfg.batch_size)
     evaluate, _ = dev_evaluator(cfg, tokenizer, folder.card.get("max_length", cfg.max_length or DEFAULT_MAX_LENGTH), str(data), cfg.max_examples)
     return evaluate(model)
