@@ -198,7 +198,9 @@ def build(cfg: Any, tokenizer, folder: ModelFolder) -> TaskRun:
 
     primary = ("micro_f1", "max") if cfg.multi_label else (cfg.metric or "accuracy", "max")
     card = {"task": "classify", "labels": names, "pooling": pooling, "max_length": (cfg.max_length or DEFAULT_MAX_LENGTH),
-            "multi_label": cfg.multi_label, "text_pair": bool(cfg.text_pair_column), "text_column": text_col, "hf_compatible": warning is None,
+            "multi_label": cfg.multi_label, "text_pair": bool(cfg.text_pair_column), "text_column": text_col,
+            "label_column": cfg.label_column, **({"text_pair_column": cfg.text_pair_column} if cfg.text_pair_column else {}),
+            "hf_compatible": warning is None,
             **({"warning": warning} if warning else {})}
     return TaskRun(model, loss_fn, source, evaluate, primary, save, card, num_train=len(rows))
 
