@@ -353,9 +353,11 @@ class StepMeasurer:
     """
 
     def __init__(self, dev: str, seq_len: int = 0, runtime: str = "deploy", dev_limit: int = 0, repeats: int = 5, *,
-                 model: str | Path | None = None, miner: str = "", candidates: int = 100, batch_size: int = 32) -> None:
+                 model: str | Path | None = None, miner: str = "", candidates: int = 100, batch_size: int = 32,
+                 qa_split: str = "all") -> None:
         self.dev, self.seq_len, self.runtime, self.repeats = str(dev), seq_len, runtime, repeats
         self.dev_limit, self.miner, self.candidates, self.batch_size = dev_limit, miner, candidates, batch_size
+        self.qa_split = qa_split
         self.task: str | None = None
         self.eval_cfg: Any = None
         self.samples: dict[str, Any] = {}
@@ -381,7 +383,7 @@ class StepMeasurer:
                                   "column; add 'text_pair_column' to its encoderkit.json")
         self.eval_cfg = EvaluateConfig(model=str(start.path), data=self.dev, task=task, max_examples=self.dev_limit,
                                        miner=self.miner, candidates=self.candidates, batch_size=self.batch_size,
-                                       eval_batch_size=self.batch_size, **cols)
+                                       eval_batch_size=self.batch_size, qa_split=self.qa_split, **cols)
         self.task = task
         try:
             self.samples = self._samples(start)
@@ -575,7 +577,7 @@ def make_measure(cfg: Any) -> StepMeasurer:
     ``measure(folder) -> row``; the task and the dev data are read and checked here, before any step runs."""
     return StepMeasurer(cfg.dev, seq_len=cfg.seq_len, runtime=cfg.runtime, dev_limit=cfg.dev_limit, repeats=cfg.repeats,
                         model=cfg.model, miner=getattr(cfg, "miner", ""), candidates=getattr(cfg, "candidates", 100),
-                        batch_size=getattr(cfg, "batch_size", 32))
+                        batch_size=getattr(cfg, "batch_size", 32), qa_split=getattr(cfg, "qa_split", "all"))
 
 
 def latency_meta(rows: list[dict[str, Any]]) -> dict[str, Any]:

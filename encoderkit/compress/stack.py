@@ -185,6 +185,9 @@ class CompressConfig(StageConfig):
     miner: str = arg("", help="rerank on a BEIR --dev: the first stage, a bi-encoder folder (or 'minilm') whose top "
                               "--candidates per query the reranker reorders (required there).")
     candidates: int = arg(100, help="rerank on a BEIR --dev: documents per query from the --miner.")
+    qa_split: str = arg("all", choices=("all", "train", "heldout"), help="qa: which articles of the SQuAD --dev file "
+                        "quality is measured on: 'heldout' (the last 20%%, what finetune evaluates on when --train and "
+                        "--dev are one file), 'train' (the first 80%%) or 'all'.")
     batch_size: int = arg(32, speed=True, help="Inference batch size of the quality measurement.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
 
