@@ -27,11 +27,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from encoderkit.config import check
+from encoderkit.deploy.runtime import OUTPUTS, Predictor
 from encoderkit.errors import EncoderkitError
-from encoderkit.models.folder import ModelFolder
+from encoderkit.evaluate.run import EvaluateConfig, folder_metrics
+from encoderkit.models.folder import SERVABLE, ModelFolder
+from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
+from encoderkit.tasks import classify as classify_task
+from encoderkit.tasks import embed as embed_model
+from encoderkit.tasks import ner as ner_features
+from encoderkit.tasks import ner_task, qa_task
+from encoderkit.tasks import qa as qa_features
+from encoderkit.tasks import rerank as rerank_task
+from encoderkit.tasks.conll import read_ner
+from encoderkit.tasks.inference import ModuleEngine, run_rows
+from encoderkit.tasks.squad import read_squad
 
 QualityFn = Callable[[Path], dict[str, float]]
 
@@ -122,7 +135,6 @@ def onnx_parameters(path: str | Path) -> int:
     number for an optimised graph (fused QKV), an INT8 graph and a graph whose exporter merged equal
     tensors (the ones/zeros of untrained LayerNorms) as for the torch folder; a tied weight used twice
     (an MLM decoder) counts twice."""
-    import numpy as np
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -297,7 +309,6 @@ def _measure(folder: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, 
 def _measure_onnx(path: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, ...], repeats: int,
                   vocab_size: int) -> dict[str, Any]:
     """ONNX Runtime CPU latency of an ONNX model file on random tokens."""
-    import numpy as np
     import onnxruntime as ort
 
     out: dict[str, Any] = {}
@@ -368,8 +379,6 @@ class StepMeasurer:
     def setup(self, start: ModelFolder) -> None:
         """Take the task and the data columns from the starting model's folder and check the dev data
         (errors name the task, the field and the step: the starting model is measured before step 1)."""
-        from encoderkit.evaluate.run import EvaluateConfig
-        from encoderkit.models.folder import SERVABLE
 
         task = start.task
         if task not in SERVABLE:
@@ -393,8 +402,6 @@ class StepMeasurer:
     def _samples(self, start: ModelFolder) -> dict[str, Any]:
         """The dev examples timed for latency (one typical example: the median by characters; a batch:
         a seeded sample), read with the task's own reader -- which also checks the fields the task needs."""
-        import numpy as np
-
         cfg, dev = self.eval_cfg, self.dev
         rng = np.random.default_rng(0)
 
@@ -404,23 +411,15 @@ class StepMeasurer:
             return {"one": [items[order[len(order) // 2]]], "batch": [items[int(i)] for i in sorted(pick)]}
 
         if self.task == "classify":
-            from encoderkit.tasks.classify import read_examples
-
-            texts, pairs, _, _, _ = read_examples(dev, cfg, start.card.get("text_column"))
+            texts, pairs, _, _, _ = classify_task.read_examples(dev, cfg, start.card.get("text_column"))
             items = list(zip(texts, pairs or [None] * len(texts), strict=True))
             return typical_and_batch(items, lambda x: len(x[0]) + len(x[1] or ""))
         if self.task == "ner":
-            from encoderkit.tasks.conll import read_ner
-
             return typical_and_batch(read_ner(dev, cfg.tag_scheme), lambda s: len(" ".join(s.words)))
         if self.task == "qa":
-            from encoderkit.tasks.squad import read_squad
-
             examples, _ = read_squad(dev, cfg.qa_split)
             check(bool(examples), f"{dev} holds no question with an answer")
             return typical_and_batch(examples, lambda e: len(e.question) + len(e.context))
-        from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
-
         if self.task == "rerank":
             if is_beir_source(dev):
                 check(bool(self.miner), "field 'miner' missing: a BEIR source gives queries and a corpus but no first "
@@ -465,9 +464,6 @@ class StepMeasurer:
     def _engine(self, mf: ModelFolder) -> tuple[Any, Any, str]:
         """(engine for quality: None = the folder's torch model as ``evaluate`` loads it; engine for
         latency; runtime name)."""
-        from encoderkit.deploy.runtime import OUTPUTS, Predictor
-        from encoderkit.tasks.inference import ModuleEngine
-
         task = self.task
         threads = torch.get_num_threads()
         onnx_only = mf.torch_weights is None and mf.onnx_fp32 is not None
@@ -481,8 +477,6 @@ class StepMeasurer:
         return (engine if int8 else None), engine, "torch int8-dynamic" if int8 else "torch fp32"
 
     def _measure(self, mf: ModelFolder) -> dict[str, Any]:
-        from encoderkit.evaluate.run import folder_metrics
-
         quality_engine, engine, runtime = self._engine(mf)
         model = engine.module if hasattr(engine, "module") and not runtime.startswith("torch int8") else None
         row: dict[str, Any] = {"task": self.task, "params": folder_parameters(mf, model),
@@ -502,16 +496,12 @@ class StepMeasurer:
 
     def _latency(self, mf: ModelFolder, engine: Any) -> dict[str, Any]:
         """Latency of the task's serving unit and of its batch unit on this folder's tokenizer and engine."""
-        from encoderkit.tasks.inference import run_rows
-
         tok = mf.tokenizer()
         max_length = min(self.seq_len, mf.max_length) if self.seq_len else mf.max_length
         pad = tok.pad_token_id or 0
         one, batch = self._rows(mf, tok, max_length)
         if self.task == "embed":
-            from encoderkit.tasks.embed import PooledEngine
-
-            engine = PooledEngine(engine, mf.pooling or "mean", mf.normalize)
+            engine = embed_model.PooledEngine(engine, mf.pooling or "mean", mf.normalize)
         unit, short, batch_unit, batch_short = UNITS[self.task]
         out: dict[str, Any] = {"latency_unit": short, "latency_unit_desc": unit,
                                "seq_len": max(len(r["input_ids"]) for r in one),
@@ -531,35 +521,24 @@ class StepMeasurer:
         """Feature rows (the task's own featurisers, with the card's feature settings) of the timed unit and batch."""
         s, card, cfg = self.samples, mf.card, self.eval_cfg
         if self.task == "classify":
-            from encoderkit.tasks.classify import featurize
-
             def rows(items: list) -> list:
                 pairs = [p for _, p in items] if items[0][1] is not None else None
-                return featurize(tok, [t for t, _ in items], pairs, max_length)
+                return classify_task.featurize(tok, [t for t, _ in items], pairs, max_length)
 
             return rows(s["one"]), rows(s["batch"])
         if self.task == "ner":
-            from encoderkit.tasks.ner import window_rows
-            from encoderkit.tasks.ner_task import featurize
-
             ner_cfg = dataclasses.replace(cfg, max_length=max_length, stride=card.get("stride", cfg.stride))
-            return (window_rows(featurize(tok, s["one"], ner_cfg))[0], window_rows(featurize(tok, s["batch"], ner_cfg))[0])
+            return (ner_features.window_rows(ner_task.featurize(tok, s["one"], ner_cfg))[0],
+                    ner_features.window_rows(ner_task.featurize(tok, s["batch"], ner_cfg))[0])
         if self.task == "qa":
-            from encoderkit.tasks.qa import window_rows
-            from encoderkit.tasks.qa_task import featurize
-
             saved = {"doc_stride": "doc_stride", "max_answer_length": "max_answer_length", "max_question_length": "max_query_length"}
             qa_cfg = dataclasses.replace(cfg, max_length=max_length, **{f: card[k] for k, f in saved.items() if k in card})
-            return (window_rows(featurize(tok, s["one"], qa_cfg, with_answers=False)),
-                    window_rows(featurize(tok, s["batch"], qa_cfg, with_answers=False)))
+            return (qa_features.window_rows(qa_task.featurize(tok, s["one"], qa_cfg, with_answers=False)),
+                    qa_features.window_rows(qa_task.featurize(tok, s["batch"], qa_cfg, with_answers=False)))
         if self.task == "rerank":
-            from encoderkit.tasks.rerank import pair_rows
-
-            return pair_rows(tok, [s["query"]] * len(s["passages"]), s["passages"], max_length), []
-        from encoderkit.tasks.embed import tokenize
-
+            return rerank_task.pair_rows(tok, [s["query"]] * len(s["passages"]), s["passages"], max_length), []
         query_length = min(max_length, card.get("max_query_length", cfg.max_query_length))
-        return tokenize(tok, [s["query"]], query_length), tokenize(tok, s["docs"], max_length)
+        return embed_model.tokenize(tok, [s["query"]], query_length), embed_model.tokenize(tok, s["docs"], max_length)
 
 
 def weight_file_bytes(mf: ModelFolder) -> int:

@@ -30,6 +30,7 @@ from encoderkit.io import cache_dir, write_json_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import pool
 from encoderkit.tasks.batching import encode_batch, sorted_batches
+from encoderkit.tasks.inference import run_rows
 
 
 def folder_max_length(folder: Path) -> int | None:
@@ -82,8 +83,6 @@ def encode(model: BiEncoder | PooledEngine, tokenizer, texts: list[str], max_len
     :class:`BiEncoder` or an engine giving embeddings (:class:`PooledEngine`)."""
     rows = tokenize(tokenizer, texts, max_length)
     if not isinstance(model, nn.Module):
-        from encoderkit.tasks.inference import run_rows
-
         out = run_rows(model, rows, tokenizer.pad_token_id, batch_size)
         return np.stack([o[0] for o in out]).astype(np.float32) if out else np.zeros((0, 0), np.float32)
     was_training = model.training
