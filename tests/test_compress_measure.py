@@ -205,3 +205,12 @@ def test_measurer_reads_the_columns_the_card_recorded(tmp_path, tiny_bert_dir):
     figure = evaluate(EvaluateConfig(model=str(out), data=str(tmp_path / "dev.tsv"), label_column="stars")).metrics
     row = StepMeasurer(str(tmp_path / "dev.tsv"), runtime="torch", repeats=1, model=out)(out)
     assert row["quality"] == figure["accuracy"] and row["dev_examples"] == 16
+
+
+def test_a_step_of_another_task_is_refused(root, tiny_tokenizer_dir, dev_data):
+    from encoderkit.errors import EncoderkitError
+
+    measure = StepMeasurer(str(dev_data["classify"]), runtime="torch", repeats=1,
+                           model=make_task_model(root, tiny_tokenizer_dir, "classify"))
+    with pytest.raises(EncoderkitError, match=r"is a 'ner' model but the starting model is a 'classify' model"):
+        measure(make_task_model(root, tiny_tokenizer_dir, "ner"))
