@@ -124,9 +124,10 @@ def test_rerank_on_a_beir_source_reranks_the_miners_candidates(root, tiny_tokeni
     assert "first_stage_ndcg@10" in row["metrics"]
 
 
-@pytest.mark.parametrize("task", ["classify", "ner", "qa"])
+@pytest.mark.parametrize("task", ["classify", "ner", "qa", "embed"])
 def test_one_parameter_count_for_a_torch_folder_and_its_onnx_export(task, root, tiny_tokenizer_dir):
-    """Plain, fused (classify/qa are exported with --optimize) and INT8 graphs count what torch counts."""
+    """Plain, fused (classify/qa are exported with --optimize) and INT8 graphs count what torch counts
+    (embed: the bare encoder's pooler, which no embedding uses and the export drops, is left out)."""
     src = make_task_model(root, tiny_tokenizer_dir, task)
     onnx = export_task_model(root, tiny_tokenizer_dir, task)
     n = folder_parameters(src)

@@ -162,13 +162,17 @@ def onnx_parameters(path: str | Path) -> int:
 
 def folder_parameters(folder: str | Path | ModelFolder, model: torch.nn.Module | None = None) -> int:
     """Parameters of a model folder, one rule for both representations: its torch model
-    (:func:`count_parameters`; ``model`` when already loaded) or, for a folder that holds only an ONNX
-    graph, :func:`onnx_parameters` of it (INT8 before FP32) -- the same number for a model and its export."""
+    (:func:`count_parameters`; ``model`` when already loaded; an embed model's unused pooler left out) or,
+    for a folder that holds only an ONNX graph, :func:`onnx_parameters` of it (INT8 before FP32) -- the
+    same number for a model and its export."""
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder, tokenizer=False)
+    if model is None and mf.torch_weights is not None:
+        model = mf.load()
     if model is not None:
-        return count_parameters(model)
-    if mf.torch_weights is not None:
-        return count_parameters(mf.load())
+        # an embedding pools the token states; a bare encoder's pooler (dense + tanh) never runs, and its
+        # ONNX export (outputs: last_hidden_state) has none
+        pooler = getattr(model, "pooler", None) if mf.task == "embed" else None
+        return count_parameters(model) - (count_parameters(pooler) if isinstance(pooler, torch.nn.Module) else 0)
     graph = mf.onnx_int8 or mf.onnx_fp32
     if graph is None:
         raise EncoderkitError(f"{mf.path} holds no weights to count (no model.safetensors, no model.onnx)")
