@@ -150,8 +150,10 @@ def test_report_quality_column_is_the_evaluate_figure(task, root, tiny_tokenizer
     figure, _ = _figure(folder, dev, task)
     out = tmp_path / "out"
     assert main(["compress", "--recipe", str(CPU_PTQ), "--model", str(folder), "--dev", str(dev), "--out", str(out),
-                 "--runtime", "torch", "--repeats", "1"]) == 0
-    rows = json.loads((out / "report.json").read_text())["steps"]
+                 "--runtime", "torch", "--repeats", "1", "--max-quality-drop", "0.05"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    rows = report["steps"]
+    assert report["meta"]["max_quality_drop"] == 0.05  # the floor drawn on report.png
     assert rows[0]["quality"] == figure
     assert rows[1]["runtime"] == "deploy onnx-int8" and rows[1]["quality"] == pytest.approx(figure, abs=0.1)
     assert rows[1]["params"] == rows[0]["params"]

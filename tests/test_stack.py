@@ -166,5 +166,5 @@ def test_int8_onnx_step_is_measured_in_the_deploy_runtime(classifier_dir, dev_ts
     assert start["runtime"] == "deploy onnx-fp32" and step["runtime"] == "deploy onnx-int8"
     onnx_bytes = sum(p.stat().st_size for p in (out / "01-quantize").glob("model.int8.onnx*"))
     assert step["bytes"] == onnx_bytes  # (on a model this tiny the embeddings dominate, so INT8 saves little)
-    assert abs(step["params"] - start["params"]) < 0.05 * start["params"]  # graph optimisation folds a few
+    assert step["params"] == start["params"]  # one count for the torch folder and its INT8 graph
     assert step["quality"] >= 0.9  # INT8 keeps the tiny model's own decisions on most of the dev set

@@ -188,6 +188,8 @@ class CompressConfig(StageConfig):
     qa_split: str = arg("all", choices=("all", "train", "heldout"), help="qa: which articles of the SQuAD --dev file "
                         "quality is measured on: 'heldout' (the last 20%%, what finetune evaluates on when --train and "
                         "--dev are one file), 'train' (the first 80%%) or 'all'.")
+    max_quality_drop: float = arg(0.03, help="The allowed relative drop of the dev metric, drawn as the floor on "
+                                  "report.png (0.03: at least 97%% of the starting model's quality).")
     batch_size: int = arg(32, speed=True, help="Inference batch size of the quality measurement.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
 
@@ -295,7 +297,7 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
         meta = {"title": f"Compression report: {Path(cfg.recipe).name} on {Path(cfg.model).name}",
                 "model": str(Path(cfg.model).resolve()), "recipe": str(cfg.recipe), "dev": str(cfg.dev),
                 **latency_meta(rows), "threads": torch.get_num_threads(),
-                "runtime": cfg.runtime, "hardware": describe(),
+                "runtime": cfg.runtime, "max_quality_drop": cfg.max_quality_drop, "hardware": describe(),
                 "steps_config": [s.params | {"lever": s.lever} for s in steps]}
         write_report(tmp, rows, meta)
         relocate_paths(tmp, tmp, out)  # the levers' report.json files name the step folders they wrote in tmp
