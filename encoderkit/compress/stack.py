@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from encoderkit.compress.measure import latency_meta, make_measure
 from encoderkit.config import StageConfig, arg, check, load_mapping
 from encoderkit.errors import EncoderkitError
 
@@ -250,7 +251,6 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
     report rows (row 0 is the starting model). ``final`` is where ``work`` will be renamed to,
     so that lineage in the step cards points at the final folders. ``measure(folder) -> row``
     defaults to :func:`encoderkit.compress.measure.make_measure` (the task's own metric on ``cfg.dev``)."""
-    from encoderkit.compress.measure import make_measure
     from encoderkit.io import inherited_card, read_card, write_card
     from encoderkit.progress import note, progress
 
@@ -283,7 +283,6 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     """Run a compression recipe step by step; re-measure quality, size and speed after each step."""
     import torch
 
-    from encoderkit.compress.measure import latency_meta, make_measure
     from encoderkit.hardware import describe
     from encoderkit.io import output_dir, relocate_paths
     from encoderkit.report import write_report
