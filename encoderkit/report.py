@@ -4,8 +4,12 @@ A row is a plain dict (what ``report.json`` stores), with these keys::
 
     {"step": 0, "lever": "baseline", "folder": "steps/00-baseline",
      "quality": 0.912, "metric": "accuracy", "params": 22_700_000, "bytes": 90_900_000,
-     "latency_b1_ms": 6.1, "latency_b32_ms": 120.0, "throughput_b32": 266.0,
-     "seq_len": 128, "threads": 2, "note": "..."}
+     "latency_ms": 6.1, "latency_unit": "request", "batch_ms": 120.0, "batch_unit": "32 requests",
+     "throughput": 266.0, "seq_len": 128, "threads": 2, "note": "..."}
+
+Latency is in the unit the task is served in (:data:`encoderkit.compress.measure.UNITS`): the
+column headers name it (``ms/request``, ``ms/query (top 100)``...). Rows with only the older
+``latency_b1_ms`` / ``latency_b32_ms`` / ``throughput_b32`` keys read as one request / 32 requests.
 
 ``quality`` is the metric re-measured on the dev set for that step's model (never a sum of
 per-lever deltas). Ratios against the first row (the starting model) are derived here, so the
@@ -35,8 +39,20 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         r["bytes_saved"] = None if kept_bytes is None else 1.0 - kept_bytes
         r["speedup_b32"] = _ratio(r.get("throughput_b32"), base.get("throughput_b32"))
         r["speedup_b1"] = _ratio(base.get("latency_b1_ms"), r.get("latency_b1_ms"))
+        for key, old in (("latency_ms", "latency_b1_ms"), ("batch_ms", "latency_b32_ms"), ("throughput", "throughput_b32")):
+            if r.get(key) is None and r.get(old) is not None:
+                r[key] = r[old]
         out.append(r)
+    for r in out:
+        r["speedup"] = _ratio(out[0].get("latency_ms"), r.get("latency_ms"))
+        r["speedup_throughput"] = _ratio(r.get("throughput"), out[0].get("throughput"))
     return out
+
+
+def units(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """The latency unit and the batch unit of ``rows`` (one task per report)."""
+    first = rows[0] if rows else {}
+    return first.get("latency_unit", "request"), first.get("batch_unit", "32 requests")
 
 
 def _ratio(a: Any, b: Any) -> float | None:
@@ -73,19 +89,24 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("params", "params", "m"),
     ("bytes", "MB on disk", "mb"),
     ("bytes_saved", "bytes saved", "pct"),
-    ("latency_b1_ms", "b=1 ms", "ms"),
-    ("latency_b32_ms", "b=32 ms", "ms"),
-    ("throughput_b32", "b=32 seq/s", "int"),
-    ("speedup_b32", "b=32 speed-up", "x"),
+    ("latency_ms", "ms/{unit}", "ms"),
+    ("speedup", "speed-up", "x"),
+    ("batch_ms", "ms/{batch}", "ms"),
+    ("throughput", "{items}/s", "int"),
+    ("speedup_throughput", "throughput speed-up", "x"),
 ]
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """A GitHub markdown table of ``rows`` (ratios against row 0 added)."""
+    """A GitHub markdown table of ``rows`` (ratios against row 0 added); latency headers name the
+    task's units (a batch column only when the task has a batch unit)."""
     rows = with_ratios(rows)
-    head = "| " + " | ".join(title for _, title, _ in COLUMNS) + " |"
-    rule = "|" + "|".join("---" for _ in COLUMNS) + "|"
-    body = ["| " + " | ".join(_fmt(r.get(key), kind) for key, _, kind in COLUMNS) + " |" for r in rows]
+    unit, batch = units(rows)
+    items = batch.split(" ", 1)[-1] if batch else "queries"
+    cols = [c for c in COLUMNS if batch or c[0] != "batch_ms"]
+    head = "| " + " | ".join(title.format(unit=unit, batch=batch, items=items) for _, title, _ in cols) + " |"
+    rule = "|" + "|".join("---" for _ in cols) + "|"
+    body = ["| " + " | ".join(_fmt(r.get(key), kind) for key, _, kind in cols) + " |" for r in rows]
     return "\n".join([head, rule, *body])
 
 
@@ -126,7 +147,7 @@ def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "", floo
     fig = Figure(figsize=(10, 4), dpi=100)
     panels = [
         (fig.add_subplot(1, 2, 1), "bytes", 1e-6, "size on disk (MB)"),
-        (fig.add_subplot(1, 2, 2), "latency_b32_ms", None, "batch-32 latency per sequence (ms)"),
+        (fig.add_subplot(1, 2, 2), "latency_ms", None, f"latency (ms per {units(rows)[0]})"),
     ]
     metric = next((r.get("metric") for r in rows if r.get("metric")), "quality")
     kept_rows = with_ratios(rows)
@@ -138,8 +159,6 @@ def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "", floo
             x, y = r.get(key), r.get("quality_kept")
             if x is None or y is None:
                 continue
-            if key == "latency_b32_ms":
-                x = x / 32.0
             xs.append(x * scale if scale else x)
             ys.append(100 * y)
             names.append(f"{r.get('step')}:{r.get('lever')}")
@@ -177,8 +196,9 @@ def write_report(folder: Path, rows: list[dict[str, Any]], meta: dict[str, Any])
             lines.append(f"- {k}: {v}")
     lines += [
         "",
-        ("Every row is re-measured on that step's own model: quality on the dev set, parameters, bytes of "
-         "the weight file the runtime loads, and wall-clock latency (median, tokenisation excluded)."),
+        ("Every row is re-measured on that step's own model: quality on the dev set (the task's own metric, "
+         "as `encoderkit evaluate` computes it), parameters, bytes of the weight file the runtime loads, and "
+         "wall-clock latency (median, tokenisation excluded) in the unit the task is served in."),
         "",
         markdown_table(rows),
         "",

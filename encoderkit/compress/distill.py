@@ -138,42 +138,6 @@ def make_loss_fn(teacher: nn.Module, want_hidden: bool) -> Callable[[nn.Module, 
 
 # -- data ------------------------------------------------------------------------------------------
 
-def read_labels(path: str | Path, label2id: dict[str, int] | None, n: int) -> list[int] | None:
-    """The gold label of each of the first ``n`` records of a .tsv ('label' column) or .jsonl
-    ('label' key) file, as class ids; None when the file has no labels. Left for the recipe's
-    quality measurer only: the levers read task data through :mod:`encoderkit.compress.task_data`."""
-    import json
-
-    p = Path(path)
-    labels: list[Any] = []
-    with p.open(encoding="utf-8") as f:
-        if p.suffix == ".tsv":
-            header = f.readline().rstrip("\n").split("\t")
-            if "label" not in header:
-                return None
-            col = header.index("label")
-            labels = [line.rstrip("\n").split("\t")[col] for line in f if line.strip()]
-        elif p.suffix == ".jsonl":
-            recs = [json.loads(line) for line in f if line.strip()]
-            if not recs or "label" not in recs[0]:
-                return None
-            labels = [r["label"] for r in recs]
-        else:
-            return None
-    labels = labels[:n]
-    out = []
-    for i, lab in enumerate(labels):
-        key = str(lab).strip()
-        if label2id and key in label2id:
-            out.append(int(label2id[key]))
-        elif key.lstrip("-").isdigit():
-            out.append(int(key))
-        else:
-            raise EncoderkitError(f"{p}: record {i + 1} has label {key!r}, which the teacher does not know "
-                                  f"(its labels: {sorted(label2id or {})}); fix the file or set hard_weight 0")
-    return out
-
-
 def task_batches(path: str, tokenizer: Any, teacher_config: Any, batch_size: int, seq_len: int, seed: int,
                  limit: int = 0, folder: str | Path | None = None) -> tuple[Any, int, bool]:
     """An engine batch source over a classify task file, read by the task's reader with the columns of

@@ -1,9 +1,18 @@
-"""What every compression lever reports: parameters, bytes on disk, latency, quality.
+"""The one home of compression measurement: parameters, bytes on disk, latency, quality.
 
 Measured honestly (see DESIGN.md): size is the sum of the bytes of the files in the model
-folder (a sparse weight in a dense file is not smaller), latency is wall time of a forward pass
-at a stated batch size, sequence length and thread count, and quality comes from a hook the
-caller passes (``quality_fn(folder) -> dict``), e.g. the dev metrics of the task.
+folder (a sparse weight in a dense file is not smaller); parameters are counted by one rule for a
+torch folder and for its ONNX graph (:func:`folder_parameters`, the same number for both); latency
+is the median wall time of :data:`repeats` runs after one warm-up (:func:`median_ms`, the one
+timing loop); quality is the task's own metric computed by the task's evaluation path
+(:func:`encoderkit.evaluate.run.folder_metrics`, what ``encoderkit evaluate`` prints) with the engine
+of the folder being measured.
+
+* :func:`measure_folder` -- what a single lever reports before and after (random-token latency at
+  fixed batch sizes; quality from a caller's hook).
+* :class:`StepMeasurer` -- what the recipe runner and the planner report for every step: the task
+  (from the starting model's folder), its dev metric, and latency in the unit the task is served in
+  (:data:`UNITS`).
 
 :class:`LeverReport` is the common result of ``quantize(...)`` and ``prune(...)``; the recipe
 runner stacks them and prints ``before``/``after`` side by side.
@@ -11,16 +20,31 @@ runner stacks them and prints ``before``/``after`` side by side.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from encoderkit.config import check
+from encoderkit.deploy.runtime import OUTPUTS, Predictor
 from encoderkit.errors import EncoderkitError
-from encoderkit.models.folder import ModelFolder
+from encoderkit.evaluate.run import EvaluateConfig, folder_metrics
+from encoderkit.models.folder import SERVABLE, ModelFolder
+from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
+from encoderkit.tasks import classify as classify_task
+from encoderkit.tasks import embed as embed_model
+from encoderkit.tasks import ner as ner_features
+from encoderkit.tasks import ner_task, qa_task
+from encoderkit.tasks import qa as qa_features
+from encoderkit.tasks import rerank as rerank_task
+from encoderkit.tasks.conll import read_ner
+from encoderkit.tasks.inference import ModuleEngine, run_rows
+from encoderkit.tasks.squad import read_squad
 
 QualityFn = Callable[[Path], dict[str, float]]
 
@@ -87,6 +111,74 @@ def count_parameters(model: torch.nn.Module, nonzero: bool = False) -> int:
     return n
 
 
+def median_ms(fn: Callable[[], Any], repeats: int = 5) -> float:
+    """Median wall time (ms) of ``repeats`` calls of ``fn`` after one warm-up call: the one timing loop
+    of the package (bench/ scripts keep their own)."""
+    fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return round(sorted(times)[len(times) // 2] * 1000, 2)
+
+
+# ONNX element types that hold weights (float, or the int8/uint8/int4 codes of quantized weights)
+_WEIGHT_TYPES = (1, 2, 3, 10, 11, 16, 21, 22)  # FLOAT UINT8 INT8 FLOAT16 DOUBLE BFLOAT16 UINT4 INT4
+
+
+def onnx_parameters(path: str | Path) -> int:
+    """Weights of an ONNX graph, counted as :func:`count_parameters` counts the torch model it was
+    exported from: every use of a weight tensor (an initializer or ``Constant`` of 1+ dimensions, float
+    or quantized codes) by a node counts its elements; quantization scales and zero points, shape
+    constants (int64) and scalars are not weights. Counting uses, not stored tensors, gives the same
+    number for an optimised graph (fused QKV), an INT8 graph and a graph whose exporter merged equal
+    tensors (the ones/zeros of untrained LayerNorms) as for the torch folder; a tied weight used twice
+    (an MLM decoder) counts twice."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    tensors = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value":
+                    tensors[node.output[0]] = a.t
+
+    def is_weight(name: str) -> bool:
+        t = tensors.get(name)
+        return (t is not None and t.data_type in _WEIGHT_TYPES and len(t.dims) >= 1
+                and not name.endswith(("_scale", "_zero_point", "scale", "zero_point")))
+
+    def uses(nodes: Any) -> int:
+        n = 0
+        for node in nodes:
+            n += sum(int(np.prod(tensors[i].dims)) for i in node.input if is_weight(i))
+            n += sum(uses(a.g.node) for a in node.attribute if a.type == onnx.AttributeProto.GRAPH)
+        return n
+
+    return uses(graph.node)
+
+
+def folder_parameters(folder: str | Path | ModelFolder, model: torch.nn.Module | None = None) -> int:
+    """Parameters of a model folder, one rule for both representations: its torch model
+    (:func:`count_parameters`; ``model`` when already loaded; an embed model's unused pooler left out) or,
+    for a folder that holds only an ONNX graph, :func:`onnx_parameters` of it (INT8 before FP32) -- the
+    same number for a model and its export."""
+    mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder, tokenizer=False)
+    if model is None and mf.torch_weights is not None:
+        model = mf.load()
+    if model is not None:
+        # an embedding pools the token states; a bare encoder's pooler (dense + tanh) never runs, and its
+        # ONNX export (outputs: last_hidden_state) has none
+        pooler = getattr(model, "pooler", None) if mf.task == "embed" else None
+        return count_parameters(model) - (count_parameters(pooler) if isinstance(pooler, torch.nn.Module) else 0)
+    graph = mf.onnx_int8 or mf.onnx_fp32
+    if graph is None:
+        raise EncoderkitError(f"{mf.path} holds no weights to count (no model.safetensors, no model.onnx)")
+    return onnx_parameters(graph)
+
+
 def text_batches(tokenizer: Any, texts: Sequence[str | tuple[str, str]], seq_len: int,
                  batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
     """Tokenised batches of ``texts`` (single sentences or pairs), each tensor ``(B, <=seq_len)``."""
@@ -100,61 +192,6 @@ def text_batches(tokenizer: Any, texts: Sequence[str | tuple[str, str]], seq_len
         yield dict(enc)
 
 
-def read_texts(path: str | Path, limit: int | None = None) -> list[str | tuple[str, str]]:
-    """Texts for calibration or vocabulary: a ``.txt`` (one per line) or a ``.tsv``/``.jsonl`` file.
-
-    A TSV with a header takes ``sentence`` / ``text`` (or ``sentence1``+``sentence2`` as a pair),
-    else its first column. A JSONL takes the ``text`` key (or ``text``+``text_pair``).
-    """
-    import csv
-
-    from encoderkit.io import json_line
-
-    p = Path(path)
-    if not p.is_file():
-        raise EncoderkitError(f"text file {p} does not exist; pass a .txt, .tsv or .jsonl file")
-    out: list[str | tuple[str, str]] = []
-    with p.open(encoding="utf-8") as f:
-        if p.suffix == ".tsv":
-            reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-            header = next(reader, [])
-            cols = {c: i for i, c in enumerate(header)}
-            if "sentence1" in cols and "sentence2" in cols:
-                i1, i2 = cols["sentence1"], cols["sentence2"]
-                pick = lambda r: (r[i1], r[i2])
-            else:
-                i = cols.get("sentence", cols.get("text", 0))
-                pick = lambda r: r[i].strip()
-            for n, row in enumerate(reader, start=2):
-                if not row:
-                    continue
-                try:
-                    out.append(pick(row))
-                except IndexError as e:
-                    raise EncoderkitError(f"{p}:{n}: too few tab-separated columns") from e
-                if limit and len(out) >= limit:
-                    break
-        elif p.suffix == ".jsonl":
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                rec = json_line(line, f"{p}:{n}")
-                if "text" not in rec:
-                    raise EncoderkitError(f"{p}:{n}: expected a 'text' key")
-                out.append((rec["text"], rec["text_pair"]) if "text_pair" in rec else rec["text"])
-                if limit and len(out) >= limit:
-                    break
-        else:
-            for line in f:
-                if line.strip():
-                    out.append(line.strip())
-                if limit and len(out) >= limit:
-                    break
-    if not out:
-        raise EncoderkitError(f"{p} holds no texts")
-    return out
-
-
 @torch.no_grad()
 def torch_latency(model: torch.nn.Module, batch_size: int, seq_len: int, repeats: int = 5,
                   vocab_size: int | None = None) -> dict[str, float]:
@@ -164,14 +201,8 @@ def torch_latency(model: torch.nn.Module, batch_size: int, seq_len: int, repeats
     ids = torch.randint(5, vocab_size, (batch_size, seq_len), generator=g)
     mask = torch.ones_like(ids)
     model.eval()
-    model(input_ids=ids, attention_mask=mask)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model(input_ids=ids, attention_mask=mask)
-        times.append(time.perf_counter() - t0)
-    ms = sorted(times)[len(times) // 2] * 1000
-    return {"ms": round(ms, 2), "items_per_s": round(batch_size / (ms / 1000), 1)}
+    ms = median_ms(lambda: model(input_ids=ids, attention_mask=mask), repeats)
+    return {"ms": ms, "items_per_s": round(batch_size / (ms / 1000), 1)}
 
 
 _MEASURED: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -204,11 +235,12 @@ def _measure(folder: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, 
     out: dict[str, Any] = {"bytes": bytes_on_disk(folder), "weight_bytes": bytes_on_disk(folder, only_weights=True)}
     if onnx_files and not any(folder.glob("*.safetensors")):
         vocab = int(mf.config.get("vocab_size", 1000))
-        return {**out, **_measure_onnx(onnx_files[0], latency, seq_len, batch_sizes, repeats, vocab), **(
+        return {**out, "params": folder_parameters(mf),
+                **_measure_onnx(onnx_files[0], latency, seq_len, batch_sizes, repeats, vocab), **(
             {"quality": quality_fn(folder)} if quality_fn else {})}
     runtime = (mf.quantization or {}).get("runtime", "")
     model = mf.load()
-    out["params"] = count_parameters(model)
+    out["params"] = folder_parameters(mf, model)
     out["nonzero_params"] = count_parameters(model, nonzero=True)
     if latency:
         int8 = runtime == "torch-int8"
@@ -225,13 +257,10 @@ def _measure(folder: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, 
 
 def _measure_onnx(path: Path, latency: bool, seq_len: int, batch_sizes: tuple[int, ...], repeats: int,
                   vocab_size: int) -> dict[str, Any]:
-    """Parameters (initializer elements) and ONNX Runtime CPU latency of an ONNX model file."""
-    import numpy as np
-    import onnx
+    """ONNX Runtime CPU latency of an ONNX model file on random tokens."""
     import onnxruntime as ort
 
-    m = onnx.load(str(path), load_external_data=False)
-    out: dict[str, Any] = {"params": int(sum(np.prod(t.dims) for t in m.graph.initializer))}
+    out: dict[str, Any] = {}
     if not latency:
         return out
     opts = ort.SessionOptions()
@@ -244,12 +273,246 @@ def _measure_onnx(path: Path, latency: bool, seq_len: int, batch_sizes: tuple[in
         feed = {n: (rng.integers(5, vocab_size, (b, seq_len)) if n == "input_ids" else
                     np.ones((b, seq_len)) if n == "attention_mask" else np.zeros((b, seq_len))).astype(np.int64)
                 for n in names}
-        sess.run(None, feed)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            sess.run(None, feed)
-            times.append(time.perf_counter() - t0)
-        ms = sorted(times)[len(times) // 2] * 1000
-        out["latency"][f"batch{b}"] = {"ms": round(ms, 2), "items_per_s": round(b / (ms / 1000), 1)}
+        ms = median_ms(lambda feed=feed: sess.run(None, feed), repeats)
+        out["latency"][f"batch{b}"] = {"ms": ms, "items_per_s": round(b / (ms / 1000), 1)}
     return out
+
+
+# -- the recipe runner's measurement: every task, its own metric, its own serving unit ------------------------
+
+# per task: the dev metric reported as ``quality`` (the first one the evaluation gives) and what a
+# latency figure is: (single unit, its short name, batch unit, its short name)
+PRIMARY = {"classify": ("accuracy", "micro_f1"), "ner": ("f1",), "qa": ("f1",), "rerank": ("ndcg@10", "mrr@10"),
+           "embed": ("ndcg@10",)}
+UNITS = {
+    "classify": ("one request (batch 1, a typical dev example)", "request", "32 dev examples in one batch", "32 requests"),
+    "ner": ("one request (one typical dev sentence, all its windows)", "request", "32 dev sentences", "32 requests"),
+    "qa": ("one request (one typical dev question and its context, all its windows)", "request",
+           "32 dev questions", "32 requests"),
+    "rerank": ("one query's top 100 candidates (100 query-passage pairs, batches of 32)", "query (top 100)", "", ""),
+    "embed": ("one query (batch 1)", "query", "a batch of 32 corpus documents", "32 documents"),
+}
+RERANK_CANDIDATES = 100
+MAX_BATCH = 32  # rows per engine call, as the Predictor serves (Predictor.load's max_batch)
+_COUNTS = ("examples", "sentences", "questions", "queries")
+
+
+class StepMeasurer:
+    """Measures one model folder of the task of the starting model (``model``; else the first folder
+    measured): dev quality, parameters, weight bytes, latency in the task's serving unit (:data:`UNITS`).
+
+    Quality is :func:`encoderkit.evaluate.run.folder_metrics` -- the function ``encoderkit evaluate``
+    runs, with the columns and feature settings the starting model's card recorded at fine-tuning --
+    run by the folder's engine: the folder's own INT8 ONNX graph (ONNX Runtime, the deploy
+    Predictor's engine); an ONNX-only folder's FP32 graph; with ``runtime="deploy"`` a plain torch
+    folder's FP32 export (cached); else torch (fp32 as ``evaluate`` loads it, 8-bit folders with INT8
+    kernels). Each row says which runtime measured it. Latency: :func:`median_ms` of running the engine
+    on the unit's feature rows (real dev examples, tokenisation excluded, padded per batch as served),
+    at ``torch.get_num_threads()`` threads (ONNX Runtime gets the same count); ``seq_len`` > 0 caps the
+    timed examples' length.
+    """
+
+    def __init__(self, dev: str, seq_len: int = 0, runtime: str = "deploy", dev_limit: int = 0, repeats: int = 5, *,
+                 model: str | Path | None = None, miner: str = "", candidates: int = 100, batch_size: int = 32,
+                 qa_split: str = "all") -> None:
+        self.dev, self.seq_len, self.runtime, self.repeats = str(dev), seq_len, runtime, repeats
+        self.dev_limit, self.miner, self.candidates, self.batch_size = dev_limit, miner, candidates, batch_size
+        self.qa_split = qa_split
+        self.task: str | None = None
+        self.eval_cfg: Any = None
+        self.samples: dict[str, Any] = {}
+        if model is not None:
+            self.setup(ModelFolder.open(model, tokenizer=False))
+
+    # -- the task and its dev data, read once from the starting model ---------------------------------
+    def setup(self, start: ModelFolder) -> None:
+        """Take the task and the data columns from the starting model's folder and check the dev data
+        (errors name the task, the field and the step: the starting model is measured before step 1)."""
+
+        task = start.task
+        if task not in SERVABLE:
+            raise EncoderkitError(f"{start.path} is {'a ' + repr(task) if task else 'a'} model whose task compression cannot "
+                                  f"measure; the starting model must be one of {', '.join(SERVABLE)} (fine-tune it first)")
+        card = start.card
+        where = f"compress: {task} dev data {self.dev} (read to measure the starting model, before step 1)"
+        cols = {k: card[k] for k in ("text_column", "label_column", "text_pair_column") if card.get(k)}
+        if card.get("text_pair") and "text_pair_column" not in cols:
+            raise EncoderkitError(f"{start.path}: the classifier reads text pairs but its card does not record the pair "
+                                  "column; add 'text_pair_column' to its encoderkit.json")
+        self.eval_cfg = EvaluateConfig(model=str(start.path), data=self.dev, task=task, max_examples=self.dev_limit,
+                                       miner=self.miner, candidates=self.candidates, batch_size=self.batch_size,
+                                       eval_batch_size=self.batch_size, qa_split=self.qa_split, **cols)
+        self.task = task
+        try:
+            self.samples = self._samples(start)
+        except EncoderkitError as e:
+            raise EncoderkitError(f"{where}: {e}") from e
+
+    def _samples(self, start: ModelFolder) -> dict[str, Any]:
+        """The dev examples timed for latency (one typical example: the median by characters; a batch:
+        a seeded sample), read with the task's own reader -- which also checks the fields the task needs."""
+        cfg, dev = self.eval_cfg, self.dev
+        rng = np.random.default_rng(0)
+
+        def typical_and_batch(items: list, size: Callable[[Any], int], n: int = 32) -> dict[str, list]:
+            order = sorted(range(len(items)), key=lambda i: size(items[i]))
+            pick = rng.choice(len(items), size=min(n, len(items)), replace=False)
+            return {"one": [items[order[len(order) // 2]]], "batch": [items[int(i)] for i in sorted(pick)]}
+
+        if self.task == "classify":
+            texts, pairs, _, _, _ = classify_task.read_examples(dev, cfg, start.card.get("text_column"))
+            items = list(zip(texts, pairs or [None] * len(texts), strict=True))
+            return typical_and_batch(items, lambda x: len(x[0]) + len(x[1] or ""))
+        if self.task == "ner":
+            return typical_and_batch(read_ner(dev, cfg.tag_scheme), lambda s: len(" ".join(s.words)))
+        if self.task == "qa":
+            examples, _ = read_squad(dev, cfg.qa_split)
+            check(bool(examples), f"{dev} holds no question with an answer")
+            return typical_and_batch(examples, lambda e: len(e.question) + len(e.context))
+        if self.task == "rerank":
+            if is_beir_source(dev):
+                check(bool(self.miner), "field 'miner' missing: a BEIR source gives queries and a corpus but no first "
+                      "stage to rerank; pass --miner EMBED_FOLDER (or 'minilm'), the bi-encoder whose top "
+                      f"{self.candidates} the reranker reorders, or a JSONL of queries with candidates "
+                      "({query, positive, negatives})")
+                data = load_retrieval(dev)
+                queries = [data.queries[q] for q in sorted(data.qrels)]
+                doc_ids = list(data.corpus)
+                picked = rng.choice(len(doc_ids), size=min(RERANK_CANDIDATES, len(doc_ids)), replace=False)
+                passages = [data.doc_text(doc_ids[int(i)]) for i in picked]
+            else:
+                triples = read_triples(dev)
+                check(all(t.negatives for t in triples), "field 'negatives' missing: a rerank dev row needs candidates "
+                      "to rank (a positive and negatives); give each row 'negatives', or pass a BEIR source with --miner")
+                queries = [t.query for t in triples]
+                passages = [p for t in triples for p in [t.positive, *t.negatives]]
+            passages = (passages * (RERANK_CANDIDATES // max(1, len(passages)) + 1))[:RERANK_CANDIDATES]
+            return {"query": sorted(queries, key=len)[len(queries) // 2], "passages": passages}
+        check(is_beir_source(dev), "embed quality is nDCG@10 over a corpus: --dev must be a BEIR source (a folder with "
+              "corpus.jsonl, queries.jsonl, qrels/<split>.tsv, or the SciFact zip with #split), not a file of texts")
+        data = load_retrieval(dev)
+        queries = [data.queries[q] for q in sorted(data.qrels)]
+        doc_ids = list(data.corpus)
+        picked = rng.choice(len(doc_ids), size=min(32, len(doc_ids)), replace=False)
+        return {"query": sorted(queries, key=len)[len(queries) // 2], "docs": [data.doc_text(doc_ids[int(i)]) for i in picked]}
+
+    # -- one folder ----------------------------------------------------------------------------------
+    def __call__(self, folder: Path) -> dict[str, Any]:
+        folder = Path(folder)
+        opened = ModelFolder.open(folder, tokenizer=False)
+        if self.task is None:
+            self.setup(opened)
+        if opened.task not in (None, self.task):
+            raise EncoderkitError(f"{folder} is a {opened.task!r} model but the starting model is a {self.task!r} model; "
+                                  "every step of a recipe keeps the task")
+        try:
+            return self._measure(opened)
+        except EncoderkitError as e:
+            raise EncoderkitError(f"{folder}: measuring {self.task} quality on {self.dev}: {e}") from e
+
+    def _engine(self, mf: ModelFolder) -> tuple[Any, Any, str]:
+        """(engine for quality: None = the folder's torch model as ``evaluate`` loads it; engine for
+        latency; runtime name)."""
+        task = self.task
+        threads = torch.get_num_threads()
+        onnx_only = mf.torch_weights is None and mf.onnx_fp32 is not None
+        plain = mf.quantization is None and mf.kept_heads is None
+        if mf.onnx_int8 is not None or onnx_only or (self.runtime == "deploy" and plain):
+            backend = "onnx-int8" if mf.onnx_int8 is not None else "onnx-fp32"
+            engine = Predictor.load(mf.path, backend=backend, threads=threads, max_batch=MAX_BATCH).engine
+            return engine, engine, f"deploy {backend}"
+        int8 = mf.quantization is not None and int(mf.quantization.get("bits", 8)) == 8
+        engine = ModuleEngine(mf.load(task=task, int8_runtime=int8), OUTPUTS[task])
+        return (engine if int8 else None), engine, "torch int8-dynamic" if int8 else "torch fp32"
+
+    def _measure(self, mf: ModelFolder) -> dict[str, Any]:
+        quality_engine, engine, runtime = self._engine(mf)
+        model = engine.module if hasattr(engine, "module") and not runtime.startswith("torch int8") else None
+        row: dict[str, Any] = {"task": self.task, "params": folder_parameters(mf, model),
+                               "folder_bytes": bytes_on_disk(mf.path), "bytes": weight_file_bytes(mf), "runtime": runtime,
+                               "threads": torch.get_num_threads()}
+        cfg = dataclasses.replace(self.eval_cfg, model=str(mf.path))
+        _, metrics = folder_metrics(ModelFolder.open(mf.path), cfg, quality_engine)
+        primary = next((m for m in PRIMARY[self.task] if m in metrics), None)
+        check(primary is not None, f"the {self.task} evaluation gave no {' or '.join(PRIMARY[self.task])} ({sorted(metrics)})")
+        row.update({"metric": primary, "quality": float(metrics[primary]),
+                    "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
+        count = next((metrics[k] for k in _COUNTS if k in metrics), None)
+        if count is not None:
+            row["dev_examples"] = int(count)
+        row.update(self._latency(mf, engine))
+        return row
+
+    def _latency(self, mf: ModelFolder, engine: Any) -> dict[str, Any]:
+        """Latency of the task's serving unit and of its batch unit on this folder's tokenizer and engine."""
+        tok = mf.tokenizer()
+        max_length = min(self.seq_len, mf.max_length) if self.seq_len else mf.max_length
+        pad = tok.pad_token_id or 0
+        one, batch = self._rows(mf, tok, max_length)
+        if self.task == "embed":
+            engine = embed_model.PooledEngine(engine, mf.pooling or "mean", mf.normalize)
+        unit, short, batch_unit, batch_short = UNITS[self.task]
+        out: dict[str, Any] = {"latency_unit": short, "latency_unit_desc": unit,
+                               "seq_len": max(len(r["input_ids"]) for r in one),
+                               "latency_ms": median_ms(lambda: run_rows(engine, one, pad, MAX_BATCH), self.repeats)}
+        if batch:
+            ms = median_ms(lambda: run_rows(engine, batch, pad, MAX_BATCH), self.repeats)
+            out.update({"batch_unit": batch_short, "batch_unit_desc": batch_unit, "batch_ms": ms,
+                        "throughput": round(len(batch) / (ms / 1000), 1)})
+        else:
+            out["throughput"] = round(1000 / out["latency_ms"], 1)
+        if short == "request":  # the batch-1 / batch-32 names the report and the quickstart read
+            out.update({"latency_b1_ms": out["latency_ms"], "latency_b32_ms": out.get("batch_ms"),
+                        "throughput_b32": out.get("throughput")})
+        return out
+
+    def _rows(self, mf: ModelFolder, tok: Any, max_length: int) -> tuple[list, list]:
+        """Feature rows (the task's own featurisers, with the card's feature settings) of the timed unit and batch."""
+        s, card, cfg = self.samples, mf.card, self.eval_cfg
+        if self.task == "classify":
+            def rows(items: list) -> list:
+                pairs = [p for _, p in items] if items[0][1] is not None else None
+                return classify_task.featurize(tok, [t for t, _ in items], pairs, max_length)
+
+            return rows(s["one"]), rows(s["batch"])
+        if self.task == "ner":
+            ner_cfg = dataclasses.replace(cfg, max_length=max_length, stride=card.get("stride", cfg.stride))
+            return (ner_features.window_rows(ner_task.featurize(tok, s["one"], ner_cfg))[0],
+                    ner_features.window_rows(ner_task.featurize(tok, s["batch"], ner_cfg))[0])
+        if self.task == "qa":
+            saved = {"doc_stride": "doc_stride", "max_answer_length": "max_answer_length", "max_question_length": "max_query_length"}
+            qa_cfg = dataclasses.replace(cfg, max_length=max_length, **{f: card[k] for k, f in saved.items() if k in card})
+            return (qa_features.window_rows(qa_task.featurize(tok, s["one"], qa_cfg, with_answers=False)),
+                    qa_features.window_rows(qa_task.featurize(tok, s["batch"], qa_cfg, with_answers=False)))
+        if self.task == "rerank":
+            return rerank_task.pair_rows(tok, [s["query"]] * len(s["passages"]), s["passages"], max_length), []
+        query_length = min(max_length, card.get("max_query_length", cfg.max_query_length))
+        return embed_model.tokenize(tok, [s["query"]], query_length), embed_model.tokenize(tok, s["docs"], max_length)
+
+
+def weight_file_bytes(mf: ModelFolder) -> int:
+    """Bytes of the weight file the runtime loads: the INT8 graph (and its external data), else the
+    torch weights, else the FP32 graph."""
+    if mf.onnx_int8 is not None:
+        return sum(p.stat().st_size for p in mf.path.glob(mf.onnx_int8.name + "*"))
+    if mf.torch_weights is not None:
+        return mf.torch_weights.stat().st_size
+    return sum(p.stat().st_size for p in mf.path.glob(mf.onnx_fp32.name + "*")) if mf.onnx_fp32 else 0
+
+
+def make_measure(cfg: Any) -> StepMeasurer:
+    """The recipe runner's measurer for a :class:`~encoderkit.compress.stack.CompressConfig`:
+    ``measure(folder) -> row``; the task and the dev data are read and checked here, before any step runs."""
+    return StepMeasurer(cfg.dev, seq_len=cfg.seq_len, runtime=cfg.runtime, dev_limit=cfg.dev_limit, repeats=cfg.repeats,
+                        model=cfg.model, miner=getattr(cfg, "miner", ""), candidates=getattr(cfg, "candidates", 100),
+                        batch_size=getattr(cfg, "batch_size", 32), qa_split=getattr(cfg, "qa_split", "all"))
+
+
+def latency_meta(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the report says its latency columns are (the units of the rows' task)."""
+    first = rows[0] if rows else {}
+    out: dict[str, Any] = {"task": first.get("task"), "latency": first.get("latency_unit_desc"),
+                           "longest timed example (sub-tokens)": first.get("seq_len")}
+    if first.get("batch_unit_desc"):
+        out["batch latency"] = first["batch_unit_desc"]
+    return {k: v for k, v in out.items() if v is not None}

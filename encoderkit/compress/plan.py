@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from encoderkit.compress.stack import QUANT_LEVERS, CompressConfig, StepMeasurer, run_steps, validate_recipe
+from encoderkit.compress.measure import StepMeasurer
+from encoderkit.compress.stack import QUANT_LEVERS, CompressConfig, run_steps, validate_recipe
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import PLANNER_HARDWARE, Hardware, describe, detect, planner_hardware
@@ -372,7 +373,7 @@ def run_recipe_for_plan(recipe: dict[str, Any], plan_cfg: PlanConfig, measure: A
     from encoderkit.report import write_report
 
     out = Path(plan_cfg.out)
-    measure = measure or StepMeasurer(plan_cfg.dev)
+    measure = measure or StepMeasurer(plan_cfg.dev, model=plan_cfg.model)
     with output_dir(out, plan_cfg.overwrite) as tmp:
         start = measure(Path(plan_cfg.model))
         floor = start["quality"] * (1.0 - plan_cfg.max_quality_drop)

@@ -32,12 +32,12 @@ appears only when the whole recipe finished.
 from __future__ import annotations
 
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from encoderkit.compress.levers import LEVERS, QUANT_LEVERS, check_task
+from encoderkit.compress.measure import latency_meta, make_measure
 from encoderkit.compress.task_data import LeverData
 from encoderkit.config import StageConfig, arg, check, load_mapping
 from encoderkit.errors import EncoderkitError
@@ -144,17 +144,39 @@ class CompressConfig(StageConfig):
     """Settings of `encoderkit compress`."""
 
     recipe: str = arg(help="Recipe file (YAML/TOML/JSON) with the levers to run in order.", required=True)
-    model: str = arg(help="Fine-tuned model folder to compress, of any task (classify, ner, qa, rerank, embed); its card says which.", required=True)
-    dev: str = arg(help="The task's dev data on which quality is re-measured after every step (classify: a labelled table; "
-                        "ner: CoNLL/JSONL; qa: SQuAD JSON; rerank/embed: a BEIR source).", required=True)
+    model: str = arg(help="Fine-tuned model folder to compress (classify, ner, qa, rerank or embed: the task and the data "
+                          "columns are read from its encoderkit.json).", required=True)
+    dev: str = arg(help="Dev data on which the task's own metric is re-measured after every step, in the task's format "
+                        "(what `encoderkit evaluate --data` takes): classify a labelled .tsv/.csv/.jsonl (accuracy); "
+                        "ner a CoNLL file (entity F1); qa a SQuAD file (F1; see --qa-split); rerank a BEIR source "
+                        "with --miner (nDCG@10 reranking the miner's top --candidates) or a JSONL of queries with "
+                        "candidates {query, positive, negatives} (MRR@10); embed a BEIR source (nDCG@10, recall@100).",
+                     required=True)
     out: str = arg(help="Output folder: one model folder per step plus report.md/json/png.", required=True)
     train: str | None = arg(None, help="The task's training data (read by the task's reader, with the columns of the model's card) "
                                        "for distillation, recovery training and calibration.")
     calib: str | None = arg(None, help="In-domain inputs for calibration and vocabulary, the task's data or a .txt of texts (default: --train).")
-    seq_len: int = arg(128, help="Sequence length of the latency measurement (every row of the batch this long).")
-    runtime: str = arg("deploy", choices=("deploy", "torch"), help="Runtime for latency and quality: 'deploy' (the ONNX Runtime Predictor; torch for folders it cannot load) or 'torch'.")
-    dev_limit: int = arg(0, help="Measure quality on only the first N dev examples (0: all).")
+    # -- measurement (encoderkit.compress.measure) --
+    seq_len: int = arg(0, help="Longest timed example in sub-tokens (0: the model's max length). Latency is timed on real "
+                               "dev examples in the unit the task is served in: classify/ner/qa one request (a typical "
+                               "dev example) and 32 requests; rerank one query's top 100 candidates; embed one query "
+                               "and a batch of 32 documents.")
+    runtime: str = arg("deploy", choices=("deploy", "torch"), help="Runtime for latency and quality: 'deploy' (ONNX Runtime, "
+                       "the deploy Predictor's engine: a folder's INT8 graph, else an FP32 export; torch for folders it "
+                       "cannot load) or 'torch' (folders with an INT8 graph still run it). Quality is `encoderkit "
+                       "evaluate`'s figure run by that engine.")
+    dev_limit: int = arg(0, help="Measure quality on a seeded subset of N dev examples (rerank/embed: N judged queries, "
+                                 "the whole corpus searched) (0: all).")
     repeats: int = arg(5, speed=True, help="Timed repetitions per latency figure (the median is reported).")
+    miner: str = arg("", help="rerank on a BEIR --dev: the first stage, a bi-encoder folder (or 'minilm') whose top "
+                              "--candidates per query the reranker reorders (required there).")
+    candidates: int = arg(100, help="rerank on a BEIR --dev: documents per query from the --miner.")
+    qa_split: str = arg("all", choices=("all", "train", "heldout"), help="qa: which articles of the SQuAD --dev file "
+                        "quality is measured on: 'heldout' (the last 20%%, what finetune evaluates on when --train and "
+                        "--dev are one file), 'train' (the first 80%%) or 'all'.")
+    max_quality_drop: float = arg(0.03, help="The allowed relative drop of the dev metric, drawn as the floor on "
+                                  "report.png (0.03: at least 97%% of the starting model's quality).")
+    batch_size: int = arg(32, speed=True, help="Inference batch size of the quality measurement.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
 
 
@@ -192,7 +214,8 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
     """Run ``steps`` from ``cfg.model`` into ``work/NN-lever`` folders, measuring each; returns the
     report rows (row 0 is the starting model). ``final`` is where ``work`` will be renamed to,
     so that lineage in the step cards points at the final folders. ``measure(folder) -> row``
-    defaults to a :class:`StepMeasurer` on ``cfg.dev``; ``task`` is the recipe's task, if it names one."""
+    defaults to :func:`encoderkit.compress.measure.make_measure` (the task's own metric on ``cfg.dev``);
+    ``task`` is the recipe's task, if it names one."""
     from encoderkit.io import inherited_card, read_card, write_card
     from encoderkit.progress import note, progress
 
@@ -226,129 +249,10 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
                    {**card.get("metrics", {}), "recipe_measurement": {k: v for k, v in row.items() if k not in ("step", "folder")}},
                    **{**extra, "recipe_step": step.index, "recipe_params": step.params})
         rows.append(row)
-        note(f"step {step.index} ({step.lever}): quality {row.get('quality')} params {row.get('params')} "
-                   f"bytes {row.get('bytes')} b1 {row.get('latency_b1_ms')} ms b32 {row.get('latency_b32_ms')} ms")
+        note(f"step {step.index} ({step.lever}): {row.get('metric', 'quality')} {row.get('quality')} params {row.get('params')} "
+             f"bytes {row.get('bytes')} {row.get('latency_ms')} ms per {row.get('latency_unit')}")
         cur, cur_final = dst, final / step.name
     return rows
-
-
-class StepMeasurer:
-    """Measures one model folder: dev quality, parameters, weight bytes, latency at batch 1 and 32.
-
-    ``runtime="deploy"`` uses the deploy Predictor (ONNX Runtime: the folder's own INT8 graph if
-    it has one, else an FP32 export); folders it cannot load (packed low-bit weights, pruned
-    heads) run in torch through :func:`encoderkit.compress.packing.load_model` (INT8 kernels for
-    8-bit folders). Each row says which runtime measured it. Latency: median of ``repeats`` timed
-    forward passes on (B, seq_len) inputs, tokenisation excluded, at ``torch.get_num_threads()``
-    threads (ONNX Runtime gets the same count).
-    """
-
-    def __init__(self, dev: str, seq_len: int = 128, runtime: str = "deploy", dev_limit: int = 0, repeats: int = 5) -> None:
-        from encoderkit.compress.measure import read_texts
-
-        self.dev, self.seq_len, self.runtime, self.repeats = dev, seq_len, runtime, repeats
-        self.texts = read_texts(dev, limit=dev_limit or None)
-
-    def _gold(self, label2id: dict[str, int]) -> list[int]:
-        from encoderkit.compress.distill import read_labels
-
-        gold = read_labels(self.dev, label2id, len(self.texts))
-        check(gold is not None, f"--dev {self.dev}: no 'label' column/key; the dev set must be labelled")
-        return gold  # type: ignore[return-value]
-
-    def __call__(self, folder: Path) -> dict[str, Any]:
-        import numpy as np
-        import torch
-
-        from encoderkit.compress.measure import bytes_on_disk, count_parameters
-        from encoderkit.models.folder import ModelFolder
-
-        folder = Path(folder)
-        opened = ModelFolder.open(folder, weights=False, tokenizer=False)
-        config = opened.config
-        label2id = {str(v): int(k) for k, v in (config.get("id2label") or {}).items()}
-        gold = self._gold(label2id)
-        quant, heads = opened.quantization, opened.kept_heads
-        int8_onnx = opened.onnx(True)
-        threads = torch.get_num_threads()
-        has_torch_weights = any((folder / f).is_file() for f in ("model.safetensors", "model.quantized.safetensors"))
-        model = opened.load() if has_torch_weights else None
-        params = count_parameters(model) if model is not None else onnx_parameters(int8_onnx or folder / "model.onnx")
-        row: dict[str, Any] = {"params": params, "folder_bytes": bytes_on_disk(folder),
-                               "seq_len": self.seq_len, "threads": threads}
-        if int8_onnx is not None:
-            row["bytes"] = sum(p.stat().st_size for p in folder.glob(int8_onnx.name + "*"))
-        else:
-            weights = folder / ("model.quantized.safetensors" if quant else "model.safetensors")
-            row["bytes"] = weights.stat().st_size
-        use_deploy = int8_onnx is not None or (self.runtime == "deploy" and quant is None and heads is None)
-        vocab = int(config.get("vocab_size", 1000))
-        g = torch.Generator().manual_seed(0)
-        if use_deploy:
-            from encoderkit.deploy.runtime import Predictor
-
-            del model
-            backend = "onnx-int8" if int8_onnx is not None else "onnx-fp32"
-            pred = Predictor.load(folder, backend=backend, threads=threads, max_batch=32, max_length=self.seq_len)
-            labels = pred.info.labels
-            out = pred.classify(self.texts)
-            pred_ids = [labels.index(o["label"]) if o["label"] in labels else -1 for o in out]
-
-            def forward(b: int) -> None:
-                ids = torch.randint(5, vocab, (b, self.seq_len), generator=g).numpy()
-                pred.engine.run({"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)})
-
-            row["runtime"] = f"deploy {backend}"
-        else:
-            from transformers import AutoTokenizer
-
-            int8 = bool(quant) and int(quant.get("bits", 8)) == 8
-            model = opened.load(int8_runtime=int8) if int8 else model
-            tok = AutoTokenizer.from_pretrained(str(folder))
-            pred_ids = []
-            with torch.inference_mode():
-                for i in range(0, len(self.texts), 32):
-                    chunk = self.texts[i:i + 32]
-                    if isinstance(chunk[0], tuple):
-                        a, b = zip(*chunk)
-                        enc = tok(list(a), list(b), truncation=True, max_length=self.seq_len, padding=True, return_tensors="pt")
-                    else:
-                        enc = tok(list(chunk), truncation=True, max_length=self.seq_len, padding=True, return_tensors="pt")
-                    pred_ids += model(**enc).logits.argmax(-1).tolist()
-
-            def forward(b: int) -> None:
-                ids = torch.randint(5, vocab, (b, self.seq_len), generator=g)
-                with torch.inference_mode():
-                    model(input_ids=ids, attention_mask=torch.ones_like(ids))
-
-            row["runtime"] = "torch int8-dynamic" if int8 else "torch fp32"
-        row["metric"] = "accuracy"
-        row["quality"] = float(np.mean(np.asarray(pred_ids) == np.asarray(gold)))
-        row["dev_examples"] = len(gold)
-        for b in (1, 32):
-            forward(b)  # warm-up
-            times = []
-            for _ in range(self.repeats):
-                t0 = time.perf_counter()
-                forward(b)
-                times.append(time.perf_counter() - t0)
-            row[f"latency_b{b}_ms"] = round(1000 * sorted(times)[len(times) // 2], 2)
-        row["throughput_b32"] = round(32 / (row["latency_b32_ms"] / 1000), 1)
-        return row
-
-
-def onnx_parameters(path: Path) -> int:
-    """Number of weight entries in an ONNX graph (initializers, quantization scales and zero points left out)."""
-    import numpy as np
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return int(sum(np.prod(t.dims) for t in graph.initializer
-                   if not t.name.endswith(("_scale", "_zero_point", "scale", "zero_point"))))
-
-
-def make_measure(cfg: CompressConfig) -> StepMeasurer:
-    return StepMeasurer(cfg.dev, seq_len=cfg.seq_len, runtime=cfg.runtime, dev_limit=cfg.dev_limit, repeats=cfg.repeats)
 
 
 def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
@@ -362,14 +266,14 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     recipe = read_recipe(cfg.recipe)
     steps = validate_recipe(recipe, source=str(cfg.recipe))
     check(Path(cfg.model).is_dir(), f"--model {cfg.model} is not a folder")
-    check(Path(cfg.dev.partition("#")[0]).exists(), f"--dev {cfg.dev} does not exist")
     out = Path(cfg.out)
+    measure = measure or make_measure(cfg)  # reads the task and checks the dev data before anything runs
     with output_dir(out, cfg.overwrite) as tmp:
         rows = run_steps(steps, cfg, tmp, out.resolve(), measure, task=recipe_task(recipe))
         meta = {"title": f"Compression report: {Path(cfg.recipe).name} on {Path(cfg.model).name}",
                 "model": str(Path(cfg.model).resolve()), "recipe": str(cfg.recipe), "dev": str(cfg.dev),
-                "seq_len": cfg.seq_len, "batch_sizes": "1 and 32", "threads": torch.get_num_threads(),
-                "runtime": cfg.runtime, "hardware": describe(),
+                **latency_meta(rows), "threads": torch.get_num_threads(),
+                "runtime": cfg.runtime, "max_quality_drop": cfg.max_quality_drop, "hardware": describe(),
                 "steps_config": [s.params | {"lever": s.lever} for s in steps]}
         write_report(tmp, rows, meta)
         relocate_paths(tmp, tmp, out)  # the levers' report.json files name the step folders they wrote in tmp

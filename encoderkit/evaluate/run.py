@@ -15,6 +15,7 @@ from typing import Any
 
 from encoderkit.config import arg
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import note
 from encoderkit.tasks import TASK_MODULES, TASKS
 from encoderkit.tasks.common import EvalData, open_model, pick
@@ -58,6 +59,16 @@ MODULES = {**TASK_MODULES, "mlm": "encoderkit.train.pretrain"}
 def run(cfg: EvaluateConfig) -> EvaluateResult:
     """Print the task metrics (JSON) of a model folder on labelled data."""
     folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
+    t0 = time.perf_counter()
+    task, metrics = folder_metrics(folder, cfg)
+    return EvaluateResult(str(folder.path), task, cfg.data, metrics, time.perf_counter() - t0)
+
+
+def folder_metrics(folder: ModelFolder, cfg: EvaluateConfig, engine: Any = None) -> tuple[str, dict[str, Any]]:
+    """The task and its metrics for ``folder`` on ``cfg.data``: the one evaluation path, used by
+    ``encoderkit evaluate`` and by the compression measurer. ``engine`` runs the model (an object with
+    ``run(inputs) -> outputs``: ONNX Runtime on the folder's graph, a torch INT8 model...); None: the
+    folder's torch model, as ``evaluate`` runs it."""
     if cfg.max_length:
         saved = folder.card.get("max_length")
         if saved and saved != cfg.max_length:
@@ -69,9 +80,12 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
                               f"(architectures {folder.config.get('architectures') or 'missing'}); pass --task")
     tokenizer = folder.tokenizer(cfg.tokenizer or None)
     module = importlib.import_module(MODULES[task])
-    t0 = time.perf_counter()
     if task == "mlm":
-        metrics = module.evaluate_folder(folder, tokenizer, cfg.data, cfg)
-    else:  # the task's options: the folder's saved settings, an explicit --max-length winning
-        metrics = module.evaluate_folder(folder, tokenizer, pick(EvalData, cfg), module.OPTIONS.for_folder(cfg, folder))
-    return EvaluateResult(str(folder.path), task, cfg.data, metrics, time.perf_counter() - t0)
+        if engine is not None:
+            raise EncoderkitError(f"{folder.path}: an MLM model is measured with its torch weights only")
+        return task, module.evaluate_folder(folder, tokenizer, cfg.data, cfg)
+    # the task's options: the folder's saved settings, an explicit --max-length winning
+    options = module.OPTIONS.for_folder(cfg, folder)
+    if engine is None:
+        return task, module.evaluate_folder(folder, tokenizer, pick(EvalData, cfg), options)
+    return task, module.evaluate_folder(folder, tokenizer, pick(EvalData, cfg), options, engine=engine)

@@ -191,7 +191,7 @@ def classify_step(ctx: Context) -> dict[str, Any]:
     last = Path(after["folder"]).name
     b32 = "latency_b32_ms"
     say(f"   made {final}/compressed/{last} (report: {final}/compressed/report.md); measured on "
-        f"{torch.get_num_threads()} thread(s), batches of 32 x {sizes.measure_seq_len} tokens:")
+        f"{torch.get_num_threads()} thread(s), batches of 32 dev sentences (at most {sizes.measure_seq_len} tokens):")
     say(f"     {'':<10} {'accuracy':>9} {'size MB':>9} {'ms/batch':>9}")
     for name, row in (("before", before), ("after", after)):
         say(f"     {name:<10} {row['quality']:>9.3f} {row['bytes'] / 1e6:>9.1f} {row[b32]:>9.1f}   ({row.get('runtime', '')})")

@@ -114,7 +114,13 @@ def run_batches(
     """Run ``module`` over ``rows`` in length-sorted batches (:func:`~encoderkit.tasks.inference.run_rows`
     with a :class:`~encoderkit.tasks.inference.ModuleEngine`, as the Predictor runs); return
     ``outputs(model_output)`` per row, in the rows' original order (each a float32 array; with
-    ``per_token`` the outputs are (B, T, ...) and each row's padding positions are cut off)."""
+    ``per_token`` the outputs are (B, T, ...) and each row's padding positions are cut off).
+    ``module`` may also be an engine (``run(inputs) -> outputs``, e.g. ONNX Runtime's): its outputs are
+    the task's graph outputs (:data:`encoderkit.deploy.export.OUTPUT_NAMES`), which is what ``outputs``
+    picks from a torch model's output, so the evaluation of a torch folder and of its export is one path."""
+    if not isinstance(module, nn.Module):
+        results = run_rows(module, [{k: r[k] for k in keys if k in r} for r in rows], pad_id, batch_size, per_token=per_token)
+        return [parts[0] if len(parts) == 1 else np.stack(parts) for parts in results]
     was_training = module.training
     module.eval()
     try:

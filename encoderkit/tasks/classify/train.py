@@ -18,6 +18,7 @@ an error. Multi-label: the loss is BCE and a label is predicted when its probabi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -115,16 +116,21 @@ def build(data: TrainData, options: ClassifyOptions, tokenizer, folder: ModelFol
 
     primary = ("micro_f1", "max") if multi else (data.metric or "accuracy", "max")
     card = {"task": "classify", "labels": names, "pooling": pooling, "max_length": options.max_length,
-            "multi_label": multi, "text_pair": bool(options.text_pair_column), "text_column": text_col, "hf_compatible": warning is None,
+            "multi_label": multi, "text_pair": bool(options.text_pair_column), "text_column": text_col,
+            "label_column": options.label_column,
+            **({"text_pair_column": options.text_pair_column} if options.text_pair_column else {}),
+            "hf_compatible": warning is None,
             **({"warning": warning} if warning else {})}
     return TaskRun(model, loss_fn, source, evaluate, primary, save, card, num_train=len(rows))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: ClassifyOptions) -> dict[str, float]:
-    """Metrics of a saved classifier on a labelled file."""
-    model = folder.load(task="classify")
-    engine = ModuleEngine(model, ["logits"])
-    names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: ClassifyOptions,
+                    engine: Any = None) -> dict[str, float]:
+    """Metrics of a saved classifier on a labelled file; ``engine`` (default: the folder's torch model)
+    is what computes the logits, e.g. ONNX Runtime on its export (the compression measurer)."""
+    if engine is None:
+        engine = ModuleEngine(folder.load(task="classify"), ["logits"])
+    names = folder.labels
     multi = options.multi_label
     texts, pairs, labels, where, _ = read_examples(data.data, options, folder.card.get("text_column"))
     texts, pairs, labels = _subset(data.max_examples, data.seed, texts, pairs, labels)

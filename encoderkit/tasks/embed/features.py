@@ -30,6 +30,7 @@ from encoderkit.io import cache_dir, write_json_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import pool
 from encoderkit.tasks.batching import encode_batch, sorted_batches
+from encoderkit.tasks.inference import run_rows
 
 
 def folder_max_length(folder: Path) -> int | None:
@@ -61,10 +62,29 @@ def tokenize(tokenizer, texts: list[str], max_length: int) -> list[dict[str, np.
     return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(texts))]
 
 
+class PooledEngine:
+    """An engine that gives token states (``last_hidden_state``: ONNX Runtime on an export, or a torch
+    encoder) as one that gives sentence embeddings (B, H): pooled by :func:`encoderkit.models.pooling.pool`
+    as :class:`BiEncoder` pools, then L2-normalised when ``normalize``."""
+
+    def __init__(self, engine: Any, pooling: str, normalize: bool = True) -> None:
+        self.engine, self.pooling, self.normalize = engine, pooling, normalize
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        hidden = torch.from_numpy(np.asarray(self.engine.run(inputs)[0], dtype=np.float32))
+        pooled = pool(hidden, torch.from_numpy(inputs["attention_mask"]), self.pooling)
+        return [(nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled).numpy()]
+
+
 @torch.no_grad()
-def encode(model: BiEncoder, tokenizer, texts: list[str], max_length: int, batch_size: int = 64, progress: bool = False) -> np.ndarray:
-    """Unit embeddings (N, H) float32 of ``texts`` (truncated to ``max_length`` sub-tokens)."""
+def encode(model: BiEncoder | PooledEngine, tokenizer, texts: list[str], max_length: int, batch_size: int = 64,
+           progress: bool = False) -> np.ndarray:
+    """Unit embeddings (N, H) float32 of ``texts`` (truncated to ``max_length`` sub-tokens); ``model`` is a
+    :class:`BiEncoder` or an engine giving embeddings (:class:`PooledEngine`)."""
     rows = tokenize(tokenizer, texts, max_length)
+    if not isinstance(model, nn.Module):
+        out = run_rows(model, rows, tokenizer.pad_token_id, batch_size)
+        return np.stack([o[0] for o in out]).astype(np.float32) if out else np.zeros((0, 0), np.float32)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

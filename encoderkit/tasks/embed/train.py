@@ -8,6 +8,7 @@ Evaluation: nDCG@10 / MRR@10 / recall@100 of exact search over the whole corpus 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
 from encoderkit.tasks.embed.data import train_groups
 from encoderkit.tasks.embed.features import (
     BiEncoder,
+    PooledEngine,
     load_bi_encoder,
     mnrl_loss,
     save_sentence_transformers,
@@ -75,14 +77,17 @@ def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder
     return TaskRun(model, loss_fn, source, evaluate, (data.metric or "ndcg@10", "max"), save, card, num_train=len(groups))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: EmbedOptions) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: EmbedOptions, engine: Any = None) -> dict[str, float]:
+    """nDCG@10 / MRR@10 / recall@100 of exact search over a BEIR corpus; ``engine`` (default: the folder's
+    torch encoder) gives the token states that are pooled as the folder says (:class:`PooledEngine`)."""
     if not is_beir_source(str(data.data)):
         raise EncoderkitError(f"--data {data.data}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
-    model = load_bi_encoder(folder, options.pooling)
+    model = (load_bi_encoder(folder, options.pooling) if engine is None
+             else PooledEngine(engine, "mean" if options.pooling == "auto" else options.pooling, folder.normalize))
     ds = load_retrieval(str(data.data))
     if data.max_examples:  # a seeded subset of the judged queries; the whole corpus stays searchable
         keep = set(seeded_subset(sorted(ds.qrels), data.max_examples, data.seed))
         ds.qrels = {q: r for q, r in ds.qrels.items() if q in keep}
     ranked = retrieve(model, tokenizer, ds, options.max_length, options.max_query_length, data.batch_size,
-                      progress=True, cache_for=folder.path)
+                      progress=True, cache_for=folder.path if engine is None else None)
     return {**retrieval_scores(ranked, ds.qrels), "queries": len(ds.qrels), "documents": len(ds.corpus)}

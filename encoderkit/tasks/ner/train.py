@@ -9,6 +9,8 @@ Entity types in dev data that never occur in training are an error.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from encoderkit.errors import EncoderkitError
@@ -90,9 +92,10 @@ def build(data: TrainData, options: NerOptions, tokenizer, folder: ModelFolder) 
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: NerOptions) -> dict[str, float]:
-    model = folder.load(task="ner")
-    id2label = {int(k): v for k, v in model.config.id2label.items()}
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: NerOptions, engine: Any = None) -> dict[str, float]:
+    """Entity P/R/F1 on a CoNLL file; ``engine`` (default: the folder's torch model) computes the logits."""
+    model = folder.load(task="ner") if engine is None else engine
+    id2label = dict(enumerate(folder.labels))
     sents = seeded_subset(read_ner(data.data, options.tag_scheme), data.max_examples, data.seed)
     _check_types(sorted({t[2:] for t in id2label.values() if t != "O"}), sents, str(data.data))
     pred = predict_tags(model, tokenizer, featurize(tokenizer, sents, options), id2label, data.batch_size)

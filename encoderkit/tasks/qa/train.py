@@ -9,6 +9,7 @@ it against all gold answers with the official SQuAD v1.1 EM/F1.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,8 +78,9 @@ def build(data: TrainData, options: QaOptions, tokenizer, folder: ModelFolder) -
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: QaOptions) -> dict[str, float]:
-    model = folder.load(task="qa")
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: QaOptions, engine: Any = None) -> dict[str, float]:
+    """SQuAD EM/F1; ``engine`` (default: the folder's torch model) computes the span logits."""
+    model = folder.load(task="qa") if engine is None else engine
     examples, skipped = read_squad(data.data, options.qa_split)
     examples = seeded_subset(examples, data.max_examples, data.seed)
     return {**scores(model, tokenizer, examples, options, data.batch_size), "questions": len(examples), "skipped_answers": skipped}

@@ -18,6 +18,8 @@ on JSONL it ranks each row's positive among its negatives (MRR, accuracy@1).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -111,7 +113,9 @@ def dev_evaluator(spec: str, limit: int, seed: int, batch_size: int, options: Re
     return evaluate_triples, ("mrr@10", "max")
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: RerankOptions) -> dict[str, float]:
-    model = folder.load(task="rerank")
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: RerankOptions, engine: Any = None) -> dict[str, float]:
+    """nDCG@10 reranking a first stage (BEIR) or MRR of each row's positive (JSONL); ``engine`` (default:
+    the folder's torch model) computes the relevance logits."""
+    model = folder.load(task="rerank") if engine is None else engine
     evaluate, _ = dev_evaluator(str(data.data), data.max_examples, data.seed, data.batch_size, options, tokenizer)
     return evaluate(model)
