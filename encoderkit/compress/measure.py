@@ -36,15 +36,18 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.run import EvaluateConfig, folder_metrics
 from encoderkit.models.folder import SERVABLE, ModelFolder
 from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
-from encoderkit.tasks import classify as classify_task
-from encoderkit.tasks import embed as embed_model
-from encoderkit.tasks import ner as ner_features
-from encoderkit.tasks import ner_task, qa_task
-from encoderkit.tasks import qa as qa_features
-from encoderkit.tasks import rerank as rerank_task
-from encoderkit.tasks.conll import read_ner
+from encoderkit.tasks.classify import data as classify_data
+from encoderkit.tasks.classify import features as classify_features
+from encoderkit.tasks.classify import train as classify_train
+from encoderkit.tasks.embed import features as embed_features
 from encoderkit.tasks.inference import ModuleEngine, run_rows
-from encoderkit.tasks.squad import read_squad
+from encoderkit.tasks.ner import features as ner_features
+from encoderkit.tasks.ner import train as ner_train
+from encoderkit.tasks.ner.data import read_ner
+from encoderkit.tasks.qa import features as qa_features
+from encoderkit.tasks.qa import train as qa_train
+from encoderkit.tasks.qa.data import read_squad
+from encoderkit.tasks.rerank import features as rerank_features
 
 QualityFn = Callable[[Path], dict[str, float]]
 
@@ -360,7 +363,8 @@ class StepMeasurer:
             return {"one": [items[order[len(order) // 2]]], "batch": [items[int(i)] for i in sorted(pick)]}
 
         if self.task == "classify":
-            texts, pairs, _, _, _ = classify_task.read_examples(dev, cfg, start.card.get("text_column"))
+            options = classify_train.OPTIONS.for_folder(cfg, start)
+            texts, pairs, _, _, _ = classify_data.read_examples(dev, options, start.card.get("text_column"))
             items = list(zip(texts, pairs or [None] * len(texts), strict=True))
             return typical_and_batch(items, lambda x: len(x[0]) + len(x[1] or ""))
         if self.task == "ner":
@@ -450,7 +454,7 @@ class StepMeasurer:
         pad = tok.pad_token_id or 0
         one, batch = self._rows(mf, tok, max_length)
         if self.task == "embed":
-            engine = embed_model.PooledEngine(engine, mf.pooling or "mean", mf.normalize)
+            engine = embed_features.PooledEngine(engine, mf.pooling or "mean", mf.normalize)
         unit, short, batch_unit, batch_short = UNITS[self.task]
         out: dict[str, Any] = {"latency_unit": short, "latency_unit_desc": unit,
                                "seq_len": max(len(r["input_ids"]) for r in one),
@@ -472,22 +476,21 @@ class StepMeasurer:
         if self.task == "classify":
             def rows(items: list) -> list:
                 pairs = [p for _, p in items] if items[0][1] is not None else None
-                return classify_task.featurize(tok, [t for t, _ in items], pairs, max_length)
+                return classify_features.featurize(tok, [t for t, _ in items], pairs, max_length)
 
             return rows(s["one"]), rows(s["batch"])
         if self.task == "ner":
-            ner_cfg = dataclasses.replace(cfg, max_length=max_length, stride=card.get("stride", cfg.stride))
-            return (ner_features.window_rows(ner_task.featurize(tok, s["one"], ner_cfg))[0],
-                    ner_features.window_rows(ner_task.featurize(tok, s["batch"], ner_cfg))[0])
+            ner_opts = dataclasses.replace(ner_train.OPTIONS.for_folder(cfg, mf), max_length=max_length)
+            return (ner_features.window_rows(ner_train.featurize(tok, s["one"], ner_opts))[0],
+                    ner_features.window_rows(ner_train.featurize(tok, s["batch"], ner_opts))[0])
         if self.task == "qa":
-            saved = {"doc_stride": "doc_stride", "max_answer_length": "max_answer_length", "max_question_length": "max_query_length"}
-            qa_cfg = dataclasses.replace(cfg, max_length=max_length, **{f: card[k] for k, f in saved.items() if k in card})
-            return (qa_features.window_rows(qa_task.featurize(tok, s["one"], qa_cfg, with_answers=False)),
-                    qa_features.window_rows(qa_task.featurize(tok, s["batch"], qa_cfg, with_answers=False)))
+            qa_opts = dataclasses.replace(qa_train.OPTIONS.for_folder(cfg, mf), max_length=max_length)
+            return (qa_features.window_rows(qa_train.featurize(tok, s["one"], qa_opts, with_answers=False)),
+                    qa_features.window_rows(qa_train.featurize(tok, s["batch"], qa_opts, with_answers=False)))
         if self.task == "rerank":
-            return rerank_task.pair_rows(tok, [s["query"]] * len(s["passages"]), s["passages"], max_length), []
+            return rerank_features.pair_rows(tok, [s["query"]] * len(s["passages"]), s["passages"], max_length), []
         query_length = min(max_length, card.get("max_query_length", cfg.max_query_length))
-        return embed_model.tokenize(tok, [s["query"]], query_length), embed_model.tokenize(tok, s["docs"], max_length)
+        return embed_features.tokenize(tok, [s["query"]], query_length), embed_features.tokenize(tok, s["docs"], max_length)
 
 
 def weight_file_bytes(mf: ModelFolder) -> int:
