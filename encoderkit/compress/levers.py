@@ -101,13 +101,23 @@ class DistillLever(_Base):
 
 
 @dataclass(frozen=True)
-class PruneLever(_Base):
+class _WeightLever(_Base):
+    """A lever that rewrites a model's weights (prune, quantize): any task's folder or an MLM model."""
+
+    runner_fields: tuple[str, ...] = ("model", "out", "overwrite")
+    tasks: tuple[str, ...] = WEIGHT_TASKS
+
+    def config(self, settings: dict[str, Any], model: Path, out: Path, data: LeverData) -> StageConfig:
+        # the runner measures every step itself; the lever's own before/after timing would double the time
+        return self.config_class.from_dict({"measure": False, **settings, "model": str(model), "out": str(out)})
+
+
+@dataclass(frozen=True)
+class PruneLever(_WeightLever):
     """Unstructured, 2:4, heads, FFN neurons or vocabulary (method ``vocab``). The recipe shorthand
     ``method: structured`` with ``heads`` / ``ffn`` fractions is two calls (recovery after the last)."""
 
     config_class: type[StageConfig] = PruneConfig
-    runner_fields: tuple[str, ...] = ("model", "out", "overwrite")
-    tasks: tuple[str, ...] = WEIGHT_TASKS
 
     def recipe_keys(self) -> set[str]:
         return super().recipe_keys() | ({"heads", "ffn"} if "method" not in self.fixed else set())
@@ -128,22 +138,16 @@ class PruneLever(_Base):
     def needs(self, settings: dict[str, Any]) -> tuple[str, ...]:
         return prune_mod.data_needs(PruneConfig.from_dict(settings))
 
-    def config(self, settings: dict[str, Any], model: Path, out: Path, data: LeverData) -> StageConfig:
-        # the runner measures every step itself; the lever's own before/after timing would double the time
-        return PruneConfig.from_dict({"measure": False, **settings, "model": str(model), "out": str(out)})
-
     def run(self, model: Path, config: Any, data: LeverData, out: Path) -> LeverReport:
         return prune_mod.prune(model, config, out, data=data)
 
 
 @dataclass(frozen=True)
-class QuantizeLever(_Base):
+class QuantizeLever(_WeightLever):
     """Dynamic / static INT8 (ONNX Runtime or torch), QAT, GPTQ and RTN. The recipe shorthand
     ``method: dynamic-int8`` is dynamic INT8 through ONNX Runtime (per task, the task's ONNX outputs)."""
 
     config_class: type[StageConfig] = QuantizeConfig
-    runner_fields: tuple[str, ...] = ("model", "out", "overwrite")
-    tasks: tuple[str, ...] = WEIGHT_TASKS
 
     def calls(self, params: dict[str, Any]) -> list[dict[str, Any]]:
         (p,) = super().calls(params)
@@ -154,9 +158,6 @@ class QuantizeLever(_Base):
 
     def needs(self, settings: dict[str, Any]) -> tuple[str, ...]:
         return quantize_mod.data_needs(QuantizeConfig.from_dict(settings))
-
-    def config(self, settings: dict[str, Any], model: Path, out: Path, data: LeverData) -> StageConfig:
-        return QuantizeConfig.from_dict({"measure": False, **settings, "model": str(model), "out": str(out)})
 
     def run(self, model: Path, config: Any, data: LeverData, out: Path) -> LeverReport:
         return quantize_mod.quantize(model, config, out, data=data)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from encoderkit.compress.task_data import card_columns
 from encoderkit.config import check
 from encoderkit.deploy.runtime import OUTPUTS, Predictor
 from encoderkit.errors import EncoderkitError
@@ -338,7 +339,7 @@ class StepMeasurer:
                                   f"measure; the starting model must be one of {', '.join(SERVABLE)} (fine-tune it first)")
         card = start.card
         where = f"compress: {task} dev data {self.dev} (read to measure the starting model, before step 1)"
-        cols = {k: card[k] for k in ("text_column", "label_column", "text_pair_column") if card.get(k)}
+        cols = card_columns(start.path) if task == "classify" else {}
         if card.get("text_pair") and "text_pair_column" not in cols:
             raise EncoderkitError(f"{start.path}: the classifier reads text pairs but its card does not record the pair "
                                   "column; add 'text_pair_column' to its encoderkit.json")
@@ -403,7 +404,7 @@ class StepMeasurer:
     # -- one folder ----------------------------------------------------------------------------------
     def __call__(self, folder: Path) -> dict[str, Any]:
         folder = Path(folder)
-        opened = ModelFolder.open(folder, tokenizer=False)
+        opened = ModelFolder.open(folder)  # with its tokenizer: quality and latency both tokenize
         if self.task is None:
             self.setup(opened)
         if opened.task not in (None, self.task):
@@ -436,7 +437,7 @@ class StepMeasurer:
                                "folder_bytes": bytes_on_disk(mf.path), "bytes": weight_file_bytes(mf), "runtime": runtime,
                                "threads": torch.get_num_threads()}
         cfg = dataclasses.replace(self.eval_cfg, model=str(mf.path))
-        _, metrics = folder_metrics(ModelFolder.open(mf.path), cfg, quality_engine)
+        _, metrics = folder_metrics(mf, cfg, quality_engine)
         primary = next((m for m in PRIMARY[self.task] if m in metrics), None)
         check(primary is not None, f"the {self.task} evaluation gave no {' or '.join(PRIMARY[self.task])} ({sorted(metrics)})")
         row.update({"metric": primary, "quality": float(metrics[primary]),

@@ -28,6 +28,7 @@ from encoderkit.compress.distill_tasks import NEG, masked_token_kl, position_kl
 from encoderkit.compress.students import soft_target_kl
 from encoderkit.compress.task_data import TaskInputs
 from encoderkit.config import check
+from encoderkit.tasks.classify.features import featurize
 
 
 def _pooled(out: Any, mask: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -73,24 +74,14 @@ def self_target_loss(out: Any, mask: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), logits.detach().argmax(-1))
 
 
-def tokenize_inputs(tokenizer: Any, texts: list[Any], seq_len: int) -> list[dict[str, np.ndarray]]:
-    """Token id rows of single texts or (text, text) pairs (the second of a pair truncated first)."""
-    singles = not isinstance(texts[0], (tuple, list))
-    if singles:
-        enc = tokenizer(list(texts), truncation=True, max_length=seq_len)
-    else:
-        a, b = zip(*texts)
-        enc = tokenizer(list(a), list(b), truncation="longest_first", max_length=seq_len)
-    keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
-    return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(enc["input_ids"]))]
-
-
 def input_batches(tokenizer: Any, inputs: TaskInputs, seq_len: int, batch_size: int, seed: int,
                   with_labels: bool = True) -> Any:
     """A length-bucketed engine batch source over ``inputs`` (``labels`` (B,) when labelled)."""
     from encoderkit.tasks.batching import BucketedBatches, encode_batch
 
-    rows = tokenize_inputs(tokenizer, inputs.texts, seq_len)
+    singles = not isinstance(inputs.texts[0], (tuple, list))
+    texts = list(inputs.texts) if singles else [a for a, _ in inputs.texts]
+    rows = featurize(tokenizer, texts, None if singles else [b for _, b in inputs.texts], seq_len)
     if with_labels and inputs.labels is not None:
         for r, y in zip(rows, inputs.labels, strict=True):
             r["labels"] = np.int64(y)

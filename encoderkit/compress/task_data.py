@@ -64,14 +64,18 @@ class TaskInputs:
         return TaskInputs(self.texts[:n], None if self.labels is None else self.labels[:n], self.source)
 
 
+COLUMNS = ("text_column", "label_column", "text_pair_column")
+
+
 def card_columns(folder: str | Path) -> dict[str, str]:
-    """The data columns a classify model was fine-tuned with: ``text_column`` from its card, and
-    ``text_pair_column`` / ``label_column`` from the fine-tuning config found in its lineage."""
+    """The data columns a classify model was fine-tuned with: what its card (or the nearest card of its
+    lineage) records, else, for folders written before cards recorded all three, the fine-tuning
+    config found in its lineage. The one rule for compression's readers and its measurer."""
     from encoderkit.io import lineage
 
     cols: dict[str, str] = {}
     for card in lineage(folder):
-        for key in ("text_column",):
+        for key in COLUMNS:
             if card.get(key) and key not in cols:
                 cols[key] = str(card[key])
         conf = card.get("config") or {}
