@@ -61,7 +61,7 @@ def main() -> int:
     texts = [data.queries[q] for q in qids]
     t0 = time.perf_counter()
     if not Path(args.out, "CURRENT").is_file():
-        st = build(IndexConfig(model=model, corpus=[args.data], out=args.out, float16=True, runtime=args.runtime, threads=1,
+        st = build(IndexConfig(model=model, corpus=[args.data], out=args.out, float16=True, runtime=args.runtime, threads=args.threads,
                                 passage_tokens=args.passage_tokens)).stats
         print(f"index: {st['documents']} documents, {st['passages']} passages, {time.perf_counter() - t0:.0f} s", flush=True)
     s = Searcher.open(args.out, runtime=args.runtime, rerank=args.rerank, threads=args.threads)
