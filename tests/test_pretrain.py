@@ -160,3 +160,23 @@ def test_evaluate_mlm_reproduces_the_heldout_metrics_and_checks_the_store(repeti
     assert other.metrics["loss"] != pytest.approx(ev.metrics["loss"], rel=1e-6)  # another seed, other masks
     with pytest.raises(EncoderkitError, match="not a token store"):
         evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(tmp_path), task="mlm"))
+
+
+def test_layers_with_model_continues_from_its_first_layers(repetitive_store, tiny_bert_dir, tmp_path) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from encoderkit.models.load import load_encoder
+
+    shallow = load_encoder(tiny_bert_dir, layers=1)
+    assert len(shallow.bert.encoder.layer) == 1
+    ref = load_file(tiny_bert_dir / "model.safetensors")
+    for name, t in shallow.bert.encoder.layer[0].state_dict().items():  # the checkpoint's layer 0, unchanged
+        assert torch.equal(t, ref[f"encoder.layer.0.{name}"]), name
+    with pytest.raises(EncoderkitError, match="--layers 3 asks for more layers than .* has \\(2\\)"):
+        load_encoder(tiny_bert_dir, layers=3)
+    res = run(PretrainConfig(data=str(repetitive_store), model=str(tiny_bert_dir), layers=1, out=str(tmp_path / "o"),
+                             max_steps=2, batch_size=4, eval_blocks=4, bf16="off"))
+    assert AutoConfig.from_pretrained(res.out).num_hidden_layers == 1
+    assert not any(".layer.1." in k for k in load_file(res.out / "model.safetensors"))

@@ -36,12 +36,13 @@ def check_fits(config: Any, vocab_size: int, seq_len: int | None, source: str) -
 
 
 def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int | None = None,
-                 *, pretraining: bool = False, stage: str = "pretrain") -> nn.Module:
+                 *, pretraining: bool = False, stage: str = "pretrain", layers: int | None = None) -> nn.Module:
     """A masked-LM model from a local HF folder, with a fresh tied head if it has none.
 
     ``vocab_size`` (the tokenizer's ``len``) and ``seq_len`` are checked with :func:`check_fits`.
     ``pretraining``: a ``BertForPreTraining`` (MLM + next-sentence heads; BERT folders only).
-    ``stage`` names the stage in the refusal of a family without a masked-LM class."""
+    ``stage`` names the stage in the refusal of a family without a masked-LM class. ``layers``: keep
+    only the first N encoder layers (the checkpoint's layers above N are not loaded)."""
     from transformers import AutoConfig, AutoModelForMaskedLM, BertForPreTraining
 
     mf = ModelFolder.open(folder, tokenizer=False)
@@ -50,6 +51,14 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
     except (OSError, ValueError, KeyError) as e:
         raise EncoderkitError(f"{mf.path}/config.json could not be read as a model config ({e})") from e
     check_fits(config, vocab_size if vocab_size is not None else 0, seq_len, str(mf.path))
+    if layers is not None:
+        have = int(config.num_hidden_layers)
+        if not 1 <= layers <= have:
+            raise EncoderkitError(f"{stage}: --layers {layers} asks for more layers than {mf.path} has ({have}); "
+                                  f"give 1 to {have}, or 0 for all of them")
+        config.num_hidden_layers = layers
+        if isinstance(getattr(config, "layer_types", None), list):  # ModernBERT: one attention type per layer
+            config.layer_types = config.layer_types[:layers]
     if pretraining and config.model_type != "bert":
         raise EncoderkitError(f"{folder}: pretrain --objective mlm+nsp needs a BERT model (next-sentence prediction "
                               f"is BERT's pretraining head); this folder holds a {config.model_type} model: "

@@ -73,7 +73,8 @@ class PretrainConfig(TrainArgs):
     preset: str = arg("", help="Architecture preset for a model from scratch.", choices=("", *PRESETS))
     arch: str = arg("bert", help="Architecture family for a model from scratch (deberta: DeBERTa-v2/v3 disentangled "
                     "attention).", choices=ARCHS)
-    layers: int = arg(0, help="Encoder layers (overrides the preset).")
+    layers: int = arg(0, help="Encoder layers (overrides the preset); with --model, continue from the model's first "
+                      "N layers (a shallower copy: cheaper steps, the layers above N dropped).")
     hidden: int = arg(0, help="Hidden size (overrides the preset).")
     heads: int = arg(0, help="Attention heads (overrides the preset).")
     ffn: int = arg(0, help="Feed-forward size (overrides the preset).")
@@ -97,8 +98,11 @@ class PretrainConfig(TrainArgs):
         check(bool(self.data) != bool(self.corpus),
               "pretrain: give either --data (a prepared token store) or --corpus with --tokenizer")
         check(not self.corpus or bool(self.tokenizer), "pretrain: --corpus needs --tokenizer (a tokenizer folder)")
-        check(bool(self.model) != bool(self.preset or self.layers or self.hidden),
-              "pretrain: give either --model (continue pretraining) or --preset / --layers --hidden --heads --ffn")
+        check(bool(self.model) != bool(self.preset or self.hidden or self.heads or self.ffn or
+                                       (self.layers and not self.model)),
+              "pretrain: give either --model (continue pretraining, optionally --layers N of it) or --preset / "
+              "--layers --hidden --heads --ffn")
+        check(self.layers >= 0, f"layers must be 0 (all) or more, got {self.layers}")
         check(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
         check(self.objective == "mlm" or bool(self.model) or self.arch == "bert",
               f"pretrain: --objective mlm+nsp needs --arch bert (next-sentence prediction is BERT's pretraining "
@@ -153,7 +157,8 @@ def make_model(cfg: PretrainConfig, meta: dict[str, Any], tokenizer: Any) -> tor
         _check_same_tokenizer(Path(cfg.model), tokenizer)
         with torch.random.fork_rng(devices=[]):  # a new MLM head's initialisation follows --seed, as build_encoder's does
             torch.manual_seed(cfg.seed)
-            return load_encoder(cfg.model, vocab_size=vocab, seq_len=seq_len, pretraining=nsp)
+            return load_encoder(cfg.model, vocab_size=vocab, seq_len=seq_len, pretraining=nsp,
+                                layers=cfg.layers or None)
     config = build_config(cfg.preset or None, vocab, max(512, seq_len), layers=cfg.layers or None,
                           hidden=cfg.hidden or None, heads=cfg.heads or None, ffn=cfg.ffn or None, arch=cfg.arch,
                           dropout=cfg.dropout, special_ids=meta.get("special_ids"))
