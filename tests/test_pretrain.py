@@ -180,3 +180,17 @@ def test_layers_with_model_continues_from_its_first_layers(repetitive_store, tin
                              max_steps=2, batch_size=4, eval_blocks=4, bf16="off"))
     assert AutoConfig.from_pretrained(res.out).num_hidden_layers == 1
     assert not any(".layer.1." in k for k in load_file(res.out / "model.safetensors"))
+
+
+def test_freeze_embeddings_keeps_the_vocabulary_matrix_and_trains_the_rest(repetitive_store, tiny_bert_dir, tmp_path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    ref = load_file(tiny_bert_dir / "model.safetensors")
+    res = run(PretrainConfig(data=str(repetitive_store), model=str(tiny_bert_dir), freeze_embeddings=True, lr=1e-2,
+                             out=str(tmp_path / "o"), max_steps=3, batch_size=4, eval_blocks=4, bf16="off"))
+    got = load_file(res.out / "model.safetensors")
+    emb = "embeddings.word_embeddings.weight"
+    assert torch.equal(got[f"bert.{emb}"], ref[emb])
+    assert not torch.equal(got["bert.encoder.layer.0.attention.self.query.weight"],
+                           ref["encoder.layer.0.attention.self.query.weight"])

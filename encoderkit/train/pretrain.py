@@ -88,6 +88,9 @@ class PretrainConfig(TrainArgs):
     mask_frac: float = arg(0.8, help="Of the picked tokens, the fraction replaced by [MASK].")
     random_frac: float = arg(0.1, help="Of the picked tokens, the fraction replaced by a random token.")
     whole_word: bool = arg(False, help="Pick whole words instead of single tokens.")
+    freeze_embeddings: bool = arg(False, help="Keep the word embeddings (and so the MLM decoder tied to them) fixed: "
+                                  "with --model, its trained embeddings stay as they are and each step is cheaper "
+                                  "(no gradient or optimizer update for the vocabulary matrix).")
     eval_blocks: int = arg(256, help="Held-out blocks used for evaluation (0: all).")
     run_dir: str = arg("", help="Checkpoint folder (default: <out>-run).", speed=True)
     cache_dir: str = arg("", help="Where --corpus is prepared (default: ~/.cache/encoderkit/prepared).", speed=True)
@@ -277,6 +280,8 @@ def run(cfg: PretrainConfig) -> PretrainResult:
     meta = read_meta(data)
     tokenizer = load_tokenizer(data)
     model = make_model(cfg, meta, tokenizer)
+    if cfg.freeze_embeddings:
+        model.get_input_embeddings().weight.requires_grad_(False)
     nsp = cfg.objective == "mlm+nsp"
     mlm_view = MaskedOnlyMLM(model)  # held-out MLM metrics: the same packed blocks for every objective
     module = MaskedOnlyPreTraining(model) if nsp else mlm_view
