@@ -162,7 +162,7 @@ def test_evaluate_mlm_reproduces_the_heldout_metrics_and_checks_the_store(repeti
         evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(tmp_path), task="mlm"))
 
 
-def test_layers_with_model_continues_from_its_first_layers(repetitive_store, tiny_bert_dir, tmp_path) -> None:
+def test_layers_with_model_continues_from_its_first_layers(repetitive_store, tiny_bert_dir, tmp_path, capsys) -> None:
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -171,6 +171,7 @@ def test_layers_with_model_continues_from_its_first_layers(repetitive_store, tin
 
     shallow = load_encoder(tiny_bert_dir, layers=1)
     assert len(shallow.bert.encoder.layer) == 1
+    assert "weights of the checkpoint not used (layer 1;" in capsys.readouterr().err  # the layer left out, in a few words
     ref = load_file(tiny_bert_dir / "model.safetensors")
     for name, t in shallow.bert.encoder.layer[0].state_dict().items():  # the checkpoint's layer 0, unchanged
         assert torch.equal(t, ref[f"encoder.layer.0.{name}"]), name

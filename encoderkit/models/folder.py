@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -338,10 +339,31 @@ def _from_pretrained(cls: Any, path: Path, kwargs: dict[str, Any]) -> torch.nn.M
         head = "new classification head" if all(k.startswith(("classifier", "score")) for k in missing) else "new weights"
         parts.append(f"{head}: {len(missing)} weights initialised ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
     if unused:
-        parts.append(f"{len(unused)} weights of the checkpoint not used ({', '.join(unused[:2])}{', ...' if len(unused) > 2 else ''})")
+        parts.append(f"{len(unused)} weights of the checkpoint not used ({_unused_summary(unused)})")
     if parts:
         note(f"{path}: " + "; ".join(parts))
     return model
+
+
+def _unused_summary(unused: list[str]) -> str:
+    """Unused checkpoint weights in a few words: whole layers left out as a range ("layers 2-5"), then
+    the first other names."""
+    layers = sorted({int(m.group(1)) for k in unused if (m := _LAYER_KEY.search(k))})
+    rest = [k for k in unused if not _LAYER_KEY.search(k)]
+    said = []
+    if layers:
+        runs, start = [], layers[0]
+        for a, b in zip(layers, [*layers[1:], None]):
+            if b != a + 1:
+                runs.append(f"{start}-{a}" if a > start else f"{a}")
+                start = b
+        said.append(f"layer{'s' if len(layers) > 1 else ''} {', '.join(runs)}")
+    if rest:
+        said.append(", ".join(rest[:2]) + (", ..." if len(rest) > 2 else ""))
+    return "; ".join(said)
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 
 
 def load_model(folder: str | Path, model_cls: Any = None, int8_runtime: bool = False,
