@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from deploy_models import export_task_model, make_task_model, tiny_root
-from test_finetune import _beir, _conll, _jsonl, _pairs, _tsv, one_thread  # noqa: F401  (one_thread: autouse fixture)
+from test_finetune import _beir, _conll, _jsonl, _pairs, _squad, _tsv, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 from encoderkit.cli import main
 from encoderkit.compress.measure import StepMeasurer, folder_parameters, onnx_parameters
@@ -21,19 +21,9 @@ from encoderkit.evaluate.run import run as evaluate
 CPU_PTQ = Path(__file__).resolve().parents[1] / "recipes" / "cpu-ptq.yaml"
 
 
-def _squad(path: Path, n: int) -> Path:
-    rng = random.Random(0)
-    fill = ["the", "movie", "was", "good", "bad", "story", "time", "man", "film", "fun"]
-    paras = []
-    for i in range(n):
-        words = rng.sample(fill, 8)
-        ans = rng.choice(["python", "data", "code"])
-        words.insert(rng.randint(0, 8), ans)
-        ctx = " ".join(words)
-        paras.append({"context": ctx, "qas": [{"id": str(i), "question": "which one ?",
-                                               "answers": [{"text": ans, "answer_start": ctx.index(ans)}]}]})
-    path.write_text(json.dumps({"data": [{"title": f"t{j}", "paragraphs": paras[j::2]} for j in range(2)]}))
-    return path
+def _qa(path: Path, n: int) -> Path:
+    """A small SQuAD file, the same for every call with the same ``n``."""
+    return _squad(path, n, random.Random(0), ["the", "movie", "was", "good", "bad", "story", "time", "man", "film", "fun"], 2)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +37,7 @@ def dev_data(tmp_path_factory) -> dict[str, Path]:
     tsv = _tsv(d / "dev.tsv", 40, 1)
     # the tiny classifier's labels are negative/positive
     tsv.write_text(tsv.read_text().replace("\tneg", "\tnegative").replace("\tpos", "\tpositive"))
-    return {"classify": tsv, "ner": _conll(d / "dev.conll", 24, random.Random(1), "B"), "qa": _squad(d / "dev.json", 16),
+    return {"classify": tsv, "ner": _conll(d / "dev.conll", 24, random.Random(1), "B"), "qa": _qa(d / "dev.json", 16),
             "rerank": _jsonl(d / "dev.jsonl", _pairs(16, 1)), "embed": _beir(d)}
 
 
@@ -69,7 +59,7 @@ def trained(tmp_path_factory, tiny_bert_dir) -> dict[str, tuple[Path, Path]]:
     each with its dev file."""
     d = tmp_path_factory.mktemp("trained")
     ner_train, ner_dev = _conll(d / "train.conll", 120, random.Random(0), "B"), _conll(d / "dev.conll", 30, random.Random(1), "B")
-    qa_train, qa_dev = _squad(d / "train.json", 160), _squad(d / "dev.json", 24)
+    qa_train, qa_dev = _qa(d / "train.json", 160), _qa(d / "dev.json", 24)
     common = ["--model", str(tiny_bert_dir), "--batch-size", "16", "--lr", "3e-3", "--seed", "0"]
     assert main(["finetune", *common, "--task", "ner", "--train", str(ner_train), "--out", str(d / "ner"),
                  "--max-steps", "30", "--max-length", "16", "--stride", "4"]) == 0

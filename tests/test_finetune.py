@@ -108,25 +108,27 @@ def test_ner_learns_and_loads(tmp_path, tiny_bert_dir):
     assert _evaluate(res.out, dev)["f1"] == pytest.approx(res.metrics["f1"])
 
 
+def _squad(path: Path, n: int, rng: random.Random, fill: list[str], articles: int) -> Path:
+    """A SQuAD file of ``n`` one-question paragraphs over ``articles`` articles: 8 ``fill`` words with the
+    answer (python, data or code) inserted at a random place; the question is always "which one ?"."""
+    paras = []
+    for i in range(n):
+        words = rng.sample(fill, 8)
+        ans = rng.choice(["python", "data", "code"])
+        words.insert(rng.randint(0, 8), ans)
+        ctx = " ".join(words)
+        paras.append({"context": ctx, "qas": [{"id": str(i), "question": "which one ?",
+                                               "answers": [{"text": ans, "answer_start": ctx.index(ans)}]}]})
+    path.write_text(json.dumps({"data": [{"title": f"t{j}", "paragraphs": paras[j::articles]} for j in range(articles)]}))
+    return path
+
+
 @pytest.mark.slow
 def test_qa_learns_and_loads(tmp_path, tiny_bert_dir):
     from transformers import AutoModelForQuestionAnswering
 
-    rng = random.Random(0)
-
-    def squad(path: Path, n: int) -> Path:
-        paras = []
-        for i in range(n):
-            words = rng.sample(FILL + ["he", "she", "time", "story"], 8)
-            ans = rng.choice(["python", "data", "code"])
-            words.insert(rng.randint(0, 8), ans)
-            ctx = " ".join(words)
-            paras.append({"context": ctx, "qas": [{"id": str(i), "question": "which one ?",
-                                                   "answers": [{"text": ans, "answer_start": ctx.index(ans)}]}]})
-        path.write_text(json.dumps({"data": [{"title": f"t{j}", "paragraphs": paras[j::4]} for j in range(4)]}))
-        return path
-
-    train, dev = squad(tmp_path / "train.json", 320), squad(tmp_path / "dev.json", 48)
+    rng, fill = random.Random(0), FILL + ["he", "she", "time", "story"]
+    train, dev = _squad(tmp_path / "train.json", 320, rng, fill, 4), _squad(tmp_path / "dev.json", 48, rng, fill, 4)
     res = run(_cfg(tmp_path, tiny_bert_dir, task="qa", train=str(train), dev=str(dev), max_length=32, doc_stride=8))
     assert res.metrics["exact_match"] >= 0.9
     assert isinstance(AutoModelForQuestionAnswering.from_pretrained(res.out).qa_outputs, torch.nn.Linear)

@@ -337,12 +337,8 @@ class StepMeasurer:
         if task not in SERVABLE:
             raise EncoderkitError(f"{start.path} is {'a ' + repr(task) if task else 'a'} model whose task compression cannot "
                                   f"measure; the starting model must be one of {', '.join(SERVABLE)} (fine-tune it first)")
-        card = start.card
         where = f"compress: {task} dev data {self.dev} (read to measure the starting model, before step 1)"
         cols = card_columns(start.path) if task == "classify" else {}
-        if card.get("text_pair") and "text_pair_column" not in cols:
-            raise EncoderkitError(f"{start.path}: the classifier reads text pairs but its card does not record the pair "
-                                  "column; add 'text_pair_column' to its encoderkit.json")
         self.eval_cfg = EvaluateConfig(model=str(start.path), data=self.dev, task=task, max_examples=self.dev_limit,
                                        miner=self.miner, candidates=self.candidates, batch_size=self.batch_size,
                                        eval_batch_size=self.batch_size, qa_split=self.qa_split, **cols)
@@ -380,11 +376,7 @@ class StepMeasurer:
                       "stage to rerank; pass --miner EMBED_FOLDER (or 'minilm'), the bi-encoder whose top "
                       f"{self.candidates} the reranker reorders, or a JSONL of queries with candidates "
                       "({query, positive, negatives})")
-                data = load_retrieval(dev)
-                queries = [data.queries[q] for q in sorted(data.qrels)]
-                doc_ids = list(data.corpus)
-                picked = rng.choice(len(doc_ids), size=min(RERANK_CANDIDATES, len(doc_ids)), replace=False)
-                passages = [data.doc_text(doc_ids[int(i)]) for i in picked]
+                queries, passages = _beir_sample(dev, RERANK_CANDIDATES, rng)
             else:
                 triples = read_triples(dev)
                 check(all(t.negatives for t in triples), "field 'negatives' missing: a rerank dev row needs candidates "
@@ -395,11 +387,8 @@ class StepMeasurer:
             return {"query": sorted(queries, key=len)[len(queries) // 2], "passages": passages}
         check(is_beir_source(dev), "embed quality is nDCG@10 over a corpus: --dev must be a BEIR source (a folder with "
               "corpus.jsonl, queries.jsonl, qrels/<split>.tsv, or the SciFact zip with #split), not a file of texts")
-        data = load_retrieval(dev)
-        queries = [data.queries[q] for q in sorted(data.qrels)]
-        doc_ids = list(data.corpus)
-        picked = rng.choice(len(doc_ids), size=min(32, len(doc_ids)), replace=False)
-        return {"query": sorted(queries, key=len)[len(queries) // 2], "docs": [data.doc_text(doc_ids[int(i)]) for i in picked]}
+        queries, docs = _beir_sample(dev, MAX_BATCH, rng)
+        return {"query": sorted(queries, key=len)[len(queries) // 2], "docs": docs}
 
     # -- one folder ----------------------------------------------------------------------------------
     def __call__(self, folder: Path) -> dict[str, Any]:
@@ -494,6 +483,14 @@ class StepMeasurer:
         return embed_features.tokenize(tok, [s["query"]], query_length), embed_features.tokenize(tok, s["docs"], max_length)
 
 
+def _beir_sample(dev: str, n: int, rng: np.random.Generator) -> tuple[list[str], list[str]]:
+    """A BEIR source's judged queries and the texts of ``n`` documents drawn from its corpus by ``rng``."""
+    data = load_retrieval(dev)
+    doc_ids = list(data.corpus)
+    picked = rng.choice(len(doc_ids), size=min(n, len(doc_ids)), replace=False)
+    return [data.queries[q] for q in sorted(data.qrels)], [data.doc_text(doc_ids[int(i)]) for i in picked]
+
+
 def weight_file_bytes(mf: ModelFolder) -> int:
     """Bytes of the weight file the runtime loads: the INT8 graph (and its external data), else the
     torch weights, else the FP32 graph."""
@@ -508,8 +505,8 @@ def make_measure(cfg: Any) -> StepMeasurer:
     """The recipe runner's measurer for a :class:`~encoderkit.compress.stack.CompressConfig`:
     ``measure(folder) -> row``; the task and the dev data are read and checked here, before any step runs."""
     return StepMeasurer(cfg.dev, seq_len=cfg.seq_len, runtime=cfg.runtime, dev_limit=cfg.dev_limit, repeats=cfg.repeats,
-                        model=cfg.model, miner=getattr(cfg, "miner", ""), candidates=getattr(cfg, "candidates", 100),
-                        batch_size=getattr(cfg, "batch_size", 32), qa_split=getattr(cfg, "qa_split", "all"))
+                        model=cfg.model, miner=cfg.miner, candidates=cfg.candidates, batch_size=cfg.batch_size,
+                        qa_split=cfg.qa_split)
 
 
 def latency_meta(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from encoderkit.compress.measure import StepMeasurer
+from encoderkit.compress.measure import MAX_BATCH, RERANK_CANDIDATES, StepMeasurer
 from encoderkit.compress.stack import QUANT_LEVERS, CompressConfig, run_steps, validate_recipe
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
@@ -47,12 +47,14 @@ from encoderkit.hardware import PLANNER_HARDWARE, Hardware, describe, detect, pl
 from encoderkit.tasks import TASKS
 
 # task -> (batch, what one timed call is): the unit the task is served in, which latency is planned for
+# (the sizes the compression measurer times, encoderkit.compress.measure.UNITS)
 SERVED_UNIT: dict[str, tuple[int, str]] = {
     "classify": (1, "one request (one text or text pair)"),
     "ner": (1, "one request (one text)"),
     "qa": (1, "one request (one question and its context)"),
-    "rerank": (100, "one query's top 100 candidates (100 query-passage pairs in one batch)"),
-    "embed": (32, "a batch of 32 documents, and a single query"),
+    "rerank": (RERANK_CANDIDATES, (f"one query's top {RERANK_CANDIDATES} candidates ({RERANK_CANDIDATES} "
+                                   "query-passage pairs in one batch)")),
+    "embed": (MAX_BATCH, f"a batch of {MAX_BATCH} documents, and a single query"),
 }
 
 

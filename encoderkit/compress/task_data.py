@@ -70,11 +70,13 @@ COLUMNS = ("text_column", "label_column", "text_pair_column")
 def card_columns(folder: str | Path) -> dict[str, str]:
     """The data columns a classify model was fine-tuned with: what its card (or the nearest card of its
     lineage) records, else, for folders written before cards recorded all three, the fine-tuning
-    config found in its lineage. The one rule for compression's readers and its measurer."""
+    config found in its lineage. The one rule for compression's readers and its measurer; a pair
+    classifier whose pair column no longer shows in its lineage is refused."""
     from encoderkit.io import lineage
 
+    cards = lineage(folder)
     cols: dict[str, str] = {}
-    for card in lineage(folder):
+    for card in cards:
         for key in COLUMNS:
             if card.get(key) and key not in cols:
                 cols[key] = str(card[key])
@@ -86,6 +88,10 @@ def card_columns(folder: str | Path) -> dict[str, str]:
             if conf.get("text_column") not in (None, "auto") and "text_column" not in cols:
                 cols["text_column"] = str(conf["text_column"])
             break
+    if cards and cards[0].get("text_pair") and "text_pair_column" not in cols:
+        raise EncoderkitError(f"{folder}: the model classifies text pairs, but its lineage no longer names the pair "
+                              "column (the fine-tuned parent folder is gone); keep the parent folder, add "
+                              "'text_pair_column' to its encoderkit.json, or pass single texts in a .txt file")
     return cols
 
 
@@ -170,10 +176,6 @@ def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None
         columns = card_columns(folder) if folder is not None else {}
         if card and card.get("text_column"):
             columns.setdefault("text_column", str(card["text_column"]))
-        if card and card.get("text_pair") and not columns.get("text_pair_column"):
-            raise EncoderkitError(f"{spec}: the model {folder} classifies text pairs, but its lineage no longer names the "
-                                  "pair column (the fine-tuned parent folder is gone); keep the parent folder or pass "
-                                  "single texts in a .txt file")
         out = _classify_inputs(path, columns, label2id)
     elif task == "ner":
         from encoderkit.tasks.ner.data import read_ner

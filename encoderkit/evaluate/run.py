@@ -86,6 +86,4 @@ def folder_metrics(folder: ModelFolder, cfg: EvaluateConfig, engine: Any = None)
         return task, module.evaluate_folder(folder, tokenizer, cfg.data, cfg)
     # the task's options: the folder's saved settings, an explicit --max-length winning
     options = module.OPTIONS.for_folder(cfg, folder)
-    if engine is None:
-        return task, module.evaluate_folder(folder, tokenizer, pick(EvalData, cfg), options)
     return task, module.evaluate_folder(folder, tokenizer, pick(EvalData, cfg), options, engine=engine)

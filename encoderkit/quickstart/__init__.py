@@ -54,8 +54,7 @@ class Sizes:
     mlm_steps: int
     mlm_batch: int
     mlm_eval_blocks: int
-    prompts: int  # fill-mask prompts shown
-    prompts_scored: int  # fill-mask prompts whose top answers are counted (the shown ones first)
+    prompts: int  # fill-mask prompts shown (of the PROMPTS_SCORED counted)
     search_every: int  # index every module (1) or one in N plus the demo questions' modules
     train_per_label: int
     dev_per_label: int
@@ -65,9 +64,9 @@ class Sizes:
     repeats: int
 
 
-FULL = Sizes(mlm_steps=800, mlm_batch=4, mlm_eval_blocks=64, prompts=5, prompts_scored=30, search_every=1, train_per_label=80,
+FULL = Sizes(mlm_steps=800, mlm_batch=4, mlm_eval_blocks=64, prompts=5, search_every=1, train_per_label=80,
              dev_per_label=40, max_length=96, epochs=2.0, measure_seq_len=128, repeats=5)
-FAST = Sizes(mlm_steps=500, mlm_batch=4, mlm_eval_blocks=32, prompts=3, prompts_scored=30, search_every=8, train_per_label=32,
+FAST = Sizes(mlm_steps=500, mlm_batch=4, mlm_eval_blocks=32, prompts=3, search_every=8, train_per_label=32,
              dev_per_label=16, max_length=64, epochs=2.0, measure_seq_len=64, repeats=3)
 
 

@@ -55,6 +55,7 @@ MLM_LR = 5e-4
 # the same tokens (600 steps of 4 blocks, same time: batch 16 and all weights 0.146, batch 4 with
 # fixed embeddings 0.179; batch 8 0.191 at twice the tokens). The commit message has the table.
 MLM_LAYERS = 2
+PROMPTS_SCORED = 30  # held-out fill-mask prompts whose top answers are counted (the shown ones first)
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -100,7 +101,7 @@ def mlm_step(ctx: Context) -> dict[str, Any]:
         raise RuntimeError(f"token store has {len(flags)} documents for {len(texts)} modules")
     fill = _fill_mask(tmp / "mlm")
     prompts = fill_mask_prompts([t for t, f in zip(texts, flags) if f], [t for t, f in zip(texts, flags) if not f],
-                                fill.tokenizer.get_vocab(), fill.tokenizer.mask_token, sizes.prompts_scored)
+                                fill.tokenizer.get_vocab(), fill.tokenizer.mask_token, PROMPTS_SCORED)
     say("   fill-mask on sentences of held-out modules (top 3; the word that was there in brackets):")
     scored = []
     for i, (prompt, answer) in enumerate(prompts):

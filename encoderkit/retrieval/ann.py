@@ -12,6 +12,7 @@ would take over ten minutes to build; the IVF trains on a sample and builds in m
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,9 @@ def _faiss():
     return faiss
 
 
+@functools.cache
 def available() -> bool:
+    """Whether faiss is installed (looked up once: the exact binary stage asks on every search)."""
     try:
         import faiss  # noqa: F401
     except ImportError:

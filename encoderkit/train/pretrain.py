@@ -101,8 +101,8 @@ class PretrainConfig(TrainArgs):
         check(bool(self.data) != bool(self.corpus),
               "pretrain: give either --data (a prepared token store) or --corpus with --tokenizer")
         check(not self.corpus or bool(self.tokenizer), "pretrain: --corpus needs --tokenizer (a tokenizer folder)")
-        check(bool(self.model) != bool(self.preset or self.hidden or self.heads or self.ffn or
-                                       (self.layers and not self.model)),
+        sizes = bool(self.preset or self.hidden or self.heads or self.ffn)  # a model from scratch (--layers: either)
+        check(not (self.model and sizes) and bool(self.model or sizes or self.layers),
               "pretrain: give either --model (continue pretraining, optionally --layers N of it) or --preset / "
               "--layers --hidden --heads --ffn")
         check(self.layers >= 0, f"layers must be 0 (all) or more, got {self.layers}")
