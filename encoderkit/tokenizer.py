@@ -10,7 +10,8 @@ Two kinds, both trained with HF ``tokenizers`` and saved as a standard HF tokeni
   unknown and ``decode(encode(x)) == x``; ``<s> A </s>`` / ``<s> A </s></s> B </s>``.
 
 The corpus is streamed: documents are read one at a time and reach the trainer in pieces of at
-most ``TRAIN_PIECE_CHARS`` characters, so memory holds the word counts, never the corpus. :func:`word_start_table` says which token ids begin a word, for whole-word masking.
+most ``TRAIN_PIECE_CHARS`` characters, so memory holds the word counts, never the corpus. :func:`word_start_table` says which token ids begin a word, for whole-word masking; :func:`token_surfaces`
+gives each token's text without word markers, for masking only words.
 """
 
 from __future__ import annotations
@@ -368,6 +369,40 @@ def word_start_table(tokenizer: Any) -> np.ndarray:
     for i in tokenizer.added_tokens_decoder:
         table[i] = True
     return table
+
+
+def token_surfaces(tokenizer: Any) -> list[str]:
+    """Each token id's text without the tokenizer's word markers (WordPiece ``##``, byte-level BPE's
+    ``Ġ`` and byte symbols, SentencePiece ``▁``), stripped of spaces; ``""`` for special and added
+    tokens. A byte-level piece holding part of a multi-byte character reads as U+FFFD there."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec.get("model", {})
+    vocab = tokenizer.get_vocab()
+    out = [""] * max(len(tokenizer), max(vocab.values()) + 1)
+    mtype = model.get("type")
+    if mtype == "WordPiece":
+        prefix = model.get("continuing_subword_prefix") or "##"
+        for token, i in vocab.items():
+            out[i] = token.removeprefix(prefix)
+    elif mtype == "BPE" and _has_component(spec.get("pre_tokenizer"), "ByteLevel"):
+        byte_of = _byte_level_decoder()
+        for token, i in vocab.items():
+            raw = [byte_of.get(ch) for ch in token]
+            if None not in raw:
+                out[i] = bytes(raw).decode("utf-8", errors="replace").strip()
+    elif _has_component(spec.get("pre_tokenizer"), "Metaspace") or mtype == "Unigram":
+        for token, i in vocab.items():
+            out[i] = token.replace("\u2581", " ").strip()
+    else:
+        raise EncoderkitError(f"token_surfaces: unsupported tokenizer model {mtype!r} "
+                              "(supported: WordPiece, byte-level BPE, SentencePiece/Metaspace)")
+    for i in tokenizer.added_tokens_decoder:
+        out[i] = ""
+    for token in tokenizer.all_special_tokens:
+        i = tokenizer.convert_tokens_to_ids(token)
+        if i is not None and 0 <= i < len(out):
+            out[i] = ""
+    return out
 
 
 def _has_component(node: Any, name: str) -> bool:

@@ -203,3 +203,50 @@ def test_spec_validation():
     for bad in ({"rate": 0.0}, {"rate": 1.0}, {"mask_frac": 0.9, "random_frac": 0.2}, {"random_frac": -0.1}):
         with pytest.raises(EncoderkitError):
             MaskingSpec(**bad)
+
+
+@pytest.mark.parametrize("which", ["wordpiece", "bpe"])
+def test_content_word_masking_never_picks_punctuation_digits_or_function_words(shared_data, request, which):
+    """``words_only`` + ``skip_words`` (pretrain --mask-words-only --mask-skip-words english): every picked
+    token is a piece of a word of letters and no picked word-start token spells a function word, while
+    plain masking of the same blocks picks both; the rate applies to the tokens left eligible."""
+    from encoderkit.data.function_words import ENGLISH
+    from encoderkit.tokenizer import token_surfaces
+
+    tok = request.getfixturevalue("minilm_tok" if which == "wordpiece" else "bpe_tok")
+    blocks = make_blocks(tok, gutenberg_text(shared_data, chars=60_000))
+    surfaces, starts = token_surfaces(tok), word_start_table(tok)
+    spec = MaskingSpec(rate=0.15, words_only=True, skip_words=ENGLISH)
+    masker = Masker.from_tokenizer(tok, spec, seed=0)
+    labels = masker(blocks, np.arange(len(blocks)), 0)["labels"]
+    picked = labels[labels != IGNORE_INDEX].tolist()
+    assert all(surfaces[i] and all(ch.isalpha() or ch == "\ufffd" for ch in surfaces[i]) for i in picked)
+    assert not [surfaces[i] for i in picked if starts[i] and surfaces[i].lower() in ENGLISH]
+    eligible = masker.eligible(torch.as_tensor(blocks)).sum().item()
+    assert abs(len(picked) / eligible - 0.15) < 0.01
+    plain = Masker.from_tokenizer(tok, MaskingSpec(rate=0.15), seed=0)(blocks, np.arange(len(blocks)), 0)["labels"]
+    plain_picked = [surfaces[i] for i in plain[plain != IGNORE_INDEX].tolist()]
+    assert "the" in [s.lower() for s in plain_picked] and any(s in (",", ".") for s in plain_picked)
+
+
+def test_token_surfaces_strip_word_markers(minilm_tok, bpe_tok) -> None:
+    from encoderkit.tokenizer import token_surfaces
+
+    wp = token_surfaces(minilm_tok)
+    assert [wp[minilm_tok.convert_tokens_to_ids(t)] for t in ("the", "##s", "[MASK]", ",")] == ["the", "s", "", ","]
+    bpe = token_surfaces(bpe_tok)
+    the = bpe_tok(" the", add_special_tokens=False)["input_ids"]
+    assert len(the) == 1 and bpe[the[0]] == "the" and bpe[bpe_tok.mask_token_id] == ""
+
+
+def test_skip_words_file_is_read_and_a_missing_one_is_named(tmp_path) -> None:
+    from encoderkit.data.function_words import ENGLISH, read_skip_words
+
+    assert read_skip_words("english") == ENGLISH and read_skip_words("") == frozenset()
+    (tmp_path / "de.txt").write_text("# German\nDer\ndie\n\ndas\n", encoding="utf-8")
+    assert read_skip_words(str(tmp_path / "de.txt")) == {"der", "die", "das"}
+    with pytest.raises(EncoderkitError, match="nope.txt': no such file"):
+        read_skip_words(str(tmp_path / "nope.txt"))
+    (tmp_path / "empty.txt").write_text("# nothing\n", encoding="utf-8")
+    with pytest.raises(EncoderkitError, match="lists no word"):
+        read_skip_words(str(tmp_path / "empty.txt"))

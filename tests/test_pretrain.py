@@ -195,3 +195,17 @@ def test_freeze_embeddings_keeps_the_vocabulary_matrix_and_trains_the_rest(repet
     assert torch.equal(got[f"bert.{emb}"], ref[emb])
     assert not torch.equal(got["bert.encoder.layer.0.attention.self.query.weight"],
                            ref["encoder.layer.0.attention.self.query.weight"])
+
+
+def test_content_word_masking_flags_train_and_a_missing_word_file_is_named(repetitive_store, tmp_path, capsys) -> None:
+    import math
+
+    from encoderkit.cli import main
+
+    out = tmp_path / "o"
+    code = main(["pretrain", "--out", str(out), "--preset", "tiny", "--data", str(repetitive_store),
+                 "--mask-words-only", "--mask-skip-words", str(tmp_path / "stop.txt")])
+    assert code == 2 and "stop.txt': no such file" in capsys.readouterr().err and not out.exists()
+    res = run(PretrainConfig(data=str(repetitive_store), preset="tiny", out=str(out), max_steps=2, batch_size=4,
+                             eval_blocks=4, bf16="off", mask_words_only=True, mask_skip_words="english"))
+    assert math.isfinite(res.metrics["heldout_loss"])

@@ -137,8 +137,9 @@ def test_quickstart_fast_fill_mask_answers_real_words(quickstart_fast) -> None:
     out, res = quickstart_fast
     mlm = res.metrics["mlm"]
     assert mlm["prompts_scored"] >= 10, mlm
-    assert 2 * mlm["word_first"] > mlm["prompts_scored"], mlm  # most top answers are words, not "." "the" "##s"
-    assert mlm["heldout_accuracy"] > mlm["heldout_accuracy_before"] + 0.1, mlm
+    # content-word masking: three in four top answers are words, not "." "the" "##s" (all-token masking: about half)
+    assert 4 * mlm["word_first"] >= 3 * mlm["prompts_scored"], mlm
+    assert mlm["answer_in_top3"] >= 2, mlm  # and the masked word itself comes back
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(out / "qs" / "mlm").num_hidden_layers == 2  # MiniLM's first 2 layers

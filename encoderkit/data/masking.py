@@ -16,6 +16,9 @@ tokens, ``mask_frac`` become ``[MASK]``, ``random_frac`` a random non-special to
 stay as they are. With ``whole_word`` whole words are picked in random order until the budget
 is reached (a word is a word-start token plus the continuation tokens after it; a continuation
 token with no start before it in the sequence starts its own word); a word is never split.
+With ``words_only`` only tokens of words of letters (any script) are eligible: punctuation, digits
+and symbols are never picked; ``skip_words`` (lower-case words) are never picked either (a token that
+begins a word and spells one of them): with both, the model learns to predict content words.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class MaskingSpec:
     mask_frac: float = 0.8
     random_frac: float = 0.1
     whole_word: bool = False
+    words_only: bool = False
+    skip_words: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         check(0.0 < self.rate < 1.0, f"masking rate must be between 0 and 1 (exclusive), got {self.rate}")
@@ -149,6 +154,23 @@ def mask_tokens(
                          random_ids=random_ids, word_start=word_start, draws=draws)
 
 
+def never_pick_table(tokenizer: Any, spec: MaskingSpec, word_start: np.ndarray | None = None) -> np.ndarray:
+    """(V,) bool: the ids ``spec`` never picks besides the special ones: with ``words_only`` every token
+    whose text is not all letters (a byte-level piece of a multi-byte character counts as letters);
+    with ``skip_words`` every word-start token spelling one of them (any case)."""
+    from encoderkit.tokenizer import token_surfaces, word_start_table
+
+    surfaces = token_surfaces(tokenizer)
+    never = np.zeros(len(surfaces), dtype=bool)
+    if spec.words_only:
+        never |= np.array([not s or not all(ch.isalpha() or ch == "\ufffd" for ch in s) for s in surfaces])
+    if spec.skip_words:
+        starts = word_start_table(tokenizer) if word_start is None else word_start
+        skip = {w.lower() for w in spec.skip_words}
+        never |= np.array([bool(s) and s.lower() in skip for s in surfaces]) & starts[:len(surfaces)]
+    return never
+
+
 # -- counter-based draws: a pure function of (seed, epoch, block, stream, position) ------------
 def block_draws(seed: int, epoch: int, block_index: np.ndarray, length: int, streams: int = 4) -> torch.Tensor:
     """Uniform draws in [0, 1) of shape (streams, B, L) that depend only on (seed, epoch, block, position).
@@ -181,6 +203,7 @@ class Masker:
         special_ids: Sequence[int],
         vocab_size: int,
         word_start_table: np.ndarray | None = None,
+        never_table: np.ndarray | None = None,
     ) -> None:
         self.spec = spec
         self.seed = int(seed)
@@ -198,6 +221,8 @@ class Masker:
         )
         self.word_start_table = (None if word_start_table is None
                                  else torch.from_numpy(np.asarray(word_start_table, dtype=bool)))
+        # (V,) bool: ids never picked besides the special ones (words_only / skip_words); None: none
+        self.never_table = None if never_table is None else torch.from_numpy(np.asarray(never_table, dtype=bool))
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, spec: MaskingSpec, seed: int) -> Masker:
@@ -206,17 +231,29 @@ class Masker:
         check(tokenizer.mask_token_id is not None,
               f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no mask token; MLM needs one "
               "(train a tokenizer with `encoderkit tokenizer train`, which adds [MASK])")
-        table = None
-        if spec.whole_word:
-            from encoderkit.tokenizer import word_start_table
+        from encoderkit.tokenizer import word_start_table
 
-            table = word_start_table(tokenizer)
+        table = word_start_table(tokenizer) if spec.whole_word or spec.skip_words else None
+        never = never_pick_table(tokenizer, spec, table) if spec.words_only or spec.skip_words else None
+        if never is not None:
+            pickable = ~never
+            pickable[[i for i in tokenizer.all_special_ids if 0 <= i < len(never)]] = False
+            check(bool(pickable.any()), "masking: --mask-words-only / --mask-skip-words leave no token of this "
+                  "vocabulary to pick")
         return cls(spec=spec, seed=seed, mask_id=tokenizer.mask_token_id, pad_id=tokenizer.pad_token_id,
-                   special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer), word_start_table=table)
+                   special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer),
+                   word_start_table=table if spec.whole_word else None, never_table=never)
 
     def special_mask(self, ids: torch.Tensor) -> torch.Tensor:
         """(B, L) bool: True for special tokens and padding."""
         return torch.isin(ids, self.special_ids)
+
+    def eligible(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, L) bool: the tokens that may be picked (not special, not padding, not never-picked)."""
+        out = ~self.special_mask(ids)
+        if self.never_table is not None:
+            out &= ~self.never_table[ids.clamp(0, len(self.never_table) - 1)]
+        return out
 
     def __call__(self, blocks: np.ndarray | torch.Tensor, block_index: np.ndarray | Sequence[int] | torch.Tensor,
                  epoch: int) -> dict[str, torch.Tensor]:
@@ -231,7 +268,7 @@ class Masker:
         word_start = None
         if self.spec.whole_word:
             word_start = self.word_start_table[ids.clamp(0, len(self.word_start_table) - 1)]
-        masked, labels = apply_masking(ids, spec=self.spec, eligible=~self.special_mask(ids), mask_id=self.mask_id,
+        masked, labels = apply_masking(ids, spec=self.spec, eligible=self.eligible(ids), mask_id=self.mask_id,
                                        random_ids=self.random_ids, word_start=word_start, draws=draws)
         if self.pad_id is None:
             attention = torch.ones_like(ids)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from encoderkit.data import function_words
 from encoderkit.data.builtin_corpus import stdlib_docstrings
 
 # Packages of the pure-Python stdlib of every CPython >= 3.10 with a few hundred docstrings each
@@ -37,12 +38,6 @@ SEARCH_QUESTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 _WORD = re.compile(r"[a-z]+")
-_FUNCTION_WORDS = frozenset([
-    "this", "that", "with", "from", "have", "which", "when", "will", "should", "been", "there", "their", "these",
-    "those", "into", "also", "other", "than", "then", "only", "each", "must", "what", "such", "some", "more", "most",
-    "does", "over", "same", "were", "they", "them", "would", "could", "being", "both", "either"])
-
-
 @dataclass
 class Record:
     id: str  # dotted name: module, module.Class, module.Class.method
@@ -123,7 +118,7 @@ def _pick_sentence(doc: str, freq: Counter[str], train_text: str, vocab: dict[st
             if not (min_words <= len(words) <= max_words) or not re.fullmatch(r"[A-Za-z0-9 ,]+\.?", sent):
                 continue
             cands = [(freq[w.lower()], -i, i) for i, w in enumerate(words)
-                     if w.isalpha() and len(w) >= 4 and w.lower() in vocab and w.lower() not in _FUNCTION_WORDS
+                     if w.isalpha() and len(w) >= 4 and w.lower() in vocab and w.lower() not in function_words.ENGLISH
                      and freq[w.lower()] >= 50]
             if not cands or " ".join(words) in train_text:
                 continue

@@ -88,6 +88,12 @@ class PretrainConfig(TrainArgs):
     mask_frac: float = arg(0.8, help="Of the picked tokens, the fraction replaced by [MASK].")
     random_frac: float = arg(0.1, help="Of the picked tokens, the fraction replaced by a random token.")
     whole_word: bool = arg(False, help="Pick whole words instead of single tokens.")
+    mask_words_only: bool = arg(False, help="Pick only tokens of words of letters (any script): punctuation, digits "
+                                "and symbols are never masked.")
+    mask_skip_words: str = arg("", help="Words never picked: 'english' (a built-in list of English function words: "
+                               "the, of, and, is, ...) or a UTF-8 file with one word per line (any language). With "
+                               "--mask-words-only a short run learns to predict content words, which fill-mask "
+                               "prompts ask for, instead of punctuation and 'the'.")
     freeze_embeddings: bool = arg(False, help="Keep the word embeddings (and so the MLM decoder tied to them) fixed: "
                                   "with --model, its trained embeddings stay as they are and each step is cheaper "
                                   "(no gradient or optimizer update for the vocabulary matrix).")
@@ -106,14 +112,21 @@ class PretrainConfig(TrainArgs):
               "pretrain: give either --model (continue pretraining, optionally --layers N of it) or --preset / "
               "--layers --hidden --heads --ffn")
         check(self.layers >= 0, f"layers must be 0 (all) or more, got {self.layers}")
+        if self.mask_skip_words:  # a missing or empty word file is named before any model is loaded
+            from encoderkit.data.function_words import read_skip_words
+
+            read_skip_words(self.mask_skip_words)
         check(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
         check(self.objective == "mlm" or bool(self.model) or self.arch == "bert",
               f"pretrain: --objective mlm+nsp needs --arch bert (next-sentence prediction is BERT's pretraining "
               f"head), got --arch {self.arch}; use --objective mlm")
 
     def masking_spec(self) -> MaskingSpec:
+        from encoderkit.data.function_words import read_skip_words
+
         return MaskingSpec(rate=self.mask_rate, mask_frac=self.mask_frac, random_frac=self.random_frac,
-                           whole_word=self.whole_word)
+                           whole_word=self.whole_word, words_only=self.mask_words_only,
+                           skip_words=read_skip_words(self.mask_skip_words))
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint (result settings, minus where it goes)."""
