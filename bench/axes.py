@@ -33,12 +33,18 @@ calibration run of BERT (the RoBERTa recipe) measures this machine's pretraining
 model then gets the same M x 60 x that many token slots (stated in the ``plan:`` line and the RESULT
 line). The other models' minutes differ by their speed; the token budget is what stays the same.
 
+A run stopped part-way resumes: each finished model's row is kept in ``<work>/rows/`` with the plan and
+the hardware line that made it, and a rerun with the same ``--work`` and plan (``--tokens N``, the slots
+its ``plan:`` line printed) reuses those rows and continues an interrupted pretraining from its last
+checkpoint; rows from different machines are pointed out (their tokens/s do not compare).
+
 Ends with one ``RESULT`` line; the full table is written to ``<work>/axes.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -198,11 +204,15 @@ def pretrain_one(name: str, plan: Plan, store: Path, work: Path, seed: int, ffn:
     t0 = time.perf_counter()
     res = pretrain(PretrainConfig(data=str(store), out=str(out), layers=plan.layers, hidden=plan.hidden,
                                   heads=plan.heads, ffn=ffn, lr=plan.lr, batch_size=plan.batch, max_steps=plan.steps,
-                                  warmup=0.06, seed=seed, eval_blocks=plan.eval_blocks, overwrite=True,
+                                  warmup=0.06, seed=seed, eval_blocks=plan.eval_blocks, overwrite=True, resume=True,
                                   run_dir=str(work / f".{name}-s{seed}-run"), **spec))
     seconds = time.perf_counter() - t0
+    rate = res.tokens_per_s
+    if rate is None:  # the run had finished before a stop (resumed with nothing left): its logged rate
+        logged = [json.loads(line) for line in (work / f".{name}-s{seed}-run" / "metrics.jsonl").read_text().splitlines()]
+        rate = next(m["tokens_per_s"] for m in reversed(logged) if "tokens_per_s" in m)
     return {"model": name, "seed": seed, "out": str(out), "seconds": round(seconds, 1),
-            "tokens_per_s": round(res.tokens_per_s, 1), **heldout(out, store, plan),
+            "tokens_per_s": round(rate, 1), **heldout(out, store, plan),
             "sst2_dev_accuracy": sst2(out, work / f"{name}-s{seed}-sst2", plan, seed)}
 
 
@@ -231,6 +241,24 @@ def distill_best(best: dict[str, Any], plan: Plan, store: Path, work: Path) -> d
             "tokens_per_s": round(steps * plan.batch * plan.seq_len / seconds, 1),
             "student_params": res.student_params, "teacher_params": res.teacher_params,
             **heldout(out, store, plan), "sst2_dev_accuracy": sst2(out, work / "distilled-sst2", plan, 0)}
+
+
+def measured(work: Path, key: str, plan: Plan, make: Any) -> dict[str, Any]:
+    """``make()``'s row, kept in ``<work>/rows/<key>.json`` with the plan and the hardware that made it: a
+    rerun in the same ``--work`` with the same plan (``--tokens N`` fixes the budget) reuses finished rows,
+    so a run stopped part-way resumes at the next model; a row from another plan is measured again."""
+    path = work / "rows" / f"{key}.json"
+    if path.is_file():
+        kept = json.loads(path.read_text())
+        if kept.get("plan") == dataclasses.asdict(plan):
+            print(f"{key}: reusing the row measured on {kept['row'].get('hardware', '?')} ({path})", flush=True)
+            return kept["row"]
+    row = {**make(), "hardware": describe()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"plan": dataclasses.asdict(plan), "row": row}, indent=2))
+    tmp.replace(path)
+    return row
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -276,8 +304,6 @@ def main() -> None:
         ap.error("--tokens, --minutes-per-model, --sst2-train, --sst2-dev and --eval-blocks must be positive")
     print(f"hardware: {describe()}", flush=True)
 
-    import dataclasses
-
     import torch
 
     if args.threads:
@@ -306,15 +332,21 @@ def main() -> None:
         print(f"{name}: ffn {ffn[name]}, non-embedding parameters {params[name]:,} (BERT {bert_params:,})", flush=True)
     rows = []
     for name in names:
-        rows.append(pretrain_one(name, plan, store, work, 0, ffn[name]))
+        rows.append(measured(work, f"{name}-s0", plan, lambda n=name: pretrain_one(n, plan, store, work, 0, ffn[n])))
         print(json.dumps(rows[-1]), flush=True)
     ranked = sorted(rows, key=lambda r: r["heldout_loss"])
     for r in ranked[:2]:
         for seed in range(1, args.seeds):
-            rows.append(pretrain_one(r["model"], plan, store, work, seed, ffn[r["model"]]))
+            n = r["model"]
+            rows.append(measured(work, f"{n}-s{seed}", plan,
+                                 lambda n=n, seed=seed: pretrain_one(n, plan, store, work, seed, ffn[n])))
             print(json.dumps(rows[-1]), flush=True)
-    rows.append(distill_best(ranked[0], plan, store, work))
+    rows.append(measured(work, f"distilled-{ranked[0]['model']}", plan,
+                         lambda: distill_best(ranked[0], plan, store, work)))
     print(json.dumps(rows[-1]), flush=True)
+    machines = sorted({r.get("hardware", "?") for r in rows})
+    if len(machines) > 1:  # a resumed run: tokens/s of rows from different machines do not compare
+        print(f"note: rows measured on {len(machines)} machines: " + "; ".join(machines), flush=True)
     table = summarise(rows)
     (work / "axes.json").write_text(json.dumps({"plan": dataclasses.asdict(plan), "steps": plan.steps,
                                                 "params": params, "runs": rows, "summary": table}, indent=2))
