@@ -57,6 +57,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from encoderkit.hardware import describe, result_field
+from encoderkit.io import write_json_atomic
 
 # the real data sets, as in tests/conftest.py (ENCODERKIT_SHARED_DATA overrides, e.g. from a git worktree)
 SHARED = Path(os.environ.get("ENCODERKIT_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
@@ -255,9 +256,7 @@ def measured(work: Path, key: str, plan: Plan, make: Any) -> dict[str, Any]:
             return kept["row"]
     row = {**make(), "hardware": describe()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"plan": dataclasses.asdict(plan), "row": row}, indent=2))
-    tmp.replace(path)
+    write_json_atomic(path, {"plan": dataclasses.asdict(plan), "row": row})
     return row
 
 

@@ -336,18 +336,12 @@ def word_start_table(tokenizer: Any) -> np.ndarray:
     - SentencePiece (Metaspace ``▁``): tokens starting with ``▁``.
     Special and added tokens are always starts.
     """
-    backend = tokenizer.backend_tokenizer
-    spec = json.loads(backend.to_str())
-    model = spec.get("model", {})
-    vocab = tokenizer.get_vocab()  # token -> id, added tokens included
-    size = max(len(tokenizer), max(vocab.values()) + 1)
+    kind, prefix, vocab, size = _vocab_kind(tokenizer, "word_start_table")
     table = np.zeros(size, dtype=bool)
-    mtype = model.get("type")
-    if mtype == "WordPiece":
-        prefix = model.get("continuing_subword_prefix") or "##"
+    if kind == "wordpiece":
         for token, i in vocab.items():
             table[i] = not token.startswith(prefix)
-    elif mtype == "BPE" and _has_component(spec.get("pre_tokenizer"), "ByteLevel"):
+    elif kind == "bytelevel":
         byte_of = _byte_level_decoder()
         for token, i in vocab.items():
             first = byte_of.get(token[:1]) if token else None
@@ -356,18 +350,10 @@ def word_start_table(tokenizer: Any) -> np.ndarray:
             else:
                 ch = chr(first)
                 table[i] = first < 128 and (ch.isspace() or not ch.isalnum())
-    elif _has_component(spec.get("pre_tokenizer"), "Metaspace") or mtype == "Unigram":
+    else:
         for token, i in vocab.items():
             table[i] = token.startswith("\u2581")
-    else:
-        raise EncoderkitError(f"word_start_table: unsupported tokenizer model {mtype!r} "
-                              "(supported: WordPiece, byte-level BPE, SentencePiece/Metaspace)")
-    for token in tokenizer.all_special_tokens:
-        i = tokenizer.convert_tokens_to_ids(token)
-        if i is not None and 0 <= i < size:
-            table[i] = True
-    for i in tokenizer.added_tokens_decoder:
-        table[i] = True
+    table[_special_and_added_ids(tokenizer, size)] = True
     return table
 
 
@@ -375,34 +361,46 @@ def token_surfaces(tokenizer: Any) -> list[str]:
     """Each token id's text without the tokenizer's word markers (WordPiece ``##``, byte-level BPE's
     ``Ġ`` and byte symbols, SentencePiece ``▁``), stripped of spaces; ``""`` for special and added
     tokens. A byte-level piece holding part of a multi-byte character reads as U+FFFD there."""
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    model = spec.get("model", {})
-    vocab = tokenizer.get_vocab()
-    out = [""] * max(len(tokenizer), max(vocab.values()) + 1)
-    mtype = model.get("type")
-    if mtype == "WordPiece":
-        prefix = model.get("continuing_subword_prefix") or "##"
+    kind, prefix, vocab, size = _vocab_kind(tokenizer, "token_surfaces")
+    out = [""] * size
+    if kind == "wordpiece":
         for token, i in vocab.items():
             out[i] = token.removeprefix(prefix)
-    elif mtype == "BPE" and _has_component(spec.get("pre_tokenizer"), "ByteLevel"):
+    elif kind == "bytelevel":
         byte_of = _byte_level_decoder()
         for token, i in vocab.items():
             raw = [byte_of.get(ch) for ch in token]
             if None not in raw:
                 out[i] = bytes(raw).decode("utf-8", errors="replace").strip()
-    elif _has_component(spec.get("pre_tokenizer"), "Metaspace") or mtype == "Unigram":
+    else:
         for token, i in vocab.items():
             out[i] = token.replace("\u2581", " ").strip()
-    else:
-        raise EncoderkitError(f"token_surfaces: unsupported tokenizer model {mtype!r} "
-                              "(supported: WordPiece, byte-level BPE, SentencePiece/Metaspace)")
-    for i in tokenizer.added_tokens_decoder:
+    for i in _special_and_added_ids(tokenizer, size):
         out[i] = ""
-    for token in tokenizer.all_special_tokens:
-        i = tokenizer.convert_tokens_to_ids(token)
-        if i is not None and 0 <= i < len(out):
-            out[i] = ""
     return out
+
+
+def _vocab_kind(tokenizer: Any, who: str) -> tuple[str, str, dict[str, int], int]:
+    """(kind, continuation prefix, token -> id with added tokens, table size) of a fast tokenizer;
+    kind is ``wordpiece``, ``bytelevel`` (byte-level BPE) or ``metaspace`` (SentencePiece)."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec.get("model", {})
+    vocab = tokenizer.get_vocab()
+    size = max(len(tokenizer), max(vocab.values()) + 1)
+    mtype = model.get("type")
+    if mtype == "WordPiece":
+        return "wordpiece", model.get("continuing_subword_prefix") or "##", vocab, size
+    if mtype == "BPE" and _has_component(spec.get("pre_tokenizer"), "ByteLevel"):
+        return "bytelevel", "", vocab, size
+    if _has_component(spec.get("pre_tokenizer"), "Metaspace") or mtype == "Unigram":
+        return "metaspace", "", vocab, size
+    raise EncoderkitError(f"{who}: unsupported tokenizer model {mtype!r} "
+                          "(supported: WordPiece, byte-level BPE, SentencePiece/Metaspace)")
+
+
+def _special_and_added_ids(tokenizer: Any, size: int) -> list[int]:
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens} | set(tokenizer.added_tokens_decoder)
+    return sorted(i for i in ids if i is not None and 0 <= i < size)
 
 
 def _has_component(node: Any, name: str) -> bool:

@@ -154,20 +154,20 @@ def mask_tokens(
                          random_ids=random_ids, word_start=word_start, draws=draws)
 
 
-def never_pick_table(tokenizer: Any, spec: MaskingSpec, word_start: np.ndarray | None = None) -> np.ndarray:
+def never_pick_table(tokenizer: Any, spec: MaskingSpec, word_start: np.ndarray | None) -> np.ndarray:
     """(V,) bool: the ids ``spec`` never picks besides the special ones: with ``words_only`` every token
     whose text is not all letters (a byte-level piece of a multi-byte character counts as letters);
-    with ``skip_words`` every word-start token spelling one of them (any case)."""
-    from encoderkit.tokenizer import token_surfaces, word_start_table
+    with ``skip_words`` every word-start token (``word_start``, the tokenizer's table) spelling one of
+    them (any case)."""
+    from encoderkit.tokenizer import token_surfaces
 
     surfaces = token_surfaces(tokenizer)
     never = np.zeros(len(surfaces), dtype=bool)
     if spec.words_only:
         never |= np.array([not s or not all(ch.isalpha() or ch == "\ufffd" for ch in s) for s in surfaces])
     if spec.skip_words:
-        starts = word_start_table(tokenizer) if word_start is None else word_start
         skip = {w.lower() for w in spec.skip_words}
-        never |= np.array([bool(s) and s.lower() in skip for s in surfaces]) & starts[:len(surfaces)]
+        never |= np.array([bool(s) and s.lower() in skip for s in surfaces]) & word_start[:len(surfaces)]
     return never
 
 
@@ -210,7 +210,6 @@ class Masker:
         self.mask_id = int(mask_id)
         self.pad_id = None if pad_id is None else int(pad_id)
         specials = sorted({int(i) for i in special_ids} | ({self.pad_id} if self.pad_id is not None else set()))
-        self.special_ids = torch.tensor(specials, dtype=torch.long)
         is_special = np.zeros(vocab_size, dtype=bool)
         is_special[[i for i in specials if 0 <= i < vocab_size]] = True
         self.random_ids = torch.from_numpy(np.flatnonzero(~is_special)).long()  # (V',)
@@ -221,39 +220,35 @@ class Masker:
         )
         self.word_start_table = (None if word_start_table is None
                                  else torch.from_numpy(np.asarray(word_start_table, dtype=bool)))
-        # (V,) bool: ids never picked besides the special ones (words_only / skip_words); None: none
-        self.never_table = None if never_table is None else torch.from_numpy(np.asarray(never_table, dtype=bool))
+        # (V,) bool: ids never picked: the special ones and padding, and never_table's (words_only / skip_words)
+        never = is_special.copy()
+        if never_table is not None:
+            extra = np.asarray(never_table, dtype=bool)[:vocab_size]
+            never[:len(extra)] |= extra
+            check(not never.all(), "masking: --mask-words-only / --mask-skip-words leave no token of this "
+                  "vocabulary to pick")
+        self.never = torch.from_numpy(never)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, spec: MaskingSpec, seed: int) -> Masker:
-        """Take the [MASK], pad and special ids (and, for whole-word masking, the word-start table)
-        from a transformers tokenizer."""
+        """Take the [MASK], pad and special ids (and, for whole-word masking, the word-start table;
+        for ``words_only`` / ``skip_words``, the ids never picked) from a transformers tokenizer."""
         check(tokenizer.mask_token_id is not None,
               f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no mask token; MLM needs one "
               "(train a tokenizer with `encoderkit tokenizer train`, which adds [MASK])")
         from encoderkit.tokenizer import word_start_table
 
-        table = word_start_table(tokenizer) if spec.whole_word or spec.skip_words else None
-        never = never_pick_table(tokenizer, spec, table) if spec.words_only or spec.skip_words else None
-        if never is not None:
-            pickable = ~never
-            pickable[[i for i in tokenizer.all_special_ids if 0 <= i < len(never)]] = False
-            check(bool(pickable.any()), "masking: --mask-words-only / --mask-skip-words leave no token of this "
-                  "vocabulary to pick")
+        starts = word_start_table(tokenizer) if spec.whole_word or spec.skip_words else None
+        never = never_pick_table(tokenizer, spec, starts) if spec.words_only or spec.skip_words else None
         return cls(spec=spec, seed=seed, mask_id=tokenizer.mask_token_id, pad_id=tokenizer.pad_token_id,
                    special_ids=tokenizer.all_special_ids, vocab_size=len(tokenizer),
-                   word_start_table=table if spec.whole_word else None, never_table=never)
-
-    def special_mask(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, L) bool: True for special tokens and padding."""
-        return torch.isin(ids, self.special_ids)
+                   word_start_table=starts if spec.whole_word else None, never_table=never)
 
     def eligible(self, ids: torch.Tensor) -> torch.Tensor:
-        """(B, L) bool: the tokens that may be picked (not special, not padding, not never-picked)."""
-        out = ~self.special_mask(ids)
-        if self.never_table is not None:
-            out &= ~self.never_table[ids.clamp(0, len(self.never_table) - 1)]
-        return out
+        """(B, L) bool: the tokens that may be picked (not special, not padding, not never-picked; an id
+        past the vocabulary is not special)."""
+        size = len(self.never)
+        return ~self.never[ids.clamp(0, size - 1)] | (ids >= size)
 
     def __call__(self, blocks: np.ndarray | torch.Tensor, block_index: np.ndarray | Sequence[int] | torch.Tensor,
                  epoch: int) -> dict[str, torch.Tensor]:

@@ -38,6 +38,8 @@ SEARCH_QUESTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 _WORD = re.compile(r"[a-z]+")
+
+
 @dataclass
 class Record:
     id: str  # dotted name: module, module.Class, module.Class.method
