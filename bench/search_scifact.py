@@ -37,6 +37,9 @@ def main() -> int:
     ap.add_argument("--rerank", default=None, help="a cross-encoder folder for the rerank rows")
     ap.add_argument("--rerank-latency-queries", type=int, default=30,
                     help="queries timed (uncached) for the rerank rows' latency; their quality uses all queries")
+    ap.add_argument("--rerank-cache", default=None,
+                    help="a JSON file of the cross-encoder's pair scores, read if it was written for the same model "
+                         "(fingerprint) and written back after the rerank rows: a second table scores only its new pairs")
     ap.add_argument("--threads", type=int, default=1, help="threads of the query model and the cross-encoder")
     ap.add_argument("--skip-calibration", action="store_true")
     ap.add_argument("--passage-tokens", type=int, default=0, help="0: the model's max length less 2; -1: no split")
@@ -65,7 +68,7 @@ def main() -> int:
                                 passage_tokens=args.passage_tokens)).stats
         print(f"index: {st['documents']} documents, {st['passages']} passages, {time.perf_counter() - t0:.0f} s", flush=True)
     s = Searcher.open(args.out, runtime=args.runtime, rerank=args.rerank, threads=args.threads)
-    cached = memoize_reranker(s) if args.rerank else None
+    cached = memoize_reranker(s, args.rerank_cache) if args.rerank else None
     n_docs = len({p["doc_id"] for p in s.gen.passages})
     per_doc = len(s.gen.passages) / n_docs
     d = s.gen.dims
@@ -128,6 +131,8 @@ def main() -> int:
         if name.startswith("float exact (fp16"):
             check_ranx(ranked100, data.qrels, retrieval_scores(ranked100, data.qrels))
 
+    if args.rerank and args.rerank_cache:
+        cached.save()
     line = {"ndcg_float": results[rows[0][0]][0], "ndcg_binary_rescore": results["binary + float rescore 4x"][0],
             "ndcg_int8_rescore": results["int8 + float rescore 4x"][0], "ndcg_bm25": bm_scores["ndcg@10"],
             "ndcg_pipeline": results["binary + int8 rescore + BM25 fusion"][0]}
@@ -170,22 +175,40 @@ def main() -> int:
     return 0
 
 
-def memoize_reranker(s):
+def memoize_reranker(s, path: str | None = None):
     """Cache the cross-encoder's score of each (query, passage) pair, so that the k=10 and k=100 runs
-    of every rerank row score each pair once (the scores are deterministic); latency is timed uncached."""
+    of every rerank row score each pair once (the scores are deterministic); latency is timed uncached.
+    With ``path``, the scores of an earlier run with the same cross-encoder (by fingerprint) are reused
+    and ``cached.save()`` writes them all back (atomically)."""
     import functools
+    import hashlib
+    import json
+
+    from encoderkit.io import write_json_atomic
+    from encoderkit.retrieval.store import model_fingerprint
 
     score = s.reranker.score_pairs
-    memo: dict[tuple[str, str], float] = {}
+    fp = model_fingerprint(s.reranker.folder) if path else None
+    memo: dict[str, float] = {}
+    if path and Path(path).is_file():
+        saved = json.loads(Path(path).read_text())
+        if saved.get("model") == fp:
+            memo.update(saved["scores"])
+            print(f"rerank cache: {len(memo)} pair scores of this cross-encoder read from {path}", flush=True)
+
+    def key(q: str, p: str) -> str:
+        return hashlib.sha1(f"{q}\0{p}".encode()).hexdigest()
 
     @functools.wraps(score)
     def cached(queries, passages):
-        todo = [(q, p) for q, p in zip(queries, passages, strict=True) if (q, p) not in memo]
+        keys = [key(q, p) for q, p in zip(queries, passages, strict=True)]
+        todo = [i for i, k in enumerate(keys) if k not in memo]
         if todo:
-            for pair, v in zip(todo, score([q for q, _ in todo], [p for _, p in todo]), strict=True):
-                memo[pair] = float(v)
-        return np.asarray([memo[(q, p)] for q, p in zip(queries, passages, strict=True)], dtype=np.float32)
+            for i, v in zip(todo, score([queries[i] for i in todo], [passages[i] for i in todo]), strict=True):
+                memo[keys[i]] = float(v)
+        return np.asarray([memo[k] for k in keys], dtype=np.float32)
 
+    cached.save = lambda: write_json_atomic(Path(path), {"model": fp, "scores": memo})
     s.reranker.score_pairs = cached
     return cached
 
