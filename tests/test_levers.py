@@ -309,3 +309,34 @@ def test_pair_columns_come_from_the_fine_tuning_config_in_the_lineage(models, tm
     shutil.rmtree(parent)
     with pytest.raises(EncoderkitError, match="classifies text pairs, but its lineage no longer names the pair column"):
         LeverData.for_model(child, train=str(data)).inputs("train", child)
+
+
+def test_rerank_steps_on_a_beir_source_take_the_first_stage_from_compress_miner(models, tmp_path, monkeypatch):
+    """With `compress --miner`, rerank distillation needs no miner of its own, and recovery training reads
+    each judged query with the miner's top candidates (the pairs a reranker serves on), not only its
+    judged positives."""
+    from test_finetune import _beir
+
+    from encoderkit.compress.task_data import MINED_PAIRS
+
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+    beir, ce, miner = f"{_beir(tmp_path)}#test", models["rerank"], str(models["embed"])
+    judged = LeverData.for_model(ce, train=beir).inputs("train", ce).texts
+    mined = LeverData.for_model(ce, train=beir, miner=miner).inputs("train", ce).texts
+    from encoderkit.retrieval.beir import load_retrieval
+
+    n_queries = len(load_retrieval(beir).qrels)
+    assert {q for q, _ in mined} == {q for q, _ in judged} and len(mined) == n_queries * MINED_PAIRS > len(judged)
+    assert not set(mined) <= set(judged)  # the mined lists hold documents not judged relevant to their query
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: rerank\nsteps:\n"
+                      "  - {lever: distill, layers: '0', max_steps: 2, batch_size: 8, seq_len: 32, candidates: 4, bf16: false}\n"
+                      "  - {lever: prune, method: structured, ffn: 0.5, importance: magnitude, recover_steps: 2, "
+                      "batch_size: 8, seq_len: 32}\n")
+    out = tmp_path / "out"
+    res = compress(CompressConfig(recipe=str(recipe), model=str(ce), dev=beir, out=str(out), train=beir, miner=miner),
+                   measure=reload_measure)
+    assert [r["lever"] for r in res.rows] == ["start", "distill", "prune"]
+    card = json.loads((out / "01-distill" / "encoderkit.json").read_text())
+    assert card["config"]["miner"] == miner

@@ -288,3 +288,28 @@ def test_the_task_comes_from_the_model_folder(tmp_path, tiny_tokenizer_dir):
     plan = make_plan(PlanConfig(model=str(embedder), budget="none", hardware="cpu"), hw=CPU_ONLY)
     assert plan.task == "embed" and "a single query" in plan.latency_unit[1]
     assert make_plan(PlanConfig(budget="none", hardware="cpu"), hw=CPU_ONLY).task is None  # no model: unknown
+
+
+def test_plan_run_measures_a_reranker_over_the_miners_candidates(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """`plan --run` on a rerank model with a BEIR --dev measures nDCG@10 over --miner's candidates (the
+    compress measurer's settings pass through), and names --miner when it is missing."""
+    import json
+
+    from deploy_models import make_task_model
+    from test_finetune import _beir
+
+    from encoderkit.compress.plan import run_recipe_for_plan
+
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+    ce, miner = make_task_model(tmp_path, tiny_tokenizer_dir, "rerank"), make_task_model(tmp_path, tiny_tokenizer_dir, "embed")
+    beir = f"{_beir(tmp_path)}#test"
+    common = {"budget": "none", "hardware": "cpu", "run": True, "model": str(ce), "dev": beir, "max_quality_drop": 0.99}
+    with pytest.raises(EncoderkitError, match="--miner"):
+        cfg = PlanConfig(**common, out=str(tmp_path / "no-miner"))
+        run_recipe_for_plan(make_plan(cfg).recipe(), cfg)
+    cfg = PlanConfig(**common, miner=str(miner), candidates=20, dev_limit=12, out=str(tmp_path / "out"))
+    res = run_recipe_for_plan(make_plan(cfg).recipe(), cfg)
+    assert res.ok
+    steps = json.loads((tmp_path / "out" / "try0" / "report.json").read_text())["steps"]
+    assert {r["metric"] for r in steps} == {"ndcg@10"} and {r["latency_unit"] for r in steps} == {"query (top 100)"}
+    assert {r["dev_examples"] for r in steps} == {12}

@@ -42,10 +42,11 @@ def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
         from transformers import AutoTokenizer
 
         from encoderkit.retrieval.exact import retrieve
+        from encoderkit.tasks.common import resolve_model
         from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
         data = load_retrieval(cfg.train)
-        miner = Path(cfg.miner)
+        miner = resolve_model(cfg.miner)  # a folder, or 'minilm'
         ranked = retrieve(load_bi_encoder(miner), AutoTokenizer.from_pretrained(str(miner)), data,
                           folder_max_length(miner) or 256, 64, 64, k=cfg.candidates, progress=True, cache_for=miner)
         lists = [(data.queries[q], [data.doc_text(d) for d in docs]) for q, docs in ranked.items()]

@@ -93,6 +93,8 @@ class DistillLever(_Base):
 
     def config(self, settings: dict[str, Any], model: Path, out: Path, data: LeverData) -> StageConfig:
         train = settings.get("train") or data.source("train")
+        if data.task == "rerank" and not settings.get("miner") and data.source("miner"):  # compress --miner, unless the step names its own
+            settings = {**settings, "miner": data.source("miner")}
         return DistillConfig.from_dict({**settings, "teacher": str(model), "out": str(out), "train": train})
 
     def run(self, model: Path, config: Any, data: LeverData, out: Path) -> LeverReport:

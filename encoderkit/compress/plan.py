@@ -75,6 +75,10 @@ class PlanConfig(StageConfig):
     dev: str | None = arg(None, help="Dev set file to measure quality on (with --run).")
     train: str | None = arg(None, help="Task training data for distillation and pruning recovery (with --run; defaults to the model's training data if its card names it).")
     out: str | None = arg(None, help="Output folder of the run (with --run).")
+    miner: str = arg("", help="With --run, as `compress --miner`: a rerank model on a BEIR --dev is measured over this bi-encoder's top --candidates.")
+    candidates: int = arg(100, help="With --run, as `compress --candidates`.")
+    dev_limit: int = arg(0, help="With --run, as `compress --dev-limit`: measure on a seeded subset of N dev examples (0: all).")
+    qa_split: str = arg("all", choices=("all", "train", "heldout"), help="With --run, as `compress --qa-split`.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
     max_backoff: int = arg(6, help="How many less aggressive variants --run tries before giving up.")
 
@@ -375,7 +379,9 @@ def run_recipe_for_plan(recipe: dict[str, Any], plan_cfg: PlanConfig, measure: A
     from encoderkit.report import write_report
 
     out = Path(plan_cfg.out)
-    measure = measure or StepMeasurer(plan_cfg.dev, model=plan_cfg.model)
+    measured = {"miner": plan_cfg.miner, "candidates": plan_cfg.candidates, "dev_limit": plan_cfg.dev_limit,
+                "qa_split": plan_cfg.qa_split}
+    measure = measure or StepMeasurer(plan_cfg.dev, model=plan_cfg.model, **measured)
     with output_dir(out, plan_cfg.overwrite) as tmp:
         start = measure(Path(plan_cfg.model))
         floor = start["quality"] * (1.0 - plan_cfg.max_quality_drop)
@@ -386,7 +392,7 @@ def run_recipe_for_plan(recipe: dict[str, Any], plan_cfg: PlanConfig, measure: A
             write_text_atomic(work / "recipe.yaml", yaml.safe_dump(r, sort_keys=False))
             steps = validate_recipe(r, source=f"{tag}/recipe.yaml")
             cfg = CompressConfig(recipe=str(work / "recipe.yaml"), model=plan_cfg.model, dev=plan_cfg.dev,
-                                 out=str(out / tag), train=plan_cfg.train)
+                                 out=str(out / tag), train=plan_cfg.train, **measured)
             rows = run_steps(steps, cfg, work, out.resolve() / tag, lambda f: start if Path(f) == Path(plan_cfg.model) else measure(f),
                              task=r.get("task"))
             write_report(work, rows, {"title": f"plan --run {tag}", "model": plan_cfg.model, "dev": plan_cfg.dev,

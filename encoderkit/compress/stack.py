@@ -169,7 +169,10 @@ class CompressConfig(StageConfig):
                                  "the whole corpus searched) (0: all).")
     repeats: int = arg(5, speed=True, help="Timed repetitions per latency figure (the median is reported).")
     miner: str = arg("", help="rerank on a BEIR --dev: the first stage, a bi-encoder folder (or 'minilm') whose top "
-                              "--candidates per query the reranker reorders (required there).")
+                              "--candidates per query the reranker reorders (required there). On a BEIR --train it is "
+                              "also the first stage of rerank distillation (unless the step names its own 'miner') and "
+                              "of recovery training, which then reads each query's top 16 documents, not only the "
+                              "judged ones.")
     candidates: int = arg(100, help="rerank on a BEIR --dev: documents per query from the --miner.")
     qa_split: str = arg("all", choices=("all", "train", "heldout"), help="qa: which articles of the SQuAD --dev file "
                         "quality is measured on: 'heldout' (the last 20%%, what finetune evaluates on when --train and "
@@ -219,7 +222,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
     from encoderkit.io import inherited_card, read_card, write_card
     from encoderkit.progress import note, progress
 
-    data = LeverData.for_model(cfg.model, train=cfg.train, calib=cfg.calib)
+    data = LeverData.for_model(cfg.model, train=cfg.train, calib=cfg.calib, miner=cfg.miner)
     check_steps(steps, data, str(cfg.recipe), task)
     measure = measure or make_measure(cfg)
     rows = [{"step": 0, "lever": "start", "folder": str(Path(cfg.model).resolve()), **measure(Path(cfg.model))}]

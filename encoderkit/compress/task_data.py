@@ -15,7 +15,8 @@ Inputs of each task, read by the task's own reader:
 - ner: :func:`encoderkit.tasks.ner.data.read_ner` (the words of a sentence joined by spaces);
 - qa: :func:`encoderkit.tasks.qa.data.read_squad`, the training articles, (question, context) pairs;
 - rerank: a BEIR source (:func:`encoderkit.retrieval.beir.load_retrieval`: each judged
-  (query, document) pair) or JSONL triples (:func:`~encoderkit.retrieval.beir.read_triples`: the
+  (query, document) pair; with a ``miner``, each judged query with its top :data:`MINED_PAIRS` documents
+  from that bi-encoder, the pairs a reranker serves on, as distillation reads them) or JSONL triples (:func:`~encoderkit.retrieval.beir.read_triples`: the
   query with its positive and each negative);
 - embed: a BEIR source's documents and queries; a table's text column (found as classify finds it);
   any other corpus cut into sentence pieces as embedding distillation reads it.
@@ -34,7 +35,9 @@ from encoderkit.errors import EncoderkitError
 FIELDS = {
     "train": "the task's training data (--train)",
     "calib": "in-domain inputs for calibration (--calib, else --train)",
+    "miner": "rerank: the first-stage bi-encoder whose top candidates of a BEIR source's queries are the pairs (--miner)",
 }
+MINED_PAIRS = 16  # rerank on a BEIR source with a miner: each judged query's top 16 documents, as distillation scores them
 # what each task's data file is, for error messages
 TASK_DATA = {
     "classify": "a .tsv/.csv/.jsonl table with the text column the model was fine-tuned on",
@@ -129,9 +132,16 @@ def _classify_inputs(path: Path, columns: dict[str, str], label2id: dict[str, in
     return TaskInputs(texts, labels, str(path))
 
 
-def _rerank_inputs(spec: str) -> TaskInputs:
+def _rerank_inputs(spec: str, miner: str | None = None) -> TaskInputs:
     from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
 
+    if is_beir_source(spec) and miner:
+        from types import SimpleNamespace
+
+        from encoderkit.compress.distill_tasks import candidate_lists
+
+        lists = candidate_lists(SimpleNamespace(train=spec, miner=miner, candidates=MINED_PAIRS, limit=0))
+        return TaskInputs([(q, p) for q, c in lists for p in c], None, spec)
     if is_beir_source(spec):
         data = load_retrieval(spec)
         pairs = [(data.queries[q], data.doc_text(d)) for q, rels in data.qrels.items() for d, r in rels.items() if r > 0]
@@ -159,11 +169,12 @@ def _embed_inputs(spec: str, path: Path, limit: int, seed: int) -> TaskInputs:
 
 
 def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None, folder: str | Path | None = None,
-                     label2id: dict[str, int] | None = None, limit: int = 0, seed: int = 0) -> TaskInputs:
+                     label2id: dict[str, int] | None = None, limit: int = 0, seed: int = 0,
+                     miner: str | None = None) -> TaskInputs:
     """Inputs (and classify labels) of ``spec`` read as ``task``'s data (see the module docstring).
 
     ``folder``: the model whose card names the classify columns; ``label2id``: its classes (classify
-    labels are read only when it is given)."""
+    labels are read only when it is given); ``miner``: rerank's first stage on a BEIR source."""
     path = Path(str(spec).partition("#")[0])
     if path.suffix == ".txt":
         if not path.is_file():
@@ -187,7 +198,7 @@ def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None
         examples, _ = read_squad(path, "train")  # the training articles; the held-out ones stay unseen
         out = TaskInputs([(e.question, e.context) for e in examples], None, str(path))
     elif task == "rerank":
-        out = _rerank_inputs(spec)
+        out = _rerank_inputs(spec, miner)
     elif task == "embed":
         out = _embed_inputs(spec, path, limit, seed)
     else:
@@ -244,11 +255,12 @@ class LeverData:
         spec = self.source(name)
         if not spec:
             self.require((name,), f"{self.task} data")
-        key = (spec, str(model), limit, seed)
+        miner = self.sources.get("miner") if self.task == "rerank" else None
+        key = (spec, str(model), limit, seed, miner)
         if key not in self._cache:
             mf = ModelFolder.open(model, weights=False, tokenizer=False)
             label2id = {str(v): int(k) for k, v in (mf.config.get("id2label") or {}).items()}
             label2id.update({str(lab): i for i, lab in enumerate(mf.labels)})
             self._cache[key] = read_task_inputs(str(spec), self.task, card=mf.card, folder=self.folder or model,
-                                                label2id=label2id, limit=limit, seed=seed)
+                                                label2id=label2id, limit=limit, seed=seed, miner=miner)
         return self._cache[key]

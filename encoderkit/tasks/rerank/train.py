@@ -96,7 +96,7 @@ def dev_evaluator(spec: str, limit: int, seed: int, batch_size: int, options: Re
                 ranked[qid] = [docs[i] for i in np.argsort(-s, kind="stable")]
             fused = {q: reciprocal_rank_fusion([ranked[q], first[q]]) for q in ranked}
             return {**retrieval_scores(ranked, data.qrels), **before,
-                    **{f"fused_{k}": v for k, v in retrieval_scores(fused, data.qrels).items()}}
+                    **{f"fused_{k}": v for k, v in retrieval_scores(fused, data.qrels).items()}, "queries": len(ranked)}
 
         return evaluate, ("ndcg@10", "max")
     triples = seeded_subset(read_triples(spec), limit, seed)
