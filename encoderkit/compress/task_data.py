@@ -15,9 +15,10 @@ Inputs of each task, read by the task's own reader:
 - ner: :func:`encoderkit.tasks.ner.data.read_ner` (the words of a sentence joined by spaces);
 - qa: :func:`encoderkit.tasks.qa.data.read_squad`, the training articles, (question, context) pairs;
 - rerank: a BEIR source (:func:`encoderkit.retrieval.beir.load_retrieval`: each judged
-  (query, document) pair; with a ``miner``, each judged query with its top :data:`MINED_PAIRS` documents
-  from that bi-encoder, the pairs a reranker serves on, as distillation reads them) or JSONL triples (:func:`~encoderkit.retrieval.beir.read_triples`: the
-  query with its positive and each negative);
+  (query, document) pair; with a ``miner``, each judged query with its top :data:`MINED_PAIRS`
+  documents from that bi-encoder, the pairs a reranker serves on, as distillation reads them) or
+  JSONL triples (:func:`~encoderkit.retrieval.beir.read_triples`: the query with its positive and
+  each negative);
 - embed: a BEIR source's documents and queries; a table's text column (found as classify finds it);
   any other corpus cut into sentence pieces as embedding distillation reads it.
 
