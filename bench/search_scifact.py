@@ -179,7 +179,8 @@ def memoize_reranker(s, path: str | None = None):
     """Cache the cross-encoder's score of each (query, passage) pair, so that the k=10 and k=100 runs
     of every rerank row score each pair once (the scores are deterministic); latency is timed uncached.
     With ``path``, the scores of an earlier run with the same cross-encoder (by fingerprint) are reused
-    and ``cached.save()`` writes them all back (atomically)."""
+    and ``cached.save()`` writes them all back (atomically; also every 2,000 new pairs, so that a run
+    cut short resumes)."""
     import functools
     import hashlib
     import json
@@ -206,9 +207,17 @@ def memoize_reranker(s, path: str | None = None):
         if todo:
             for i, v in zip(todo, score([queries[i] for i in todo], [passages[i] for i in todo]), strict=True):
                 memo[keys[i]] = float(v)
+            if path and len(memo) - saved_at[0] >= 2000:  # a run cut short resumes from what it scored
+                cached.save()
         return np.asarray([memo[k] for k in keys], dtype=np.float32)
 
-    cached.save = lambda: write_json_atomic(Path(path), {"model": fp, "scores": memo})
+    saved_at = [len(memo)]
+
+    def save() -> None:
+        write_json_atomic(Path(path), {"model": fp, "scores": memo})
+        saved_at[0] = len(memo)
+
+    cached.save = save
     s.reranker.score_pairs = cached
     return cached
 
