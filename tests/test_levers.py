@@ -328,6 +328,7 @@ def test_rerank_steps_on_a_beir_source_take_the_first_stage_from_compress_miner(
     n_queries = len(load_retrieval(beir).qrels)
     assert {q for q, _ in mined} == {q for q, _ in judged} and len(mined) == n_queries * MINED_PAIRS > len(judged)
     assert not set(mined) <= set(judged)  # the mined lists hold documents not judged relevant to their query
+    assert {q for q, _ in mined[:n_queries]} == {q for q, _ in judged}  # a calibration sample's first pairs span the queries
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("task: rerank\nsteps:\n"

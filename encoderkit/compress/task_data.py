@@ -142,7 +142,9 @@ def _rerank_inputs(spec: str, miner: str | None = None) -> TaskInputs:
         from encoderkit.compress.distill_tasks import candidate_lists
 
         lists = candidate_lists(SimpleNamespace(train=spec, miner=miner, candidates=MINED_PAIRS, limit=0))
-        return TaskInputs([(q, p) for q, c in lists for p in c], None, spec)
+        # rank-major (every query's first candidate, then every query's second, ...), so that the first N
+        # pairs a calibration sample takes span N queries
+        return TaskInputs([(q, c[r]) for r in range(len(lists[0][1])) for q, c in lists], None, spec)
     if is_beir_source(spec):
         data = load_retrieval(spec)
         pairs = [(data.queries[q], data.doc_text(d)) for q, rels in data.qrels.items() for d, r in rels.items() if r > 0]
