@@ -167,3 +167,15 @@ def test_line_progress_for_log_files():
     assert list(slow) == list(range(40))  # iterates like tqdm
     assert quiet.getvalue().splitlines() == [slow.line(slow.last)]  # nothing before the interval, the end always
     assert quiet.getvalue().startswith("encode 40/40 (100.0%)")
+
+
+def test_throughput_counts_the_real_tokens_of_plain_and_paired_batches():
+    from encoderkit.train.engine import _batch_tokens
+
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert _batch_tokens({"input_ids": torch.zeros(2, 4), "attention_mask": mask}) == 5
+    # an embed batch (query + passage sides) counts both sides, not its batch size
+    paired = {"q_input_ids": torch.zeros(2, 4), "q_attention_mask": mask,
+              "p_input_ids": torch.zeros(2, 6), "p_attention_mask": torch.ones(2, 6, dtype=torch.long)}
+    assert _batch_tokens(paired) == 5 + 12
+    assert _batch_tokens({"input_ids": torch.zeros(3, 7)}) == 21

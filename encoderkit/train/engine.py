@@ -219,8 +219,10 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
 
 
 def _batch_tokens(batch: Batch) -> int:
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
+    """Real (unpadded) tokens of a batch; a paired batch (``q_attention_mask`` + ``p_attention_mask``) counts both sides."""
+    masks = [v for k, v in batch.items() if k.endswith("attention_mask") and torch.is_tensor(v)]
+    if masks:
+        return int(sum(int(m.sum()) for m in masks))
     ids = batch.get("input_ids")
     return int(ids.numel()) if ids is not None else len(next(iter(batch.values())))
 
