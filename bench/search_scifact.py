@@ -200,6 +200,8 @@ def memoize_reranker(s, path: str | None = None):
     def key(q: str, p: str) -> str:
         return hashlib.sha1(f"{q}\0{p}".encode()).hexdigest()
 
+    saved_at = len(memo)
+
     @functools.wraps(score)
     def cached(queries, passages):
         keys = [key(q, p) for q, p in zip(queries, passages, strict=True)]
@@ -207,15 +209,14 @@ def memoize_reranker(s, path: str | None = None):
         if todo:
             for i, v in zip(todo, score([queries[i] for i in todo], [passages[i] for i in todo]), strict=True):
                 memo[keys[i]] = float(v)
-            if path and len(memo) - saved_at[0] >= 2000:  # a run cut short resumes from what it scored
+            if path and len(memo) - saved_at >= 2000:  # a run cut short resumes from what it scored
                 cached.save()
         return np.asarray([memo[k] for k in keys], dtype=np.float32)
 
-    saved_at = [len(memo)]
-
     def save() -> None:
+        nonlocal saved_at
         write_json_atomic(Path(path), {"model": fp, "scores": memo})
-        saved_at[0] = len(memo)
+        saved_at = len(memo)
 
     cached.save = save
     s.reranker.score_pairs = cached

@@ -222,7 +222,7 @@ def _batch_tokens(batch: Batch) -> int:
     """Real (unpadded) tokens of a batch; a paired batch (``q_attention_mask`` + ``p_attention_mask``) counts both sides."""
     masks = [v for k, v in batch.items() if k.endswith("attention_mask") and torch.is_tensor(v)]
     if masks:
-        return int(sum(int(m.sum()) for m in masks))
+        return sum(int(m.sum()) for m in masks)
     ids = batch.get("input_ids")
     return int(ids.numel()) if ids is not None else len(next(iter(batch.values())))
 
@@ -320,6 +320,7 @@ def fit(
             for a in range(settings.grad_accum):
                 micro_index, batch = next(batches)
                 torch.manual_seed(settings.seed * 1_000_003 + micro_index)
+                tokens_seen += _batch_tokens(batch)  # counted on the host copy: no device sync per mask
                 batch = _to(batch, device)
                 sync = a == settings.grad_accum - 1
                 with dist_util.maybe_no_sync(train_module, sync), torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
@@ -327,7 +328,6 @@ def fit(
                 if not torch.isfinite(loss.detach()):
                     _non_finite(step, loss, store)
                 (loss / settings.grad_accum).backward()
-                tokens_seen += _batch_tokens(batch)
                 for k, v in {"loss": float(loss.detach()), **logs}.items():
                     logs_sum[k] = logs_sum.get(k, 0.0) + float(v) / settings.grad_accum
             if settings.clip_norm > 0:
