@@ -85,3 +85,30 @@ def test_vocab_prune_real_minilm_on_sst2_dev(minilm_dir, shared_data, tmp_path) 
         b = AutoModel.from_pretrained(tmp_path / "v")(**enc_new).last_hidden_state
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert (tmp_path / "v" / "modules.json").is_file()  # still a sentence-transformers folder
+
+
+def test_rerank_vocab_on_a_beir_source_keeps_every_corpus_document_and_query(tmp_path_factory, tiny_tokenizer_dir,
+                                                                             tmp_path) -> None:
+    """A reranker serves the whole corpus: a document no query judges keeps its tokens (the judged pairs
+    alone would turn its words into [UNK])."""
+    from deploy_models import make_task_model, tiny_root
+    from transformers import AutoTokenizer
+
+    from encoderkit.compress.task_data import LeverData
+
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    docs = {f"d{i}": " ".join(WORDS[i:i + 5]) for i in range(5)} | {"d5": "python code data model"}
+    queries = {f"q{i}": " ".join(WORDS[i:i + 2]) for i in range(5)} | {"q9": "movie film story"}
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n" for k, v in docs.items()))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
+    model = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "rerank")
+    out = tmp_path / "v"
+    rep = prune(model, PruneConfig(method="vocab", measure=False), out, data=LeverData("rerank", {"train": f"{beir}#test"}))
+    old, new = AutoTokenizer.from_pretrained(model), AutoTokenizer.from_pretrained(out)
+    for text in (docs["d5"], queries["q9"]):  # the unjudged document, the query without judgements
+        assert new.convert_ids_to_tokens(new(text)["input_ids"]) == old.convert_ids_to_tokens(old(text)["input_ids"])
+        assert "[UNK]" not in new.convert_ids_to_tokens(new(text)["input_ids"])
+    assert rep.details["vocab_size"][1] < rep.details["vocab_size"][0]
+    assert "[UNK]" in new.convert_ids_to_tokens(new("boring worst dull")["input_ids"])

@@ -23,6 +23,10 @@ Inputs of each task, read by the task's own reader:
   any other corpus cut into sentence pieces as embedding distillation reads it.
 
 A ``.txt`` file (one input per line, no labels) is read the same way for every task.
+
+Vocabulary (:func:`vocabulary_texts`) reads the same inputs, except that a rerank model's BEIR
+source gives every document of its corpus and every query of its split: the documents a reranker
+serves are the corpus, not only the ones a training query judged or mined.
 """
 
 from __future__ import annotations
@@ -210,6 +214,16 @@ def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None
     if not out.texts:
         raise EncoderkitError(f"{spec} holds no {task} inputs; expected {TASK_DATA.get(task, 'task data')}")
     return out.head(limit)
+
+
+def vocabulary_texts(spec: str, task: str, **kwargs: Any) -> list[Any]:
+    """The texts whose tokens the vocabulary lever keeps: :func:`read_task_inputs`' inputs, or for a rerank
+    model's BEIR source, every document of the corpus and every query of the split (as embed reads it)."""
+    from encoderkit.retrieval.beir import is_beir_source
+
+    if task == "rerank" and is_beir_source(spec):
+        return _embed_inputs(spec, Path(spec.partition("#")[0]), 0, 0).texts
+    return read_task_inputs(spec, task, **kwargs).texts
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 
 from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder
 from encoderkit.compress.packing import copy_side_files
-from encoderkit.compress.task_data import LeverData, read_task_inputs
+from encoderkit.compress.task_data import LeverData, vocabulary_texts
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, write_json_atomic
 from encoderkit.models.folder import ModelFolder
@@ -115,7 +115,7 @@ def prune_vocab(model_dir: str | Path, cfg: Any, out_dir: str | Path, quality_fn
     tokenizer = folder.tokenizer()
     texts: list[Any] = []
     for f in sources:
-        texts.extend(read_task_inputs(str(f), data.task, card=folder.card, folder=model_dir).texts)
+        texts.extend(vocabulary_texts(str(f), data.task, card=folder.card, folder=model_dir))
     kept = used_token_ids(tokenizer, texts, cfg.keep_tokens)
     model = folder.load()
     old_vocab = model.config.vocab_size
