@@ -60,7 +60,7 @@ def test_position_and_token_kl_ignore_padding():
 
 
 @pytest.mark.parametrize("loss", ["mse", "kl"])
-def test_rerank_student_orders_candidates_like_the_teacher(tmp_path, tiny_tokenizer_dir, loss):
+def test_rerank_student_orders_candidates_like_the_teacher(tmp_path, tiny_tokenizer_dir, loss, capsys):
     from transformers import AutoTokenizer
 
     from encoderkit.tasks.rerank.features import score_pairs
@@ -75,6 +75,7 @@ def test_rerank_student_orders_candidates_like_the_teacher(tmp_path, tiny_tokeni
                                 epochs=8, lr=1e-3, batch_size=8, seq_len=48, bf16=False))
     assert res.layers == [0, 2]
     assert json.loads((out / "encoderkit.json").read_text())["task"] == "rerank"
+    assert "teacher scores 576/576 (100.0%)" in capsys.readouterr().err  # 96 lists of 6, the teacher's pass shows progress
     tok = AutoTokenizer.from_pretrained(teacher)
     g = np.random.default_rng(123)  # held-out lists
     lists = [(sentence(g, 2, 5), [sentence(g) for _ in range(6)]) for _ in range(30)]

@@ -69,7 +69,7 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     size = len(lists[0][1])
     queries = [q for q, c in lists for _ in c]
     passages = [p for _, c in lists for p in c]
-    scores = score_pairs(teacher, tokenizer, queries, passages, cfg.seq_len)
+    scores = score_pairs(teacher, tokenizer, queries, passages, cfg.seq_len, desc="teacher scores")
     rows = pair_rows(tokenizer, queries, passages, cfg.seq_len)
     for r, s in zip(rows, scores):
         r["teacher_score"] = np.float32(s)

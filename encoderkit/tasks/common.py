@@ -110,6 +110,7 @@ def run_batches(
     outputs: Callable[[Any], tuple[torch.Tensor, ...] | torch.Tensor],
     keys: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids"),
     per_token: bool = False,
+    desc: str = "",
 ) -> list[np.ndarray]:
     """Run ``module`` over ``rows`` in length-sorted batches (:func:`~encoderkit.tasks.inference.run_rows`
     with a :class:`~encoderkit.tasks.inference.ModuleEngine`, as the Predictor runs); return
@@ -119,13 +120,14 @@ def run_batches(
     the task's graph outputs (:data:`encoderkit.deploy.export.OUTPUT_NAMES`), which is what ``outputs``
     picks from a torch model's output, so the evaluation of a torch folder and of its export is one path."""
     if not isinstance(module, nn.Module):
-        results = run_rows(module, [{k: r[k] for k in keys if k in r} for r in rows], pad_id, batch_size, per_token=per_token)
+        results = run_rows(module, [{k: r[k] for k in keys if k in r} for r in rows], pad_id, batch_size, per_token=per_token,
+                           desc=desc)
         return [parts[0] if len(parts) == 1 else np.stack(parts) for parts in results]
     was_training = module.training
     module.eval()
     try:
         results = run_rows(ModuleEngine(module, outputs), [{k: r[k] for k in keys if k in r} for r in rows], pad_id,
-                           batch_size, per_token=per_token)
+                           batch_size, per_token=per_token, desc=desc)
     finally:
         if was_training:
             module.train()

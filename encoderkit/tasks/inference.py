@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from encoderkit.progress import progress
 from encoderkit.tasks.batching import length_batches, pad_arrays
 
 
@@ -40,13 +41,19 @@ class ModuleEngine:
 
 
 def run_rows(engine: Engine, rows: Sequence[dict[str, np.ndarray]], pad_id: int, max_batch: int,
-             per_token: bool = False) -> list[list[np.ndarray]]:
+             per_token: bool = False, desc: str = "") -> list[list[np.ndarray]]:
     """Run ``engine`` on 1-D token rows in length-sorted batches (:func:`length_batches`); per row, in
-    input order, each output with its padding cut off ((C,) per sequence, or (T_row, ...) with ``per_token``)."""
+    input order, each output with its padding cut off ((C,) per sequence, or (T_row, ...) with ``per_token``).
+    ``desc``: show progress under that name (long runs: a teacher scoring a training set)."""
     results: list[list[np.ndarray]] = [[] for _ in rows]
+    bar = progress(total=len(rows), desc=desc, unit="rows") if desc else None
     for idx in length_batches([len(r["input_ids"]) for r in rows], max_batch):
         outs = engine.run(pad_arrays([rows[i] for i in idx], pad_id))
         for j, i in enumerate(idx):
             n = len(rows[i]["input_ids"])
             results[i] = [o[j, :n] if per_token else o[j] for o in outs]
+        if bar is not None:
+            bar.update(len(idx))
+    if bar is not None:
+        bar.close()
     return results
