@@ -76,8 +76,8 @@ def _fmt(value: Any, kind: str) -> str:
         return f"{value:.1f}"
     if kind == "q":
         return f"{value:.4f}"
-    if kind == "int":
-        return f"{value:.0f}"
+    if kind == "int":  # a count per second: whole numbers, or 3 significant digits under 100 (0.204 queries/s)
+        return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
     return str(value)
 
 

@@ -72,3 +72,13 @@ def test_a_low_point_or_floor_widens_the_axis_and_the_floor_comes_from_the_meta(
     assert floor_share(ROWS, {"floor": 0.873}) == pytest.approx(0.97)  # plan --run: absolute floor
     assert floor_share(ROWS, {"max_quality_drop": 0.01}) == pytest.approx(0.99)
     assert floor_share(ROWS, {}) == pytest.approx(0.97)
+
+
+def test_a_slow_unit_shows_its_rate_not_zero():
+    """A reranker serves ~0.2 queries (of 100 pairs) per second: the table shows 0.204, not 0."""
+    rows = [{"step": 0, "lever": "start", "quality": 0.70, "latency_unit": "query (top 100)", "latency_ms": 4900.0,
+             "throughput": 0.2041},
+            {"step": 1, "lever": "quantize", "quality": 0.69, "latency_unit": "query (top 100)", "latency_ms": 1850.0,
+             "throughput": 0.5405}]
+    last = markdown_table(rows).splitlines()[-1]
+    assert "| 0.54 | 2.65x |" in last and "| 0.204 |" in markdown_table(rows).splitlines()[-2]

@@ -452,9 +452,9 @@ class StepMeasurer:
         if batch:
             ms = median_ms(lambda: run_rows(engine, batch, pad, MAX_BATCH), self.repeats)
             out.update({"batch_unit": batch_short, "batch_unit_desc": batch_unit, "batch_ms": ms,
-                        "throughput": round(len(batch) / (ms / 1000), 1)})
+                        "throughput": _sig(len(batch) / (ms / 1000))})
         else:
-            out["throughput"] = round(1000 / out["latency_ms"], 1)
+            out["throughput"] = _sig(1000 / out["latency_ms"])
         if short == "request":  # the batch-1 / batch-32 names the report and the quickstart read
             out.update({"latency_b1_ms": out["latency_ms"], "latency_b32_ms": out.get("batch_ms"),
                         "throughput_b32": out.get("throughput")})
@@ -489,6 +489,11 @@ def _beir_sample(dev: str, n: int, rng: np.random.Generator) -> tuple[list[str],
     doc_ids = list(data.corpus)
     picked = rng.choice(len(doc_ids), size=min(n, len(doc_ids)), replace=False)
     return [data.queries[q] for q in sorted(data.qrels)], [data.doc_text(doc_ids[int(i)]) for i in picked]
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (a reranker serves ~0.2 queries/s: one decimal would make ratios coarse)."""
+    return float(f"{x:.4g}")
 
 
 def weight_file_bytes(mf: ModelFolder) -> int:
