@@ -18,14 +18,12 @@ def pair_rows(tokenizer, queries: list[str], passages: list[str], max_length: in
     return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(queries))]
 
 
-def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], max_length: int = 256, batch_size: int = 64,
-                desc: str = "") -> np.ndarray:
+def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], max_length: int = 256, batch_size: int = 64) -> np.ndarray:
     """Relevance scores (N,) of (query, passage) pairs; ``query`` is one string or one per passage.
-    ``module``: a torch model or an engine whose output is the logits (the first one is the score);
-    ``desc``: show progress under that name."""
+    ``module``: a torch model or an engine whose output is the logits (the first one is the score)."""
     if not passages:
         return np.zeros(0, dtype=np.float32)
     queries = [query] * len(passages) if isinstance(query, str) else list(query)
     rows = pair_rows(tokenizer, queries, passages, max_length)
-    out = run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits[:, :1], desc=desc)
+    out = run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits[:, :1])
     return np.asarray(out, dtype=np.float32).reshape(len(rows), -1)[:, 0]
