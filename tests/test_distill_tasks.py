@@ -128,21 +128,25 @@ def test_ner_student_tags_like_the_teacher(tmp_path, tiny_tokenizer_dir):
     assert distilled > undistilled + 0.1 and distilled > 0.7, (distilled, undistilled)
 
 
-def test_qa_student_picks_the_teachers_start_and_end(tmp_path, tiny_tokenizer_dir):
-    teacher = save_tiny("BertForQuestionAnswering", tmp_path / "qa", tiny_tokenizer_dir, 20.0)
-    g = np.random.default_rng(2)
-
+def squad_file(path: Path, g: np.random.Generator, articles: int = 10, lo: int = 12, hi: int = 30) -> Path:
+    """A SQuAD JSON of random articles (6 paragraphs of 4 questions each), answers at the context's start."""
     def article(i: int) -> dict:
         paras = []
         for p in range(6):
-            ctx = sentence(g, 12, 30)
+            ctx = sentence(g, lo, hi)
             qas = [{"id": f"{i}-{p}-{k}", "question": sentence(g, 3, 6), "answers": [{"text": ctx.split()[0], "answer_start": 0}]}
                    for k in range(4)]
             paras.append({"context": ctx, "qas": qas})
         return {"title": f"a{i}", "paragraphs": paras}
 
-    squad = tmp_path / "squad.json"
-    squad.write_text(json.dumps({"data": [article(i) for i in range(10)]}))  # 8 training articles: 192 questions
+    path.write_text(json.dumps({"data": [article(i) for i in range(articles)]}))
+    return path
+
+
+def test_qa_student_picks_the_teachers_start_and_end(tmp_path, tiny_tokenizer_dir):
+    teacher = save_tiny("BertForQuestionAnswering", tmp_path / "qa", tiny_tokenizer_dir, 20.0)
+    g = np.random.default_rng(2)
+    squad = squad_file(tmp_path / "squad.json", g)  # 8 training articles: 192 questions
     out = tmp_path / "student"
     distill(DistillConfig(teacher=str(teacher), out=str(out), train=str(squad), layers="0,2", epochs=6, lr=1e-3,
                           batch_size=16, seq_len=48, temperature=1.0, bf16=False))
@@ -163,3 +167,24 @@ def test_qa_student_picks_the_teachers_start_and_end(tmp_path, tiny_tokenizer_di
 
     distilled, undistilled = agree(load_task_model(out)), agree(build_student_from_teacher(t_model, [0, 2]))
     assert distilled > undistilled + 0.1, (distilled, undistilled)
+
+
+def test_qa_distillation_reads_contexts_at_the_teachers_length_by_default(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """Without seq_len, the student learns from (question, context) pairs as long as the teacher serves
+    (a QA model reads 256 sub-tokens; a fixed 128 cut SQuAD contexts in half)."""
+    import encoderkit.compress.distill_tasks as dt
+    from encoderkit.models.folder import ModelFolder
+
+    teacher = save_tiny("BertForQuestionAnswering", tmp_path / "qa", tiny_tokenizer_dir, 1.0, max_position_embeddings=96)
+    squad = squad_file(tmp_path / "squad.json", np.random.default_rng(3), lo=120, hi=160)  # contexts past 96 tokens
+    seen: list[int] = []
+    rows = dt.token_rows
+    monkeypatch.setattr(dt, "token_rows", lambda cfg, task, tok: seen.extend(len(r["input_ids"]) for r in rows(cfg, task, tok))
+                        or rows(cfg, task, tok))
+    out = tmp_path / "student"
+    distill(DistillConfig(teacher=str(teacher), out=str(out), train=str(squad), layers="0", max_steps=1, batch_size=16, bf16=False))
+    length = ModelFolder.open(teacher, tokenizer=False).max_length
+    assert length == 96 and max(seen) == length
+    assert json.loads((out / "encoderkit.json").read_text())["config"]["seq_len"] == length
+    with pytest.raises(EncoderkitError, match="seq_len"):
+        DistillConfig(teacher=str(teacher), out=str(out), train=str(squad), seq_len=-1)

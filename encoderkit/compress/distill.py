@@ -25,6 +25,7 @@ and the student reads the teacher's inputs); a mismatch is an error that says wh
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,7 +206,8 @@ class DistillConfig(StageConfig):
     lr: float = arg(1e-4, help="Peak learning rate of the student.")
     warmup: float = arg(0.06, help="Warmup: a fraction of the steps (< 1) or a number of steps.")
     batch_size: int = arg(32, help="Examples per optimizer step.")
-    seq_len: int = arg(128, help="mode=task: longest input in tokens (longer ones are truncated).")
+    seq_len: int = arg(0, help="mode=task: longest input in tokens, longer ones truncated (0: the teacher's max length, "
+                               "the length it serves at: e.g. 256 for a QA or rerank model, 128 for a classifier).")
     limit: int = arg(0, help="Use only the first N training examples (0: all).")
     seed: int = arg(0, help="Seed of shuffling, masking and dropout.")
     matryoshka_dims: list[int] = arg([], help="embed teacher: also match these leading embedding sizes (Matryoshka), e.g. 128,256.")
@@ -217,6 +219,7 @@ class DistillConfig(StageConfig):
 
     def validate(self) -> None:
         check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        check(self.seq_len >= 0, f"seq_len must be >= 0 (0: the teacher's max length), got {self.seq_len}")
         check(min(self.kl_weight, self.hard_weight, self.cos_weight) >= 0, "loss weights must be >= 0")
         check(self.kl_weight + self.hard_weight + self.cos_weight > 0, "at least one loss weight must be > 0")
         if self.mode == "task":
@@ -249,6 +252,8 @@ def require_masked_lm(teacher: nn.Module, folder: str) -> None:
 def run(cfg: DistillConfig) -> DistillResult:
     """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style)."""
     task = teacher_task(cfg.teacher) if cfg.mode == "task" else "mlm"
+    if cfg.mode == "task" and not cfg.seq_len:
+        cfg = dataclasses.replace(cfg, seq_len=ModelFolder.open(cfg.teacher, tokenizer=False).max_length)
     if task == "embed":
         return run_embed(cfg)
     if task in ("rerank", "ner", "qa"):
