@@ -132,6 +132,26 @@ def quality_limits(shares: list[float], floor: float) -> tuple[float, float]:
     return lo - pad, hi + pad
 
 
+def label_groups(xs: list[float], ys: list[float], names: list[str], ylim: tuple[float, float],
+                 near: float = 0.06) -> list[tuple[float, float, str]]:
+    """One label per group of points closer than ``near`` of the panel's width and height (x spans
+    the data, y ``ylim``), at the group's first point, its steps' names joined: a vocabulary step
+    that changes neither quality nor time sits on the distillation's point and shares its label
+    instead of printing over it."""
+    xspan = (max(xs) - min(xs) if xs else 0.0) or 1.0
+    yspan = (ylim[1] - ylim[0]) or 1.0
+    groups: list[list[int]] = []
+    for i in range(len(xs)):
+        for g in groups:
+            j = g[0]
+            if abs(xs[i] - xs[j]) < near * xspan and abs(ys[i] - ys[j]) < near * yspan:
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    return [(xs[g[0]], ys[g[0]], ", ".join(names[i] for i in g)) for g in groups]
+
+
 def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "", floor: float = DEFAULT_FLOOR) -> Any:
     """Write a PNG with two panels: quality kept (% of the starting model) vs MB on disk, and vs
     batch-32 latency per sequence; one labelled point per step, joined in recipe order. The y axis
@@ -163,15 +183,16 @@ def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "", floo
             ys.append(100 * y)
             names.append(f"{r.get('step')}:{r.get('lever')}")
         ax.plot(xs, ys, "-o", color="tab:blue")
-        for x, y, n in zip(xs, ys, names):
+        for x, y, n in label_groups(xs, ys, names, (100 * lo, 100 * hi)):
             ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.axhline(100 * floor, color="tab:red", linestyle="--", linewidth=1, label=f"allowed floor {100 * floor:.1f}%")
         ax.axhline(100.0, color="gray", linewidth=0.8, alpha=0.6)
         ax.set_ylim(100 * lo, 100 * hi)
+        ax.margins(x=0.1)  # room for the rightmost label
         ax.set_xlabel(label)
         ax.set_ylabel(f"dev {metric}, % of the starting model")
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower left", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from encoderkit.report import floor_share, markdown_table, plot_tradeoffs, quality_limits, with_ratios, write_report
+from encoderkit.report import (
+    floor_share,
+    label_groups,
+    markdown_table,
+    plot_tradeoffs,
+    quality_limits,
+    with_ratios,
+    write_report,
+)
 
 ROWS = [
     {"step": 0, "lever": "start", "quality": 0.90, "metric": "accuracy", "params": 22_000_000, "bytes": 88_000_000,
@@ -64,6 +72,19 @@ def test_plot_axis_spans_the_floor_and_100_percent_so_small_changes_look_small(t
         points = next(ln for ln in ax.get_lines() if ln.get_marker() == "o")
         assert list(points.get_ydata()) == pytest.approx([100.0, 100 * 0.9520 / 0.9500])
     assert "% of the starting model" in fig.axes[0].get_ylabel()
+
+
+def test_steps_on_the_same_spot_share_one_label_instead_of_printing_over_each_other(tmp_path):
+    """The seeds' reranker run: vocabulary trimming kept nDCG@10 and took 5% off the time, so its
+    point sat on the distillation's and the two names were printed over each other."""
+    rows = [dict(ROWS[0], quality=0.7011, latency_ms=4900.5, bytes=90.87e6),
+            dict(ROWS[1], quality=0.5661, latency_ms=2657.7, bytes=69.57e6),
+            dict(ROWS[2], step=2, lever="vocab", quality=0.5661, latency_ms=2540.4, bytes=45.38e6)]
+    fig = plot_tradeoffs(rows, tmp_path / "p.png", floor=0.97)
+    by_bytes, by_time = ([t.get_text() for t in ax.texts] for ax in fig.axes)
+    assert by_bytes == ["0:start", "1:distill", "2:vocab"]  # 24 MB apart: three labels
+    assert by_time == ["0:start", "1:distill, 2:vocab"]
+    assert label_groups([1.0, 1.0], [50.0, 99.0], ["a", "b"], (0.0, 100.0)) == [(1.0, 50.0, "a"), (1.0, 99.0, "b")]
 
 
 def test_a_low_point_or_floor_widens_the_axis_and_the_floor_comes_from_the_meta():
