@@ -188,3 +188,44 @@ def test_qa_distillation_reads_contexts_at_the_teachers_length_by_default(tmp_pa
     assert json.loads((out / "encoderkit.json").read_text())["config"]["seq_len"] == length
     with pytest.raises(EncoderkitError, match="seq_len"):
         DistillConfig(teacher=str(teacher), out=str(out), train=str(squad), seq_len=-1)
+
+
+def test_pseudo_queries_are_titles_else_first_sentences_seeded_and_never_a_split_id():
+    from encoderkit.retrieval.beir import Retrieval, pseudo_queries
+
+    corpus = {"a": ("Vitamin D lowers fracture risk", "We studied 300 adults. Fractures fell."),
+              "b": ("", "Short. Then a longer sentence follows here."),
+              "c": ("Two words", "Smoking raises the risk of stroke in adults! More text."),
+              "d": ("", "no")}
+    data = Retrieval(corpus, {"q1": "a claim"}, {"q1": {"a": 1}})
+    pq = pseudo_queries(data, 10, seed=0)
+    assert pq == {"pseudo:a": "Vitamin D lowers fracture risk",  # the title
+                  "pseudo:c": "Smoking raises the risk of stroke in adults!"}  # a 2-word title: the first sentence
+    # 'b': a 1-word first sentence and no title, 'd': too short: no query from either
+    assert list(pseudo_queries(data, 1, seed=3)) == list(pseudo_queries(data, 1, seed=3)) and len(pseudo_queries(data, 1)) == 1
+    assert pseudo_queries(Retrieval({"a": ("", " ".join(["w"] * 50))}, {}, {}), 1)["pseudo:a"].count("w") == 32
+
+
+def test_rerank_distillation_adds_corpus_titles_as_label_free_queries(tmp_path, tiny_tokenizer_dir, tmp_path_factory):
+    from types import SimpleNamespace
+
+    from deploy_models import make_task_model, tiny_root
+
+    from encoderkit.compress.distill_tasks import candidate_lists
+
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    g = np.random.default_rng(5)
+    docs = {f"d{i}": (sentence(g, 3, 5), sentence(g, 8, 14)) for i in range(12)}
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": t, "text": x}) + "\n" for k, (t, x) in docs.items()))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": sentence(g, 2, 4)}) + "\n" for i in range(5)))
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
+    miner = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+    cfg = SimpleNamespace(train=f"{beir}#train", miner=str(miner), candidates=4, pseudo_queries=0, seed=0, limit=0)
+    assert len(candidate_lists(cfg)) == 5
+    lists = candidate_lists(SimpleNamespace(**{**vars(cfg), "pseudo_queries": 6}))
+    titles = {t for t, _ in docs.values()}
+    assert len(lists) == 11 and all(len(c) == 4 for _, c in lists)
+    assert sum(q in titles for q, _ in lists) == 6  # the split's 5 queries, then 6 corpus titles
+    with pytest.raises(EncoderkitError, match="pseudo_queries"):
+        DistillConfig(teacher="t", out="o", train="x", pseudo_queries=-1)

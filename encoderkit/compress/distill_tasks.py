@@ -1,7 +1,8 @@
 """Distillation of rerank, NER and QA teachers (the student built as in :mod:`encoderkit.compress.distill`).
 
 - ``rerank``: each query comes with a list of candidate passages: a BEIR source's queries with the
-  top ``candidates`` of a first-stage bi-encoder (``miner``), or JSONL rows ``{query, positive,
+  top ``candidates`` of a first-stage bi-encoder (``miner``) (with ``pseudo_queries`` N, also N
+  corpus documents' titles as queries: more teacher-scored lists, still no label), or JSONL rows ``{query, positive,
   negatives}`` (the list is the positive and the negatives; no label is used). The teacher
   cross-encoder scores every pair once; the student learns the scores over each query's list:
   ``loss=kl``: ``T^2 * KL(softmax(t / T) || softmax(s / T))`` (the order and the gaps within a
@@ -26,6 +27,7 @@ from torch import nn
 from encoderkit.compress.students import soft_target_kl
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
+from encoderkit.progress import note
 
 NEG = -1e4  # logit given to padding before a softmax over positions
 
@@ -34,7 +36,7 @@ NEG = -1e4  # logit given to padding before a softmax over positions
 
 def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
     """(query, candidate passages) per query, every list cut to the same length (at most ``cfg.candidates``)."""
-    from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
+    from encoderkit.retrieval.beir import is_beir_source, load_retrieval, pseudo_queries, read_triples
 
     if is_beir_source(cfg.train):
         check(bool(cfg.miner), f"--train {cfg.train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
@@ -46,6 +48,12 @@ def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
         from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
         data = load_retrieval(cfg.train)
+        if cfg.pseudo_queries:
+            extra = pseudo_queries(data, cfg.pseudo_queries, seed=cfg.seed)
+            data.queries.update(extra)
+            data.qrels.update({q: {} for q in extra})  # ranked like the split's queries; no judgment is read
+            note(f"{cfg.train}: {len(data.qrels) - len(extra)} queries of the split + {len(extra)} corpus documents' "
+                 "titles (else first sentences) as queries")
         miner = resolve_model(cfg.miner)  # a folder, or 'minilm'
         ranked = retrieve(load_bi_encoder(miner), AutoTokenizer.from_pretrained(str(miner)), data,
                           folder_max_length(miner) or 256, 64, 64, k=cfg.candidates, progress=True, cache_for=miner)

@@ -25,6 +25,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from encoderkit.errors import EncoderkitError
 
 _LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
@@ -41,6 +43,24 @@ class Retrieval:
     def doc_text(self, doc_id: str) -> str:
         title, text = self.corpus[doc_id]
         return f"{title} {text}".strip()
+
+
+def pseudo_queries(data: Retrieval, n: int, seed: int = 0, max_words: int = 32) -> dict[str, str]:
+    """``n`` corpus documents (a seeded sample) turned into queries, label-free: the title when it has
+    three words or more, else the text's first sentence, at most ``max_words`` words. Keys are
+    ``pseudo:<doc id>``, never a split's query id."""
+    ids = sorted(data.corpus)
+    rng = np.random.default_rng(seed)
+    out: dict[str, str] = {}
+    for i in rng.permutation(len(ids)):
+        if len(out) >= n:
+            break
+        title, text = data.corpus[ids[i]]
+        query = title if len(title.split()) >= 3 else re.split(r"(?<=[.!?])\s+", text.strip(), maxsplit=1)[0]
+        words = query.split()[:max_words]
+        if len(words) >= 3:
+            out[f"pseudo:{ids[i]}"] = " ".join(words)
+    return out
 
 
 def split_spec(spec: str) -> tuple[Path, str]:
