@@ -253,11 +253,17 @@ def require_masked_lm(teacher: nn.Module, folder: str) -> None:
                               "adds a masked-LM head) and distil that folder") from None
 
 
-def run(cfg: DistillConfig) -> DistillResult:
+def with_teacher_length(cfg: DistillConfig) -> DistillConfig:
+    """``cfg`` with ``seq_len`` 0 (task mode) made the teacher's max length, the length it serves at."""
+    if cfg.mode != "task" or cfg.seq_len:
+        return cfg
+    return dataclasses.replace(cfg, seq_len=ModelFolder.open(cfg.teacher, tokenizer=False).max_length)
+
+
+def run(config: DistillConfig) -> DistillResult:
     """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style)."""
+    cfg = with_teacher_length(config)
     task = teacher_task(cfg.teacher) if cfg.mode == "task" else "mlm"
-    if cfg.mode == "task" and not cfg.seq_len:
-        cfg = dataclasses.replace(cfg, seq_len=ModelFolder.open(cfg.teacher, tokenizer=False).max_length)
     if task == "embed":
         return run_embed(cfg)
     if task in ("rerank", "ner", "qa"):
