@@ -233,11 +233,6 @@ class DistillConfig(StageConfig):
         check(self.hidden_size is None or self.student is None, "give either --student or --hidden-size, not both")
 
 
-def teacher_task(folder: str | Path) -> str:
-    """The teacher's task, as :class:`~encoderkit.models.folder.ModelFolder` reads it (card, else its files)."""
-    return ModelFolder.open(folder, tokenizer=False).task
-
-
 def require_masked_lm(teacher: nn.Module, folder: str) -> None:
     """Refuse, naming the family, an agnostic-distillation teacher without a masked-LM head (an ELECTRA
     discriminator, a bare encoder): MLM distillation matches the teacher's word predictions."""
@@ -253,17 +248,14 @@ def require_masked_lm(teacher: nn.Module, folder: str) -> None:
                               "adds a masked-LM head) and distil that folder") from None
 
 
-def with_teacher_length(cfg: DistillConfig) -> DistillConfig:
-    """``cfg`` with ``seq_len`` 0 (task mode) made the teacher's max length, the length it serves at."""
-    if cfg.mode != "task" or cfg.seq_len:
-        return cfg
-    return dataclasses.replace(cfg, seq_len=ModelFolder.open(cfg.teacher, tokenizer=False).max_length)
-
-
 def run(config: DistillConfig) -> DistillResult:
-    """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style)."""
-    cfg = with_teacher_length(config)
-    task = teacher_task(cfg.teacher) if cfg.mode == "task" else "mlm"
+    """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style).
+    In task mode, ``seq_len`` 0 becomes the teacher's max length (the length it serves at)."""
+    task, cfg = "mlm", config
+    if config.mode == "task":
+        card = ModelFolder.open(config.teacher, tokenizer=False)
+        task = card.task
+        cfg = config if config.seq_len else dataclasses.replace(config, seq_len=card.max_length)
     if task == "embed":
         return run_embed(cfg)
     if task in ("rerank", "ner", "qa"):

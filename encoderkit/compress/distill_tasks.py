@@ -71,17 +71,16 @@ def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
 def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
     """(batch source, loss_fn, number of queries): teacher scores computed once for every pair."""
     from encoderkit.tasks.batching import BucketedBatches, encode_batch
-    from encoderkit.tasks.common import run_batches
-    from encoderkit.tasks.rerank.features import pair_rows
+    from encoderkit.tasks.rerank.features import pair_rows, score_rows
 
     lists = candidate_lists(cfg)
     size = len(lists[0][1])
     queries = [q for q, c in lists for _ in c]
     passages = [p for _, c in lists for p in c]
     rows = pair_rows(tokenizer, queries, passages, cfg.seq_len)  # tokenised once: scored here, trained on below
-    scores = run_batches(teacher, rows, tokenizer.pad_token_id, 64, lambda o: o.logits[:, :1], desc="teacher scores")
+    scores = score_rows(teacher, rows, tokenizer.pad_token_id, 64, desc="teacher scores")
     for r, s in zip(rows, scores):
-        r["teacher_score"] = np.float32(s[0])
+        r["teacher_score"] = s
     check(len(lists) >= cfg.batch_size, f"--train {cfg.train}: {len(lists)} queries, fewer than one batch of {cfg.batch_size}")
 
     def make_batch(idx: np.ndarray, epoch: int) -> dict[str, torch.Tensor]:

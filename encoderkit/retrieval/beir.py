@@ -29,6 +29,7 @@ import numpy as np
 
 from encoderkit.errors import EncoderkitError
 
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
 
 
@@ -56,7 +57,7 @@ def pseudo_queries(data: Retrieval, n: int, seed: int = 0, max_words: int = 32) 
         if len(out) >= n:
             break
         title, text = data.corpus[ids[i]]
-        query = title if len(title.split()) >= 3 else re.split(r"(?<=[.!?])\s+", text.strip(), maxsplit=1)[0]
+        query = title if len(title.split()) >= 3 else _SENTENCE_END.split(text.strip(), maxsplit=1)[0]
         words = query.split()[:max_words]
         if len(words) >= 3:
             out[f"pseudo:{ids[i]}"] = " ".join(words)

@@ -24,6 +24,10 @@ def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], 
     if not passages:
         return np.zeros(0, dtype=np.float32)
     queries = [query] * len(passages) if isinstance(query, str) else list(query)
-    rows = pair_rows(tokenizer, queries, passages, max_length)
-    out = run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits[:, :1])
+    return score_rows(module, pair_rows(tokenizer, queries, passages, max_length), tokenizer.pad_token_id, batch_size)
+
+
+def score_rows(module, rows: list[dict[str, np.ndarray]], pad_id: int, batch_size: int = 64, desc: str = "") -> np.ndarray:
+    """Relevance scores (N,) of already tokenised pairs (:func:`pair_rows`); ``desc``: show progress under that name."""
+    out = run_batches(module, rows, pad_id, batch_size, lambda o: o.logits[:, :1], desc=desc)
     return np.asarray(out, dtype=np.float32).reshape(len(rows), -1)[:, 0]
