@@ -132,3 +132,22 @@ def test_minilm_three_layer_student_moves_towards_the_teacher(tmp_path, minilm_d
     base = build_student_from_teacher(AutoModel.from_pretrained(minilm_dir), [0, 3, 5])
     undistilled = (encode(BiEncoder(base, "mean"), student.tokenizer, held_out, 256) * ref).sum(1).mean()
     assert distilled > undistilled + 0.05, (distilled, undistilled)
+
+
+def test_a_beir_source_gives_its_corpus_and_only_a_named_splits_queries(tmp_path):
+    import json
+
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    docs = {"d1": "Cells divide when the signal arrives. The signal is a protein.", "d2": "Aspirin lowers the risk of a stroke in adults."}
+    queries = {"q1": "Which protein signals cell division", "q2": "Does aspirin prevent strokes"}
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n" for k, v in docs.items()))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq2\td2\t1\n")
+    corpus_only = training_texts(str(beir))
+    assert "Aspirin lowers the risk of a stroke in adults." in corpus_only
+    assert not set(queries.values()) & set(corpus_only)
+    with_train = training_texts(f"{beir}#train")
+    assert set(with_train) == set(corpus_only) | set(queries.values())
+    assert set(training_texts(f"{beir}#test")) == set(corpus_only) | {queries["q2"]}

@@ -194,7 +194,7 @@ class DistillConfig(StageConfig):
     layers: str = arg("every-other", help="Teacher layers the student keeps and is initialised from: 'every-other' (0,2,4,...) or a list like '0,2,5'.")
     hidden_size: int | None = arg(None, help="Build a narrower student of this width (random init, hidden states matched through a learned projection).")
     train: str | None = arg(None, help="mode=task: the teacher's task data, read by the task's reader (classify: a table with the text/pair columns of the teacher's card; its label column adds the hard loss; ner: CoNLL/JSONL; qa: SQuAD JSON; rerank: see --miner). "
-                                       "An embed teacher: any corpus (text files, JSONL, folders, a BEIR source like scifact.zip#test; comma-separated).")
+                                       "An embed teacher: any corpus (text files, JSONL, folders, a BEIR source: its corpus, plus the queries of a split named like scifact.zip#train; comma-separated).")
     data: str | None = arg(None, help="mode=agnostic: a folder written by `encoderkit data prepare` (packed token blocks).")
     kl_weight: float = arg(1.0, help="Weight of T^2 * KL(teacher || student) on soft targets.")
     hard_weight: float = arg(0.5, help="Weight of the hard loss: MLM cross-entropy (agnostic) or cross-entropy on gold labels (task).")

@@ -9,7 +9,8 @@ plus, for each ``matryoshka_dims`` size d, the same on the re-normalised leading
 
 Training texts come from any corpus :func:`encoderkit.data.readers.iter_documents` reads (text,
 JSONL, CSV/TSV, archives, folders, ``hf:``, ``builtin:``), or from the corpus of a BEIR source
-(a BEIR folder or the SciFact zip, ``PATH#split``); several sources are separated by commas.
+(a BEIR folder or the SciFact zip; ``PATH#split`` adds that split's queries, which the teacher's
+fine-tune may have shaped most); several sources are separated by commas.
 Each document is cut into sentences and the sentences into pieces of 1, 2 and 4 consecutive
 sentences in turn, so the student sees query-length and passage-length inputs.
 
@@ -45,7 +46,8 @@ def split_sentences(text: str) -> list[str]:
 
 
 def source_documents(spec: str) -> Iterator[str]:
-    """Document texts of one source: a BEIR source's corpus (title + text) or any corpus file."""
+    """Document texts of one source: a BEIR source's corpus (title + text), and with an explicit
+    ``#split`` that split's queries too (each its own text; no labels are read), or any corpus file."""
     from encoderkit.retrieval.beir import load_retrieval, split_spec
 
     path, split = split_spec(spec)
@@ -53,6 +55,8 @@ def source_documents(spec: str) -> Iterator[str]:
         data = load_retrieval(f"{path}#{split}")
         for doc_id in data.corpus:
             yield data.doc_text(doc_id)
+        if "#" in str(spec):  # the split's queries: those its qrels name (a BEIR queries.jsonl holds every split's)
+            yield from (data.queries[q] for q in data.qrels if q in data.queries)
         return
     from encoderkit.data.readers import iter_documents
     from encoderkit.progress import note
