@@ -165,3 +165,28 @@ def test_two_four_runs_on_semi_structured_kernels() -> None:
     x = torch.randint(5, 250, (32, 64), device="cuda")
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=x).logits, dense(input_ids=x).logits, atol=2e-2, rtol=2e-2)
+
+
+def test_calibration_and_recovery_read_inputs_at_the_models_max_length_by_default(tiny_classifier, tmp_path, monkeypatch) -> None:
+    """seq_len 0 (the default) is the folder's max length, the length it serves at; a set seq_len is kept."""
+    import encoderkit.compress.prune as prune_module
+    import encoderkit.compress.quantize as quantize_module
+    from encoderkit.compress.quantize import QuantizeConfig, quantize
+    from encoderkit.models.folder import ModelFolder
+
+    import shutil
+
+    folder = tmp_path / "served-at-48"
+    shutil.copytree(tiny_classifier, folder)
+    tok_cfg = folder / "tokenizer_config.json"
+    tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()), "model_max_length": 48}))
+    served = ModelFolder.open(folder, tokenizer=False).max_length
+    assert served == 48  # not the old fixed 128: the test tells them apart
+    seen: list[int] = []
+    for module in (prune_module, quantize_module):
+        real = module.text_batches
+        monkeypatch.setattr(module, "text_batches", lambda tok, texts, seq_len, bs, real=real: seen.append(seq_len) or real(tok, texts, seq_len, bs))
+    prune(folder, _cfg(method="ffn", amount=0.25), tmp_path / "a", calib=TEXTS)
+    prune(folder, _cfg(method="ffn", amount=0.25, seq_len=16), tmp_path / "b", calib=TEXTS)
+    quantize(folder, QuantizeConfig(measure=False, calib_samples=8, method="gptq", bits=4, group_size=16), tmp_path / "c", calib=TEXTS)
+    assert seen == [served, 16, served]

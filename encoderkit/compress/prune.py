@@ -21,6 +21,7 @@ model as teacher (KD on logits) through the training engine.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ class PruneConfig(StageConfig):
     temperature: float = arg(2.0, help="KD temperature")
     lr: float = arg(3e-5, help="Recovery learning rate")
     batch_size: int = arg(32, help="Recovery / calibration batch size")
-    seq_len: int = arg(128, help="Max tokens per example for recovery and calibration")
+    seq_len: int = arg(0, help="Max tokens per example for recovery and calibration (0: the model's max length, the length it serves at)")
     overwrite: bool = arg(False, help="Replace an existing output folder")
     seed: int = arg(0, help="Seed for calibration sampling and recovery")
     measure: bool = arg(True, help="Measure latency (batch 1 and 32, seq 128) before and after", speed=True)
@@ -74,6 +75,7 @@ class PruneConfig(StageConfig):
     def validate(self) -> None:
         check(0 <= self.amount < 1, f"prune amount must be in [0, 1), got {self.amount}")
         check(self.recovery_steps >= 0, "recovery_steps must be >= 0")
+        check(self.seq_len >= 0, f"seq_len must be >= 0 (0: the model's max length), got {self.seq_len}")
         check(0 <= self.kd_alpha <= 1, f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
         check(self.schedule == "oneshot" or self.recovery_steps > 0,
               "schedule=gradual needs recovery_steps > 0 and recovery_data")
@@ -103,6 +105,8 @@ def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
     if is_quantized(model_dir):
         raise EncoderkitError(f"{model_dir} is quantized; prune its unquantized parent first, then quantize")
     data = (data or LeverData.for_model(model_dir)).with_sources(train=cfg.recovery_data, calib=cfg.calib_data)
+    if not cfg.seq_len:
+        cfg = dataclasses.replace(cfg, seq_len=ModelFolder.open(model_dir, tokenizer=False).max_length)
     if cfg.method == "vocab":
         from encoderkit.compress.vocab import prune_vocab
 

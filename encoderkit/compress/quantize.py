@@ -20,6 +20,7 @@ Every method refuses a model that is already quantized.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,7 +77,7 @@ class QuantizeConfig(StageConfig):
     calib_data: str = arg("", help="Calibration inputs: the task's data file, read by the task's reader (or a .txt of texts): static/gptq")
     calib_samples: int = arg(0, help="Number of calibration texts (0: the method's default: gptq 4096, a Hessian per "
                                      "Linear needs many tokens and short texts give few; static/qat 128)")
-    calib_seq_len: int = arg(128, help="Max tokens per calibration text")
+    calib_seq_len: int = arg(0, help="Max tokens per calibration / QAT text (0: the model's max length, the length it serves at)")
     calib_method: str = arg("minmax", help="static: activation range calibration", choices=("minmax", "entropy", "percentile"))
     fallback_layers: int = arg(0, help="static: keep this many most sensitive MatMuls in fp32 (measured by output error)")
     train_data: str = arg("", help="qat: the task's training data for the quantization-aware fine-tuning (read by the task's reader)")
@@ -95,7 +96,8 @@ class QuantizeConfig(StageConfig):
               f"bits={self.bits} is only supported by method gptq or rtn; {self.method} is INT8 only")
         check(self.group_size == -1 or self.group_size >= 8, f"group_size must be -1 or >= 8, got {self.group_size}")
         check(0 <= self.damp < 1, f"damp must be in [0, 1), got {self.damp}")
-        check(self.calib_samples >= 0 and self.calib_seq_len >= 8, "calib_samples must be >= 0 and calib_seq_len >= 8")
+        check(self.calib_samples >= 0 and (self.calib_seq_len == 0 or self.calib_seq_len >= 8),
+              "calib_samples must be >= 0 and calib_seq_len 0 (the model's max length) or >= 8")
         check(self.fallback_layers >= 0, "fallback_layers must be >= 0")
         check(0 <= self.kd_alpha <= 1, f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
         onnx = self.method == "static" or self.method == "dynamic" and self.backend == "onnx"
@@ -125,6 +127,8 @@ def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
         raise EncoderkitError(f"{model_dir} is already quantized; quantize its unquantized parent "
                               "(see 'parent' in its encoderkit.json) instead of stacking quantizers")
     data = (data or LeverData.for_model(model_dir)).with_sources(train=cfg.train_data, calib=cfg.calib_data)
+    if not cfg.calib_seq_len:
+        cfg = dataclasses.replace(cfg, calib_seq_len=ModelFolder.open(model_dir, tokenizer=False).max_length)
     onnx_check = cfg.method == "dynamic" and cfg.backend == "onnx" and data.source("calib")  # the INT8 graph's output error
     if calib is None and (cfg.method in ("gptq", "static") or onnx_check):
         calib = calibration_texts(cfg, None, data, model_dir)
