@@ -169,12 +169,12 @@ def test_two_four_runs_on_semi_structured_kernels() -> None:
 
 def test_calibration_and_recovery_read_inputs_at_the_models_max_length_by_default(tiny_classifier, tmp_path, monkeypatch) -> None:
     """seq_len 0 (the default) is the folder's max length, the length it serves at; a set seq_len is kept."""
+    import shutil
+
     import encoderkit.compress.prune as prune_module
     import encoderkit.compress.quantize as quantize_module
     from encoderkit.compress.quantize import QuantizeConfig, quantize
     from encoderkit.models.folder import ModelFolder
-
-    import shutil
 
     folder = tmp_path / "served-at-48"
     shutil.copytree(tiny_classifier, folder)

@@ -92,21 +92,21 @@ def data_needs(cfg: PruneConfig) -> tuple[str, ...]:
     return tuple(needs)
 
 
-def prune(model_dir: str | Path, cfg: PruneConfig, out_dir: str | Path,
+def prune(model_dir: str | Path, config: PruneConfig, out_dir: str | Path,
           calib: list[Any] | None = None, quality_fn: QualityFn | None = None, data: LeverData | None = None) -> LeverReport:
-    """Prune the model in ``model_dir`` as ``cfg`` says and write the result to ``out_dir``.
+    """Prune the model in ``model_dir`` as ``config`` says and write the result to ``out_dir``.
 
     ``calib`` (texts or pairs) overrides the calibration data for importance scores; ``data`` is
-    where the declared data fields come from (default: ``cfg``'s own files, read as the model's
+    where the declared data fields come from (default: ``config``'s own files, read as the model's
     task's data); ``quality_fn(folder) -> dict`` is measured before and after.
     """
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if is_quantized(model_dir):
         raise EncoderkitError(f"{model_dir} is quantized; prune its unquantized parent first, then quantize")
-    data = (data or LeverData.for_model(model_dir)).with_sources(train=cfg.recovery_data, calib=cfg.calib_data)
-    if not cfg.seq_len:
-        cfg = dataclasses.replace(cfg, seq_len=ModelFolder.open(model_dir, tokenizer=False).max_length)
+    data = (data or LeverData.for_model(model_dir)).with_sources(train=config.recovery_data, calib=config.calib_data)
+    cfg = config if config.seq_len else dataclasses.replace(  # the length the model serves at
+        config, seq_len=ModelFolder.open(model_dir, tokenizer=False).max_length)
     if cfg.method == "vocab":
         from encoderkit.compress.vocab import prune_vocab
 

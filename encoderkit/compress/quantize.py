@@ -112,12 +112,12 @@ def data_needs(cfg: QuantizeConfig) -> tuple[str, ...]:
     return ("calib",) if cfg.method in ("gptq", "static") and not cfg.calib_data else ()
 
 
-def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
+def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
              calib: list[Any] | None = None, quality_fn: QualityFn | None = None, data: LeverData | None = None) -> LeverReport:
-    """Quantize the model in ``model_dir`` as ``cfg`` says and write the result to ``out_dir``.
+    """Quantize the model in ``model_dir`` as ``config`` says and write the result to ``out_dir``.
 
     ``calib`` (texts or text pairs) overrides the calibration data; ``data`` is where the declared
-    data fields come from (default: ``cfg``'s own files, read as the model's task's data);
+    data fields come from (default: ``config``'s own files, read as the model's task's data);
     ``quality_fn(folder) -> dict`` is measured before and after. Returns the :class:`LeverReport`
     (also saved in the card).
     """
@@ -126,9 +126,9 @@ def quantize(model_dir: str | Path, cfg: QuantizeConfig, out_dir: str | Path,
     if is_quantized(model_dir):
         raise EncoderkitError(f"{model_dir} is already quantized; quantize its unquantized parent "
                               "(see 'parent' in its encoderkit.json) instead of stacking quantizers")
-    data = (data or LeverData.for_model(model_dir)).with_sources(train=cfg.train_data, calib=cfg.calib_data)
-    if not cfg.calib_seq_len:
-        cfg = dataclasses.replace(cfg, calib_seq_len=ModelFolder.open(model_dir, tokenizer=False).max_length)
+    data = (data or LeverData.for_model(model_dir)).with_sources(train=config.train_data, calib=config.calib_data)
+    cfg = config if config.calib_seq_len else dataclasses.replace(  # the length the model serves at
+        config, calib_seq_len=ModelFolder.open(model_dir, tokenizer=False).max_length)
     onnx_check = cfg.method == "dynamic" and cfg.backend == "onnx" and data.source("calib")  # the INT8 graph's output error
     if calib is None and (cfg.method in ("gptq", "static") or onnx_check):
         calib = calibration_texts(cfg, None, data, model_dir)
