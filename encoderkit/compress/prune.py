@@ -105,14 +105,13 @@ def prune(model_dir: str | Path, config: PruneConfig, out_dir: str | Path,
     if is_quantized(model_dir):
         raise EncoderkitError(f"{model_dir} is quantized; prune its unquantized parent first, then quantize")
     data = (data or LeverData.for_model(model_dir)).with_sources(train=config.recovery_data, calib=config.calib_data)
-    cfg = config if config.seq_len else dataclasses.replace(  # the length the model serves at
-        config, seq_len=ModelFolder.open(model_dir, tokenizer=False).max_length)
+    folder = ModelFolder.open(model_dir)
+    cfg = config if config.seq_len else dataclasses.replace(config, seq_len=folder.max_length)  # the length it serves at
     if cfg.method == "vocab":
         from encoderkit.compress.vocab import prune_vocab
 
         return prune_vocab(model_dir, cfg, out_dir, quality_fn, data)
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
-    folder = ModelFolder.open(model_dir)
     tokenizer = folder.tokenizer()
     model = folder.load()
     encoder_layers(model, f"prune --method {cfg.method}")  # a family without BERT's layer list: refused by name, first

@@ -127,13 +127,12 @@ def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
         raise EncoderkitError(f"{model_dir} is already quantized; quantize its unquantized parent "
                               "(see 'parent' in its encoderkit.json) instead of stacking quantizers")
     data = (data or LeverData.for_model(model_dir)).with_sources(train=config.train_data, calib=config.calib_data)
-    cfg = config if config.calib_seq_len else dataclasses.replace(  # the length the model serves at
-        config, calib_seq_len=ModelFolder.open(model_dir, tokenizer=False).max_length)
+    folder = ModelFolder.open(model_dir)
+    cfg = config if config.calib_seq_len else dataclasses.replace(config, calib_seq_len=folder.max_length)  # as served
     onnx_check = cfg.method == "dynamic" and cfg.backend == "onnx" and data.source("calib")  # the INT8 graph's output error
     if calib is None and (cfg.method in ("gptq", "static") or onnx_check):
         calib = calibration_texts(cfg, None, data, model_dir)
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
-    folder = ModelFolder.open(model_dir)
     tokenizer = folder.tokenizer()
     model = folder.load()
     details: dict[str, Any] = {}
