@@ -221,11 +221,31 @@ def test_rerank_distillation_adds_corpus_titles_as_label_free_queries(tmp_path, 
     (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": sentence(g, 2, 4)}) + "\n" for i in range(5)))
     (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
     miner = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
-    cfg = SimpleNamespace(train=f"{beir}#train", miner=str(miner), candidates=4, pseudo_queries=0, seed=0, limit=0)
+    cfg = SimpleNamespace(train=f"{beir}#train", miner=str(miner), candidates=4, candidate_depth=0, pseudo_queries=0, seed=0,
+                          limit=0)
     assert len(candidate_lists(cfg)) == 5
     lists = candidate_lists(SimpleNamespace(**{**vars(cfg), "pseudo_queries": 6}))
     titles = {t for t, _ in docs.values()}
     assert len(lists) == 11 and all(len(c) == 4 for _, c in lists)
     assert sum(q in titles for q, _ in lists) == 6  # the split's 5 queries, then 6 corpus titles
+    top = [c for _, c in candidate_lists(cfg)]
+    deep = [c for _, c in candidate_lists(SimpleNamespace(**{**vars(cfg), "candidate_depth": 10}))]
+    assert all(len(c) == 4 and c[:2] == t[:2] for c, t in zip(deep, top))  # the top half stays the top half
+    assert deep != top  # the rest is drawn from deeper ranks
     with pytest.raises(EncoderkitError, match="pseudo_queries"):
         DistillConfig(teacher="t", out="o", train="x", pseudo_queries=-1)
+    with pytest.raises(EncoderkitError, match="candidate_depth"):
+        DistillConfig(teacher="t", out="o", train="x", candidate_depth=-1)
+
+
+def test_a_deep_candidate_list_keeps_the_top_half_and_samples_the_ranks_below_in_order():
+    from encoderkit.compress.distill_tasks import spread
+
+    ranked = [f"d{i}" for i in range(100)]
+    lists = [spread(ranked, 16, np.random.default_rng(s)) for s in range(20)]
+    for got in lists:
+        pos = [ranked.index(d) for d in got]
+        assert len(got) == 16 and pos[:8] == list(range(8)) and pos == sorted(set(pos)) and max(pos) < 100
+    assert max(max(ranked.index(d) for d in got) for got in lists) >= 90  # the sample reaches the bottom of the list
+    assert spread(ranked[:5], 16, np.random.default_rng(0)) == ranked[:5]
+    assert spread(ranked, 16, np.random.default_rng(3)) == spread(ranked, 16, np.random.default_rng(3))

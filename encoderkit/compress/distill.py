@@ -213,6 +213,9 @@ class DistillConfig(StageConfig):
     matryoshka_dims: list[int] = arg([], help="embed teacher: also match these leading embedding sizes (Matryoshka), e.g. 128,256.")
     miner: str | None = arg(None, help="rerank teacher with a BEIR --train: the bi-encoder folder whose top --candidates per query the teacher scores.")
     candidates: int = arg(16, help="rerank teacher: candidate passages per query (each list is cut to the shortest, at most this).")
+    candidate_depth: int = arg(0, help="rerank teacher with a BEIR --train and --miner: draw each query's --candidates from the miner's top N: "
+                                "the top half of them, and a seeded sample of ranks below down to N (the list a reranker serves, e.g. 100: "
+                                "the student also learns to push down the 50th and 90th documents). 0: the top --candidates.")
     pseudo_queries: int = arg(0, help="rerank teacher with a BEIR --train and --miner: also N corpus documents (seeded sample) as queries, "
                               "each its title (else its first sentence), with the miner's top --candidates scored by the teacher: "
                               "label-free lists beyond the split's queries (SciFact's train split has 809).")
@@ -222,6 +225,7 @@ class DistillConfig(StageConfig):
 
     def validate(self) -> None:
         check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        check(self.candidate_depth >= 0, f"candidate_depth must be >= 0, got {self.candidate_depth}")
         check(self.pseudo_queries >= 0, f"pseudo_queries must be >= 0, got {self.pseudo_queries}")
         check(self.seq_len >= 0, f"seq_len must be >= 0 (0: the teacher's max length), got {self.seq_len}")
         check(min(self.kl_weight, self.hard_weight, self.cos_weight) >= 0, "loss weights must be >= 0")

@@ -1,7 +1,8 @@
 """Distillation of rerank, NER and QA teachers (the student built as in :mod:`encoderkit.compress.distill`).
 
 - ``rerank``: each query comes with a list of candidate passages: a BEIR source's queries with the
-  top ``candidates`` of a first-stage bi-encoder (``miner``) (with ``pseudo_queries`` N, also N
+  top ``candidates`` of a first-stage bi-encoder (``miner``; with ``candidate_depth`` D, the top half of them
+  and a seeded sample of the rest of its top D, the list a reranker serves) (with ``pseudo_queries`` N, also N
   corpus documents' titles as queries: more teacher-scored lists, still no label), or JSONL rows ``{query, positive,
   negatives}`` (the list is the positive and the negatives; no label is used). The teacher
   cross-encoder scores every pair once; the student learns the scores over each query's list:
@@ -55,9 +56,11 @@ def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
             note(f"{cfg.train}: {len(data.qrels) - len(extra)} queries of the split + {len(extra)} corpus documents' "
                  "titles (else first sentences) as queries")
         miner = resolve_model(cfg.miner)  # a folder, or 'minilm'
+        depth = max(cfg.candidates, cfg.candidate_depth)
         ranked = retrieve(load_bi_encoder(miner), AutoTokenizer.from_pretrained(str(miner)), data,
-                          folder_max_length(miner) or 256, 64, 64, k=cfg.candidates, progress=True, cache_for=miner)
-        lists = [(data.queries[q], [data.doc_text(d) for d in docs]) for q, docs in ranked.items()]
+                          folder_max_length(miner) or 256, 64, 64, k=depth, progress=True, cache_for=miner)
+        rng = np.random.default_rng(cfg.seed)
+        lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, cfg.candidates, rng)]) for q, docs in ranked.items()]
     else:
         lists = [(t.query, [t.positive, *t.negatives]) for t in read_triples(cfg.train)]
     if cfg.limit:
@@ -66,6 +69,17 @@ def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
     check(size >= 2, f"--train {cfg.train}: a query has {size} candidate(s); rerank distillation needs at least 2 per query "
                      "(JSONL rows need 'negatives')")
     return [(q, c[:size]) for q, c in lists]
+
+
+def spread(ranked: list[str], size: int, rng: np.random.Generator) -> list[str]:
+    """``size`` of a first stage's ranked documents: all of them when there are no more; else the top half
+    of ``size`` and a seeded sample of the ranks below, in rank order. A reranker serving a top-100 list
+    must also push down the documents ranked 50th or 90th, which a list of the top few never shows it."""
+    if len(ranked) <= size:
+        return list(ranked)
+    top = (size + 1) // 2
+    deeper = np.sort(rng.choice(np.arange(top, len(ranked)), size - top, replace=False))
+    return [*ranked[:top], *(ranked[int(i)] for i in deeper)]
 
 
 def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:

@@ -145,7 +145,8 @@ def _rerank_inputs(spec: str, miner: str | None = None) -> TaskInputs:
 
         from encoderkit.compress.distill_tasks import candidate_lists
 
-        lists = candidate_lists(SimpleNamespace(train=spec, miner=miner, candidates=MINED_PAIRS, limit=0, pseudo_queries=0))
+        lists = candidate_lists(SimpleNamespace(train=spec, miner=miner, candidates=MINED_PAIRS, candidate_depth=0,
+                                                limit=0, pseudo_queries=0, seed=0))
         # rank-major (every query's first candidate, then every query's second, ...), so that the first N
         # pairs a calibration sample takes span N queries
         return TaskInputs([(q, c[r]) for r in range(len(lists[0][1])) for q, c in lists], None, spec)
