@@ -207,8 +207,6 @@ def test_pseudo_queries_are_titles_else_first_sentences_seeded_and_never_a_split
 
 
 def test_rerank_distillation_adds_corpus_titles_as_label_free_queries(tmp_path, tiny_tokenizer_dir, tmp_path_factory):
-    from types import SimpleNamespace
-
     from deploy_models import make_task_model, tiny_root
 
     from encoderkit.compress.distill_tasks import candidate_lists
@@ -221,15 +219,14 @@ def test_rerank_distillation_adds_corpus_titles_as_label_free_queries(tmp_path, 
     (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": sentence(g, 2, 4)}) + "\n" for i in range(5)))
     (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
     miner = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
-    cfg = SimpleNamespace(train=f"{beir}#train", miner=str(miner), candidates=4, candidate_depth=0, pseudo_queries=0, seed=0,
-                          limit=0)
-    assert len(candidate_lists(cfg)) == 5
-    lists = candidate_lists(SimpleNamespace(**{**vars(cfg), "pseudo_queries": 6}))
+    source = (f"{beir}#train", str(miner), 4)
+    assert len(candidate_lists(*source)) == 5
+    lists = candidate_lists(*source, pseudo_queries=6)
     titles = {t for t, _ in docs.values()}
     assert len(lists) == 11 and all(len(c) == 4 for _, c in lists)
     assert sum(q in titles for q, _ in lists) == 6  # the split's 5 queries, then 6 corpus titles
-    top = [c for _, c in candidate_lists(cfg)]
-    deep = [c for _, c in candidate_lists(SimpleNamespace(**{**vars(cfg), "candidate_depth": 10}))]
+    top = [c for _, c in candidate_lists(*source)]
+    deep = [c for _, c in candidate_lists(*source, candidate_depth=10)]
     assert all(len(c) == 4 and c[:2] == t[:2] for c, t in zip(deep, top))  # the top half stays the top half
     assert deep != top  # the rest is drawn from deeper ranks
     with pytest.raises(EncoderkitError, match="pseudo_queries"):

@@ -35,12 +35,15 @@ NEG = -1e4  # logit given to padding before a softmax over positions
 
 # -- rerank ------------------------------------------------------------------------------------------
 
-def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
-    """(query, candidate passages) per query, every list cut to the same length (at most ``cfg.candidates``)."""
-    from encoderkit.retrieval.beir import is_beir_source, load_retrieval, pseudo_queries, read_triples
+def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0, pseudo_queries: int = 0,
+                    seed: int = 0, limit: int = 0) -> list[tuple[str, list[str]]]:
+    """(query, candidate passages) per query, every list cut to the same length (at most ``candidates``);
+    the arguments are :class:`~encoderkit.compress.distill.DistillConfig`'s fields of those names."""
+    from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
+    from encoderkit.retrieval.beir import pseudo_queries as title_queries
 
-    if is_beir_source(cfg.train):
-        check(bool(cfg.miner), f"--train {cfg.train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
+    if is_beir_source(train):
+        check(bool(miner), f"--train {train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
                                "folder whose top --candidates per query the teacher scores")
         from transformers import AutoTokenizer
 
@@ -48,25 +51,25 @@ def candidate_lists(cfg: Any) -> list[tuple[str, list[str]]]:
         from encoderkit.tasks.common import resolve_model
         from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
-        data = load_retrieval(cfg.train)
-        if cfg.pseudo_queries:
-            extra = pseudo_queries(data, cfg.pseudo_queries, seed=cfg.seed)
+        data = load_retrieval(train)
+        if pseudo_queries:
+            extra = title_queries(data, pseudo_queries, seed=seed)
             data.queries.update(extra)
             data.qrels.update({q: {} for q in extra})  # ranked like the split's queries; no judgment is read
-            note(f"{cfg.train}: {len(data.qrels) - len(extra)} queries of the split + {len(extra)} corpus documents' "
+            note(f"{train}: {len(data.qrels) - len(extra)} queries of the split + {len(extra)} corpus documents' "
                  "titles (else first sentences) as queries")
-        miner = resolve_model(cfg.miner)  # a folder, or 'minilm'
-        depth = max(cfg.candidates, cfg.candidate_depth)
-        ranked = retrieve(load_bi_encoder(miner), AutoTokenizer.from_pretrained(str(miner)), data,
-                          folder_max_length(miner) or 256, 64, 64, k=depth, progress=True, cache_for=miner)
-        rng = np.random.default_rng(cfg.seed)
-        lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, cfg.candidates, rng)]) for q, docs in ranked.items()]
+        miner_folder = resolve_model(miner)  # a folder, or 'minilm'
+        depth = max(candidates, candidate_depth)
+        ranked = retrieve(load_bi_encoder(miner_folder), AutoTokenizer.from_pretrained(str(miner_folder)), data,
+                          folder_max_length(miner_folder) or 256, 64, 64, k=depth, progress=True, cache_for=miner_folder)
+        rng = np.random.default_rng(seed)
+        lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, candidates, rng)]) for q, docs in ranked.items()]
     else:
-        lists = [(t.query, [t.positive, *t.negatives]) for t in read_triples(cfg.train)]
-    if cfg.limit:
-        lists = lists[: cfg.limit]
-    size = min(min(len(c) for _, c in lists), cfg.candidates)
-    check(size >= 2, f"--train {cfg.train}: a query has {size} candidate(s); rerank distillation needs at least 2 per query "
+        lists = [(t.query, [t.positive, *t.negatives]) for t in read_triples(train)]
+    if limit:
+        lists = lists[:limit]
+    size = min(min(len(c) for _, c in lists), candidates)
+    check(size >= 2, f"--train {train}: a query has {size} candidate(s); rerank distillation needs at least 2 per query "
                      "(JSONL rows need 'negatives')")
     return [(q, c[:size]) for q, c in lists]
 
@@ -87,7 +90,8 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     from encoderkit.tasks.batching import BucketedBatches, encode_batch
     from encoderkit.tasks.rerank.features import pair_rows, score_rows
 
-    lists = candidate_lists(cfg)
+    lists = candidate_lists(cfg.train, cfg.miner, cfg.candidates, candidate_depth=cfg.candidate_depth,
+                            pseudo_queries=cfg.pseudo_queries, seed=cfg.seed, limit=cfg.limit)
     size = len(lists[0][1])
     queries = [q for q, c in lists for _ in c]
     passages = [p for _, c in lists for p in c]

@@ -141,12 +141,9 @@ def _rerank_inputs(spec: str, miner: str | None = None) -> TaskInputs:
     from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
 
     if is_beir_source(spec) and miner:
-        from types import SimpleNamespace
-
         from encoderkit.compress.distill_tasks import candidate_lists
 
-        lists = candidate_lists(SimpleNamespace(train=spec, miner=miner, candidates=MINED_PAIRS, candidate_depth=0,
-                                                limit=0, pseudo_queries=0, seed=0))
+        lists = candidate_lists(spec, miner, MINED_PAIRS)
         # rank-major (every query's first candidate, then every query's second, ...), so that the first N
         # pairs a calibration sample takes span N queries
         return TaskInputs([(q, c[r]) for r in range(len(lists[0][1])) for q, c in lists], None, spec)
