@@ -31,8 +31,45 @@ CARD = "encoderkit.json"
 
 def cache_dir(name: str) -> Path:
     """``$ENCODERKIT_CACHE/name`` (default ``~/.cache/encoderkit/name``): prepared corpora, ONNX
-    exports, corpus embeddings."""
+    exports, corpus embeddings, a rerank teacher's scores."""
     return Path(os.environ.get("ENCODERKIT_CACHE", Path.home() / ".cache" / "encoderkit")) / name
+
+
+def digest_weights(h: Any, folder: str | Path) -> None:
+    """Feed a hash ``h`` the names and bytes of ``folder``'s safetensors files (what a model computes)."""
+    for name in sorted(p.name for p in Path(folder).iterdir() if p.suffix == ".safetensors"):
+        h.update(name.encode())
+        with open(Path(folder) / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+
+
+def cached_array(kind: str, key: str, rows: int, compute: Any, what: str) -> Any:
+    """``compute()``, a numpy array of ``rows`` rows, kept in ``cache_dir(kind)/key.npy``: returned from there
+    when present with that many rows, else computed and written atomically. Plain ``.npy``, read without
+    pickle. A cache that cannot be written costs time later, not this run: a note names ``what`` was not kept."""
+    import numpy as np
+
+    path = cache_dir(kind) / f"{key}.npy"
+    if path.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            cached = np.load(path, allow_pickle=False)
+            if cached.shape[0] == rows:
+                return cached
+    out = compute()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, out, allow_pickle=False)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        from encoderkit.progress import note
+
+        note(f"could not cache {what} in {path.parent} ({e.strerror or e}); continuing without the cache")
+    return out
 
 
 def check_output_dir(out: str | Path, overwrite: bool) -> Path:

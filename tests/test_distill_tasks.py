@@ -19,6 +19,13 @@ from encoderkit.models.folder import load_model as load_task_model
 from tests.conftest import WORDS, tiny_bert_config
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test its own cache: the teacher's scores are cached by weights and pairs, and two tests' tiny
+    teachers are the same model."""
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+
+
 def sentence(g: np.random.Generator, lo: int = 3, hi: int = 10) -> str:
     return " ".join(WORDS[j] for j in g.integers(0, len(WORDS), g.integers(lo, hi)))
 
@@ -88,6 +95,29 @@ def test_rerank_student_orders_candidates_like_the_teacher(tmp_path, tiny_tokeni
     ref = scores(t_model)
     distilled, undistilled = kendall(scores(load_task_model(out)), ref), kendall(scores(base), ref)
     assert distilled > undistilled + 0.1, (distilled, undistilled)
+
+
+def test_a_second_rerank_distillation_reuses_the_teachers_scores_until_the_teacher_changes(tmp_path, tiny_tokenizer_dir, capsys):
+    from safetensors.torch import load_file, save_file
+
+    teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 30.0, num_labels=1)
+    g = np.random.default_rng(0)
+    rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]} for _ in range(16)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def run(out: str, **kw) -> str:
+        settings = {"layers": "0,2", "candidates": 4, "max_steps": 2, "batch_size": 8, "seq_len": 32, "bf16": False, **kw}
+        distill(DistillConfig(teacher=str(teacher), out=str(tmp_path / out), train=str(train), **settings))
+        return capsys.readouterr().err
+
+    assert "teacher scores 64/64" in run("a")
+    assert "teacher scores" not in run("b", layers="1,3", lr=1e-3)  # same teacher, same pairs: read from the cache
+    assert "teacher scores 64/64" in run("c", seq_len=12)  # other token ids (the pairs cut shorter)
+    weights = load_file(teacher / "model.safetensors")
+    weights["classifier.bias"] = weights["classifier.bias"] + 1.0
+    save_file(weights, teacher / "model.safetensors", metadata={"format": "pt"})
+    assert "teacher scores 64/64" in run("d")  # the teacher changed
 
 
 def test_rerank_distillation_refuses_beir_without_a_miner_and_lists_without_negatives(tmp_path, tiny_tokenizer_dir):

@@ -5,7 +5,8 @@
   and a seeded sample of the rest of its top D, the list a reranker serves) (with ``pseudo_queries`` N, also N
   corpus documents' titles as queries: more teacher-scored lists, still no label), or JSONL rows ``{query, positive,
   negatives}`` (the list is the positive and the negatives; no label is used). The teacher
-  cross-encoder scores every pair once; the student learns the scores over each query's list:
+  cross-encoder scores every pair once (kept in the cache: a second distillation of the same teacher on the
+  same pairs skips that pass); the student learns the scores over each query's list:
   ``loss=kl``: ``T^2 * KL(softmax(t / T) || softmax(s / T))`` (the order and the gaps within a
   list, not the offset), ``loss=mse``: the squared error of the raw scores.
 - ``ner``: the teacher's per-token tag logits, ``T^2 * KL`` over every real token (padding left
@@ -88,7 +89,7 @@ def spread(ranked: list[str], size: int, rng: np.random.Generator) -> list[str]:
 def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
     """(batch source, loss_fn, number of queries): teacher scores computed once for every pair."""
     from encoderkit.tasks.batching import BucketedBatches, encode_batch
-    from encoderkit.tasks.rerank.features import pair_rows, score_rows
+    from encoderkit.tasks.rerank.features import pair_rows
 
     lists = candidate_lists(cfg.train, cfg.miner, cfg.candidates, candidate_depth=cfg.candidate_depth,
                             pseudo_queries=cfg.pseudo_queries, seed=cfg.seed, limit=cfg.limit)
@@ -96,7 +97,7 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     queries = [q for q, c in lists for _ in c]
     passages = [p for _, c in lists for p in c]
     rows = pair_rows(tokenizer, queries, passages, cfg.seq_len)  # tokenised once: scored here, trained on below
-    scores = score_rows(teacher, rows, tokenizer.pad_token_id, 64, desc="teacher scores")
+    scores = teacher_scores(cfg.teacher, teacher, rows, tokenizer.pad_token_id)
     for r, s in zip(rows, scores):
         r["teacher_score"] = s
     check(len(lists) >= cfg.batch_size, f"--train {cfg.train}: {len(lists)} queries, fewer than one batch of {cfg.batch_size}")
@@ -115,6 +116,28 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
         return loss, {cfg.loss: float(loss.detach())}
 
     return source, loss_fn, len(lists)
+
+
+def teacher_scores(folder: str | Path, teacher: nn.Module, rows: list[dict[str, np.ndarray]], pad_id: int) -> np.ndarray:
+    """The teacher's score of every tokenised pair, kept in ``$ENCODERKIT_CACHE/teacher-scores`` under a
+    hash of the teacher folder's weights, config and card and of the pairs' token ids: a second distillation
+    of the same teacher on the same lists (other layers, learning rate, epochs) skips the teacher's pass."""
+    import hashlib
+
+    from encoderkit.io import CARD, cached_array, digest_weights
+    from encoderkit.tasks.rerank.features import score_rows
+
+    h = hashlib.sha256(f"rerank pad={pad_id} n={len(rows)}".encode())
+    digest_weights(h, folder)
+    for name in ("config.json", CARD):
+        if (Path(folder) / name).is_file():
+            h.update((Path(folder) / name).read_bytes())
+    for r in rows:
+        for k in ("input_ids", "token_type_ids"):
+            if k in r:
+                h.update(k.encode() + np.ascontiguousarray(r[k], dtype=np.int64).tobytes())
+    return cached_array("teacher-scores", h.hexdigest(), len(rows),
+                        lambda: score_rows(teacher, rows, pad_id, 64, desc="teacher scores"), "the teacher's scores")
 
 
 # -- NER and QA ----------------------------------------------------------------------------------------

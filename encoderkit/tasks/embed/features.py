@@ -15,10 +15,8 @@ sentence-transformers layout (exact search over the embeddings: :mod:`encoderkit
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from encoderkit.io import cache_dir, write_json_atomic
+from encoderkit.io import cached_array, digest_weights, write_json_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import pool
 from encoderkit.tasks.batching import encode_batch, sorted_batches
@@ -144,12 +142,6 @@ def save_sentence_transformers(model: BiEncoder, tokenizer, folder: Path, max_le
     write_json_atomic(folder / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
 
 
-def _digest(h: Any, path: Path) -> None:
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-
-
 def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int, batch_size: int, progress: bool,
                   folder: Path) -> np.ndarray:
     """:func:`encode`, with the result kept in ``$ENCODERKIT_CACHE/embeddings`` (default
@@ -157,9 +149,7 @@ def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int
     pooling, ``max_length`` and the texts: evaluating a model and mining with it encode a corpus once.
     The cache holds plain ``.npy`` arrays (read without pickle)."""
     h = hashlib.sha256(json.dumps({"pooling": model.pooling, "max_length": max_length, "n": len(texts)}).encode())
-    for name in sorted(p.name for p in Path(folder).iterdir() if p.suffix == ".safetensors"):
-        h.update(name.encode())
-        _digest(h, Path(folder) / name)
+    digest_weights(h, folder)
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the tokenizer actually used, not the folder's file
     if backend is not None:  # less the truncation/padding state that each call sets
         spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
@@ -168,22 +158,5 @@ def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int
         h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
     for t in texts:
         h.update(t.encode("utf-8", "surrogatepass") + b"\0")
-    path = cache_dir("embeddings") / f"{h.hexdigest()}.npy"
-    if path.is_file():
-        cached = np.load(path, allow_pickle=False)
-        if cached.shape[0] == len(texts):
-            return cached
-    out = encode(model, tokenizer, texts, max_length, batch_size, progress)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.save(f, out, allow_pickle=False)
-        os.replace(tmp, path)
-    except OSError as e:  # a cache that cannot be written (full disk, read-only) costs time later, not this run
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        from encoderkit.progress import note
-
-        note(f"could not cache the corpus embeddings in {path.parent} ({e.strerror or e}); continuing without the cache")
-    return out
+    return cached_array("embeddings", h.hexdigest(), len(texts),
+                        lambda: encode(model, tokenizer, texts, max_length, batch_size, progress), "the corpus embeddings")
