@@ -191,7 +191,8 @@ class DistillConfig(StageConfig):
     out: str = arg(help="Output folder for the student.", required=True)
     mode: str = arg("task", choices=("task", "agnostic"), help="task: learn the teacher's task logits on task data; agnostic: DistilBERT-style MLM distillation on prepared blocks.")
     student: str | None = arg(None, help="An existing student folder (same tokenizer as the teacher); default: built from the teacher.")
-    layers: str = arg("every-other", help="Teacher layers the student keeps and is initialised from: 'every-other' (0,2,4,...) or a list like '0,2,5'.")
+    layers: str = arg("every-other", help="Teacher layers the student keeps and is initialised from: 'every-other' (0,2,4,...) or a list like '0,2,5'. "
+                                          "A cut rerank teacher scores no better than chance until trained back; every other layer learns fastest.")
     hidden_size: int | None = arg(None, help="Build a narrower student of this width (random init, hidden states matched through a learned projection).")
     train: str | None = arg(None, help="mode=task: the teacher's task data, read by the task's reader (classify: a table with the text/pair columns of the teacher's card; its label column adds the hard loss; ner: CoNLL/JSONL; qa: SQuAD JSON; rerank: see --miner). "
                                        "An embed teacher: any corpus (text files, JSONL, folders, a BEIR source: its corpus, plus the queries of a split named like scifact.zip#train; comma-separated).")
@@ -203,7 +204,7 @@ class DistillConfig(StageConfig):
     mask_rate: float = arg(0.15, help="mode=agnostic: fraction of tokens masked.")
     epochs: float = arg(3.0, help="Passes over the training data (unless max_steps is set).")
     max_steps: int = arg(0, help="Optimizer steps (0: use epochs).")
-    lr: float = arg(1e-4, help="Peak learning rate of the student.")
+    lr: float = arg(1e-4, help="Peak learning rate of the student (a rerank student, which starts from chance, learns far faster at 3e-4).")
     warmup: float = arg(0.06, help="Warmup: a fraction of the steps (< 1) or a number of steps.")
     batch_size: int = arg(32, help="Examples per optimizer step.")
     seq_len: int = arg(0, help="mode=task: longest input in tokens, longer ones truncated (0: the teacher's max length, "
