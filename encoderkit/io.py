@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import secrets
@@ -20,7 +21,7 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +36,24 @@ def cache_dir(name: str) -> Path:
     return Path(os.environ.get("ENCODERKIT_CACHE", Path.home() / ".cache" / "encoderkit")) / name
 
 
-def digest_weights(h: Any, folder: str | Path) -> None:
-    """Feed a hash ``h`` the names and bytes of ``folder``'s safetensors files (what a model computes)."""
-    for name in sorted(p.name for p in Path(folder).iterdir() if p.suffix == ".safetensors"):
-        h.update(name.encode())
-        with open(Path(folder) / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
+def model_fingerprint(folder: str | Path) -> str:
+    """sha256 (first 16 hex) of a model folder's weights, tokenizer, config and pooling files: two folders
+    with the same fingerprint compute the same outputs (an index's embedder, a cache's key)."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".onnx", ".bin") and p.is_file())
+    names += [n for n in ("tokenizer.json", "vocab.txt", "config.json", "1_Pooling/config.json") if (folder / n).is_file()]
+    if not names:
+        raise EncoderkitError(f"{folder}: no model weights found to fingerprint")
+    for n in names:
+        h.update(n.encode())
+        with open(folder / n, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
+    return h.hexdigest()[:16]
 
 
-def cached_array(kind: str, key: str, rows: int, compute: Any, what: str) -> Any:
+def cached_array(kind: str, key: str, rows: int, compute: Callable[[], Any], what: str) -> Any:
     """``compute()``, a numpy array of ``rows`` rows, kept in ``cache_dir(kind)/key.npy``: returned from there
     when present with that many rows, else computed and written atomically. Plain ``.npy``, read without
     pickle. A cache that cannot be written costs time later, not this run: a note names ``what`` was not kept."""

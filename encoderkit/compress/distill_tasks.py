@@ -119,19 +119,15 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
 
 
 def teacher_scores(folder: str | Path, teacher: nn.Module, rows: list[dict[str, np.ndarray]], pad_id: int) -> np.ndarray:
-    """The teacher's score of every tokenised pair, kept in ``$ENCODERKIT_CACHE/teacher-scores`` under a
-    hash of the teacher folder's weights, config and card and of the pairs' token ids: a second distillation
-    of the same teacher on the same lists (other layers, learning rate, epochs) skips the teacher's pass."""
+    """The teacher's score of every tokenised pair, kept in ``$ENCODERKIT_CACHE/teacher-scores`` under the
+    teacher folder's fingerprint (weights, config, tokenizer) and a hash of the pairs' token ids: a second
+    distillation of the same teacher on the same lists (other layers, learning rate, epochs) skips the teacher's pass."""
     import hashlib
 
-    from encoderkit.io import CARD, cached_array, digest_weights
+    from encoderkit.io import cached_array, model_fingerprint
     from encoderkit.tasks.rerank.features import score_rows
 
-    h = hashlib.sha256(f"rerank pad={pad_id} n={len(rows)}".encode())
-    digest_weights(h, folder)
-    for name in ("config.json", CARD):
-        if (Path(folder) / name).is_file():
-            h.update((Path(folder) / name).read_bytes())
+    h = hashlib.sha256(f"rerank {model_fingerprint(folder)} pad={pad_id} n={len(rows)}".encode())
     for r in rows:
         for k in ("input_ids", "token_type_ids"):
             if k in r:

@@ -29,11 +29,12 @@ import numpy as np
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.runtime import BACKENDS, Predictor, finish_embeddings
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import model_fingerprint
 from encoderkit.progress import note, progress
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import int8_calibration, stored_codes
 from encoderkit.retrieval.corpus import SourceDoc, passage_spans, read_corpus
-from encoderkit.retrieval.store import Generation, current_folder, model_fingerprint, open_generation, write_generation
+from encoderkit.retrieval.store import Generation, current_folder, open_generation, write_generation
 
 EMBED_CHUNK = 256  # texts per Predictor call (it batches inside)
 

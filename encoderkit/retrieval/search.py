@@ -37,12 +37,12 @@ import numpy as np
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.runtime import BACKENDS, Predictor
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import write_text_atomic
+from encoderkit.io import model_fingerprint, write_text_atomic
 from encoderkit.progress import note
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_dequantize, top_k
 from encoderkit.retrieval.metrics import rrf_scores
-from encoderkit.retrieval.store import Generation, model_fingerprint, open_generation
+from encoderkit.retrieval.store import Generation, open_generation
 
 FIRST_STAGES = ("binary", "int8", "float")
 RESCORES = ("int8", "float", "none")

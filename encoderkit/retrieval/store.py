@@ -151,18 +151,3 @@ def write_generation(root: str | Path, gen: Generation, extra_files: dict[str, A
     return root / name
 
 
-def model_fingerprint(folder: str | Path) -> str:
-    """sha256 (first 16 hex) of a model folder's weights, tokenizer and pooling files: two folders
-    with the same fingerprint embed the same way."""
-    folder = Path(folder)
-    h = hashlib.sha256()
-    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".onnx", ".bin") and p.is_file())
-    names += [n for n in ("tokenizer.json", "vocab.txt", "config.json", "1_Pooling/config.json") if (folder / n).is_file()]
-    if not names:
-        raise EncoderkitError(f"{folder}: no model weights found to fingerprint")
-    for n in names:
-        h.update(n.encode())
-        with open(folder / n, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from encoderkit.io import cached_array, digest_weights, write_json_atomic
+from encoderkit.io import cached_array, model_fingerprint, write_json_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import pool
 from encoderkit.tasks.batching import encode_batch, sorted_batches
@@ -149,7 +149,7 @@ def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int
     pooling, ``max_length`` and the texts: evaluating a model and mining with it encode a corpus once.
     The cache holds plain ``.npy`` arrays (read without pickle)."""
     h = hashlib.sha256(json.dumps({"pooling": model.pooling, "max_length": max_length, "n": len(texts)}).encode())
-    digest_weights(h, folder)
+    h.update(model_fingerprint(folder).encode())  # its weights, tokenizer and pooling files
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the tokenizer actually used, not the folder's file
     if backend is not None:  # less the truncation/padding state that each call sets
         spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
