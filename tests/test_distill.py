@@ -189,6 +189,16 @@ def test_task_distillation_lowers_the_kl_and_writes_a_card(teacher_dir, train_ts
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary run folder left
 
 
+def test_a_classifier_student_keeps_the_default_rate_when_none_is_given(teacher_dir, train_tsv, tmp_path):
+    import json
+
+    out = tmp_path / "student"
+    distill(DistillConfig(teacher=str(teacher_dir), out=str(out), train=str(train_tsv), max_steps=1, batch_size=16, bf16=False))
+    assert json.loads((out / "encoderkit.json").read_text())["config"]["lr"] == 1e-4  # rerank: 3e-4 (test_distill_tasks)
+    with pytest.raises(EncoderkitError, match="lr must be >= 0"):
+        DistillConfig(teacher=str(teacher_dir), out=str(out), train=str(train_tsv), lr=-1.0)
+
+
 def test_tokenizer_mismatch_is_a_clear_error(teacher_dir, train_tsv, tmp_path):
     from transformers import BertTokenizerFast
 

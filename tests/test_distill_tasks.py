@@ -112,6 +112,8 @@ def test_a_second_rerank_distillation_reuses_the_teachers_scores_until_the_teach
         return capsys.readouterr().err
 
     assert "teacher scores 64/64" in run("a")
+    # no lr given: a rerank student starts from chance and is trained at 3e-4, not a classifier's 1e-4
+    assert json.loads((tmp_path / "a" / "encoderkit.json").read_text())["config"]["lr"] == 3e-4
     assert "teacher scores" not in run("b", layers="1,3", lr=1e-3)  # same teacher, same pairs: read from the cache
     assert "teacher scores 64/64" in run("c", seq_len=12)  # other token ids (the pairs cut shorter)
     weights = load_file(teacher / "model.safetensors")

@@ -183,6 +183,10 @@ def load_blocks(data: str | Path) -> Any:
 
 # -- the stage ---------------------------------------------------------------------------------------
 
+DEFAULT_LR = 1e-4
+RERANK_LR = 3e-4  # a cut cross-encoder starts from chance (docs/compress.md, "A cut cross-encoder starts from nothing")
+
+
 @dataclass
 class DistillConfig(StageConfig):
     """Settings of `encoderkit distill` (and of a recipe step ``lever: distill``)."""
@@ -204,7 +208,8 @@ class DistillConfig(StageConfig):
     mask_rate: float = arg(0.15, help="mode=agnostic: fraction of tokens masked.")
     epochs: float = arg(3.0, help="Passes over the training data (unless max_steps is set).")
     max_steps: int = arg(0, help="Optimizer steps (0: use epochs).")
-    lr: float = arg(1e-4, help="Peak learning rate of the student (a rerank student, which starts from chance, learns far faster at 3e-4).")
+    lr: float = arg(0.0, help="Peak learning rate of the student (0: 3e-4 for a rerank teacher, whose cut student ranks at chance "
+                              "until trained back and learns far faster at 3e-4 than at 1e-4; else 1e-4).")
     warmup: float = arg(0.06, help="Warmup: a fraction of the steps (< 1) or a number of steps.")
     batch_size: int = arg(32, help="Examples per optimizer step.")
     seq_len: int = arg(0, help="mode=task: longest input in tokens, longer ones truncated (0: the teacher's max length, "
@@ -226,6 +231,7 @@ class DistillConfig(StageConfig):
 
     def validate(self) -> None:
         check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        check(self.lr >= 0, f"lr must be >= 0 (0: the task's default), got {self.lr}")
         check(self.candidate_depth >= 0, f"candidate_depth must be >= 0, got {self.candidate_depth}")
         check(self.pseudo_queries >= 0, f"pseudo_queries must be >= 0, got {self.pseudo_queries}")
         check(self.seq_len >= 0, f"seq_len must be >= 0 (0: the teacher's max length), got {self.seq_len}")
@@ -255,12 +261,15 @@ def require_masked_lm(teacher: nn.Module, folder: str) -> None:
 
 def run(config: DistillConfig) -> DistillResult:
     """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style).
-    In task mode, ``seq_len`` 0 becomes the teacher's max length (the length it serves at)."""
+    In task mode, ``seq_len`` 0 becomes the teacher's max length (the length it serves at); ``lr`` 0 becomes
+    3e-4 for a rerank teacher, else 1e-4."""
     task, cfg = "mlm", config
     if config.mode == "task":
         card = ModelFolder.open(config.teacher, tokenizer=False)
         task = card.task
         cfg = config if config.seq_len else dataclasses.replace(config, seq_len=card.max_length)
+    if not cfg.lr:
+        cfg = dataclasses.replace(cfg, lr=RERANK_LR if task == "rerank" else DEFAULT_LR)
     if task == "embed":
         return run_embed(cfg)
     if task in ("rerank", "ner", "qa"):
