@@ -267,6 +267,17 @@ def test_rerank_distillation_adds_corpus_titles_as_label_free_queries(tmp_path, 
         DistillConfig(teacher="t", out="o", train="x", candidate_depth=-1)
 
 
+def test_pseudo_queries_on_a_file_of_lists_say_they_are_ignored(tmp_path, capsys):
+    from encoderkit.compress.distill_tasks import candidate_lists
+
+    train = tmp_path / "lists.jsonl"
+    train.write_text("".join(json.dumps({"query": f"q{i}", "positive": "p", "negatives": ["n1", "n2"]}) + "\n" for i in range(3)))
+    assert len(candidate_lists(str(train), None, 4, pseudo_queries=5)) == 3
+    assert "--pseudo-queries 5 ignored" in capsys.readouterr().err
+    candidate_lists(str(train), None, 4)
+    assert "ignored" not in capsys.readouterr().err
+
+
 def test_a_deep_candidate_list_keeps_the_top_half_and_samples_the_ranks_below_in_order():
     from encoderkit.compress.distill_tasks import spread
 

@@ -266,8 +266,9 @@ def test_rerank_seed_scenario_budget_teacher_sparse_gpu_is_distill_2_4_int8_per_
     assert "top 100 candidates" in plan.steps[0].reason and "top 100 candidates" in plan.steps[1].reason
     # a cut cross-encoder starts from chance: it is trained back at 3e-4 (docs/compress.md), other tasks keep the default
     assert plan.steps[0].params["lr"] == 3e-4 and "no better than chance" in plan.steps[0].reason
+    assert plan.steps[0].params["pseudo_queries"] == 1000 and "label-free queries" in plan.steps[0].reason
     classify = make_plan(PlanConfig(task="classify", budget="some", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
-    assert "lr" not in classify.steps[0].params
+    assert "lr" not in classify.steps[0].params and "pseudo_queries" not in classify.steps[0].params
     text = plan.describe()
     assert "Task: rerank; latency planned per one query's top 100 candidates" in text and "(batch 100)" in text
     # this machine (no CUDA) gets told that 2:4 buys no time here

@@ -67,6 +67,9 @@ def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate
         lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, candidates, rng)]) for q, docs in ranked.items()]
     else:
         lists = [(t.query, [t.positive, *t.negatives]) for t in read_triples(train)]
+        if pseudo_queries:
+            note(f"--pseudo-queries {pseudo_queries} ignored: {train} is a file of lists, with no corpus to draw "
+                 "titles from (a BEIR source with --miner has one)")
     if limit:
         lists = lists[:limit]
     size = min(min(len(c) for _, c in lists), candidates)
