@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from encoderkit.compress.distill import RERANK_LR
 from encoderkit.compress.measure import MAX_BATCH, RERANK_CANDIDATES, StepMeasurer
 from encoderkit.compress.stack import QUANT_LEVERS, CompressConfig, run_steps, validate_recipe
 from encoderkit.config import StageConfig, arg, check
@@ -178,7 +179,7 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
     if trains and cfg.teacher:
         rerank = task == "rerank"
         steps.append(PlannedStep("distill", {"layers": "every-other", "epochs": 3,
-                                             **({"lr": 3e-4, "pseudo_queries": 1000} if rerank else {})},
+                                             **({"lr": RERANK_LR, "pseudo_queries": 1000} if rerank else {})},
                                  "a teacher and a training budget: a student with every other layer, initialised from the "
                                  "teacher's layers and trained on its soft targets, halves depth-bound latency and size "
                                  "for a small quality cost" + (
