@@ -238,18 +238,24 @@ def test_pseudo_queries_are_titles_else_first_sentences_seeded_and_never_a_split
     assert pseudo_queries(Retrieval({"a": ("", " ".join(["w"] * 50))}, {}, {}), 1)["pseudo:a"].count("w") == 32
 
 
+def tiny_beir(tmp_path: Path, n_docs: int = 12) -> tuple[Path, dict[str, tuple[str, str]]]:
+    """A BEIR folder: ``n_docs`` documents with 3-4 word titles, 5 train queries judged d0..d4."""
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    g = np.random.default_rng(5)
+    docs = {f"d{i}": (sentence(g, 3, 5), sentence(g, 8, 14)) for i in range(n_docs)}
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": t, "text": x}) + "\n" for k, (t, x) in docs.items()))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": sentence(g, 2, 4)}) + "\n" for i in range(5)))
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
+    return beir, docs
+
+
 def test_rerank_distillation_adds_corpus_titles_as_label_free_queries(tmp_path, tiny_tokenizer_dir, tmp_path_factory):
     from deploy_models import make_task_model, tiny_root
 
     from encoderkit.compress.distill_tasks import candidate_lists
 
-    beir = tmp_path / "beir"
-    (beir / "qrels").mkdir(parents=True)
-    g = np.random.default_rng(5)
-    docs = {f"d{i}": (sentence(g, 3, 5), sentence(g, 8, 14)) for i in range(12)}
-    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": t, "text": x}) + "\n" for k, (t, x) in docs.items()))
-    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": sentence(g, 2, 4)}) + "\n" for i in range(5)))
-    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
+    beir, docs = tiny_beir(tmp_path)
     miner = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
     source = (f"{beir}#train", str(miner), 4)
     assert len(candidate_lists(*source)) == 5
@@ -265,6 +271,49 @@ def test_rerank_distillation_adds_corpus_titles_as_label_free_queries(tmp_path, 
         DistillConfig(teacher="t", out="o", train="x", pseudo_queries=-1)
     with pytest.raises(EncoderkitError, match="candidate_depth"):
         DistillConfig(teacher="t", out="o", train="x", candidate_depth=-1)
+
+
+def test_fresh_pseudo_queries_give_each_epoch_its_own_titles(tmp_path, tiny_tokenizer_dir, tmp_path_factory, capsys):
+    from deploy_models import make_task_model, tiny_root
+
+    from encoderkit.compress.distill_tasks import candidate_groups, candidate_lists
+    from encoderkit.tasks.batching import RotatingBatches
+
+    beir, _ = tiny_beir(tmp_path, n_docs=24)
+    miner = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+    source = (f"{beir}#train", str(miner), 4)
+    split, sets = candidate_groups(*source, pseudo_queries=3, title_sets=3)
+    assert len(split) == 5 and [len(t) for t in sets] == [3, 3, 3]
+    assert len({q for t in sets for q, _ in t}) == 9  # no title in two sets
+    assert candidate_lists(*source, pseudo_queries=3)[5:] == sets[0]  # the first set is the one-set run's titles
+    assert len(candidate_groups(*source, pseudo_queries=10, title_sets=4)[1]) == 2  # 24 documents: two full sets of 10
+
+    # each epoch: the fixed rows and its own set, in length-bucketed batches
+    rot = RotatingBatches(np.arange(11), np.arange(5), [np.array([5, 6, 7]), np.array([8, 9, 10])], 2,
+                          lambda idx, epoch: {"rows": torch.as_tensor(idx)})
+    assert len(rot) == 4
+    for epoch, own in ((0, {5, 6, 7}), (1, {8, 9, 10}), (2, {5, 6, 7})):
+        seen = {int(i) for b in rot(epoch, 0, 1) for i in b["rows"]}
+        assert seen <= set(range(5)) | own and seen & own
+    with pytest.raises(ValueError, match="differ in size"):
+        RotatingBatches(np.arange(6), np.arange(2), [np.array([2, 3]), np.array([4])], 2, lambda i, e: {})
+
+    teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 30.0, num_labels=1)
+    base = {"teacher": str(teacher), "train": source[0], "miner": str(miner), "candidates": 4, "pseudo_queries": 3,
+            "layers": "0,2", "batch_size": 4, "seq_len": 32, "bf16": False}
+    capsys.readouterr()
+    distill(DistillConfig(out=str(tmp_path / "one"), epochs=3, **base))
+    err = capsys.readouterr().err
+    assert "teacher scores 32/32" in err and "each epoch" not in err  # (5 + 3) lists of 4, the same 3 titles every epoch
+    res = distill(DistillConfig(out=str(tmp_path / "fresh"), epochs=3, fresh_pseudo_queries=True, **base))
+    err = capsys.readouterr().err
+    assert "5 queries of the split + 9 corpus documents' titles" in err and "a new 3 each epoch" in err
+    assert "teacher scores 32/32" not in err and err.count("teacher scores 12/12") == 2  # set 0 from the cache, sets 1, 2 scored
+    assert res.steps == 6  # 8 lists per epoch, batches of 4, 3 epochs
+    distill(DistillConfig(out=str(tmp_path / "steps"), max_steps=5, fresh_pseudo_queries=True, overwrite=True, **base))
+    assert "9 corpus documents' titles" in capsys.readouterr().err  # 5 steps of 4 lists: 3 epochs begun
+    with pytest.raises(EncoderkitError, match="pseudo_queries > 0"):
+        DistillConfig(teacher="t", out="o", train="x", fresh_pseudo_queries=True)
 
 
 def test_pseudo_queries_on_a_file_of_lists_say_they_are_ignored(tmp_path, capsys):

@@ -266,7 +266,8 @@ def test_rerank_seed_scenario_budget_teacher_sparse_gpu_is_distill_2_4_int8_per_
     assert "top 100 candidates" in plan.steps[0].reason and "top 100 candidates" in plan.steps[1].reason
     # a cut cross-encoder starts from chance: it is trained back at 3e-4 (docs/compress.md), other tasks keep the default
     assert plan.steps[0].params["lr"] == 3e-4 and "no better than chance" in plan.steps[0].reason
-    assert plan.steps[0].params["pseudo_queries"] == 1000 and "label-free queries" in plan.steps[0].reason
+    assert plan.steps[0].params["pseudo_queries"] == 1000 and plan.steps[0].params["fresh_pseudo_queries"] is True
+    assert "new corpus titles each epoch as label-free queries" in plan.steps[0].reason
     classify = make_plan(PlanConfig(task="classify", budget="some", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
     assert "lr" not in classify.steps[0].params and "pseudo_queries" not in classify.steps[0].params
     text = plan.describe()

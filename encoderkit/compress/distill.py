@@ -225,6 +225,9 @@ class DistillConfig(StageConfig):
     pseudo_queries: int = arg(0, help="rerank teacher with a BEIR --train and --miner: also N corpus documents (seeded sample) as queries, "
                               "each its title (else its first sentence), with the miner's top --candidates scored by the teacher: "
                               "label-free lists beyond the split's queries (SciFact's train split has 809).")
+    fresh_pseudo_queries: bool = arg(False, help="with --pseudo-queries N: a new N titles every epoch (N x epochs corpus documents, "
+                                     "no two epochs sharing one; the teacher scores each set once) instead of the same N "
+                                     "each epoch: past 3 epochs a cut cross-encoder learns from new lists, not repeats.")
     loss: str = arg("kl", choices=("kl", "mse"), help="rerank teacher: KL over each query's candidate list (softmax of the scores) or MSE on the scores.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
     bf16: bool | None = arg(None, speed=True, help="bf16 autocast (default: on where the hardware has native bf16).")
@@ -234,6 +237,8 @@ class DistillConfig(StageConfig):
         check(self.lr >= 0, f"lr must be >= 0 (0: the task's default), got {self.lr}")
         check(self.candidate_depth >= 0, f"candidate_depth must be >= 0, got {self.candidate_depth}")
         check(self.pseudo_queries >= 0, f"pseudo_queries must be >= 0, got {self.pseudo_queries}")
+        check(self.pseudo_queries > 0 or not self.fresh_pseudo_queries,
+              "fresh_pseudo_queries draws a new --pseudo-queries N titles each epoch: set pseudo_queries > 0 too")
         check(self.seq_len >= 0, f"seq_len must be >= 0 (0: the teacher's max length), got {self.seq_len}")
         check(min(self.kl_weight, self.hard_weight, self.cos_weight) >= 0, "loss weights must be >= 0")
         check(self.kl_weight + self.hard_weight + self.cos_weight > 0, "at least one loss weight must be > 0")

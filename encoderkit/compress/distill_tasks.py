@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +40,28 @@ NEG = -1e4  # logit given to padding before a softmax over positions
 
 def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0, pseudo_queries: int = 0,
                     seed: int = 0, limit: int = 0) -> list[tuple[str, list[str]]]:
-    """(query, candidate passages) per query, every list cut to the same length (at most ``candidates``);
-    the arguments are :class:`~encoderkit.compress.distill.DistillConfig`'s fields of those names."""
+    """(query, candidate passages) per query, every list cut to the same length (at most ``candidates``):
+    the split's queries, then the titles; the arguments are :class:`~encoderkit.compress.distill.DistillConfig`'s
+    fields of those names."""
+    split, titles = candidate_groups(train, miner, candidates, candidate_depth=candidate_depth,
+                                     pseudo_queries=pseudo_queries, seed=seed, limit=limit)
+    return split + [x for group in titles for x in group]
+
+
+List = tuple[str, list[str]]
+
+
+def candidate_groups(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0, pseudo_queries: int = 0,
+                     title_sets: int | Callable[[int], int] = 1, seed: int = 0,
+                     limit: int = 0) -> tuple[list[List], list[list[List]]]:
+    """(the split's lists, ``title_sets`` sets of ``pseudo_queries`` corpus titles' lists, no document in two sets);
+    ``title_sets`` may be a function of the number of split lists. The first set is the one a single set would be
+    (the sample is drawn once, in one seeded order, and cut into sets). ``limit`` cuts the split's lists (and, as
+    before, the titles when it is smaller than the split)."""
     from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
     from encoderkit.retrieval.beir import pseudo_queries as title_queries
 
+    titles: list[list[List]] = []
     if is_beir_source(train):
         check(bool(miner), f"--train {train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
                                "folder whose top --candidates per query the teacher scores")
@@ -53,29 +72,38 @@ def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate
         from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
         data = load_retrieval(train)
-        if pseudo_queries:
-            extra = title_queries(data, pseudo_queries, seed=seed)
+        n_split = min(len(data.qrels), limit) if limit else len(data.qrels)
+        data.qrels = dict(list(data.qrels.items())[:n_split])
+        sets = title_sets(n_split) if callable(title_sets) else title_sets
+        per_set = max(0, min(pseudo_queries, limit - n_split) if limit else pseudo_queries)
+        extra = title_queries(data, per_set * sets, seed=seed) if per_set else {}
+        if extra:
+            sets = max(1, min(sets, len(extra) // per_set))  # a small corpus: fewer, full sets
+            extra = dict(list(extra.items())[: per_set * sets]) if len(extra) >= per_set else extra
             data.queries.update(extra)
             data.qrels.update({q: {} for q in extra})  # ranked like the split's queries; no judgment is read
-            note(f"{train}: {len(data.qrels) - len(extra)} queries of the split + {len(extra)} corpus documents' "
-                 "titles (else first sentences) as queries")
+            note(f"{train}: {n_split} queries of the split + {len(extra)} corpus documents' titles (else first "
+                 "sentences) as queries" + (f", a new {len(extra) // sets} each epoch" if sets > 1 else ""))
         miner_folder = resolve_model(miner)  # a folder, or 'minilm'
         depth = max(candidates, candidate_depth)
         ranked = retrieve(load_bi_encoder(miner_folder), AutoTokenizer.from_pretrained(str(miner_folder)), data,
                           folder_max_length(miner_folder) or 256, 64, 64, k=depth, progress=True, cache_for=miner_folder)
         rng = np.random.default_rng(seed)
         lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, candidates, rng)]) for q, docs in ranked.items()]
+        split, rest = lists[:n_split], lists[n_split:]
+        if rest:
+            size = len(rest) // sets
+            titles = [rest[i * size: (i + 1) * size] for i in range(sets)]
     else:
-        lists = [(t.query, [t.positive, *t.negatives]) for t in read_triples(train)]
+        split = [(t.query, [t.positive, *t.negatives]) for t in read_triples(train)]
+        split = split[:limit] if limit else split
         if pseudo_queries:
             note(f"--pseudo-queries {pseudo_queries} ignored: {train} is a file of lists, with no corpus to draw "
                  "titles from (a BEIR source with --miner has one)")
-    if limit:
-        lists = lists[:limit]
-    size = min(min(len(c) for _, c in lists), candidates)
+    size = min(min(len(c) for _, c in group) for group in [split, *titles] if group)
     check(size >= 2, f"--train {train}: a query has {size} candidate(s); rerank distillation needs at least 2 per query "
                      "(JSONL rows need 'negatives')")
-    return [(q, c[:size]) for q, c in lists]
+    return [(q, c[:size]) for q, c in split], [[(q, c[:size]) for q, c in group] for group in titles]
 
 
 def spread(ranked: list[str], size: int, rng: np.random.Generator) -> list[str]:
@@ -90,26 +118,44 @@ def spread(ranked: list[str], size: int, rng: np.random.Generator) -> list[str]:
 
 
 def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
-    """(batch source, loss_fn, number of queries): teacher scores computed once for every pair."""
-    from encoderkit.tasks.batching import BucketedBatches, encode_batch
+    """(batch source, loss_fn, number of lists per epoch): teacher scores computed once for every pair. With
+    ``fresh_pseudo_queries``, each epoch reads the split's lists and its own set of titles' lists (scored set by
+    set, so each set's scores are cached on their own and a one-set run's cache still serves the first)."""
+    from encoderkit.tasks.batching import RotatingBatches, encode_batch
     from encoderkit.tasks.rerank.features import pair_rows
 
-    lists = candidate_lists(cfg.train, cfg.miner, cfg.candidates, candidate_depth=cfg.candidate_depth,
-                            pseudo_queries=cfg.pseudo_queries, seed=cfg.seed, limit=cfg.limit)
-    size = len(lists[0][1])
-    queries = [q for q, c in lists for _ in c]
-    passages = [p for _, c in lists for p in c]
-    rows = pair_rows(tokenizer, queries, passages, cfg.seq_len)  # tokenised once: scored here, trained on below
-    scores = teacher_scores(cfg.teacher, teacher, rows, tokenizer.pad_token_id)
-    for r, s in zip(rows, scores):
-        r["teacher_score"] = s
-    check(len(lists) >= cfg.batch_size, f"--train {cfg.train}: {len(lists)} queries, fewer than one batch of {cfg.batch_size}")
+    def epochs_for(n_split: int) -> int:  # how many title sets the run reads (one per epoch begun)
+        if not (cfg.fresh_pseudo_queries and cfg.pseudo_queries):
+            return 1
+        if cfg.max_steps:
+            return max(1, math.ceil(cfg.max_steps * cfg.batch_size / (n_split + cfg.pseudo_queries)))
+        return max(1, math.ceil(cfg.epochs))
+
+    split, title_sets = candidate_groups(cfg.train, cfg.miner, cfg.candidates, candidate_depth=cfg.candidate_depth,
+                                         pseudo_queries=cfg.pseudo_queries, title_sets=epochs_for, seed=cfg.seed,
+                                         limit=cfg.limit)
+    groups = [split + (title_sets[0] if title_sets else []), *title_sets[1:]]  # scored (and cached) one by one
+    size = len(split[0][1]) if split else len(title_sets[0][0][1])
+    rows: list[dict[str, np.ndarray]] = []
+    for group in groups:
+        queries = [q for q, c in group for _ in c]
+        passages = [p for _, c in group for p in c]
+        part = pair_rows(tokenizer, queries, passages, cfg.seq_len)  # tokenised once: scored here, trained on below
+        for r, s in zip(part, teacher_scores(cfg.teacher, teacher, part, tokenizer.pad_token_id)):
+            r["teacher_score"] = s
+        rows += part
+    n_lists = len(rows) // size
+    per_set = len(title_sets[0]) if title_sets else 0
+    fixed = np.arange(len(split))
+    sets = [len(split) + np.arange(i * per_set, (i + 1) * per_set) for i in range(max(1, len(title_sets)))]
+    check(len(fixed) + per_set >= cfg.batch_size,
+          f"--train {cfg.train}: {len(fixed) + per_set} queries, fewer than one batch of {cfg.batch_size}")
 
     def make_batch(idx: np.ndarray, epoch: int) -> dict[str, torch.Tensor]:
         return encode_batch([rows[int(i) * size + j] for i in idx for j in range(size)], tokenizer.pad_token_id or 0)
 
-    lengths = np.asarray([max(len(rows[i * size + j]["input_ids"]) for j in range(size)) for i in range(len(lists))])
-    source = BucketedBatches(lengths, cfg.batch_size, make_batch, seed=cfg.seed)
+    lengths = np.asarray([max(len(rows[i * size + j]["input_ids"]) for j in range(size)) for i in range(n_lists)])
+    source = RotatingBatches(lengths, fixed, sets, cfg.batch_size, make_batch, seed=cfg.seed)
 
     def loss_fn(module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         inputs = {k: v for k, v in batch.items() if k != "teacher_score"}
@@ -118,7 +164,7 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
         loss = soft_target_kl(s, t, cfg.temperature) if cfg.loss == "kl" else F.mse_loss(s, t)
         return loss, {cfg.loss: float(loss.detach())}
 
-    return source, loss_fn, len(lists)
+    return source, loss_fn, len(fixed) + per_set
 
 
 def teacher_scores(folder: str | Path, teacher: nn.Module, rows: list[dict[str, np.ndarray]], pad_id: int) -> np.ndarray:

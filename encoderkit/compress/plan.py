@@ -179,7 +179,7 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
     if trains and cfg.teacher:
         rerank = task == "rerank"
         steps.append(PlannedStep("distill", {"layers": "every-other", "epochs": 3,
-                                             **({"lr": RERANK_LR, "pseudo_queries": 1000} if rerank else {})},
+                                             **({"lr": RERANK_LR, "pseudo_queries": 1000, "fresh_pseudo_queries": True} if rerank else {})},
                                  "a teacher and a training budget: a student with every other layer, initialised from the "
                                  "teacher's layers and trained on its soft targets, halves depth-bound latency and size "
                                  "for a small quality cost" + (
@@ -187,7 +187,7 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
                                      "the layers is about half the time per query" if per_query else "") + (
                                      "; a cut cross-encoder ranks no better than chance until trained back, so at 3e-4, "
                                      "not a classifier's 1e-4, and on more lists than the training queries give (a BEIR "
-                                     "--train: 1,000 corpus titles as label-free queries)" if rerank else "")))
+                                     "--train: 1,000 new corpus titles each epoch as label-free queries)" if rerank else "")))
     elif not trains:
         out.append(("distill", "no training budget: distillation needs training"))
     else:

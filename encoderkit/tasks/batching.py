@@ -84,6 +84,36 @@ class BucketedBatches:
             yield self.make_batch(batches[i], epoch)
 
 
+@dataclass
+class RotatingBatches:
+    """A BatchSource whose epoch ``e`` is length-bucketed batches (as :class:`BucketedBatches`) over the
+    rows ``fixed`` plus the row set ``sets[e % len(sets)]``: data that is partly new each epoch (a
+    reranker's distillation: the training queries every epoch, a fresh sample of corpus titles each).
+    Every set has the same size, so every epoch has the same number of batches."""
+
+    lengths: np.ndarray
+    fixed: np.ndarray
+    sets: list[np.ndarray]
+    batch_size: int
+    make_batch: Callable[[np.ndarray, int], Batch]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if len({len(s) for s in self.sets}) > 1:
+            raise ValueError(f"RotatingBatches: the sets differ in size ({sorted({len(s) for s in self.sets})})")
+
+    def rows(self, epoch: int) -> np.ndarray:
+        return np.concatenate([self.fixed, self.sets[epoch % len(self.sets)]]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows(0)) // self.batch_size
+
+    def __call__(self, epoch: int, start: int, stride: int) -> Iterator[Batch]:
+        rows = self.rows(epoch)
+        inner = BucketedBatches(self.lengths[rows], self.batch_size, lambda b, e: self.make_batch(rows[b], e), seed=self.seed)
+        return inner(epoch, start, stride)
+
+
 def sorted_batches(lengths: Sequence[int], batch_size: int) -> list[np.ndarray]:
     """Inference batches of row indices, longest first (little padding; an OOM shows at once)."""
     order = np.argsort(-np.asarray(lengths), kind="stable")
