@@ -323,8 +323,9 @@ def test_pseudo_queries_on_a_file_of_lists_say_they_are_ignored(tmp_path, capsys
     train.write_text("".join(json.dumps({"query": f"q{i}", "positive": "p", "negatives": ["n1", "n2"]}) + "\n" for i in range(3)))
     assert len(candidate_lists(str(train), None, 4, pseudo_queries=5)) == 3
     assert "--pseudo-queries 5 ignored" in capsys.readouterr().err
-    candidate_lists(str(train), None, 4)
+    assert [len(c) for _, c in candidate_lists(str(train), None, 4)] == [3, 3, 3]  # the positive and 2 negatives
     assert "ignored" not in capsys.readouterr().err
+    assert [len(c) for _, c in candidate_lists(str(train), None, 2)] == [2, 2, 2]  # cut to --candidates
 
 
 def test_a_deep_candidate_list_keeps_the_top_half_and_samples_the_ranks_below_in_order():

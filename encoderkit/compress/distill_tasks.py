@@ -3,7 +3,8 @@
 - ``rerank``: each query comes with a list of candidate passages: a BEIR source's queries with the
   top ``candidates`` of a first-stage bi-encoder (``miner``; with ``candidate_depth`` D, the top half of them
   and a seeded sample of the rest of its top D, the list a reranker serves) (with ``pseudo_queries`` N, also N
-  corpus documents' titles as queries: more teacher-scored lists, still no label), or JSONL rows ``{query, positive,
+  corpus documents' titles as queries: more teacher-scored lists, still no label; with ``fresh_pseudo_queries``, a
+  new N each epoch), or JSONL rows ``{query, positive,
   negatives}`` (the list is the positive and the negatives; no label is used). The teacher
   cross-encoder scores every pair once (kept in the cache: a second distillation of the same teacher on the
   same pairs skips that pass); the student learns the scores over each query's list:
@@ -34,12 +35,13 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.progress import note
 
 NEG = -1e4  # logit given to padding before a softmax over positions
+QueryList = tuple[str, list[str]]  # a query and its candidate passages
 
 
 # -- rerank ------------------------------------------------------------------------------------------
 
 def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0, pseudo_queries: int = 0,
-                    seed: int = 0, limit: int = 0) -> list[tuple[str, list[str]]]:
+                    seed: int = 0, limit: int = 0) -> list[QueryList]:
     """(query, candidate passages) per query, every list cut to the same length (at most ``candidates``):
     the split's queries, then the titles; the arguments are :class:`~encoderkit.compress.distill.DistillConfig`'s
     fields of those names."""
@@ -48,12 +50,9 @@ def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate
     return split + [x for group in titles for x in group]
 
 
-List = tuple[str, list[str]]
-
-
 def candidate_groups(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0, pseudo_queries: int = 0,
                      title_sets: int | Callable[[int], int] = 1, seed: int = 0,
-                     limit: int = 0) -> tuple[list[List], list[list[List]]]:
+                     limit: int = 0) -> tuple[list[QueryList], list[list[QueryList]]]:
     """(the split's lists, ``title_sets`` sets of ``pseudo_queries`` corpus titles' lists, no document in two sets);
     ``title_sets`` may be a function of the number of split lists. The first set is the one a single set would be
     (the sample is drawn once, in one seeded order, and cut into sets). ``limit`` cuts the split's lists (and, as
@@ -61,7 +60,7 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
     from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
     from encoderkit.retrieval.beir import pseudo_queries as title_queries
 
-    titles: list[list[List]] = []
+    titles: list[list[QueryList]] = []
     if is_beir_source(train):
         check(bool(miner), f"--train {train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
                                "folder whose top --candidates per query the teacher scores")
@@ -92,15 +91,15 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
         lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, candidates, rng)]) for q, docs in ranked.items()]
         split, rest = lists[:n_split], lists[n_split:]
         if rest:
-            size = len(rest) // sets
-            titles = [rest[i * size: (i + 1) * size] for i in range(sets)]
+            per = len(rest) // sets
+            titles = [rest[i * per: (i + 1) * per] for i in range(sets)]
     else:
         split = [(t.query, [t.positive, *t.negatives]) for t in read_triples(train)]
         split = split[:limit] if limit else split
         if pseudo_queries:
             note(f"--pseudo-queries {pseudo_queries} ignored: {train} is a file of lists, with no corpus to draw "
                  "titles from (a BEIR source with --miner has one)")
-    size = min(min(len(c) for _, c in group) for group in [split, *titles] if group)
+    size = min(candidates, *(len(c) for group in [split, *titles] for _, c in group))
     check(size >= 2, f"--train {train}: a query has {size} candidate(s); rerank distillation needs at least 2 per query "
                      "(JSONL rows need 'negatives')")
     return [(q, c[:size]) for q, c in split], [[(q, c[:size]) for q, c in group] for group in titles]
