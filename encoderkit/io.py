@@ -325,11 +325,23 @@ def read_card(folder: str | Path) -> dict[str, Any]:
     return read_json(p, "") if p.is_file() else {}
 
 
+CARD_FIELDS = ("stage", "parent", "config", "metrics", "created")  # what write_card itself writes
+# facts of the run that made a folder, true of that folder only (its lineage keeps them for the children)
+RUN_FACTS = ("steps", "train_examples", "stopped_early", "loss", "layers_from_teacher", "recipe_step", "recipe_params")
+
+
+def card_facts(card: dict[str, Any]) -> dict[str, Any]:
+    """A card's facts beyond :data:`CARD_FIELDS`: what a folder's own card keeps when it is rewritten."""
+    return {k: v for k, v in card.items() if k not in CARD_FIELDS}
+
+
 def inherited_card(folder_or_card: str | Path | dict[str, Any]) -> dict[str, Any]:
     """What a derived folder's card carries over from its parent's: the task facts (task, labels,
-    pooling, max_length...), not the parent's own stage, lineage, config, metrics or date."""
+    pooling, max_length...), not the parent's own stage, lineage, config, metrics or date, nor the facts
+    of the run that made the parent (:data:`RUN_FACTS`: a student distilled from a fine-tuned teacher did
+    not train for the teacher's steps, nor with its loss)."""
     card = folder_or_card if isinstance(folder_or_card, dict) else read_card(folder_or_card)
-    return {k: v for k, v in card.items() if k not in ("stage", "parent", "config", "metrics", "created")}
+    return {k: v for k, v in card_facts(card).items() if k not in RUN_FACTS}
 
 
 def lineage(folder: str | Path) -> list[dict[str, Any]]:

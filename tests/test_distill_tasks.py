@@ -122,6 +122,28 @@ def test_a_second_rerank_distillation_reuses_the_teachers_scores_until_the_teach
     assert "teacher scores 64/64" in run("d")  # the teacher changed
 
 
+def test_a_student_card_keeps_the_teachers_task_facts_not_its_run_facts_and_can_teach_again(tmp_path, tiny_tokenizer_dir):
+    teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 30.0, num_labels=1)
+    (teacher / "encoderkit.json").write_text(json.dumps({
+        "stage": "finetune", "parent": None, "config": {}, "metrics": {}, "created": "2026-01-01T00:00:00Z",
+        "task": "rerank", "max_length": 32, "num_labels": 1, "loss": "listwise softmax", "steps": 114,
+        "train_examples": 919, "stopped_early": False}))
+    g = np.random.default_rng(0)
+    rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]} for _ in range(16)]
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = {"train": str(train), "candidates": 4, "max_steps": 2, "batch_size": 8, "bf16": False}
+    distill(DistillConfig(teacher=str(teacher), out=str(tmp_path / "a"), layers="0,2", **settings))
+    card = json.loads((tmp_path / "a" / "encoderkit.json").read_text())
+    assert card["task"] == "rerank" and card["max_length"] == 32 and card["layers_from_teacher"] == [0, 2]
+    assert not {"loss", "steps", "train_examples", "stopped_early"} & set(card)  # the teacher's fine-tuning, not this run
+    assert card["metrics"]["steps"] == 2
+    # the student teaches a smaller one (its card's layers_from_teacher is not passed on twice)
+    distill(DistillConfig(teacher=str(tmp_path / "a"), out=str(tmp_path / "b"), layers="1", **settings))
+    card = json.loads((tmp_path / "b" / "encoderkit.json").read_text())
+    assert card["layers_from_teacher"] == [1] and card["task"] == "rerank"
+
+
 def test_rerank_distillation_refuses_beir_without_a_miner_and_lists_without_negatives(tmp_path, tiny_tokenizer_dir):
     teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 1.0, num_labels=1)
     (tmp_path / "beir").mkdir()

@@ -219,7 +219,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
     so that lineage in the step cards points at the final folders. ``measure(folder) -> row``
     defaults to :func:`encoderkit.compress.measure.make_measure` (the task's own metric on ``cfg.dev``);
     ``task`` is the recipe's task, if it names one."""
-    from encoderkit.io import inherited_card, read_card, write_card
+    from encoderkit.io import card_facts, read_card, write_card
     from encoderkit.progress import note, progress
 
     data = LeverData.for_model(cfg.model, train=cfg.train, calib=cfg.calib, miner=cfg.miner)
@@ -244,7 +244,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
         for j in range(len(step.calls) - 1):
             shutil.rmtree(work / f".{step.name}-part{j}", ignore_errors=True)
         card = read_card(dst)
-        extra = inherited_card(card)
+        extra = card_facts(card)  # this step's own facts (its distillation's steps and layers...)
         row = {"step": step.index, "lever": step.lever, "folder": str(final / step.name), **measure(dst)}
         if any(notes):
             row["note"] = "; ".join(n for n in notes if n)
