@@ -3,9 +3,9 @@
 - ``rerank``: each query comes with a list of candidate passages: a BEIR source's queries with the
   top ``candidates`` of a first-stage bi-encoder (``miner``; with ``candidate_depth`` D, the top half of them
   and a seeded sample of the rest of its top D, the list a reranker serves) (with ``pseudo_queries`` N, also N
-  corpus documents' titles as queries: more teacher-scored lists, still no label; with ``fresh_pseudo_queries``, a
-  new N each epoch), or JSONL rows ``{query, positive,
-  negatives}`` (the list is the positive and the negatives; no label is used). The teacher
+  corpus documents' titles as queries: more teacher-scored lists, still no label; with
+  ``fresh_pseudo_queries``, a new N each epoch), or JSONL rows ``{query, positive, negatives}`` (the
+  list is the positive and the negatives; no label is used). The teacher
   cross-encoder scores every pair once (kept in the cache: a second distillation of the same teacher on the
   same pairs skips that pass); the student learns the scores over each query's list:
   ``loss=kl``: ``T^2 * KL(softmax(t / T) || softmax(s / T))`` (the order and the gaps within a
