@@ -147,6 +147,8 @@ def test_report_quality_column_is_the_evaluate_figure(task, root, tiny_tokenizer
     assert rows[0]["quality"] == figure
     assert rows[1]["runtime"] == "deploy onnx-int8" and rows[1]["quality"] == pytest.approx(figure, abs=0.1)
     assert rows[1]["params"] == rows[0]["params"]
+    # the INT8 step's folder holds only its graph: `encoderkit evaluate` runs that graph, the measurer's figure
+    assert _figure(Path(rows[1]["folder"]), dev, task)[0] == rows[1]["quality"]
     md = (out / "report.md").read_text()
     assert f"| 0 | start | {figure:.4f} |" in md and "ms/request" in md
 
