@@ -78,7 +78,7 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
         extra = title_queries(data, per_set * sets, seed=seed) if per_set else {}
         if extra:
             sets = max(1, min(sets, len(extra) // per_set))  # a small corpus: fewer, full sets
-            extra = dict(list(extra.items())[: per_set * sets]) if len(extra) >= per_set else extra
+            extra = dict(list(extra.items())[: per_set * sets])
             data.queries.update(extra)
             data.qrels.update({q: {} for q in extra})  # ranked like the split's queries; no judgment is read
             note(f"{train}: {n_split} queries of the split + {len(extra)} corpus documents' titles (else first "
@@ -120,11 +120,12 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     """(batch source, loss_fn, number of lists per epoch): teacher scores computed once for every pair. With
     ``fresh_pseudo_queries``, each epoch reads the split's lists and its own set of titles' lists (scored set by
     set, so each set's scores are cached on their own and a one-set run's cache still serves the first)."""
+    from encoderkit.io import model_fingerprint
     from encoderkit.tasks.batching import RotatingBatches, encode_batch
     from encoderkit.tasks.rerank.features import pair_rows
 
     def epochs_for(n_split: int) -> int:  # how many title sets the run reads (one per epoch begun)
-        if not (cfg.fresh_pseudo_queries and cfg.pseudo_queries):
+        if not cfg.fresh_pseudo_queries:
             return 1
         if cfg.max_steps:
             return max(1, math.ceil(cfg.max_steps * cfg.batch_size / (n_split + cfg.pseudo_queries)))
@@ -136,11 +137,12 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     groups = [split + (title_sets[0] if title_sets else []), *title_sets[1:]]  # scored (and cached) one by one
     size = len(split[0][1]) if split else len(title_sets[0][0][1])
     rows: list[dict[str, np.ndarray]] = []
+    fingerprint = model_fingerprint(cfg.teacher)  # reads the teacher's weights: once, not once per set
     for group in groups:
         queries = [q for q, c in group for _ in c]
         passages = [p for _, c in group for p in c]
         part = pair_rows(tokenizer, queries, passages, cfg.seq_len)  # tokenised once: scored here, trained on below
-        for r, s in zip(part, teacher_scores(cfg.teacher, teacher, part, tokenizer.pad_token_id)):
+        for r, s in zip(part, teacher_scores(fingerprint, teacher, part, tokenizer.pad_token_id)):
             r["teacher_score"] = s
         rows += part
     n_lists = len(rows) // size
@@ -166,16 +168,17 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     return source, loss_fn, len(fixed) + per_set
 
 
-def teacher_scores(folder: str | Path, teacher: nn.Module, rows: list[dict[str, np.ndarray]], pad_id: int) -> np.ndarray:
+def teacher_scores(fingerprint: str, teacher: nn.Module, rows: list[dict[str, np.ndarray]], pad_id: int) -> np.ndarray:
     """The teacher's score of every tokenised pair, kept in ``$ENCODERKIT_CACHE/teacher-scores`` under the
-    teacher folder's fingerprint (weights, config, tokenizer) and a hash of the pairs' token ids: a second
-    distillation of the same teacher on the same lists (other layers, learning rate, epochs) skips the teacher's pass."""
+    teacher folder's fingerprint (:func:`encoderkit.io.model_fingerprint`: weights, config, tokenizer) and a hash
+    of the pairs' token ids: a second distillation of the same teacher on the same lists (other layers, learning
+    rate, epochs) skips the teacher's pass."""
     import hashlib
 
-    from encoderkit.io import cached_array, model_fingerprint
+    from encoderkit.io import cached_array
     from encoderkit.tasks.rerank.features import score_rows
 
-    h = hashlib.sha256(f"rerank {model_fingerprint(folder)} pad={pad_id} n={len(rows)}".encode())
+    h = hashlib.sha256(f"rerank {fingerprint} pad={pad_id} n={len(rows)}".encode())
     for r in rows:
         for k in ("input_ids", "token_type_ids"):
             if k in r:

@@ -32,7 +32,7 @@ import torch
 
 from encoderkit.compress.task_data import card_columns
 from encoderkit.config import check
-from encoderkit.deploy.runtime import OUTPUTS, Predictor
+from encoderkit.deploy.runtime import OUTPUTS, graph_engine
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.run import EvaluateConfig, folder_metrics
 from encoderkit.models.folder import SERVABLE, ModelFolder
@@ -412,8 +412,7 @@ class StepMeasurer:
         onnx_only = mf.torch_weights is None and mf.onnx_fp32 is not None
         plain = mf.quantization is None and mf.kept_heads is None
         if mf.onnx_int8 is not None or onnx_only or (self.runtime == "deploy" and plain):
-            backend = "onnx-int8" if mf.onnx_int8 is not None else "onnx-fp32"
-            engine = Predictor.load(mf.path, backend=backend, threads=threads, max_batch=MAX_BATCH).engine
+            engine, backend = graph_engine(mf, threads, MAX_BATCH)
             return engine, engine, f"deploy {backend}"
         int8 = mf.quantization is not None and int(mf.quantization.get("bits", 8)) == 8
         engine = ModuleEngine(mf.load(task=task, int8_runtime=int8), OUTPUTS[task])

@@ -88,6 +88,13 @@ def auto_backend(folder: ModelFolder) -> str:
     return "onnx-int8" if only_int8 else "onnx-fp32"
 
 
+def graph_engine(folder: ModelFolder, threads: int | None = None, max_batch: int = 32) -> tuple[Any, str]:
+    """(engine, backend) running ``folder``'s ONNX graph in ONNX Runtime: its INT8 graph when it has one, else
+    FP32 (its own, or exported once from its weights): what evaluation and the compression measurer run."""
+    backend = "onnx-int8" if folder.onnx_int8 is not None else "onnx-fp32"
+    return Predictor.load(folder.path, backend=backend, threads=threads, max_batch=max_batch).engine, backend
+
+
 def cached_export(folder: ModelFolder, int8: bool) -> Path:
     """The wanted ONNX file of ``folder``: its own, else one in a cache folder exported once from it."""
     own = folder.onnx(int8)

@@ -60,22 +60,20 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
     """Print the task metrics (JSON) of a model folder on labelled data."""
     folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
     t0 = time.perf_counter()
-    task, metrics = folder_metrics(folder, cfg, graph_engine(folder, cfg))
+    task, metrics = folder_metrics(folder, cfg, onnx_only_engine(folder, cfg))
     return EvaluateResult(str(folder.path), task, cfg.data, metrics, time.perf_counter() - t0)
 
 
-def graph_engine(folder: ModelFolder, cfg: EvaluateConfig) -> Any:
-    """ONNX Runtime on the folder's graph when it has no torch weights (a compressed folder: the INT8
-    graph, else the FP32 one), as the deploy Predictor and the compression measurer run it; else None."""
+def onnx_only_engine(folder: ModelFolder, cfg: EvaluateConfig) -> Any:
+    """ONNX Runtime on the folder's graph when it has no torch weights (a compressed folder), as the deploy
+    Predictor and the compression measurer run it; else None (the torch model)."""
     if folder.torch_weights is not None or (folder.onnx_int8 is None and folder.onnx_fp32 is None) or cfg.task == "mlm":
         return None
-    import torch
+    from encoderkit.deploy.runtime import graph_engine
 
-    from encoderkit.deploy.runtime import Predictor
-
-    backend = "onnx-int8" if folder.onnx_int8 is not None else "onnx-fp32"
+    engine, backend = graph_engine(folder)
     note(f"{folder.path}: no torch weights; evaluating its {backend} graph with ONNX Runtime")
-    return Predictor.load(folder.path, backend=backend, threads=torch.get_num_threads(), max_batch=32).engine
+    return engine
 
 
 def folder_metrics(folder: ModelFolder, cfg: EvaluateConfig, engine: Any = None) -> tuple[str, dict[str, Any]]:
