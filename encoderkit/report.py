@@ -44,6 +44,10 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 r[key] = r[old]
         out.append(r)
     for r in out:
+        metric = r.get("metric")
+        fused = (r.get("metrics") or {}).get(f"fused_{metric}") if metric else None
+        if fused is not None and r.get("fused") is None:  # a reranker's order fused with its first stage's
+            r["fused"] = fused
         r["speedup"] = _ratio(out[0].get("latency_ms"), r.get("latency_ms"))
         r["speedup_throughput"] = _ratio(r.get("throughput"), out[0].get("throughput"))
     return out
@@ -86,6 +90,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("lever", "lever", "str"),
     ("quality", "quality", "q"),
     ("quality_kept", "kept", "pct"),
+    ("fused", "fused with the first stage", "q"),
     ("params", "params", "m"),
     ("bytes", "MB on disk", "mb"),
     ("bytes_saved", "bytes saved", "pct"),
@@ -103,7 +108,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     rows = with_ratios(rows)
     unit, batch = units(rows)
     items = batch.split(" ", 1)[-1] if batch else "queries"
-    cols = [c for c in COLUMNS if batch or c[0] != "batch_ms"]
+    cols = [c for c in COLUMNS if (batch or c[0] != "batch_ms") and (c[0] != "fused" or any(r.get("fused") is not None for r in rows))]
     head = "| " + " | ".join(title.format(unit=unit, batch=batch, items=items) for _, title, _ in cols) + " |"
     rule = "|" + "|".join("---" for _ in cols) + "|"
     body = ["| " + " | ".join(_fmt(r.get(key), kind) for key, _, kind in cols) + " |" for r in rows]

@@ -42,6 +42,15 @@ def test_markdown_table_has_one_row_per_step():
     assert "90.0%" in table[-1] and "4.00x" in table[-1]
 
 
+def test_a_rerank_report_shows_the_order_fused_with_the_first_stage_and_others_do_not():
+    rerank = [{**r, "metric": "ndcg@10", "metrics": {"ndcg@10": r["quality"], "fused_ndcg@10": f}}
+              for r, f in zip(ROWS, (0.73, 0.729, 0.7212))]
+    head, _, *body = markdown_table(rerank).splitlines()
+    assert "| kept | fused with the first stage | params |" in head
+    assert "| 2 | quantize | 0.8730 | 97.0% | 0.7212 |" in body[-1]
+    assert "fused" not in markdown_table(ROWS)  # classify rows: no first stage, no column
+
+
 def test_write_report_writes_md_json_and_a_valid_png(tmp_path):
     import matplotlib.image as mpimg
 
