@@ -115,11 +115,15 @@ def test_a_second_rerank_distillation_reuses_the_teachers_scores_until_the_teach
     # no lr given: a rerank student starts from chance and is trained at 3e-4, not a classifier's 1e-4
     assert json.loads((tmp_path / "a" / "encoderkit.json").read_text())["config"]["lr"] == 3e-4
     assert "teacher scores" not in run("b", layers="1,3", lr=1e-3)  # same teacher, same pairs: read from the cache
-    assert "teacher scores 64/64" in run("c", seq_len=12)  # other token ids (the pairs cut shorter)
+    assert "teacher scores" not in run("b2", candidates=3)  # shorter lists: pairs it has scored, each kept on its own
+    more = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]} for _ in range(4)]
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows + more))
+    assert "teacher scores 16/16" in run("b3")  # only the 4 new lists' pairs
+    assert "teacher scores" in run("c", seq_len=12)  # other token ids (the pairs cut shorter; those under 12 are the same)
     weights = load_file(teacher / "model.safetensors")
     weights["classifier.bias"] = weights["classifier.bias"] + 1.0
     save_file(weights, teacher / "model.safetensors", metadata={"format": "pt"})
-    assert "teacher scores 64/64" in run("d")  # the teacher changed
+    assert "teacher scores 80/80" in run("d")  # the teacher changed: every pair of the 20 lists
 
 
 def test_a_student_card_keeps_the_teachers_task_facts_not_its_run_facts_and_can_teach_again(tmp_path, tiny_tokenizer_dir):
@@ -419,3 +423,29 @@ def test_layer_weight_brings_each_student_layer_toward_the_teacher_layer_it_stan
             return float(layer_cosine_loss(s_hidden, t_hidden, enc["attention_mask"]))
 
     assert gap(tmp_path / "layered") < 0.75 * gap(tmp_path / "plain"), (gap(tmp_path / "layered"), gap(tmp_path / "plain"))
+
+
+def test_a_teacher_score_cache_of_whole_list_sets_from_before_is_read_without_scoring(tmp_path, tiny_tokenizer_dir):
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from encoderkit.compress.distill_tasks import teacher_scores
+    from encoderkit.io import cache_dir
+    from encoderkit.tasks.rerank.features import pair_rows
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    g = np.random.default_rng(5)
+    rows = pair_rows(tok, [sentence(g, 2, 4) for _ in range(6)], [sentence(g) for _ in range(6)], 32)
+    whole = hashlib.sha256(f"rerank fp pad=0 n={len(rows)}".encode())  # the format of one .npy per list set
+    for r in rows:
+        for k in ("input_ids", "token_type_ids"):
+            whole.update(k.encode() + np.ascontiguousarray(r[k], dtype=np.int64).tobytes())
+    (cache_dir("teacher-scores")).mkdir(parents=True)
+    earlier = np.arange(6, dtype=np.float32) / 3
+    np.save(cache_dir("teacher-scores") / f"{whole.hexdigest()}.npy", earlier)
+    # no teacher: scoring anything would fail; the set is read and folded into the pair-by-pair store
+    assert np.array_equal(teacher_scores("fp", None, rows, 0), earlier)
+    assert np.array_equal(teacher_scores("fp", None, rows[2:5], 0), earlier[2:5])  # now pair by pair
+    with pytest.raises(AttributeError):
+        teacher_scores("other teacher", None, rows, 0)

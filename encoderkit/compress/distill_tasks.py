@@ -24,6 +24,7 @@ every token and layer rather than one score per pair. The teacher then runs on e
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -176,22 +177,73 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
 
 
 def teacher_scores(fingerprint: str, teacher: nn.Module, rows: list[dict[str, np.ndarray]], pad_id: int) -> np.ndarray:
-    """The teacher's score of every tokenised pair, kept in ``$ENCODERKIT_CACHE/teacher-scores`` under the
-    teacher folder's fingerprint (:func:`encoderkit.io.model_fingerprint`: weights, config, tokenizer) and a hash
-    of the pairs' token ids: a second distillation of the same teacher on the same lists (other layers, learning
-    rate, epochs) skips the teacher's pass."""
+    """The teacher's score of every tokenised pair, kept pair by pair in ``$ENCODERKIT_CACHE/teacher-scores``: one
+    file per teacher (its folder's fingerprint, :func:`encoderkit.io.model_fingerprint`: weights, config,
+    tokenizer) mapping a hash of each pair's token ids to its score. A later distillation of the same teacher
+    scores only the pairs it has not seen: none for other layers, rates or epochs over the same lists; the new
+    half for lists drawn deeper (``candidate_depth``) whose top half it scored before; a new title set's."""
     import hashlib
 
-    from encoderkit.io import cached_array
     from encoderkit.tasks.rerank.features import score_rows
 
-    h = hashlib.sha256(f"rerank {fingerprint} pad={pad_id} n={len(rows)}".encode())
-    for r in rows:
-        for k in ("input_ids", "token_type_ids"):
-            if k in r:
-                h.update(k.encode() + np.ascontiguousarray(r[k], dtype=np.int64).tobytes())
-    return cached_array("teacher-scores", h.hexdigest(), len(rows),
-                        lambda: score_rows(teacher, rows, pad_id, 64, desc="teacher scores"), "the teacher's scores")
+    pairs = [b"".join(k.encode() + np.ascontiguousarray(r[k], dtype=np.int64).tobytes()
+                      for k in ("input_ids", "token_type_ids") if k in r) for r in rows]
+    store = PairScores(hashlib.sha256(f"rerank {fingerprint} pad={pad_id}".encode()).hexdigest()[:32])
+    keys = [hashlib.sha256(p).digest()[:16] for p in pairs]
+    scores = store.lookup(keys)
+    missing = np.flatnonzero(np.isnan(scores))
+    if missing.size:  # a cache written before pairs had their own keys: one .npy per list set, keyed by all its pairs
+        whole = hashlib.sha256(f"rerank {fingerprint} pad={pad_id} n={len(rows)}".encode())
+        for p in pairs:
+            whole.update(p)
+        with contextlib.suppress(OSError, ValueError):
+            earlier = np.load(store.path.parent / f"{whole.hexdigest()}.npy", allow_pickle=False)
+            if earlier.shape == (len(rows),):
+                store.add(keys, earlier)
+                return earlier.astype(np.float32)
+    if missing.size:
+        new = score_rows(teacher, [rows[int(i)] for i in missing], pad_id, 64, desc="teacher scores")
+        scores[missing] = new
+        store.add([keys[int(i)] for i in missing], new)
+    return scores
+
+
+class PairScores:
+    """A teacher's cached scores: ``teacher-scores/<key>.npz`` holding ``keys`` (16-byte pair hashes) and
+    ``scores`` ((N, 16) uint8 and (N,) float32), read without pickle, rewritten atomically with each addition. A file that cannot be read is
+    treated as empty; one that cannot be written costs time later, not this run (a note says so)."""
+
+    def __init__(self, key: str) -> None:
+        from encoderkit.io import cache_dir
+
+        self.path = cache_dir("teacher-scores") / f"{key}.npz"
+        self.known: dict[bytes, float] = {}
+        if self.path.is_file():
+            try:
+                with np.load(self.path, allow_pickle=False) as f:
+                    self.known = dict(zip((k.tobytes() for k in f["keys"]), f["scores"].tolist(), strict=True))
+            except (OSError, ValueError, KeyError):
+                self.known = {}
+
+    def lookup(self, keys: list[bytes]) -> np.ndarray:
+        """float32 scores of ``keys``, NaN where not cached."""
+        return np.asarray([self.known.get(k, np.nan) for k in keys], dtype=np.float32)
+
+    def add(self, keys: list[bytes], scores: np.ndarray) -> None:
+        import os
+
+        from encoderkit.progress import note
+
+        self.known.update(zip(keys, np.asarray(scores, dtype=np.float32).tolist(), strict=True))
+        tmp = self.path.with_name(f".{self.path.stem}.{os.getpid()}.npz")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(tmp, keys=np.frombuffer(b"".join(self.known), dtype=np.uint8).reshape(-1, 16),
+                     scores=np.asarray(list(self.known.values()), dtype=np.float32))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            note(f"could not cache the teacher's scores in {self.path.parent} ({e.strerror or e}); continuing without")
 
 
 def with_layer_loss(cfg: Any, loss: torch.Tensor, logs: dict[str, float], out: Any, teacher: nn.Module,
