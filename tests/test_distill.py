@@ -197,8 +197,6 @@ def test_a_classifier_student_keeps_the_default_rate_when_none_is_given(teacher_
     assert json.loads((out / "encoderkit.json").read_text())["config"]["lr"] == 1e-4  # rerank: 3e-4 (test_distill_tasks)
     with pytest.raises(EncoderkitError, match="lr must be >= 0"):
         DistillConfig(teacher=str(teacher_dir), out=str(out), train=str(train_tsv), lr=-1.0)
-    with pytest.raises(EncoderkitError, match="layer_weight is for rerank, ner and qa teachers.*classify model"):
-        distill(DistillConfig(teacher=str(teacher_dir), out=str(tmp_path / "s2"), train=str(train_tsv), layer_weight=1.0))
 
 
 def test_tokenizer_mismatch_is_a_clear_error(teacher_dir, train_tsv, tmp_path):

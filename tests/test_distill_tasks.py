@@ -384,10 +384,6 @@ def test_each_student_layer_stands_for_the_last_teacher_layer_of_its_block():
     assert layer_cosine_loss(shifted, teacher, mask).item() > 0.5
     with pytest.raises(EncoderkitError, match="hidden size"):
         layer_cosine_loss(tuple(h[..., :4] for h in student), teacher, mask)
-    with pytest.raises(EncoderkitError, match="narrower student"):
-        DistillConfig(teacher="t", out="o", train="x", layer_weight=1.0, hidden_size=64)
-    with pytest.raises(EncoderkitError, match="loss weights"):
-        DistillConfig(teacher="t", out="o", train="x", layer_weight=-1.0)
 
 
 @pytest.mark.parametrize("task", ["rerank", "ner"])

@@ -237,8 +237,6 @@ class DistillConfig(StageConfig):
         else:
             check(bool(self.data), "distill mode=agnostic needs --data (a folder from `encoderkit data prepare`)")
         check(self.hidden_size is None or self.student is None, "give either --student or --hidden-size, not both")
-        check(not (self.layer_weight and self.hidden_size), "layer_weight matches hidden states layer by layer at the "
-              "teacher's width: a narrower student (--hidden-size) cannot; set layer_weight 0")
 
 
 def require_masked_lm(teacher: nn.Module, folder: str) -> None:
@@ -267,9 +265,6 @@ def run(config: DistillConfig) -> DistillResult:
         cfg = config if config.seq_len else dataclasses.replace(config, seq_len=card.max_length)
     if not cfg.lr:
         cfg = dataclasses.replace(cfg, lr=RERANK_LR if task == "rerank" else DEFAULT_LR)
-    check(not cfg.layer_weight or task in ("rerank", "ner", "qa"),
-          f"layer_weight is for rerank, ner and qa teachers; {cfg.teacher} is a {task} model "
-          "(classify and MLM distillation match the last hidden states with cos_weight)")
     if task == "embed":
         return run_embed(cfg)
     if task in ("rerank", "ner", "qa"):
