@@ -367,60 +367,6 @@ def test_a_deep_candidate_list_keeps_the_top_half_and_samples_the_ranks_below_in
     assert spread(ranked, 16, np.random.default_rng(3)) == spread(ranked, 16, np.random.default_rng(3))
 
 
-def test_each_student_layer_stands_for_the_last_teacher_layer_of_its_block():
-    from encoderkit.compress.students import block_ends, layer_cosine_loss
-
-    assert block_ends(3, 6) == [1, 3, 5] and block_ends(4, 6) == [0, 2, 3, 5] and block_ends(2, 4) == [1, 3]
-    assert block_ends(6, 6) == list(range(6))
-    g = torch.Generator().manual_seed(0)
-    teacher = tuple(torch.randn(2, 5, 8, generator=g) for _ in range(7))  # embeddings + 6 layers
-    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
-    student = (teacher[0], 2.0 * teacher[2], teacher[4], teacher[6])  # layers 1, 3, 5 (scaled: cosine ignores scale)
-    assert layer_cosine_loss(student, teacher, mask).item() == pytest.approx(0.0, abs=1e-6)
-    padded = tuple(h.clone() for h in student)
-    padded[1][1, 3:] = -padded[1][1, 3:]  # only padding differs
-    assert layer_cosine_loss(padded, teacher, mask).item() == pytest.approx(0.0, abs=1e-6)
-    shifted = (teacher[0], teacher[1], teacher[3], teacher[5])  # each one layer early
-    assert layer_cosine_loss(shifted, teacher, mask).item() > 0.5
-    with pytest.raises(EncoderkitError, match="hidden size"):
-        layer_cosine_loss(tuple(h[..., :4] for h in student), teacher, mask)
-
-
-@pytest.mark.parametrize("task", ["rerank", "ner"])
-def test_layer_weight_brings_each_student_layer_toward_the_teacher_layer_it_stands_for(tmp_path, tiny_tokenizer_dir, task):
-    from transformers import AutoTokenizer
-
-    from encoderkit.compress.students import layer_cosine_loss
-
-    g = np.random.default_rng(3)
-    if task == "rerank":
-        teacher = save_tiny("BertForSequenceClassification", tmp_path / "t", tiny_tokenizer_dir, 1.0, num_labels=1)
-        rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]}
-                for _ in range(48)]
-        train = tmp_path / "train.jsonl"
-        train.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    else:
-        teacher = save_tiny("BertForTokenClassification", tmp_path / "t", tiny_tokenizer_dir, 1.0, num_labels=3)
-        train = tmp_path / "train.conll"
-        train.write_text("\n\n".join("\n".join(f"{w} O" for w in sentence(g, 4, 12).split()) for _ in range(96)) + "\n")
-    base = {"teacher": str(teacher), "train": str(train), "layers": "0,2", "candidates": 4, "epochs": 4, "lr": 1e-3,
-            "batch_size": 8, "seq_len": 32, "bf16": False}
-    plain = distill(DistillConfig(out=str(tmp_path / "plain"), **base))
-    layered = distill(DistillConfig(out=str(tmp_path / "layered"), layer_weight=2.0, **base))
-    assert "layer_cos" in layered.train_logs and "layer_cos" not in plain.train_logs
-    tok = AutoTokenizer.from_pretrained(teacher)
-    held_out = np.random.default_rng(77)
-    enc = tok([sentence(held_out, 4, 12) for _ in range(24)], padding=True, return_tensors="pt")
-    t_hidden = load_task_model(teacher)(**enc, output_hidden_states=True).hidden_states
-
-    def gap(folder: Path) -> float:
-        with torch.no_grad():
-            s_hidden = load_task_model(folder)(**enc, output_hidden_states=True).hidden_states
-            return float(layer_cosine_loss(s_hidden, t_hidden, enc["attention_mask"]))
-
-    assert gap(tmp_path / "layered") < 0.75 * gap(tmp_path / "plain"), (gap(tmp_path / "layered"), gap(tmp_path / "plain"))
-
-
 def test_a_teacher_score_cache_of_whole_list_sets_from_before_is_read_without_scoring(tmp_path, tiny_tokenizer_dir):
     import hashlib
 

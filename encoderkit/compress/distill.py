@@ -37,10 +37,24 @@ from torch import nn
 
 from encoderkit.compress.distill_embed import run_embed
 from encoderkit.compress.distill_tasks import run_task
-from encoderkit.compress.students import DistillResult, fit_and_save, hidden_cosine_loss, make_student, soft_target_kl
+from encoderkit.compress.students import DistillResult, fit_and_save, make_student, soft_target_kl
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
+
+
+def hidden_cosine_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
+                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of 1 - cos(student, teacher) over real tokens.
+
+    student_hidden, teacher_hidden: (B, L, H) (the student already projected to the teacher's
+    width); attention_mask: (B, L), 0 on padding. Zero when the directions agree.
+    """
+    cos = F.cosine_similarity(student_hidden.float(), teacher_hidden.float(), dim=-1)  # (B, L)
+    if attention_mask is None:
+        return (1.0 - cos).mean()
+    m = attention_mask.bool()
+    return (1.0 - cos[m]).mean() if m.any() else cos.sum() * 0.0
 
 
 @dataclass(frozen=True)
@@ -190,10 +204,6 @@ class DistillConfig(StageConfig):
     kl_weight: float = arg(1.0, help="Weight of T^2 * KL(teacher || student) on soft targets.")
     hard_weight: float = arg(0.5, help="Weight of the hard loss: MLM cross-entropy (agnostic) or cross-entropy on gold labels (task).")
     cos_weight: float = arg(0.5, help="Weight of 1 - cosine between the last hidden states (0 turns it off).")
-    layer_weight: float = arg(0.0, help="rerank, ner and qa teachers: weight of 1 - cosine between each student layer's hidden "
-                              "states and those of the teacher layer it stands for (3 of 6 layers: the teacher's 1, 3, 5), "
-                              "averaged over layers and real tokens: signal at every token and layer, not one score per "
-                              "pair. Runs the teacher on every batch (a rerank step then takes ~1.7x as long). 0: off.")
     temperature: float = arg(2.0, help="Softmax temperature of the soft targets.")
     mask_rate: float = arg(0.15, help="mode=agnostic: fraction of tokens masked.")
     epochs: float = arg(3.0, help="Passes over the training data (unless max_steps is set).")
@@ -230,7 +240,7 @@ class DistillConfig(StageConfig):
         check(self.pseudo_queries > 0 or not self.fresh_pseudo_queries,
               "fresh_pseudo_queries draws a new --pseudo-queries N titles each epoch: set pseudo_queries > 0 too")
         check(self.seq_len >= 0, f"seq_len must be >= 0 (0: the teacher's max length), got {self.seq_len}")
-        check(min(self.kl_weight, self.hard_weight, self.cos_weight, self.layer_weight) >= 0, "loss weights must be >= 0")
+        check(min(self.kl_weight, self.hard_weight, self.cos_weight) >= 0, "loss weights must be >= 0")
         check(self.kl_weight + self.hard_weight + self.cos_weight > 0, "at least one loss weight must be > 0")
         if self.mode == "task":
             check(bool(self.train), "distill mode=task needs --train (the task's texts)")

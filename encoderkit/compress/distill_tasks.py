@@ -15,11 +15,6 @@
 - ``qa``: the teacher's start and end logits over each (question, context) first window,
   ``T^2 * KL`` of the start distribution plus that of the end distribution, halved; the
   examples of a SQuAD JSON file's training articles (answers are not used).
-
-With ``layer_weight`` w > 0, every task adds w x the mean over the student's layers of 1 - cosine between
-the layer's hidden states and those of the teacher layer it stands for (the last of its block: 3 of 6 layers
-match the teacher's 1, 3, 5; :func:`~encoderkit.compress.students.block_ends`), over real tokens: a signal at
-every token and layer rather than one score per pair. The teacher then runs on every batch.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoderkit.compress.students import layer_cosine_loss, soft_target_kl
+from encoderkit.compress.students import soft_target_kl
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
 from encoderkit.progress import note
@@ -166,12 +161,10 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
 
     def loss_fn(module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         inputs = {k: v for k, v in batch.items() if k != "teacher_score"}
-        out = module(**inputs, output_hidden_states=cfg.layer_weight > 0)
-        s = out.logits.float().view(-1, size)
+        s = module(**inputs).logits.float().view(-1, size)
         t = batch["teacher_score"].float().view(-1, size)
         loss = soft_target_kl(s, t, cfg.temperature) if cfg.loss == "kl" else F.mse_loss(s, t)
-        logs = {cfg.loss: float(loss.detach())}
-        return with_layer_loss(cfg, loss, logs, out, teacher, inputs)
+        return loss, {cfg.loss: float(loss.detach())}
 
     return source, loss_fn, len(fixed) + per_set
 
@@ -246,20 +239,6 @@ class PairScores:
             note(f"could not cache the teacher's scores in {self.path.parent} ({e.strerror or e}); continuing without")
 
 
-def with_layer_loss(cfg: Any, loss: torch.Tensor, logs: dict[str, float], out: Any, teacher: nn.Module,
-                    inputs: dict[str, torch.Tensor], teacher_out: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """``loss`` plus ``layer_weight`` x the layer-by-layer hidden-state loss
-    (:func:`~encoderkit.compress.students.layer_cosine_loss`); the teacher runs here unless its output (with
-    hidden states) is given. Unchanged when ``layer_weight`` is 0."""
-    if not cfg.layer_weight:
-        return loss, logs
-    if teacher_out is None:
-        with torch.no_grad():
-            teacher_out = teacher(**inputs, output_hidden_states=True)
-    layer = layer_cosine_loss(out.hidden_states, teacher_out.hidden_states, inputs["attention_mask"])
-    return loss + cfg.layer_weight * layer, {**logs, "layer_cos": float(layer.detach())}
-
-
 # -- NER and QA ----------------------------------------------------------------------------------------
 
 def masked_token_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -305,19 +284,16 @@ def token_setup(cfg: Any, task: str, teacher: nn.Module, tokenizer: Any) -> tupl
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), cfg.batch_size, make_batch, seed=cfg.seed)
 
     def loss_fn(module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        hidden = cfg.layer_weight > 0
         with torch.no_grad():
-            t = teacher(**batch, output_hidden_states=hidden)
-        s = module(**batch, output_hidden_states=hidden)
+            t = teacher(**batch)
+        s = module(**batch)
         mask = batch["attention_mask"]
         if task == "ner":
             loss = masked_token_kl(s.logits, t.logits, mask, cfg.temperature)
-            logs = {"kl": float(loss.detach())}
-        else:
-            start = position_kl(s.start_logits, t.start_logits, mask, cfg.temperature)
-            end = position_kl(s.end_logits, t.end_logits, mask, cfg.temperature)
-            loss, logs = (start + end) / 2, {"kl_start": float(start.detach()), "kl_end": float(end.detach())}
-        return with_layer_loss(cfg, loss, logs, s, teacher, batch, t)
+            return loss, {"kl": float(loss.detach())}
+        start = position_kl(s.start_logits, t.start_logits, mask, cfg.temperature)
+        end = position_kl(s.end_logits, t.end_logits, mask, cfg.temperature)
+        return (start + end) / 2, {"kl_start": float(start.detach()), "kl_end": float(end.detach())}
 
     return source, loss_fn, len(rows)
 

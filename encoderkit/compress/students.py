@@ -142,41 +142,6 @@ def check_same_task(teacher_dir: str | Path, student_dir: str | Path) -> None:
 
 # -- losses ----------------------------------------------------------------------------------------
 
-def hidden_cosine_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
-                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean of 1 - cos(student, teacher) over real tokens.
-
-    student_hidden, teacher_hidden: (B, L, H) (the student already projected to the teacher's
-    width); attention_mask: (B, L), 0 on padding. Zero when the directions agree.
-    """
-    cos = F.cosine_similarity(student_hidden.float(), teacher_hidden.float(), dim=-1)  # (B, L)
-    if attention_mask is None:
-        return (1.0 - cos).mean()
-    m = attention_mask.bool()
-    return (1.0 - cos[m]).mean() if m.any() else cos.sum() * 0.0
-
-
-def block_ends(n_student: int, n_teacher: int) -> list[int]:
-    """The teacher layer each student layer's output stands for: student layer ``i`` of ``n_student`` covers
-    a block of ``n_teacher / n_student`` teacher layers and is matched to the block's last (3 of 6: 1, 3, 5;
-    4 of 6: 0, 2, 3, 5), so the student's last layer always meets the teacher's last."""
-    return [(i + 1) * n_teacher // n_student - 1 for i in range(n_student)]
-
-
-def layer_cosine_loss(student_hidden: tuple[torch.Tensor, ...], teacher_hidden: tuple[torch.Tensor, ...],
-                      attention_mask: torch.Tensor) -> torch.Tensor:
-    """Mean over the student's layers of :func:`hidden_cosine_loss` between each layer's output and that of
-    the teacher layer it stands for (:func:`block_ends`); ``*_hidden`` are a model's ``hidden_states``
-    (the embeddings first, then one per layer)."""
-    n_s, n_t = len(student_hidden) - 1, len(teacher_hidden) - 1
-    check(student_hidden[-1].shape[-1] == teacher_hidden[-1].shape[-1],
-          f"layer-by-layer distillation needs the teacher's width: the student's hidden size is "
-          f"{student_hidden[-1].shape[-1]}, the teacher's {teacher_hidden[-1].shape[-1]} (use layer_weight 0)")
-    parts = [hidden_cosine_loss(student_hidden[i + 1], teacher_hidden[t + 1], attention_mask)
-             for i, t in enumerate(block_ends(n_s, n_t))]
-    return torch.stack(parts).mean()
-
-
 def soft_target_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """KL(teacher_T || student_T) * T^2, averaged over rows.
 
