@@ -120,7 +120,7 @@ def spread(ranked: list[str], size: int, rng: np.random.Generator) -> list[str]:
 def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
     """(batch source, loss_fn, number of lists per epoch): teacher scores computed once for every pair. With
     ``fresh_pseudo_queries``, each epoch reads the split's lists and its own set of titles' lists (scored set by
-    set, so each set's scores are cached on their own and a one-set run's cache still serves the first)."""
+    set: a cache written before pairs had their own keys holds one file per set, and is still read)."""
     from encoderkit.io import model_fingerprint
     from encoderkit.tasks.batching import RotatingBatches, encode_batch
     from encoderkit.tasks.rerank.features import pair_rows
@@ -135,7 +135,7 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     split, title_sets = candidate_groups(cfg.train, cfg.miner, cfg.candidates, candidate_depth=cfg.candidate_depth,
                                          pseudo_queries=cfg.pseudo_queries, title_sets=epochs_for, seed=cfg.seed,
                                          limit=cfg.limit)
-    groups = [split + (title_sets[0] if title_sets else []), *title_sets[1:]]  # scored (and cached) one by one
+    groups = [split + (title_sets[0] if title_sets else []), *title_sets[1:]]  # scored one by one
     size = len(split[0][1]) if split else len(title_sets[0][0][1])
     rows: list[dict[str, np.ndarray]] = []
     fingerprint = model_fingerprint(cfg.teacher)  # reads the teacher's weights: once, not once per set
