@@ -42,12 +42,11 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key, old in (("latency_ms", "latency_b1_ms"), ("batch_ms", "latency_b32_ms"), ("throughput", "throughput_b32")):
             if r.get(key) is None and r.get(old) is not None:
                 r[key] = r[old]
+        fused = (r.get("metrics") or {}).get(f"fused_{r.get('metric')}")  # a reranker's order fused with its first stage's
+        if r.get("fused") is None and fused is not None:
+            r["fused"] = fused
         out.append(r)
     for r in out:
-        metric = r.get("metric")
-        fused = (r.get("metrics") or {}).get(f"fused_{metric}") if metric else None
-        if fused is not None and r.get("fused") is None:  # a reranker's order fused with its first stage's
-            r["fused"] = fused
         r["speedup"] = _ratio(out[0].get("latency_ms"), r.get("latency_ms"))
         r["speedup_throughput"] = _ratio(r.get("throughput"), out[0].get("throughput"))
     return out

@@ -202,9 +202,9 @@ def teacher_scores(fingerprint: str, teacher: nn.Module, rows: list[dict[str, np
 
 
 class PairScores:
-    """A teacher's cached scores: ``teacher-scores/<key>.npz`` holding ``keys`` (16-byte pair hashes) and
-    ``scores`` ((N, 16) uint8 and (N,) float32), read without pickle, rewritten atomically with each addition. A file that cannot be read is
-    treated as empty; one that cannot be written costs time later, not this run (a note says so)."""
+    """A teacher's cached scores: ``teacher-scores/<key>.npz`` holding ``keys`` ((N, 16) uint8: each pair's hash)
+    and ``scores`` ((N,) float32), read without pickle, rewritten atomically with each addition. A file that
+    cannot be read is treated as empty; one that cannot be written costs time later, not this run (a note)."""
 
     def __init__(self, key: str) -> None:
         from encoderkit.io import cache_dir
