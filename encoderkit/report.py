@@ -107,7 +107,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     rows = with_ratios(rows)
     unit, batch = units(rows)
     items = batch.split(" ", 1)[-1] if batch else "queries"
-    cols = [c for c in COLUMNS if (batch or c[0] != "batch_ms") and (c[0] != "fused" or any(r.get("fused") is not None for r in rows))]
+    fused = any(r.get("fused") is not None for r in rows)  # a reranker's rows: the first stage's order fused in
+    cols = [c for c in COLUMNS if (batch or c[0] != "batch_ms") and (fused or c[0] != "fused")]
     head = "| " + " | ".join(title.format(unit=unit, batch=batch, items=items) for _, title, _ in cols) + " |"
     rule = "|" + "|".join("---" for _ in cols) + "|"
     body = ["| " + " | ".join(_fmt(r.get(key), kind) for key, _, kind in cols) + " |" for r in rows]

@@ -372,7 +372,7 @@ def test_a_teacher_score_cache_of_whole_list_sets_from_before_is_read_without_sc
 
     from transformers import AutoTokenizer
 
-    from encoderkit.compress.distill_tasks import teacher_scores
+    from encoderkit.compress.distill_tasks import PairScores, teacher_scores
     from encoderkit.io import cache_dir
     from encoderkit.tasks.rerank.features import pair_rows
 
@@ -387,7 +387,7 @@ def test_a_teacher_score_cache_of_whole_list_sets_from_before_is_read_without_sc
     earlier = np.arange(6, dtype=np.float32) / 3
     np.save(cache_dir("teacher-scores") / f"{whole.hexdigest()}.npy", earlier)
     # no teacher: scoring anything would fail; the set is read and folded into the pair-by-pair store
-    assert np.array_equal(teacher_scores("fp", None, rows, 0), earlier)
-    assert np.array_equal(teacher_scores("fp", None, rows[2:5], 0), earlier[2:5])  # now pair by pair
+    assert np.array_equal(teacher_scores(PairScores("fp", 0), None, rows, 0), earlier)
+    assert np.array_equal(teacher_scores(PairScores("fp", 0), None, rows[2:5], 0), earlier[2:5])  # now pair by pair
     with pytest.raises(AttributeError):
-        teacher_scores("other teacher", None, rows, 0)
+        teacher_scores(PairScores("other teacher", 0), None, rows, 0)

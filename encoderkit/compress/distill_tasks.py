@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -138,12 +139,12 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     groups = [split + (title_sets[0] if title_sets else []), *title_sets[1:]]  # scored one by one
     size = len(split[0][1]) if split else len(title_sets[0][0][1])
     rows: list[dict[str, np.ndarray]] = []
-    fingerprint = model_fingerprint(cfg.teacher)  # reads the teacher's weights: once, not once per set
+    store = PairScores(model_fingerprint(cfg.teacher), tokenizer.pad_token_id)  # reads the weights and the cache once
     for group in groups:
         queries = [q for q, c in group for _ in c]
         passages = [p for _, c in group for p in c]
         part = pair_rows(tokenizer, queries, passages, cfg.seq_len)  # tokenised once: scored here, trained on below
-        for r, s in zip(part, teacher_scores(fingerprint, teacher, part, tokenizer.pad_token_id)):
+        for r, s in zip(part, teacher_scores(store, teacher, part, tokenizer.pad_token_id)):
             r["teacher_score"] = s
         rows += part
     n_lists = len(rows) // size
@@ -169,74 +170,77 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     return source, loss_fn, len(fixed) + per_set
 
 
-def teacher_scores(fingerprint: str, teacher: nn.Module, rows: list[dict[str, np.ndarray]], pad_id: int) -> np.ndarray:
-    """The teacher's score of every tokenised pair, kept pair by pair in ``$ENCODERKIT_CACHE/teacher-scores``: one
-    file per teacher (its folder's fingerprint, :func:`encoderkit.io.model_fingerprint`: weights, config,
-    tokenizer) mapping a hash of each pair's token ids to its score. A later distillation of the same teacher
-    scores only the pairs it has not seen: none for other layers, rates or epochs over the same lists; the new
-    half for lists drawn deeper (``candidate_depth``) whose top half it scored before; a new title set's."""
-    import hashlib
-
+def teacher_scores(store: PairScores, teacher: nn.Module, rows: list[dict[str, np.ndarray]], pad_id: int) -> np.ndarray:
+    """The teacher's score of every tokenised pair, from ``store`` (the teacher's cache, kept pair by pair) where
+    it has them; the rest scored and added. A later distillation of the same teacher scores only the pairs it has
+    not seen: none for other layers, rates or epochs over the same lists; the new half for lists drawn deeper
+    (``candidate_depth``) whose top half it scored before; a new title set's."""
     from encoderkit.tasks.rerank.features import score_rows
 
     pairs = [b"".join(k.encode() + np.ascontiguousarray(r[k], dtype=np.int64).tobytes()
                       for k in ("input_ids", "token_type_ids") if k in r) for r in rows]
-    store = PairScores(hashlib.sha256(f"rerank {fingerprint} pad={pad_id}".encode()).hexdigest()[:32])
     keys = [hashlib.sha256(p).digest()[:16] for p in pairs]
     scores = store.lookup(keys)
     missing = np.flatnonzero(np.isnan(scores))
-    if missing.size:  # a cache written before pairs had their own keys: one .npy per list set, keyed by all its pairs
-        whole = hashlib.sha256(f"rerank {fingerprint} pad={pad_id} n={len(rows)}".encode())
-        for p in pairs:
-            whole.update(p)
-        with contextlib.suppress(OSError, ValueError):
-            earlier = np.load(store.path.parent / f"{whole.hexdigest()}.npy", allow_pickle=False)
-            if earlier.shape == (len(rows),):
-                store.add(keys, earlier)
-                return earlier.astype(np.float32)
-    if missing.size:
-        new = score_rows(teacher, [rows[int(i)] for i in missing], pad_id, 64, desc="teacher scores")
-        scores[missing] = new
-        store.add([keys[int(i)] for i in missing], new)
+    if not missing.size:
+        return scores
+    earlier = store.whole_set(pairs)
+    if earlier is not None:
+        store.add(keys, earlier)
+        return earlier
+    new = score_rows(teacher, [rows[int(i)] for i in missing], pad_id, 64, desc="teacher scores")
+    scores[missing] = new
+    store.add([keys[int(i)] for i in missing], new)
     return scores
 
 
 class PairScores:
-    """A teacher's cached scores: ``teacher-scores/<key>.npz`` holding ``keys`` ((N, 16) uint8: each pair's hash)
-    and ``scores`` ((N,) float32), read without pickle, rewritten atomically with each addition. A file that
-    cannot be read is treated as empty; one that cannot be written costs time later, not this run (a note)."""
+    """A teacher's scores cached pair by pair: ``$ENCODERKIT_CACHE/teacher-scores/<key>.npz``, one file per teacher
+    (``fingerprint``: :func:`encoderkit.io.model_fingerprint`, its weights, config and tokenizer) holding ``keys``
+    ((N, 16) uint8: each pair's token-id hash) and ``scores`` ((N,) float32), read once, without pickle, and
+    rewritten atomically with each addition. A file that cannot be read is treated as empty; one that cannot be
+    written costs time later, not this run (a note says so)."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, fingerprint: str, pad_id: int) -> None:
         from encoderkit.io import cache_dir
 
-        self.path = cache_dir("teacher-scores") / f"{key}.npz"
+        self.head = f"rerank {fingerprint} pad={pad_id}"
+        self.path = cache_dir("teacher-scores") / f"{hashlib.sha256(self.head.encode()).hexdigest()[:32]}.npz"
         self.known: dict[bytes, float] = {}
-        if self.path.is_file():
-            try:
-                with np.load(self.path, allow_pickle=False) as f:
-                    self.known = dict(zip((k.tobytes() for k in f["keys"]), f["scores"].tolist(), strict=True))
-            except (OSError, ValueError, KeyError):
-                self.known = {}
+        with contextlib.suppress(OSError, ValueError, KeyError), np.load(self.path, allow_pickle=False) as f:
+            self.known = dict(zip((k.tobytes() for k in f["keys"]), f["scores"].tolist(), strict=True))
 
     def lookup(self, keys: list[bytes]) -> np.ndarray:
         """float32 scores of ``keys``, NaN where not cached."""
         return np.asarray([self.known.get(k, np.nan) for k in keys], dtype=np.float32)
 
-    def add(self, keys: list[bytes], scores: np.ndarray) -> None:
-        import os
+    def whole_set(self, pairs: list[bytes]) -> np.ndarray | None:
+        """The scores of exactly these pairs from a cache written before pairs had their own keys (one ``.npy``
+        per list set, keyed by all its pairs), else None."""
+        h = hashlib.sha256(f"{self.head} n={len(pairs)}".encode())
+        for p in pairs:
+            h.update(p)
+        with contextlib.suppress(OSError, ValueError):
+            earlier = np.load(self.path.parent / f"{h.hexdigest()}.npy", allow_pickle=False)
+            if earlier.shape == (len(pairs),):
+                return earlier.astype(np.float32)
+        return None
 
+    def add(self, keys: list[bytes], scores: np.ndarray) -> None:
+        import io
+
+        from encoderkit.errors import EncoderkitError
+        from encoderkit.io import write_bytes_atomic
         from encoderkit.progress import note
 
         self.known.update(zip(keys, np.asarray(scores, dtype=np.float32).tolist(), strict=True))
-        tmp = self.path.with_name(f".{self.path.stem}.{os.getpid()}.npz")
+        buf = io.BytesIO()
+        np.savez(buf, keys=np.frombuffer(b"".join(self.known), dtype=np.uint8).reshape(-1, 16),
+                 scores=np.asarray(list(self.known.values()), dtype=np.float32))
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(tmp, keys=np.frombuffer(b"".join(self.known), dtype=np.uint8).reshape(-1, 16),
-                     scores=np.asarray(list(self.known.values()), dtype=np.float32))
-            os.replace(tmp, self.path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            note(f"could not cache the teacher's scores in {self.path.parent} ({e.strerror or e}); continuing without")
+            write_bytes_atomic(self.path, buf.getvalue())
+        except (EncoderkitError, OSError) as e:
+            note(f"{e}; the teacher's scores are not cached, continuing without")
 
 
 # -- NER and QA ----------------------------------------------------------------------------------------
