@@ -155,6 +155,36 @@ def output_dir(out: str | Path, overwrite: bool = False, retry: str = "rerun") -
                               f"Free disk space (or fix permissions) and {retry}") from e
 
 
+@contextlib.contextmanager
+def resumable_dir(out: str | Path, overwrite: bool, resume: bool, retry: str = "rerun with --resume") -> Iterator[Path]:
+    """Like :func:`output_dir`, but the folder being written is ``.<name>.partial`` beside ``out`` and
+    outlives a failure: work that takes hours keeps what it finished. ``resume`` continues in an existing
+    one; without it a stale one is removed first. It becomes ``out`` only if the block finishes; a
+    failure leaves it (unless empty) and the error says so, ending with ``retry``."""
+    from encoderkit.progress import note
+
+    out = check_output_dir(out, overwrite)
+    partial = out.parent / f".{out.name}.partial"
+    if partial.exists() and not resume:
+        note(f"removing {partial}, the unfinished work of an earlier run (--resume continues it)")
+        shutil.rmtree(partial)
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+        yield partial
+        normalize_modes(partial)
+        replace_dir(partial, out)
+    except BaseException as e:
+        if partial.is_dir() and not any(partial.iterdir()):
+            partial.rmdir()
+        reason = write_failure(e, partial)
+        if reason is not None:
+            raise EncoderkitError(f"could not write {out} ({reason}). Free disk space (or fix permissions) and "
+                                  f"{retry}") from e
+        if partial.is_dir() and isinstance(e, Exception):
+            note(f"{out} was not written; what was finished is kept in {partial}: {retry}")
+        raise
+
+
 def _new_sibling(path: Path, kind: str, create) -> Path:
     """Create ``.<name>.<kind>-<pid>-<random>`` beside ``path`` with ``create(p)`` (exclusively), and return it.
     Unlike ``tempfile.mkdtemp`` / ``mkstemp`` (0700 / 0600, meant for private scratch files), the caller asks

@@ -341,3 +341,43 @@ def test_rerank_steps_on_a_beir_source_take_the_first_stage_from_compress_miner(
     assert [r["lever"] for r in res.rows] == ["start", "distill", "prune"]
     card = json.loads((out / "01-distill" / "encoderkit.json").read_text())
     assert card["config"]["miner"] == miner
+
+
+def test_a_distill_step_with_the_starting_model_as_teacher_trains_the_pruned_model_as_it_is(models, train_files, tmp_path):
+    """Prune the teacher's width, then let the unpruned teacher teach the pruned model: the student is the
+    previous step's model (pruned shape kept), the teacher the recipe's start."""
+    from encoderkit.models.folder import ModelFolder
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: rerank\nsteps:\n"
+                      "  - {lever: prune, method: ffn, amount: 0.5, importance: magnitude}\n"
+                      "  - {lever: distill, teacher: start, max_steps: 2, batch_size: 8, seq_len: 32, candidates: 4, bf16: false}\n")
+    out = tmp_path / "out"
+    compress(CompressConfig(recipe=str(recipe), model=str(models["rerank"]), dev=str(train_files["rerank"]), out=str(out),
+                            train=str(train_files["rerank"])), measure=reload_measure)
+    card = json.loads((out / "02-distill" / "encoderkit.json").read_text())
+    assert Path(card["config"]["teacher"]) == models["rerank"].resolve() or card["config"]["teacher"] == str(models["rerank"])
+    assert card["config"]["student"].endswith("01-prune")
+    start, pruned, student = (ModelFolder.open(f, tokenizer=False).config for f in (models["rerank"], out / "01-prune", out / "02-distill"))
+    assert student["intermediate_size"] == pruned["intermediate_size"] == start["intermediate_size"] // 2
+    assert student["num_hidden_layers"] == start["num_hidden_layers"]
+    assert weights_differ(out / "01-prune", out / "02-distill")
+
+
+def weights_differ(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    return any(not np.allclose(wa[k].numpy(), wb[k].numpy()) for k in wa)
+
+
+@pytest.mark.parametrize("extra, pattern", [("teacher: student", "'previous' .* or 'start'"),
+                                            ("teacher: start, layers: '0'", "drop them, or use teacher 'previous'")])
+def test_a_distill_steps_teacher_is_checked_before_anything_runs(extra, pattern, models, train_files, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("task: rerank\nsteps:\n  - {lever: prune, method: ffn, amount: 0.5, importance: magnitude}\n"
+                      f"  - {{lever: distill, {extra}}}\n")
+    with pytest.raises(EncoderkitError, match=rf"step 2 \(lever 'distill'\).*{pattern}"):
+        compress(CompressConfig(recipe=str(recipe), model=str(models["rerank"]), dev=str(train_files["rerank"]),
+                                out=str(tmp_path / "out"), train=str(train_files["rerank"])), measure=reload_measure)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()

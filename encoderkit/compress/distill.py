@@ -230,6 +230,9 @@ class DistillConfig(StageConfig):
                                      "each epoch: past 3 epochs a cut cross-encoder learns from new lists, not repeats.")
     loss: str = arg("kl", choices=("kl", "mse"), help="rerank teacher: KL over each query's candidate list (softmax of the scores) or MSE on the scores.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
+    resume: bool = arg(False, speed=True, help="Continue an interrupted run from its latest checkpoint (kept in .<out>.run "
+                       "beside --out) with the same settings: the same lists in the same order, no replay.")
+    save_every: int = arg(100, speed=True, help="Checkpoint every N steps, so --resume loses at most N steps (0: only at the end).")
     bf16: bool | None = arg(None, speed=True, help="bf16 autocast (default: on where the hardware has native bf16).")
 
     def validate(self) -> None:

@@ -80,11 +80,18 @@ class _Base:
 
 @dataclass(frozen=True)
 class DistillLever(_Base):
-    """Task distillation with the previous step's model as teacher (the teacher's task picks the recipe:
-    classify logits, rerank candidate-list scores, NER/QA token and span logits, embed embeddings)."""
+    """Task distillation (the teacher's task picks the recipe: classify logits, rerank candidate-list scores,
+    NER/QA token and span logits, embed embeddings). The recipe key ``teacher`` says who teaches:
+    ``previous`` (default), the previous step's model, into a student cut from it (``layers``); ``start``,
+    the recipe's starting model, into the previous step's model as it is (e.g. after structured pruning:
+    the pruned model learns the unpruned one's outputs over the same lists a cut student would)."""
 
     config_class: type[StageConfig] = DistillConfig
     runner_fields: tuple[str, ...] = ("teacher", "out", "overwrite")
+    teachers: tuple[str, ...] = ("previous", "start")
+
+    def recipe_keys(self) -> set[str]:
+        return super().recipe_keys() | {"teacher"}
 
     def needs(self, settings: dict[str, Any]) -> tuple[str, ...]:
         if settings.get("mode", "task") == "agnostic":  # prepared MLM blocks ('data'), no task data
@@ -92,13 +99,23 @@ class DistillLever(_Base):
         return () if settings.get("train") else ("train",)
 
     def config(self, settings: dict[str, Any], model: Path, out: Path, data: LeverData) -> StageConfig:
+        settings = dict(settings)
+        who = settings.pop("teacher", "previous")
+        check(who in self.teachers, f"distill 'teacher' is 'previous' (the previous step's model) or 'start' (the "
+                                    f"recipe's starting model, teaching the previous step's model), got {who!r}")
+        teacher = str(model)
+        if who == "start":
+            check(not ({"layers", "hidden_size", "student"} & set(settings)),
+                  "distill with teacher 'start' trains the previous step's model as it is; 'layers', 'hidden_size' and "
+                  "'student' choose a new student: drop them, or use teacher 'previous'")
+            teacher, settings["student"] = str(data.folder or "<the starting model>"), str(model)
         train = settings.get("train") or data.source("train")
         if data.task == "rerank" and not settings.get("miner") and data.source("miner"):  # compress --miner, unless the step names its own
             settings = {**settings, "miner": data.source("miner")}
-        return DistillConfig.from_dict({**settings, "teacher": str(model), "out": str(out), "train": train})
+        return DistillConfig.from_dict({**settings, "teacher": teacher, "out": str(out), "train": train})
 
     def run(self, model: Path, config: Any, data: LeverData, out: Path) -> LeverReport:
-        res = distill_mod.run(dataclasses.replace(config, teacher=str(model), out=str(out)))
+        res = distill_mod.run(dataclasses.replace(config, out=str(out)))
         return LeverReport("distill", config.mode, str(model), str(out), details=res.summary())
 
 

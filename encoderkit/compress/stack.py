@@ -11,7 +11,8 @@ A recipe is YAML (or TOML/JSON) with a list of steps, each a lever and its setti
 The levers (:mod:`encoderkit.compress.levers`) all have one shape: model folder + their config +
 the data they declare -> model folder + report. Their settings are the lever configs' own fields
 (``encoderkit prune --help`` ...): ``distill`` (:class:`~encoderkit.compress.distill.DistillConfig`,
-mode task, the previous step's model as teacher), ``prune`` / ``vocab``
+mode task, the previous step's model as teacher; ``teacher: start``: the recipe's starting model teaches
+the previous step's model as it is, e.g. a width-pruned one), ``prune`` / ``vocab``
 (:class:`~encoderkit.compress.prune.PruneConfig`), ``quantize`` / ``gptq`` / ``qat``
 (:class:`~encoderkit.compress.quantize.QuantizeConfig`). Shorthands: ``prune method: structured``
 with ``heads``/``ffn`` fractions runs the heads and FFN pruning one after the other (recovery after
@@ -26,7 +27,9 @@ is an error naming the step (number and lever) and the field, and so is a second
 data was not given (naming the task, the field and the step), a lever that does not handle the
 model's task, and a model of another task than the recipe's ``task``. Everything is written into
 one output folder (``NN-lever/`` per step, ``report.md``, ``report.json``, ``report.png``) that
-appears only when the whole recipe finished.
+appears only when the whole recipe finished. Until then the work lies in ``.<out>.partial`` beside it:
+the finished steps' folders, their measurements (``progress.json``) and a running distillation's
+checkpoints, so that ``--resume`` after a crash or a reboot reruns none of what was finished.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def validate_recipe(data: Any, source: str = "recipe") -> list[RecipeStep]:
         known = lever.recipe_keys()
         for key in params:
             field_name = key.replace("-", "_")
-            if field_name in lever.runner_fields or field_name in ("model", "out", "teacher"):
+            if field_name not in known and (field_name in lever.runner_fields or field_name in ("model", "out", "teacher")):
                 raise EncoderkitError(f"{where}: field '{key}' is set by the runner (the previous step's model and the step folder); remove it")
             if field_name not in known:
                 raise EncoderkitError(f"{where}: unknown field '{key}'; known fields: {', '.join(sorted(known))}")
@@ -181,6 +184,14 @@ class CompressConfig(StageConfig):
                                   "report.png (0.03: at least 97%% of the starting model's quality).")
     batch_size: int = arg(32, speed=True, help="Inference batch size of the quality measurement.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
+    resume: bool = arg(False, speed=True, help="Continue an interrupted recipe (its work is kept in .<out>.partial beside "
+                       "--out): the steps it finished and measured are not run again, a distill step continues from its "
+                       "latest checkpoint. The recipe's steps and these settings must be the same.")
+    save_every: int = arg(100, speed=True, help="Checkpoint a distill step every N training steps, so --resume loses at "
+                                                "most N (0: only at the end).")
+
+
+PROGRESS_FILE = "progress.json"  # in the partial folder: the rows measured so far and what made them
 
 
 @dataclass
@@ -213,28 +224,42 @@ def lever_notes(details: dict[str, Any]) -> str:
 
 
 def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: Path,
-              measure: Any = None, task: str | None = None) -> list[dict[str, Any]]:
+              measure: Any = None, task: str | None = None, done: list[dict[str, Any]] | None = None,
+              on_row: Any = None) -> list[dict[str, Any]]:
     """Run ``steps`` from ``cfg.model`` into ``work/NN-lever`` folders, measuring each; returns the
     report rows (row 0 is the starting model). ``final`` is where ``work`` will be renamed to,
     so that lineage in the step cards points at the final folders. ``measure(folder) -> row``
     defaults to :func:`encoderkit.compress.measure.make_measure` (the task's own metric on ``cfg.dev``);
-    ``task`` is the recipe's task, if it names one."""
+    ``task`` is the recipe's task, if it names one. ``done``: the rows of a resumed run (the start and
+    the steps it finished, whose folders are in ``work``), not run again; ``on_row(rows)`` is called
+    after every measurement."""
     from encoderkit.io import card_facts, read_card, write_card
     from encoderkit.progress import note, progress
 
     data = LeverData.for_model(cfg.model, train=cfg.train, calib=cfg.calib, miner=cfg.miner)
     check_steps(steps, data, str(cfg.recipe), task)
     measure = measure or make_measure(cfg)
-    rows = [{"step": 0, "lever": "start", "folder": str(Path(cfg.model).resolve()), **measure(Path(cfg.model))}]
+    on_row = on_row or (lambda rows: None)
+    rows = list(done or [])
+    if not rows:
+        rows.append({"step": 0, "lever": "start", "folder": str(Path(cfg.model).resolve()), **measure(Path(cfg.model))})
+        on_row(rows)
     cur, cur_final = Path(cfg.model), Path(cfg.model).resolve()
-    for step in progress(steps, desc="recipe", unit="step"):
+    if len(rows) > 1:
+        last = steps[len(rows) - 2]
+        cur, cur_final = work / last.name, final / last.name
+        note(f"resuming after step {last.index} ({last.lever}): {len(rows) - 1} of {len(steps)} steps were finished")
+    for step in progress(steps[len(rows) - 1:], desc="recipe", unit="step"):
         dst = work / step.name
         where = f"{cfg.recipe}: step {step.index} (lever '{step.lever}')"
         lever = LEVERS[step.lever]
         notes = []
+        _clear_unfinished(work, step)
         for j, call in enumerate(step.calls):
             src = cur if j == 0 else work / f".{step.name}-part{j - 1}"
             target = dst if j == len(step.calls) - 1 else work / f".{step.name}-part{j}"
+            if step.lever == "distill":  # hours on a CPU: checkpointed, and continued by --resume
+                call = {**call, "save_every": cfg.save_every, "resume": cfg.resume}
             try:
                 config = lever.config(call, src, target, data)
             except EncoderkitError as e:
@@ -252,6 +277,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
                    {**card.get("metrics", {}), "recipe_measurement": {k: v for k, v in row.items() if k not in ("step", "folder")}},
                    **{**extra, "recipe_step": step.index, "recipe_params": step.params})
         rows.append(row)
+        on_row(rows)
         note(f"step {step.index} ({step.lever}): {row.get('metric', 'quality')} {row.get('quality')} params {row.get('params')} "
              f"bytes {row.get('bytes')} {row.get('latency_ms')} ms per {row.get('latency_unit')}")
         cur, cur_final = dst, final / step.name
@@ -263,7 +289,7 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     import torch
 
     from encoderkit.hardware import describe
-    from encoderkit.io import output_dir, relocate_paths
+    from encoderkit.io import relocate_paths, resumable_dir, write_json_atomic
     from encoderkit.report import write_report
 
     recipe = read_recipe(cfg.recipe)
@@ -271,8 +297,12 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     check(Path(cfg.model).is_dir(), f"--model {cfg.model} is not a folder")
     out = Path(cfg.out)
     measure = measure or make_measure(cfg)  # reads the task and checks the dev data before anything runs
-    with output_dir(out, cfg.overwrite) as tmp:
-        rows = run_steps(steps, cfg, tmp, out.resolve(), measure, task=recipe_task(recipe))
+    identity = run_identity(cfg, steps)
+    with resumable_dir(out, cfg.overwrite, cfg.resume, retry="rerun the same command with --resume") as tmp:
+        done = resumed_rows(tmp / PROGRESS_FILE, identity) if cfg.resume else []
+        rows = run_steps(steps, cfg, tmp, out.resolve(), measure, task=recipe_task(recipe), done=done,
+                         on_row=lambda rows: write_json_atomic(tmp / PROGRESS_FILE, {"identity": identity, "rows": rows}))
+        (tmp / PROGRESS_FILE).unlink()
         meta = {"title": f"Compression report: {Path(cfg.recipe).name} on {Path(cfg.model).name}",
                 "model": str(Path(cfg.model).resolve()), "recipe": str(cfg.recipe), "dev": str(cfg.dev),
                 **latency_meta(rows), "threads": torch.get_num_threads(),
@@ -281,3 +311,41 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
         write_report(tmp, rows, meta)
         relocate_paths(tmp, tmp, out)  # the levers' report.json files name the step folders they wrote in tmp
     return CompressResult(out, rows)
+
+
+def run_identity(cfg: CompressConfig, steps: list[RecipeStep]) -> dict[str, Any]:
+    """What a resumed recipe must share with the run it continues: its steps and the settings that change
+    results (not where the recipe file or the output lie)."""
+    settings = {k: v for k, v in cfg.result_dict().items() if k not in ("recipe", "out", "overwrite")}
+    import json
+
+    return json.loads(json.dumps({"steps": [{"lever": s.lever, **s.params} for s in steps], "settings": settings}))
+
+
+def resumed_rows(path: Path, identity: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows an interrupted run measured (``[]`` when it measured none), after checking that it ran
+    the same steps with the same settings."""
+    import json
+
+    from encoderkit.progress import note
+
+    if not path.is_file():
+        note(f"--resume: {path.parent} holds no finished step, so the recipe starts from the beginning")
+        return []
+    saved = json.loads(path.read_text())
+    if saved.get("identity") != identity:
+        was, now = saved.get("identity", {}), identity
+        differ = [k for k in sorted(set(was.get("settings", {})) | set(now["settings"]))
+                  if was.get("settings", {}).get(k) != now["settings"].get(k)]
+        if was.get("steps") != now["steps"]:
+            differ.insert(0, "the recipe's steps")
+        raise EncoderkitError(f"cannot resume from {path.parent}: it was run with other settings ({', '.join(differ)}); "
+                              "rerun with those, or without --resume to start again")
+    return saved["rows"]
+
+
+def _clear_unfinished(work: Path, step: RecipeStep) -> None:
+    """Remove what an interrupted attempt at ``step`` wrote, except a distillation's checkpoints."""
+    for path in [work / step.name, *work.glob(f".{step.name}-part*")]:
+        if path.is_dir():
+            shutil.rmtree(path)

@@ -191,22 +191,44 @@ def make_student(cfg: Any, teacher: nn.Module) -> tuple[nn.Module, list[int] | N
 
 def fit_and_save(cfg: Any, module: nn.Module, loss_fn: Any, source: Any, save: Any, *, examples: int,
                  layers: list[int] | None, facts: dict[str, Any]) -> Any:
-    """The tail every recipe shares: train ``module`` with ``cfg``'s settings (run files in a temporary
-    sibling of ``cfg.out``), write the student with ``save(folder)`` and a distill card carrying ``facts``;
-    returns the engine's fit result."""
-    import tempfile
+    """The tail every recipe shares: train ``module`` with ``cfg``'s settings, write the student with
+    ``save(folder)`` and a distill card carrying ``facts``; returns the engine's fit result.
 
-    from encoderkit.io import output_dir, write_card
+    The run's checkpoints (every ``cfg.save_every`` steps) live in ``.<out>.run`` beside ``cfg.out``: an
+    interrupted run keeps them and ``cfg.resume`` continues from the latest (same settings, same lists, no
+    replay); a fresh start removes a stale one; a finished run removes its own."""
+    import shutil
+
+    from encoderkit.io import check_output_dir, output_dir, write_card
+    from encoderkit.progress import note
+    from encoderkit.train.checkpoint import CheckpointStore
     from encoderkit.train.engine import TrainSettings, fit
 
     settings = TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
-                             batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10)
-    out = Path(cfg.out)
-    with output_dir(out, cfg.overwrite) as tmp:
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.run-", dir=out.parent) as run_dir:
-            res = fit(module, loss_fn, source, settings, run_dir, fingerprint={"stage": "distill", **cfg.result_dict()})
+                             batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10,
+                             save_every=getattr(cfg, "save_every", 0))
+    out = check_output_dir(cfg.out, cfg.overwrite)
+    run_dir = run_folder(out)
+    resume = getattr(cfg, "resume", False)
+    if run_dir.exists() and not resume:
+        note(f"removing the checkpoints of an earlier, unfinished run in {run_dir} (--resume continues one)")
+        shutil.rmtree(run_dir)
+    identity = {k: v for k, v in cfg.result_dict().items() if k != "overwrite"}
+    try:
+        res = fit(module, loss_fn, source, settings, run_dir, fingerprint={"stage": "distill", **identity}, resume=resume)
+    except BaseException:
+        if CheckpointStore(run_dir / "checkpoints").latest() is None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing to resume from: leave no hidden folder behind
+        raise
+    with output_dir(out, cfg.overwrite, retry=f"rerun with --resume (the checkpoints are kept in {run_dir})") as tmp:
         save(tmp)
         metrics = {"train_" + k: v for k, v in res.train_logs.items()}
         write_card(tmp, "distill", cfg.teacher, cfg.result_dict(), {**metrics, "examples": examples, "steps": res.steps},
                    layers_from_teacher=layers, **facts)
+    shutil.rmtree(run_dir, ignore_errors=True)
     return res
+
+
+def run_folder(out: Path) -> Path:
+    """Where a distillation into ``out`` keeps its checkpoints until it finishes."""
+    return out.parent / f".{out.name}.run"
