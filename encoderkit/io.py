@@ -165,24 +165,64 @@ def resumable_dir(out: str | Path, overwrite: bool, resume: bool, retry: str = "
 
     out = check_output_dir(out, overwrite)
     partial = out.parent / f".{out.name}.partial"
-    if partial.exists() and not resume:
-        note(f"removing {partial}, the unfinished work of an earlier run (--resume continues it)")
-        shutil.rmtree(partial)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _writer_lock(out.parent / f".{out.name}.lock", out):
+        if partial.exists() and not resume:
+            note(f"removing {partial}, the unfinished work of an earlier run (--resume continues it)")
+            shutil.rmtree(partial)
+        try:
+            partial.mkdir(exist_ok=True)
+            yield partial
+            normalize_modes(partial)
+            replace_dir(partial, out)
+        except BaseException as e:
+            if partial.is_dir() and not any(partial.iterdir()):
+                partial.rmdir()
+            reason = write_failure(e, partial)
+            if reason is not None:
+                raise EncoderkitError(f"could not write {out} ({reason}). Free disk space (or fix permissions) and "
+                                      f"{retry}") from e
+            if partial.is_dir() and isinstance(e, Exception):
+                note(f"{out} was not written; what was finished is kept in {partial}: {retry}")
+            raise
+
+
+@contextlib.contextmanager
+def _writer_lock(lock: Path, out: Path) -> Iterator[None]:
+    """One writer of ``out`` at a time: ``lock`` holds the writer's pid; a lock whose process is gone (a
+    killed run) is taken over."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid != os.getpid() and _alive(pid):
+                raise EncoderkitError(f"another process (pid {pid}) is writing {out}; wait for it, or stop it and "
+                                      f"rerun with --resume (if it was not running, remove {lock})") from None
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        break
+    else:
+        raise EncoderkitError(f"could not take {lock} to write {out}; remove it if no other process is writing there")
     try:
-        partial.mkdir(parents=True, exist_ok=True)
-        yield partial
-        normalize_modes(partial)
-        replace_dir(partial, out)
-    except BaseException as e:
-        if partial.is_dir() and not any(partial.iterdir()):
-            partial.rmdir()
-        reason = write_failure(e, partial)
-        if reason is not None:
-            raise EncoderkitError(f"could not write {out} ({reason}). Free disk space (or fix permissions) and "
-                                  f"{retry}") from e
-        if partial.is_dir() and isinstance(e, Exception):
-            note(f"{out} was not written; what was finished is kept in {partial}: {retry}")
-        raise
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _new_sibling(path: Path, kind: str, create) -> Path:

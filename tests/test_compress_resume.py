@@ -192,3 +192,33 @@ def test_a_recipe_resumes_only_the_same_steps_and_settings(reranker, lists, tmp_
     compress(CompressConfig(**cfg), measure=fresh)  # without --resume: the old work is removed, all runs again
     assert fresh.folders == [reranker.name, "01-distill", "02-prune", "03-quantize"]
     assert not (tmp_path / ".out.partial").exists()
+
+
+def test_one_writer_at_a_time_and_a_dead_writers_lock_is_taken_over(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from encoderkit.io import resumable_dir
+
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.lock"
+    with resumable_dir(out, False, False) as work:
+        assert lock.read_text() == str(os.getpid())
+        (work / "a").write_text("1")
+    assert (out / "a").is_file() and not lock.exists()
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / ".out2.lock").write_text(str(writer.pid))
+        with pytest.raises(EncoderkitError, match=rf"another process \(pid {writer.pid}\) is writing .*out2"), \
+                resumable_dir(tmp_path / "out2", False, False):
+            pass
+        assert not (tmp_path / ".out2.partial").exists()
+        with resumable_dir(tmp_path / "out3", False, False):  # another folder's writer does not block this one
+            pass
+    finally:
+        writer.kill()
+        writer.wait()
+    with resumable_dir(tmp_path / "out2", False, False) as work:  # its writer is gone: taken over
+        (work / "b").write_text("2")
+    assert (tmp_path / "out2" / "b").is_file() and not (tmp_path / ".out2.lock").exists()
