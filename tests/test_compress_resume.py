@@ -222,3 +222,26 @@ def test_one_writer_at_a_time_and_a_dead_writers_lock_is_taken_over(tmp_path):
     with resumable_dir(tmp_path / "out2", False, False) as work:  # its writer is gone: taken over
         (work / "b").write_text("2")
     assert (tmp_path / "out2" / "b").is_file() and not (tmp_path / ".out2.lock").exists()
+
+
+def test_a_step_finished_but_not_measured_is_measured_on_resume_not_run_again(reranker, lists, tmp_path, monkeypatch):
+    import encoderkit.compress.prune as prune_mod
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE)
+    cfg = {"recipe": str(recipe), "model": str(reranker), "dev": str(lists), "out": str(tmp_path / "out"), "train": str(lists)}
+
+    class StopAtPrune(Measured):
+        def __call__(self, folder: Path) -> dict:
+            if Path(folder).name == "02-prune":
+                raise Stop("stopped while measuring the pruned model")
+            return super().__call__(folder)
+
+    with pytest.raises(Stop):
+        compress(CompressConfig(**cfg), measure=StopAtPrune())
+    assert (tmp_path / ".out.partial" / "02-prune" / "model.safetensors").is_file()
+    monkeypatch.setattr(prune_mod, "prune", lambda *a, **kw: pytest.fail("a finished step ran again"))
+    again = Measured()
+    res = compress(CompressConfig(**cfg, resume=True), measure=again)
+    assert again.folders == ["02-prune", "03-quantize"]
+    assert [r["lever"] for r in res.rows] == ["start", "distill", "prune", "quantize"]

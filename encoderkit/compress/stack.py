@@ -255,7 +255,11 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
         lever = LEVERS[step.lever]
         notes = []
         _clear_unfinished(work, step)
-        for j, call in enumerate(step.calls):
+        calls = step.calls
+        if dst.is_dir():  # levers write their folder atomically: an earlier attempt finished it, then stopped
+            note(f"step {step.index} ({step.lever}) finished before the interruption; measuring it")
+            calls, notes = [], [lever_notes(_saved_details(dst))]
+        for j, call in enumerate(calls):
             src = cur if j == 0 else work / f".{step.name}-part{j - 1}"
             target = dst if j == len(step.calls) - 1 else work / f".{step.name}-part{j}"
             if step.lever == "distill":  # hours on a CPU: checkpointed, and continued by --resume
@@ -316,9 +320,9 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
 def run_identity(cfg: CompressConfig, steps: list[RecipeStep]) -> dict[str, Any]:
     """What a resumed recipe must share with the run it continues: its steps and the settings that change
     results (not where the recipe file or the output lie)."""
-    settings = {k: v for k, v in cfg.result_dict().items() if k not in ("recipe", "out", "overwrite")}
     import json
 
+    settings = {k: v for k, v in cfg.result_dict().items() if k not in ("recipe", "out", "overwrite")}
     return json.loads(json.dumps({"steps": [{"lever": s.lever, **s.params} for s in steps], "settings": settings}))
 
 
@@ -345,7 +349,16 @@ def resumed_rows(path: Path, identity: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _clear_unfinished(work: Path, step: RecipeStep) -> None:
-    """Remove what an interrupted attempt at ``step`` wrote, except a distillation's checkpoints."""
-    for path in [work / step.name, *work.glob(f".{step.name}-part*")]:
+    """Remove what an interrupted attempt at ``step`` left half-made (the parts of a structured pruning, a
+    lever's temporary folder), keeping a finished step folder and a distillation's checkpoints."""
+    for path in [*work.glob(f".{step.name}-part*"), *work.glob(f".{step.name}.tmp-*")]:
         if path.is_dir():
             shutil.rmtree(path)
+
+
+def _saved_details(folder: Path) -> dict[str, Any]:
+    """The details a lever wrote in its folder's report.json (none for a distillation)."""
+    import json
+
+    path = folder / "report.json"
+    return json.loads(path.read_text()).get("details", {}) if path.is_file() else {}
