@@ -329,14 +329,13 @@ def run_identity(cfg: CompressConfig, steps: list[RecipeStep]) -> dict[str, Any]
 def resumed_rows(path: Path, identity: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows an interrupted run measured (``[]`` when it measured none), after checking that it ran
     the same steps with the same settings."""
-    import json
-
+    from encoderkit.io import read_json
     from encoderkit.progress import note
 
     if not path.is_file():
         note(f"--resume: {path.parent} holds no finished step, so the recipe starts from the beginning")
         return []
-    saved = json.loads(path.read_text())
+    saved = read_json(path, f"{path} is missing", "rerun without --resume to start again")
     if saved.get("identity") != identity:
         was, now = saved.get("identity", {}), identity
         differ = [k for k in sorted(set(was.get("settings", {})) | set(now["settings"]))

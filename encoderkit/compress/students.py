@@ -200,26 +200,17 @@ def fit_and_save(cfg: Any, module: nn.Module, loss_fn: Any, source: Any, save: A
     import shutil
 
     from encoderkit.io import check_output_dir, output_dir, write_card
-    from encoderkit.progress import note
-    from encoderkit.train.checkpoint import CheckpointStore
+    from encoderkit.train.checkpoint import run_dir_beside
     from encoderkit.train.engine import TrainSettings, fit
 
     settings = TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
                              batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10,
                              save_every=getattr(cfg, "save_every", 0))
     out = check_output_dir(cfg.out, cfg.overwrite)
-    run_dir = run_folder(out)
     resume = getattr(cfg, "resume", False)
-    if run_dir.exists() and not resume:
-        note(f"removing the checkpoints of an earlier, unfinished run in {run_dir} (--resume continues one)")
-        shutil.rmtree(run_dir)
     identity = {k: v for k, v in cfg.result_dict().items() if k != "overwrite"}
-    try:
+    with run_dir_beside(out, resume) as run_dir:
         res = fit(module, loss_fn, source, settings, run_dir, fingerprint={"stage": "distill", **identity}, resume=resume)
-    except BaseException:
-        if CheckpointStore(run_dir / "checkpoints").latest() is None:
-            shutil.rmtree(run_dir, ignore_errors=True)  # nothing to resume from: leave no hidden folder behind
-        raise
     with output_dir(out, cfg.overwrite, retry=f"rerun with --resume (the checkpoints are kept in {run_dir})") as tmp:
         save(tmp)
         metrics = {"train_" + k: v for k, v in res.train_logs.items()}
@@ -227,8 +218,3 @@ def fit_and_save(cfg: Any, module: nn.Module, loss_fn: Any, source: Any, save: A
                    layers_from_teacher=layers, **facts)
     shutil.rmtree(run_dir, ignore_errors=True)
     return res
-
-
-def run_folder(out: Path) -> Path:
-    """Where a distillation into ``out`` keeps its checkpoints until it finishes."""
-    return out.parent / f".{out.name}.run"

@@ -130,6 +130,25 @@ class CheckpointStore:
         return state
 
 
+@contextlib.contextmanager
+def run_dir_beside(out: Path, resume: bool) -> Any:
+    """``.<out>.run``, where a stage writing ``out`` keeps its checkpoints: a stale one is removed unless
+    ``resume``; one left with no checkpoint by a failure is removed (nothing to resume from); the stage
+    removes it itself once ``out`` is written."""
+    from encoderkit.progress import note
+
+    run_dir = out.parent / f".{out.name}.run"
+    if run_dir.exists() and not resume:
+        note(f"removing the checkpoints of an earlier, unfinished run in {run_dir} (--resume continues one)")
+        shutil.rmtree(run_dir)
+    try:
+        yield run_dir
+    except BaseException:
+        if CheckpointStore(run_dir / "checkpoints").latest() is None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing to resume from: leave no hidden folder behind
+        raise
+
+
 def read_state(folder: Path) -> dict[str, Any]:
     try:
         return json.loads((Path(folder) / STATE).read_text(encoding="utf-8"))

@@ -135,24 +135,18 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
         seed=cfg.seed, bf16=cfg.bf16, log_every=max(1, min(50, steps_per_epoch // 10)), save_every=cfg.save_every,
     )
     evaluate = _with_early_stopping(tr.evaluate, tr.primary, cfg.early_stopping) if tr.evaluate else None
-    run_dir = out.parent / f".{out.name}.run"
-    if run_dir.exists() and not cfg.resume:
-        shutil.rmtree(run_dir)
     t0 = time.perf_counter()
     stopped_early = False
-    try:
-        result = fit(tr.module, tr.loss_fn, tr.source, train_settings, run_dir, evaluate=evaluate, primary=tr.primary,
-                     fingerprint={"config": _identity(settings)}, resume=cfg.resume)
-        steps, best_metrics = result.steps, result.best_metrics
-        best, start = result.best_checkpoint, result.start_step
-    except _EarlyStop as stop:
-        stopped_early = True
-        steps, best_metrics = _last_step(run_dir / "metrics.jsonl"), stop.args[1]
-        best, start = run_dir / "checkpoints" / "best", 0
-    except BaseException:
-        if checkpoint.CheckpointStore(run_dir / "checkpoints").latest() is None:
-            shutil.rmtree(run_dir, ignore_errors=True)  # nothing to resume from: leave no hidden folder behind
-        raise
+    with checkpoint.run_dir_beside(out, cfg.resume) as run_dir:
+        try:
+            result = fit(tr.module, tr.loss_fn, tr.source, train_settings, run_dir, evaluate=evaluate, primary=tr.primary,
+                         fingerprint={"config": _identity(settings)}, resume=cfg.resume)
+            steps, best_metrics = result.steps, result.best_metrics
+            best, start = result.best_checkpoint, result.start_step
+        except _EarlyStop as stop:
+            stopped_early = True
+            steps, best_metrics = _last_step(run_dir / "metrics.jsonl"), stop.args[1]
+            best, start = run_dir / "checkpoints" / "best", 0
     seconds = time.perf_counter() - t0
     if best is not None and (best / "model.safetensors").is_file():
         checkpoint.load_weights(tr.module, best / "model.safetensors")
