@@ -159,14 +159,19 @@ def output_dir(out: str | Path, overwrite: bool = False, retry: str = "rerun") -
 def resumable_dir(out: str | Path, overwrite: bool, resume: bool, retry: str = "rerun with --resume") -> Iterator[Path]:
     """Like :func:`output_dir`, but the folder being written is ``.<name>.partial`` beside ``out`` and
     outlives a failure: work that takes hours keeps what it finished. ``resume`` continues in an existing
-    one; without it a stale one is removed first. It becomes ``out`` only if the block finishes; a
-    failure leaves it (unless empty) and the error says so, ending with ``retry``."""
+    one (or, when there is none, the finished ``out`` itself, which becomes the partial folder again);
+    without it a stale one is removed first. It becomes ``out`` only if the block finishes; a failure
+    leaves it (unless empty) and the error says so, ending with ``retry``."""
     from encoderkit.progress import note
 
-    out = check_output_dir(out, overwrite)
+    out = Path(out)
     partial = out.parent / f".{out.name}.partial"
+    out = check_output_dir(out, overwrite or resume and not partial.exists())
     out.parent.mkdir(parents=True, exist_ok=True)
     with _writer_lock(out.parent / f".{out.name}.lock", out):
+        if resume and not partial.exists() and out.is_dir():  # a finished run, continued: its folder is the work again
+            note(f"--resume: continuing the finished {out} (steps that are the same are kept)")
+            out.rename(partial)
         if partial.exists() and not resume:
             note(f"removing {partial}, the unfinished work of an earlier run (--resume continues it)")
             shutil.rmtree(partial)

@@ -16,6 +16,7 @@ from encoderkit.compress.distill import run as distill
 from encoderkit.compress.stack import CompressConfig
 from encoderkit.compress.stack import run as compress
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import read_card
 from encoderkit.train import engine
 from tests.conftest import WORDS
 
@@ -167,31 +168,53 @@ def test_a_recipe_interrupted_twice_resumes_without_redoing_a_finished_step(rera
     assert third.folders == ["02-prune", "03-quantize"]
     assert [r["lever"] for r in res.rows] == ["start", "distill", "prune", "quantize"]
     assert (out / "03-quantize" / "model.int8.onnx").is_file() and (out / "report.md").is_file()
-    assert not partial.exists() and not (out / "progress.json").exists()
+    assert not partial.exists() and (out / "progress.json").is_file()  # kept: a finished recipe can be continued
     assert str(partial) not in (out / "report.json").read_text()  # the report names the final folders
 
 
-def test_a_recipe_resumes_only_the_same_steps_and_settings(reranker, lists, tmp_path, monkeypatch):
+def test_a_recipe_resumes_only_the_same_settings_and_reruns_only_its_edited_steps(reranker, lists, tmp_path, monkeypatch):
     import encoderkit.compress.prune as prune_mod
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE)
-    cfg = {"recipe": str(recipe), "model": str(reranker), "dev": str(lists), "out": str(tmp_path / "out"), "train": str(lists)}
+    out = tmp_path / "out"
+    cfg = {"recipe": str(recipe), "model": str(reranker), "dev": str(lists), "out": str(out), "train": str(lists)}
     real_prune = prune_mod.prune
     monkeypatch.setattr(prune_mod, "prune", lambda *a, **kw: (_ for _ in ()).throw(Stop("stopped in the prune step")))
     with pytest.raises(Stop):
         compress(CompressConfig(**cfg), measure=Measured())
     with pytest.raises(EncoderkitError, match=r"cannot resume .*other settings \(dev_limit\)"):
         compress(CompressConfig(**cfg, dev_limit=5, resume=True), measure=Measured())
-    recipe.write_text(RECIPE.replace("amount: 0.5", "amount: 0.25"))
-    with pytest.raises(EncoderkitError, match=r"cannot resume .*the recipe's steps"):
-        compress(CompressConfig(**cfg, resume=True), measure=Measured())
     assert (tmp_path / ".out.partial" / "01-distill").is_dir()  # a refused resume touches nothing
     monkeypatch.setattr(prune_mod, "prune", real_prune)
-    fresh = Measured()
-    compress(CompressConfig(**cfg), measure=fresh)  # without --resume: the old work is removed, all runs again
-    assert fresh.folders == [reranker.name, "01-distill", "02-prune", "03-quantize"]
-    assert not (tmp_path / ".out.partial").exists()
+    monkeypatch.setattr("encoderkit.compress.distill.run", lambda *a, **kw: pytest.fail("a kept step ran again"))
+    distilled = weights(tmp_path / ".out.partial" / "01-distill")
+
+    recipe.write_text(RECIPE.replace("amount: 0.5", "amount: 0.25"))  # edited from step 2 on, while interrupted
+    edited = Measured()
+    res = compress(CompressConfig(**cfg, resume=True), measure=edited)
+    assert edited.folders == ["02-prune", "03-quantize"]
+    assert res.rows[2]["bytes"] > 0 and (out / "progress.json").is_file()
+    ffn = {k: v.shape for k, v in weights(out / "02-prune").items() if "intermediate.dense.weight" in k}
+    assert ffn and all(shape[0] == round(distilled[k].shape[0] * 0.75) for k, shape in ffn.items())  # the new amount
+
+    before = (out / "02-prune" / "model.safetensors").stat().st_mtime_ns
+    recipe.write_text(RECIPE.replace("amount: 0.5", "amount: 0.25").replace("dynamic-int8}", "dynamic-int8, per_channel: false}"))
+    finished = Measured()  # a finished run continued: only its edited last step runs
+    res = compress(CompressConfig(**cfg, resume=True), measure=finished)
+    assert finished.folders == ["03-quantize"]
+    assert [r["lever"] for r in res.rows] == ["start", "distill", "prune", "quantize"]
+    assert (out / "02-prune" / "model.safetensors").stat().st_mtime_ns == before
+    assert read_card(out / "03-quantize")["config"]["per_channel"] is False
+    assert "per_channel" in (out / "report.json").read_text() and not (tmp_path / ".out.partial").exists()
+    again = Measured()
+    compress(CompressConfig(**cfg, resume=True), measure=again)  # the same recipe: nothing runs or is measured
+    assert again.folders == [] and (out / "report.md").is_file()
+
+    (out / "progress.json").unlink()  # e.g. a folder written before finished runs kept it
+    with pytest.raises(EncoderkitError, match=r"cannot resume .*no progress.json.*--overwrite"):
+        compress(CompressConfig(**cfg, resume=True), measure=Measured())
+    assert (out / "report.md").is_file()
 
 
 def test_one_writer_at_a_time_and_a_dead_writers_lock_is_taken_over(tmp_path):

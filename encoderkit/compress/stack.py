@@ -29,11 +29,14 @@ model's task, and a model of another task than the recipe's ``task``. Everything
 one output folder (``NN-lever/`` per step, ``report.md``, ``report.json``, ``report.png``) that
 appears only when the whole recipe finished. Until then the work lies in ``.<out>.partial`` beside it:
 the finished steps' folders, their measurements (``progress.json``) and a running distillation's
-checkpoints, so that ``--resume`` after a crash or a reboot reruns none of what was finished.
+checkpoints, so that ``--resume`` after a crash or a reboot reruns none of what was finished. The
+finished folder keeps ``progress.json`` too: ``--resume`` with a recipe whose later steps were edited
+(another quantization after hours of distillation) runs only the steps from the first edited one.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,8 +188,9 @@ class CompressConfig(StageConfig):
     batch_size: int = arg(32, speed=True, help="Inference batch size of the quality measurement.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
     resume: bool = arg(False, speed=True, help="Continue an interrupted recipe (its work is kept in .<out>.partial beside "
-                       "--out): the steps it finished and measured are not run again, a distill step continues from its "
-                       "latest checkpoint. The recipe's steps and these settings must be the same.")
+                       "--out) or a finished one (--out): the steps it finished and measured are not run again, a distill "
+                       "step continues from its latest checkpoint; a recipe edited from step k on keeps steps 1 to k-1 and "
+                       "runs the rest. These settings must be the same.")
     save_every: int = arg(100, speed=True, help="Checkpoint a distill step every N training steps, so --resume loses at "
                                                 "most N (0: only at the end).")
 
@@ -302,11 +306,14 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     out = Path(cfg.out)
     measure = measure or make_measure(cfg)  # reads the task and checks the dev data before anything runs
     identity = run_identity(cfg, steps)
+    partial = out.parent / f".{out.name}.partial"
+    if cfg.resume and not partial.exists() and out.is_dir() and not (out / PROGRESS_FILE).is_file():
+        raise EncoderkitError(f"cannot resume {out}: it has no {PROGRESS_FILE} (not a recipe's output, or one written "
+                              "before finished runs kept it); pass --overwrite instead of --resume to run the recipe again")
     with resumable_dir(out, cfg.overwrite, cfg.resume, retry="rerun the same command with --resume") as tmp:
-        done = resumed_rows(tmp / PROGRESS_FILE, identity) if cfg.resume else []
+        done = resumed_rows(tmp / PROGRESS_FILE, identity, tmp) if cfg.resume else []
         rows = run_steps(steps, cfg, tmp, out.resolve(), measure, task=recipe_task(recipe), done=done,
                          on_row=lambda rows: write_json_atomic(tmp / PROGRESS_FILE, {"identity": identity, "rows": rows}))
-        (tmp / PROGRESS_FILE).unlink()
         meta = {"title": f"Compression report: {Path(cfg.recipe).name} on {Path(cfg.model).name}",
                 "model": str(Path(cfg.model).resolve()), "recipe": str(cfg.recipe), "dev": str(cfg.dev),
                 **latency_meta(rows), "threads": torch.get_num_threads(),
@@ -326,9 +333,10 @@ def run_identity(cfg: CompressConfig, steps: list[RecipeStep]) -> dict[str, Any]
     return json.loads(json.dumps({"steps": [{"lever": s.lever, **s.params} for s in steps], "settings": settings}))
 
 
-def resumed_rows(path: Path, identity: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows an interrupted run measured (``[]`` when it measured none), after checking that it ran
-    the same steps with the same settings."""
+def resumed_rows(path: Path, identity: dict[str, Any], work: Path) -> list[dict[str, Any]]:
+    """The rows an earlier run measured (``[]`` when it measured none), after checking that it ran with
+    the same settings. A recipe edited from step k on keeps the rows and folders of the steps before k;
+    the folders (and checkpoints) of step k and after are removed, to be run again."""
     from encoderkit.io import read_json
     from encoderkit.progress import note
 
@@ -336,15 +344,22 @@ def resumed_rows(path: Path, identity: dict[str, Any]) -> list[dict[str, Any]]:
         note(f"--resume: {path.parent} holds no finished step, so the recipe starts from the beginning")
         return []
     saved = read_json(path, f"{path} is missing", "rerun without --resume to start again")
-    if saved.get("identity") != identity:
-        was, now = saved.get("identity", {}), identity
-        differ = [k for k in sorted(set(was.get("settings", {})) | set(now["settings"]))
-                  if was.get("settings", {}).get(k) != now["settings"].get(k)]
-        if was.get("steps") != now["steps"]:
-            differ.insert(0, "the recipe's steps")
+    was, now = saved.get("identity", {}), identity
+    differ = [k for k in sorted(set(was.get("settings", {})) | set(now["settings"]))
+              if was.get("settings", {}).get(k) != now["settings"].get(k)]
+    if differ:
         raise EncoderkitError(f"cannot resume from {path.parent}: it was run with other settings ({', '.join(differ)}); "
                               "rerun with those, or without --resume to start again")
-    return saved["rows"]
+    rows, old, new = saved["rows"], was.get("steps", []), now["steps"]
+    same = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    if old != new:
+        note(f"--resume: the recipe differs from step {same + 1} on; steps 1-{same} are kept, the rest run again"
+             if same else "--resume: the recipe differs from its first step on; only the start's measurement is kept")
+    for entry in work.iterdir():  # a changed step's folder, parts and checkpoints: made by another recipe
+        index = re.match(r"\.?(\d+)-", entry.name)
+        if index and int(index.group(1)) > same:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    return rows[: same + 1]
 
 
 def _clear_unfinished(work: Path, step: RecipeStep) -> None:
