@@ -94,6 +94,11 @@ def test_bad_settings_are_clear_errors(tiny_classifier, tmp_path) -> None:
         QuantizeConfig(method="awq")
     with pytest.raises(EncoderkitError, match="bits=4"):
         QuantizeConfig(method="dynamic", bits=4)
+    with pytest.raises(EncoderkitError, match="fallback_layers needs ONNX"):
+        QuantizeConfig(method="dynamic", fallback_layers=2)  # the torch backend
+    with pytest.raises(EncoderkitError, match="calib-data"):  # the sensitivity is measured on calibration inputs
+        quantize(tiny_classifier, _cfg(method="dynamic", backend="onnx", fallback_layers=2), tmp_path / "d")
+    assert not (tmp_path / "d").exists()
     with pytest.raises(EncoderkitError, match="calib-data"):
         quantize(tiny_classifier, _cfg(method="gptq"), tmp_path / "g")
     assert not (tmp_path / "g").exists()
@@ -119,6 +124,7 @@ def test_qat_trains_through_fake_quant_and_stores_int8(tiny_classifier, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [{"method": "dynamic", "backend": "onnx"},
+                                {"method": "dynamic", "backend": "onnx", "fallback_layers": 2},
                                 {"method": "static", "calib_method": "minmax", "fallback_layers": 2},
                                 {"method": "static", "calib_method": "percentile", "batch_size": 8}])
 def test_onnx_int8(tiny_classifier, tmp_path, kw) -> None:
@@ -137,7 +143,15 @@ def test_onnx_int8(tiny_classifier, tmp_path, kw) -> None:
     if kw.get("fallback_layers"):  # the excluded nodes really stay fp32: no int8 weight feeds them
         assert len(rep.details["fp32_nodes"]) == 2
         names = set(rep.details["fp32_nodes"])
-        assert all(n.op_type in ("MatMul", "Gemm") for n in graph.node if n.name in names)
+        kept = {n.name: n for n in graph.node if n.name in names}
+        assert kept.keys() == names and all(n.op_type in ("MatMul", "Gemm") for n in kept.values())
+        produced_by = {o: n.op_type for n in graph.node for o in n.output}
+        floats = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+        assert all(any(i in floats for i in n.input) for n in kept.values())  # its weight stays fp32
+        assert not any(produced_by.get(i) == "DynamicQuantizeLinear" for n in kept.values() for i in n.input)
+        quantized = sum(n.op_type in ("MatMulInteger", "QLinearMatMul") or n.op_type in ("MatMul", "Gemm") and any(
+            produced_by.get(i) == "DequantizeLinear" for i in n.input) for n in graph.node)
+        assert quantized >= 2  # the others are still quantized
     tok = AutoTokenizer.from_pretrained(out)
     sess = ort.InferenceSession(str(out / "model.int8.onnx"), providers=["CPUExecutionProvider"])
     enc = tok(TEXTS[:4], padding=True, return_tensors="np")

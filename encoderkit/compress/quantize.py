@@ -8,7 +8,7 @@ Methods (``method=``):
   ``quantize_dynamic(per_channel=True)``, writing ``model.int8.onnx``.
 - ``static``: INT8 weights *and* activations with a calibration set (ORT QDQ ``quantize_static``,
   MinMax / Entropy / Percentile calibration), with a per-layer fallback to fp32 for the MatMuls
-  whose quantization hurts the output most (``fallback_layers``).
+  whose quantization hurts the output most (``fallback_layers``, also for dynamic ONNX).
 - ``qat``: quantization-aware fine-tuning with straight-through fake quantization of Linear
   weights (and activations), then stored as real INT8.
 - ``gptq``: weight-only 8/4-bit GPTQ (Hessian from calibration inputs, error feedback, groups,
@@ -79,7 +79,8 @@ class QuantizeConfig(StageConfig):
                                      "Linear needs many tokens and short texts give few; static/qat 128)")
     calib_seq_len: int = arg(0, help="Max tokens per calibration / QAT text (0: the model's max length, the length it serves at)")
     calib_method: str = arg("minmax", help="static: activation range calibration", choices=("minmax", "entropy", "percentile"))
-    fallback_layers: int = arg(0, help="static: keep this many most sensitive MatMuls in fp32 (measured by output error)")
+    fallback_layers: int = arg(0, help="static, and dynamic with --backend onnx: keep this many most sensitive MatMuls in "
+                                        "fp32 (each quantized alone, measured by the output error on calibration inputs)")
     train_data: str = arg("", help="qat: the task's training data for the quantization-aware fine-tuning (read by the task's reader)")
     qat_steps: int = arg(200, help="qat: optimisation steps")
     lr: float = arg(2e-5, help="qat: learning rate")
@@ -101,6 +102,8 @@ class QuantizeConfig(StageConfig):
         check(self.fallback_layers >= 0, "fallback_layers must be >= 0")
         check(0 <= self.kd_alpha <= 1, f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
         onnx = self.method == "static" or self.method == "dynamic" and self.backend == "onnx"
+        check(self.fallback_layers == 0 or onnx, "fallback_layers needs ONNX: method static, or dynamic with "
+              "--backend onnx (the torch backend has no per-layer fallback)")
         check(not onnx or self.embeddings != "int4" or self.group_size in BLOCK_SIZES,
               f"embeddings=int4 on ONNX needs --group-size in {BLOCK_SIZES} (columns per block), got {self.group_size}")
 
@@ -109,7 +112,8 @@ def data_needs(cfg: QuantizeConfig) -> tuple[str, ...]:
     """The lever data fields (:mod:`encoderkit.compress.task_data`) ``cfg`` needs and does not name itself."""
     if cfg.method == "qat":
         return () if cfg.train_data else ("train",)
-    return ("calib",) if cfg.method in ("gptq", "static") and not cfg.calib_data else ()
+    calib = cfg.method in ("gptq", "static") or cfg.method == "dynamic" and cfg.fallback_layers > 0
+    return ("calib",) if calib and not cfg.calib_data else ()
 
 
 def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
@@ -129,7 +133,8 @@ def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
     data = (data or LeverData.for_model(model_dir)).with_sources(train=config.train_data, calib=config.calib_data)
     folder = ModelFolder.open(model_dir)
     cfg = config if config.calib_seq_len else dataclasses.replace(config, calib_seq_len=folder.max_length)  # as served
-    onnx_check = cfg.method == "dynamic" and cfg.backend == "onnx" and data.source("calib")  # the INT8 graph's output error
+    onnx_check = cfg.method == "dynamic" and cfg.backend == "onnx" and (data.source("calib") or cfg.fallback_layers)  # the
+    # INT8 graph's output error (and, with fallback_layers, each MatMul's)
     if calib is None and (cfg.method in ("gptq", "static") or onnx_check):
         calib = calibration_texts(cfg, None, data, model_dir)
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
@@ -363,8 +368,8 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
 
     dynamic: ORT ``quantize_dynamic`` (per-channel INT8 weights, activations scaled at run time).
     static: ORT QDQ ``quantize_static`` (U8 activations / S8 weights) with the chosen calibration
-    method; with ``fallback_layers=N`` the N weight MatMuls whose quantization alone hurts the
-    output most stay in fp32 (``nodes_to_exclude``).
+    method. Either: with ``fallback_layers=N`` the N weight MatMuls whose quantization alone hurts
+    the output most on the calibration inputs stay in fp32 (``nodes_to_exclude``).
     """
     import onnxruntime as ort
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
@@ -383,33 +388,35 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
             src = work / "model.emb4.onnx"
             details.update(int4_word_embeddings(fp32, src, cfg.group_size))
         names = [i.name for i in ort.InferenceSession(str(fp32), providers=["CPUExecutionProvider"]).get_inputs()]
-        texts = calibration_texts(cfg, calib) if (cfg.method == "static" or calib or cfg.calib_data) else []
+        texts = calibration_texts(cfg, calib) if (cfg.method == "static" or cfg.fallback_layers or calib or cfg.calib_data) else []
         feeds = _feeds(tokenizer, texts, names, cfg.calib_seq_len, cfg.batch_size) if texts else []
-        if cfg.method == "dynamic":
-            quantize_dynamic(str(src), str(out / ONNX_INT8), per_channel=cfg.per_channel, weight_type=QuantType.QInt8)
-        else:
-            method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-                      "percentile": CalibrationMethod.Percentile}[cfg.calib_method]
+        method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+                  "percentile": CalibrationMethod.Percentile}[cfg.calib_method]
 
-            def static(dst: Path, nodes_to_quantize: list[str] | None = None, exclude: list[str] | None = None,
-                       use: list[dict[str, np.ndarray]] | None = None) -> None:
-                quantize_static(str(src), str(dst), _CalibReader(use or feeds), quant_format=QuantFormat.QDQ,
-                                op_types_to_quantize=["MatMul", "Gemm"], per_channel=cfg.per_channel,
-                                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                                nodes_to_quantize=nodes_to_quantize, nodes_to_exclude=exclude or [],
-                                calibrate_method=method)
+        def int8(dst: Path, nodes_to_quantize: list[str] | None = None, exclude: list[str] | None = None,
+                 use: list[dict[str, np.ndarray]] | None = None) -> None:
+            if cfg.method == "dynamic":  # Gather (the word embeddings) too, unless int4 already packed them
+                quantize_dynamic(str(src), str(dst), per_channel=cfg.per_channel, weight_type=QuantType.QInt8,
+                                 nodes_to_quantize=nodes_to_quantize, nodes_to_exclude=exclude or [])
+                return
+            quantize_static(str(src), str(dst), _CalibReader(use or feeds), quant_format=QuantFormat.QDQ,
+                            op_types_to_quantize=["MatMul", "Gemm"], per_channel=cfg.per_channel,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                            nodes_to_quantize=nodes_to_quantize, nodes_to_exclude=exclude or [], calibrate_method=method)
 
-            excluded: list[str] = []
-            if cfg.fallback_layers > 0:
-                probe = feeds[: max(1, 16 // cfg.batch_size)]
-                sensitivity = {}
-                for node in progress(_weight_matmuls(src), desc="layer sensitivity"):
-                    static(work / "one.onnx", nodes_to_quantize=[node], use=probe)
-                    sensitivity[node] = _output_error(fp32, work / "one.onnx", probe)
-                excluded = sorted(sensitivity, key=sensitivity.get, reverse=True)[: cfg.fallback_layers]
-                details["sensitivity_top"] = {n: round(sensitivity[n], 5) for n in excluded}
-            static(out / ONNX_INT8, exclude=excluded)
+        excluded: list[str] = []
+        if cfg.fallback_layers > 0:
+            probe = feeds[: max(1, 16 // cfg.batch_size)]
+            sensitivity = {}
+            for node in progress(_weight_matmuls(src), desc="layer sensitivity"):
+                int8(work / "one.onnx", nodes_to_quantize=[node], use=probe)
+                sensitivity[node] = _output_error(fp32, work / "one.onnx", probe)
+            excluded = sorted(sensitivity, key=sensitivity.get, reverse=True)[: cfg.fallback_layers]
+            details["sensitivity_top"] = {n: round(sensitivity[n], 5) for n in excluded}
+        int8(out / ONNX_INT8, exclude=excluded)
+        if excluded or cfg.method == "static":
             details["fp32_nodes"] = excluded
+        if cfg.method == "static":
             details["calib_method"] = cfg.calib_method
         if feeds:
             details["output_rel_error"] = round(_output_error(fp32, out / ONNX_INT8, feeds), 5)
