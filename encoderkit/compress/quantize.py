@@ -410,7 +410,8 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
             sensitivity = {}
             for node in progress(_weight_matmuls(src), desc="layer sensitivity"):
                 int8(work / "one.onnx", nodes_to_quantize=[node], use=probe)
-                sensitivity[node] = _output_error(fp32, work / "one.onnx", probe)
+                sensitivity[node] = _output_error(src, work / "one.onnx", probe)  # against the graph before INT8 (with
+                # int4 embeddings already in it), so that each node's own error is what ranks it
             excluded = sorted(sensitivity, key=sensitivity.get, reverse=True)[: cfg.fallback_layers]
             details["sensitivity_top"] = {n: round(sensitivity[n], 5) for n in excluded}
         int8(out / ONNX_INT8, exclude=excluded)
