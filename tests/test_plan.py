@@ -278,6 +278,26 @@ def test_rerank_seed_scenario_budget_teacher_sparse_gpu_is_distill_2_4_int8_per_
     assert [s.lever for s in validate_recipe(plan.recipe(), source="planned")] == plan.levers()
 
 
+def test_rerank_on_a_cpu_with_budget_and_teacher_keeps_the_depth_and_is_taught_back_by_the_unpruned_model():
+    """The seeds' scenario on a CPU: width pruning, then the recipe's start teaches the pruned model (the
+    measured best: docs/compress.md, "Keep the depth, cut the width")."""
+    plan = make_plan(PlanConfig(task="rerank", budget="some", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
+    assert plan.levers() == ["prune", "distill", "quantize"]
+    prune, distill, quant = plan.steps
+    assert prune.params["method"] == "structured" and (prune.params["heads"], prune.params["ffn"]) == (0.5, 0.75)
+    assert "recovery_steps" not in prune.params and distill.params["teacher"] == "start" and "layers" not in distill.params
+    assert distill.params["lr"] == 3e-4 and distill.params["fresh_pseudo_queries"] is True
+    assert quant.params["method"] == "dynamic-int8" and "top 100 candidates" in prune.reason
+    assert [s.lever for s in validate_recipe(plan.recipe(), source="planned")] == plan.levers()
+    # a floor under 1 point: no deep cut, the layer-distillation plan with its light FFN prune
+    tight = make_plan(PlanConfig(task="rerank", budget="some", teacher=True, hardware="cpu", goal="latency",
+                                 max_quality_drop=0.005), hw=CPU_ONLY)
+    assert tight.levers()[0] == "distill" and "teacher" not in tight.steps[0].params
+    assert "heads" not in next(s for s in tight.steps if s.lever == "prune").params
+    classify = make_plan(PlanConfig(task="classify", budget="some", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
+    assert classify.levers()[0] == "distill" and "teacher" not in classify.steps[0].params
+
+
 def test_rerank_seed_scenario_no_budget_cpu_is_ptq_only():
     plan = make_plan(PlanConfig(task="rerank", budget="none", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
     assert plan.levers() == ["quantize"] and plan.steps[0].params["method"] == "dynamic-int8"

