@@ -210,6 +210,9 @@ def test_a_recipe_resumes_only_the_same_settings_and_reruns_only_its_edited_step
     again = Measured()
     compress(CompressConfig(**cfg, resume=True), measure=again)  # the same recipe: nothing runs or is measured
     assert again.folders == [] and (out / "report.md").is_file()
+    with pytest.raises(EncoderkitError, match=r"cannot resume .*other settings \(dev_limit\)"):
+        compress(CompressConfig(**cfg, dev_limit=5, resume=True), measure=Measured())
+    assert (out / "report.md").is_file() and not (tmp_path / ".out.partial").exists()  # refused: the output stays put
 
     (out / "progress.json").unlink()  # e.g. a folder written before finished runs kept it
     with pytest.raises(EncoderkitError, match=r"cannot resume .*no progress.json.*--overwrite"):

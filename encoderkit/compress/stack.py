@@ -307,11 +307,16 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     measure = measure or make_measure(cfg)  # reads the task and checks the dev data before anything runs
     identity = run_identity(cfg, steps)
     partial = out.parent / f".{out.name}.partial"
-    if cfg.resume and not partial.exists() and out.is_dir() and not (out / PROGRESS_FILE).is_file():
-        raise EncoderkitError(f"cannot resume {out}: it has no {PROGRESS_FILE} (not a recipe's output, or one written "
-                              "before finished runs kept it); pass --overwrite instead of --resume to run the recipe again")
+    done, same = [], 0
+    if cfg.resume:  # checked before anything moves: a refused resume leaves a finished --out where it is
+        finished = not partial.exists() and out.is_dir()
+        if finished and not (out / PROGRESS_FILE).is_file():
+            raise EncoderkitError(f"cannot resume {out}: it has no {PROGRESS_FILE} (not a recipe's output, or one written "
+                                  "before finished runs kept it); pass --overwrite instead of --resume to run it again")
+        done, same = resumed_rows((out if finished else partial) / PROGRESS_FILE, identity)
     with resumable_dir(out, cfg.overwrite, cfg.resume, retry="rerun the same command with --resume") as tmp:
-        done = resumed_rows(tmp / PROGRESS_FILE, identity, tmp) if cfg.resume else []
+        if cfg.resume:
+            _clear_steps_after(tmp, same)
         rows = run_steps(steps, cfg, tmp, out.resolve(), measure, task=recipe_task(recipe), done=done,
                          on_row=lambda rows: write_json_atomic(tmp / PROGRESS_FILE, {"identity": identity, "rows": rows}))
         meta = {"title": f"Compression report: {Path(cfg.recipe).name} on {Path(cfg.model).name}",
@@ -333,16 +338,16 @@ def run_identity(cfg: CompressConfig, steps: list[RecipeStep]) -> dict[str, Any]
     return json.loads(json.dumps({"steps": [{"lever": s.lever, **s.params} for s in steps], "settings": settings}))
 
 
-def resumed_rows(path: Path, identity: dict[str, Any], work: Path) -> list[dict[str, Any]]:
-    """The rows an earlier run measured (``[]`` when it measured none), after checking that it ran with
-    the same settings. A recipe edited from step k on keeps the rows and folders of the steps before k;
-    the folders (and checkpoints) of step k and after are removed, to be run again."""
+def resumed_rows(path: Path, identity: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    """The rows an earlier run measured (``[]`` when it measured none) that this run keeps, and how many
+    leading steps it shares with this recipe, after checking that it ran with the same settings. A
+    recipe edited from step k on keeps the rows of the steps before k."""
     from encoderkit.io import read_json
     from encoderkit.progress import note
 
     if not path.is_file():
         note(f"--resume: {path.parent} holds no finished step, so the recipe starts from the beginning")
-        return []
+        return [], 0
     saved = read_json(path, f"{path} is missing", "rerun without --resume to start again")
     was, now = saved.get("identity", {}), identity
     differ = [k for k in sorted(set(was.get("settings", {})) | set(now["settings"]))
@@ -350,16 +355,21 @@ def resumed_rows(path: Path, identity: dict[str, Any], work: Path) -> list[dict[
     if differ:
         raise EncoderkitError(f"cannot resume from {path.parent}: it was run with other settings ({', '.join(differ)}); "
                               "rerun with those, or without --resume to start again")
-    rows, old, new = saved["rows"], was.get("steps", []), now["steps"]
+    old, new = was.get("steps", []), now["steps"]
     same = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
     if old != new:
         note(f"--resume: the recipe differs from step {same + 1} on; steps 1-{same} are kept, the rest run again"
              if same else "--resume: the recipe differs from its first step on; only the start's measurement is kept")
-    for entry in work.iterdir():  # a changed step's folder, parts and checkpoints: made by another recipe
+    return saved["rows"][: same + 1], same
+
+
+def _clear_steps_after(work: Path, same: int) -> None:
+    """Remove what steps after the first ``same`` left in ``work`` (folders, parts, checkpoints): an
+    edited recipe runs them again."""
+    for entry in work.iterdir():
         index = re.match(r"\.?(\d+)-", entry.name)
         if index and int(index.group(1)) > same:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    return rows[: same + 1]
 
 
 def _clear_unfinished(work: Path, step: RecipeStep) -> None:
