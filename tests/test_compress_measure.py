@@ -209,3 +209,24 @@ def test_a_step_of_another_task_is_refused(root, tiny_tokenizer_dir, dev_data):
                            model=make_task_model(root, tiny_tokenizer_dir, "classify"))
     with pytest.raises(EncoderkitError, match=r"is a 'ner' model but the starting model is a 'classify' model"):
         measure(make_task_model(root, tiny_tokenizer_dir, "ner"))
+
+
+def test_a_torch_int8_folder_is_evaluated_as_the_measurer_runs_it(root, tiny_tokenizer_dir, dev_data, tmp_path, capsys):
+    """`quantize --backend torch` stores INT8 weights that are served through torch's dynamic INT8: evaluate
+    runs that model (not the weights dequantized to FP32), so its figure is the measurer's."""
+    from encoderkit.compress.quantize import QuantizeConfig, quantize
+    from encoderkit.evaluate.run import compressed_engine
+    from encoderkit.models.folder import ModelFolder
+
+    folder = make_task_model(root, tiny_tokenizer_dir, "classify")
+    q = tmp_path / "q"
+    quantize(folder, QuantizeConfig(method="dynamic", backend="torch", measure=False), q)
+    engine, runtime = compressed_engine(ModelFolder.open(q), "classify")
+    assert runtime == "torch int8-dynamic" and engine is not None
+    assert any(type(m).__module__ == "torch.ao.nn.quantized.dynamic.modules.linear" for m in engine.module.modules())
+    capsys.readouterr()
+    figure, _ = _figure(q, dev_data["classify"], "classify")
+    assert "torch int8-dynamic" in capsys.readouterr().err
+    row = StepMeasurer(str(dev_data["classify"]), runtime="torch", repeats=1, model=folder)(q)
+    assert row["runtime"] == "torch int8-dynamic" and row["quality"] == figure
+    assert compressed_engine(ModelFolder.open(folder), "classify") == (None, "torch fp32")

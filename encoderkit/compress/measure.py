@@ -34,7 +34,7 @@ from encoderkit.compress.task_data import card_columns
 from encoderkit.config import check
 from encoderkit.deploy.runtime import OUTPUTS, graph_engine
 from encoderkit.errors import EncoderkitError
-from encoderkit.evaluate.run import EvaluateConfig, folder_metrics
+from encoderkit.evaluate.run import EvaluateConfig, compressed_engine, folder_metrics
 from encoderkit.models.folder import SERVABLE, ModelFolder
 from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
 from encoderkit.tasks.classify import data as classify_data
@@ -407,16 +407,15 @@ class StepMeasurer:
     def _engine(self, mf: ModelFolder) -> tuple[Any, Any, str]:
         """(engine for quality: None = the folder's torch model as ``evaluate`` loads it; engine for
         latency; runtime name)."""
-        task = self.task
         threads = torch.get_num_threads()
-        onnx_only = mf.torch_weights is None and mf.onnx_fp32 is not None
         plain = mf.quantization is None and mf.kept_heads is None
-        if mf.onnx_int8 is not None or onnx_only or (self.runtime == "deploy" and plain):
+        if mf.onnx_int8 is not None or (self.runtime == "deploy" and plain):
             engine, backend = graph_engine(mf, threads, MAX_BATCH)
             return engine, engine, f"deploy {backend}"
-        int8 = mf.quantization is not None and int(mf.quantization.get("bits", 8)) == 8
-        engine = ModuleEngine(mf.load(task=task, int8_runtime=int8), OUTPUTS[task])
-        return (engine if int8 else None), engine, "torch int8-dynamic" if int8 else "torch fp32"
+        engine, runtime = compressed_engine(mf, self.task, threads, MAX_BATCH)  # what `evaluate` runs on this folder
+        if engine is None:
+            return None, ModuleEngine(mf.load(task=self.task), OUTPUTS[self.task]), runtime
+        return engine, engine, runtime
 
     def _measure(self, mf: ModelFolder) -> dict[str, Any]:
         quality_engine, engine, runtime = self._engine(mf)

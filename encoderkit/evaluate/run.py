@@ -60,20 +60,30 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
     """Print the task metrics (JSON) of a model folder on labelled data."""
     folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
     t0 = time.perf_counter()
-    task, metrics = folder_metrics(folder, cfg, onnx_only_engine(folder, cfg))
+    task = cfg.task or folder.task
+    engine, runtime = compressed_engine(folder, task) if task != "mlm" else (None, "")
+    if engine is not None:
+        note(f"{folder.path}: evaluating it as the compression measurer does ({runtime})")
+    task, metrics = folder_metrics(folder, cfg, engine)
     return EvaluateResult(str(folder.path), task, cfg.data, metrics, time.perf_counter() - t0)
 
 
-def onnx_only_engine(folder: ModelFolder, cfg: EvaluateConfig) -> Any:
-    """ONNX Runtime on the folder's graph when it has no torch weights (a compressed folder), as the deploy
-    Predictor and the compression measurer run it; else None (the torch model)."""
-    if folder.torch_weights is not None or (folder.onnx_int8 is None and folder.onnx_fp32 is None) or cfg.task == "mlm":
-        return None
-    from encoderkit.deploy.runtime import graph_engine
+def compressed_engine(folder: ModelFolder, task: str | None, threads: int | None = None, max_batch: int = 32) -> tuple[Any, str]:
+    """How a compressed folder's quality is measured, by ``evaluate`` and the compression measurer alike:
+    ONNX Runtime on its graph when it has no torch weights (an ONNX INT8 step's folder); torch's dynamic
+    INT8 model when its weights are INT8 (``quantize --backend torch``: int8 weights, activations
+    quantized at run time, not the weights dequantized to FP32); else ``(None, "torch fp32")``: the
+    folder's torch model as it loads."""
+    from encoderkit.deploy.runtime import OUTPUTS, graph_engine
+    from encoderkit.tasks.inference import ModuleEngine
 
-    engine, backend = graph_engine(folder)
-    note(f"{folder.path}: no torch weights; evaluating its {backend} graph with ONNX Runtime")
-    return engine
+    if folder.torch_weights is None and (folder.onnx_int8 is not None or folder.onnx_fp32 is not None):
+        engine, backend = graph_engine(folder, threads, max_batch)
+        return engine, f"deploy {backend}"
+    quant = folder.quantization
+    if quant is not None and int(quant.get("bits", 8)) == 8 and task in OUTPUTS:
+        return ModuleEngine(folder.load(task=task, int8_runtime=True), OUTPUTS[task]), "torch int8-dynamic"
+    return None, "torch fp32"
 
 
 def folder_metrics(folder: ModelFolder, cfg: EvaluateConfig, engine: Any = None) -> tuple[str, dict[str, Any]]:
