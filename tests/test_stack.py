@@ -110,7 +110,7 @@ def test_two_lever_stack_remeasures_every_step(classifier_dir, dev_tsv, tmp_path
     res = compress(CompressConfig(recipe=str(recipe), model=str(classifier_dir), dev=str(dev_tsv), out=str(out),
                                   runtime="torch", seq_len=64, repeats=2))
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["01-prune", "02-quantize", "report.json", "report.md", "report.png"]
+    assert names == ["01-prune", "02-quantize", "progress.json", "report.json", "report.md", "report.png"]  # progress.json: what --resume continues
     rows = json.loads((out / "report.json").read_text())["steps"]
     assert [r["lever"] for r in rows] == ["start", "prune", "quantize"]
     # sizes shrink step by step and are the bytes of each step's own weights
