@@ -183,8 +183,8 @@ def test_a_recipe_resumes_only_the_same_settings_and_reruns_only_its_edited_step
     monkeypatch.setattr(prune_mod, "prune", lambda *a, **kw: (_ for _ in ()).throw(Stop("stopped in the prune step")))
     with pytest.raises(Stop):
         compress(CompressConfig(**cfg), measure=Measured())
-    with pytest.raises(EncoderkitError, match=r"cannot resume .*other settings \(dev_limit\)"):
-        compress(CompressConfig(**cfg, dev_limit=5, resume=True), measure=Measured())
+    with pytest.raises(EncoderkitError, match=r"cannot resume .*other settings \(calib\)"):
+        compress(CompressConfig(**cfg, calib=str(lists), resume=True), measure=Measured())
     assert (tmp_path / ".out.partial" / "01-distill").is_dir()  # a refused resume touches nothing
     monkeypatch.setattr(prune_mod, "prune", real_prune)
     monkeypatch.setattr("encoderkit.compress.distill.run", lambda *a, **kw: pytest.fail("a kept step ran again"))
@@ -210,10 +210,18 @@ def test_a_recipe_resumes_only_the_same_settings_and_reruns_only_its_edited_step
     again = Measured()
     compress(CompressConfig(**cfg, resume=True), measure=again)  # the same recipe: nothing runs or is measured
     assert again.folders == [] and (out / "report.md").is_file()
-    with pytest.raises(EncoderkitError, match=r"cannot resume .*other settings \(dev_limit\)"):
-        compress(CompressConfig(**cfg, dev_limit=5, resume=True), measure=Measured())
+    with pytest.raises(EncoderkitError, match=r"cannot resume .*other settings \(calib\)"):
+        compress(CompressConfig(**cfg, calib=str(lists), resume=True), measure=Measured())
     assert (out / "report.md").is_file() and not (tmp_path / ".out.partial").exists()  # refused: the output stays put
 
+    import encoderkit.compress.quantize as quantize_mod
+
+    monkeypatch.setattr(prune_mod, "prune", lambda *a, **kw: pytest.fail("a kept step ran again"))
+    monkeypatch.setattr(quantize_mod, "quantize", lambda *a, **kw: pytest.fail("a kept step ran again"))
+    remeasured = Measured()  # another measurement setting: every step is measured again, none is run again
+    res = compress(CompressConfig(**cfg, dev_limit=5, resume=True), measure=remeasured)
+    assert remeasured.folders == [reranker.name, "01-distill", "02-prune", "03-quantize"]
+    assert json.loads((out / "progress.json").read_text())["identity"]["settings"]["dev_limit"] == 5
     (out / "progress.json").unlink()  # e.g. a folder written before finished runs kept it
     with pytest.raises(EncoderkitError, match=r"cannot resume .*no progress.json.*--overwrite"):
         compress(CompressConfig(**cfg, resume=True), measure=Measured())

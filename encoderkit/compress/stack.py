@@ -190,11 +190,15 @@ class CompressConfig(StageConfig):
     resume: bool = arg(False, speed=True, help="Continue an interrupted recipe (its work is kept in .<out>.partial beside "
                        "--out) or a finished one (--out): the steps it finished and measured are not run again, a distill "
                        "step continues from its latest checkpoint; a recipe edited from step k on keeps steps 1 to k-1 and "
-                       "runs the rest. These settings must be the same.")
+                       "runs the rest; other measurement settings (--dev, --dev-limit, --candidates, --qa-split, "
+                       "--seq-len, --runtime) measure every kept step again without running it. The other settings "
+                       "must be the same.")
     save_every: int = arg(100, speed=True, help="Checkpoint a distill step every N training steps, so --resume loses at "
                                                 "most N (0: only at the end).")
 
 
+# settings that change how a step is measured, not what it builds: --resume with other values re-measures
+MEASURE_SETTINGS = ("dev", "dev_limit", "candidates", "qa_split", "seq_len", "runtime", "max_quality_drop")
 PROGRESS_FILE = "progress.json"  # in the partial folder: the rows measured so far and what made them
 
 
@@ -352,14 +356,19 @@ def resumed_rows(path: Path, identity: dict[str, Any]) -> tuple[list[dict[str, A
     was, now = saved.get("identity", {}), identity
     differ = [k for k in sorted(set(was.get("settings", {})) | set(now["settings"]))
               if was.get("settings", {}).get(k) != now["settings"].get(k)]
-    if differ:
-        raise EncoderkitError(f"cannot resume from {path.parent}: it was run with other settings ({', '.join(differ)}); "
+    built = [k for k in differ if k not in MEASURE_SETTINGS]
+    if built:
+        raise EncoderkitError(f"cannot resume from {path.parent}: it was run with other settings ({', '.join(built)}); "
                               "rerun with those, or without --resume to start again")
     old, new = was.get("steps", []), now["steps"]
     same = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
     if old != new:
         note(f"--resume: the recipe differs from step {same + 1} on; steps 1-{same} are kept, the rest run again"
              if same else "--resume: the recipe differs from its first step on; only the start's measurement is kept")
+    if differ:  # the same models, measured another way: every kept step is measured again, none is run again
+        note(f"--resume: measured with other settings ({', '.join(differ)}): the start and the kept steps are measured "
+             "again, no step is run again")
+        return [], same
     return saved["rows"][: same + 1], same
 
 
