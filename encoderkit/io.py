@@ -155,6 +155,19 @@ def output_dir(out: str | Path, overwrite: bool = False, retry: str = "rerun") -
                               f"Free disk space (or fix permissions) and {retry}") from e
 
 
+def partial_dir(out: str | Path) -> Path:
+    """``.<name>.partial`` beside ``out``: where :func:`resumable_dir` writes until the work finishes."""
+    out = Path(out)
+    return out.parent / f".{out.name}.partial"
+
+
+def resumed_folder(out: str | Path) -> Path | None:
+    """The folder ``resumable_dir(out, resume=True)`` continues: the unfinished partial one, else a
+    finished ``out``, else None (nothing to continue)."""
+    partial = partial_dir(out)
+    return partial if partial.exists() else Path(out) if Path(out).is_dir() else None
+
+
 @contextlib.contextmanager
 def resumable_dir(out: str | Path, overwrite: bool, resume: bool, retry: str = "rerun with --resume") -> Iterator[Path]:
     """Like :func:`output_dir`, but the folder being written is ``.<name>.partial`` beside ``out`` and
@@ -164,12 +177,11 @@ def resumable_dir(out: str | Path, overwrite: bool, resume: bool, retry: str = "
     leaves it (unless empty) and the error says so, ending with ``retry``."""
     from encoderkit.progress import note
 
-    out = Path(out)
-    partial = out.parent / f".{out.name}.partial"
+    out, partial = Path(out), partial_dir(out)
     out = check_output_dir(out, overwrite or resume and not partial.exists())
     out.parent.mkdir(parents=True, exist_ok=True)
     with _writer_lock(out.parent / f".{out.name}.lock", out):
-        if resume and not partial.exists() and out.is_dir():  # a finished run, continued: its folder is the work again
+        if resume and resumed_folder(out) == out:  # a finished run, continued: its folder is the work again
             note(f"--resume: continuing the finished {out} (steps that are the same are kept)")
             out.rename(partial)
         if partial.exists() and not resume:

@@ -112,8 +112,13 @@ def data_needs(cfg: QuantizeConfig) -> tuple[str, ...]:
     """The lever data fields (:mod:`encoderkit.compress.task_data`) ``cfg`` needs and does not name itself."""
     if cfg.method == "qat":
         return () if cfg.train_data else ("train",)
-    calib = cfg.method in ("gptq", "static") or cfg.method == "dynamic" and cfg.fallback_layers > 0
-    return ("calib",) if calib and not cfg.calib_data else ()
+    return ("calib",) if needs_calibration(cfg) and not cfg.calib_data else ()
+
+
+def needs_calibration(cfg: QuantizeConfig) -> bool:
+    """Whether ``cfg`` cannot run without calibration inputs: GPTQ's Hessians, static ranges, or the
+    per-MatMul sensitivity that ``fallback_layers`` ranks (ONNX only, checked by the config)."""
+    return cfg.method in ("gptq", "static") or cfg.fallback_layers > 0
 
 
 def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
@@ -133,9 +138,8 @@ def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
     data = (data or LeverData.for_model(model_dir)).with_sources(train=config.train_data, calib=config.calib_data)
     folder = ModelFolder.open(model_dir)
     cfg = config if config.calib_seq_len else dataclasses.replace(config, calib_seq_len=folder.max_length)  # as served
-    onnx_check = cfg.method == "dynamic" and cfg.backend == "onnx" and (data.source("calib") or cfg.fallback_layers)  # the
-    # INT8 graph's output error (and, with fallback_layers, each MatMul's)
-    if calib is None and (cfg.method in ("gptq", "static") or onnx_check):
+    onnx_check = cfg.method == "dynamic" and cfg.backend == "onnx" and data.source("calib")  # the INT8 graph's output error
+    if calib is None and (needs_calibration(cfg) or onnx_check):
         calib = calibration_texts(cfg, None, data, model_dir)
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
     tokenizer = folder.tokenizer()
@@ -388,7 +392,7 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
             src = work / "model.emb4.onnx"
             details.update(int4_word_embeddings(fp32, src, cfg.group_size))
         names = [i.name for i in ort.InferenceSession(str(fp32), providers=["CPUExecutionProvider"]).get_inputs()]
-        texts = calibration_texts(cfg, calib) if (cfg.method == "static" or cfg.fallback_layers or calib or cfg.calib_data) else []
+        texts = calibration_texts(cfg, calib) if (needs_calibration(cfg) or calib or cfg.calib_data) else []
         feeds = _feeds(tokenizer, texts, names, cfg.calib_seq_len, cfg.batch_size) if texts else []
         method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
                   "percentile": CalibrationMethod.Percentile}[cfg.calib_method]

@@ -301,7 +301,7 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     import torch
 
     from encoderkit.hardware import describe
-    from encoderkit.io import relocate_paths, resumable_dir, write_json_atomic
+    from encoderkit.io import partial_dir, relocate_paths, resumable_dir, resumed_folder, write_json_atomic
     from encoderkit.report import write_report
 
     recipe = read_recipe(cfg.recipe)
@@ -310,14 +310,13 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     out = Path(cfg.out)
     measure = measure or make_measure(cfg)  # reads the task and checks the dev data before anything runs
     identity = run_identity(cfg, steps)
-    partial = out.parent / f".{out.name}.partial"
     done, same = [], 0
     if cfg.resume:  # checked before anything moves: a refused resume leaves a finished --out where it is
-        finished = not partial.exists() and out.is_dir()
-        if finished and not (out / PROGRESS_FILE).is_file():
+        earlier = resumed_folder(out) or partial_dir(out)
+        if earlier == out and not (out / PROGRESS_FILE).is_file():
             raise EncoderkitError(f"cannot resume {out}: it has no {PROGRESS_FILE} (not a recipe's output, or one written "
                                   "before finished runs kept it); pass --overwrite instead of --resume to run it again")
-        done, same = resumed_rows((out if finished else partial) / PROGRESS_FILE, identity)
+        done, same = resumed_rows(earlier / PROGRESS_FILE, identity)
     with resumable_dir(out, cfg.overwrite, cfg.resume, retry="rerun the same command with --resume") as tmp:
         if cfg.resume:
             _clear_steps_after(tmp, same)
