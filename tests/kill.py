@@ -18,12 +18,16 @@ def run_until_then_kill(script: str, args: dict, marker: Path, tmp: Path, thread
     path = tmp / "child.py"
     path.write_text(script)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
-    child = subprocess.Popen([sys.executable, str(path), json.dumps(args)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log = tmp / "child.stderr"  # a file, not a pipe: a full pipe would stall the child
+    with log.open("wb") as err:
+        child = subprocess.Popen([sys.executable, str(path), json.dumps(args)], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + timeout
     try:
         while not marker.exists():
-            assert child.poll() is None, child.stderr.read().decode()[-2000:]
+            if child.poll() is not None:  # finished (or failed) before the marker: the kill would test nothing
+                raise AssertionError(f"the child exited (rc {child.returncode}) before writing {marker.name}; "
+                                     f"its stderr ends:\n{log.read_text(errors='replace')[-2000:]}")
             assert time.monotonic() < deadline, f"the child did not write {marker.name} in time"
             time.sleep(0.05)
     finally:
