@@ -133,13 +133,13 @@ def test_finetune_and_evaluate_leave_their_configs_as_given(tmp_path, tiny_bert_
 @pytest.mark.parametrize("task", ["classify", "ner", "qa", "rerank", "embed"])
 def test_each_task_gets_its_own_frozen_options(task, tmp_path, tiny_bert_dir):
     from encoderkit.models.folder import ModelFolder
-    from encoderkit.tasks import TASK_MODULES
+    from encoderkit.tasks import get_task
     from encoderkit.tasks.options import TaskDataOptions
     from encoderkit.train.finetune import FinetuneConfig
 
-    module = importlib.import_module(TASK_MODULES[task])
-    assert module.__name__ == f"encoderkit.tasks.{task}.train"
-    options_cls = module.OPTIONS
+    task_object = get_task(task)
+    assert task_object.name == task and importlib.import_module(f"encoderkit.tasks.{task}").TASK is task_object
+    options_cls = task_object.options
     assert options_cls.__module__ == f"encoderkit.tasks.{task}.options"
     assert dataclasses.fields(options_cls) and options_cls.__dataclass_params__.frozen
     # only task settings: every option is a task flag or a stage flag of that task, none of the run's own

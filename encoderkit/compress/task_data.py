@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.tasks.protocol import TaskInputs
 
 FIELDS = {
     "train": "the task's training data (--train)",
@@ -52,24 +53,6 @@ TASK_DATA = {
     "embed": "a corpus (text, JSONL, CSV/TSV, folder) or a BEIR source",
     "mlm": "a text file",
 }
-
-
-@dataclass
-class TaskInputs:
-    """Model inputs of a task's data: single texts or (text, text) pairs, and class ids when labelled
-    (classify only: the hard loss of distillation and recovery)."""
-
-    texts: list[str | tuple[str, str]]
-    labels: list[int] | None = None
-    source: str = ""
-
-    def __len__(self) -> int:
-        return len(self.texts)
-
-    def head(self, n: int | None) -> TaskInputs:
-        if not n:
-            return self
-        return TaskInputs(self.texts[:n], None if self.labels is None else self.labels[:n], self.source)
 
 
 COLUMNS = ("text_column", "label_column", "text_pair_column")

@@ -8,7 +8,6 @@ folder is embed, else its architecture: ``*ForSequenceClassification`` with one 
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +16,10 @@ from encoderkit.config import arg
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import note
-from encoderkit.tasks import TASK_MODULES, TASKS
+from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.common import EvalData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
+from encoderkit.tasks.registry import PRETRAINED
 
 
 @dataclass
@@ -28,7 +28,7 @@ class EvaluateConfig(TaskDataOptions):
 
     task: str = arg("", help="Task (default: from the folder's encoderkit.json or its architecture). 'mlm': held-out "
                     "masked-LM loss/accuracy/perplexity on a token store from `encoderkit data prepare` (--data STORE; "
-                    "--max-examples caps the blocks).", choices=("",) + TASKS + ("mlm",))
+                    "--max-examples caps the blocks).", choices=("",) + TASKS + (PRETRAINED,))
     model: str = arg(help="Model folder to evaluate ('minilm' = all-MiniLM-L6-v2).", required=True)
     data: str = arg(help="Labelled data in the task's format (see `encoderkit finetune --help`); mlm: a token store folder.",
                     required=True)
@@ -53,15 +53,13 @@ class EvaluateResult:
         return {"model": self.model, "task": self.task, "data": self.data, "seconds": round(self.seconds, 1), **self.metrics}
 
 
-MODULES = {**TASK_MODULES, "mlm": "encoderkit.train.pretrain"}
-
-
 def run(cfg: EvaluateConfig) -> EvaluateResult:
     """Print the task metrics (JSON) of a model folder on labelled data."""
     folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
     t0 = time.perf_counter()
     task = cfg.task or folder.task
-    engine, runtime = compressed_engine(folder, task) if task != "mlm" else (None, "")
+    # the MLM head has no task object: pretraining owns its held-out evaluation (no compressed engine)
+    engine, runtime = compressed_engine(folder, task) if task != PRETRAINED else (None, "")
     if engine is not None:
         note(f"{folder.path}: evaluating it as the compression measurer does ({runtime})")
     task, metrics = folder_metrics(folder, cfg, engine)
@@ -74,15 +72,15 @@ def compressed_engine(folder: ModelFolder, task: str | None, threads: int | None
     INT8 model when its weights are INT8 (``quantize --backend torch``: int8 weights, activations
     quantized at run time, not the weights dequantized to FP32); else ``(None, "torch fp32")``: the
     folder's torch model as it loads."""
-    from encoderkit.deploy.runtime import OUTPUTS, graph_engine
+    from encoderkit.deploy.runtime import graph_engine
     from encoderkit.tasks.inference import ModuleEngine
 
     if folder.torch_weights is None and (folder.onnx_int8 is not None or folder.onnx_fp32 is not None):
         engine, backend = graph_engine(folder, threads, max_batch)
         return engine, f"deploy {backend}"
     quant = folder.quantization
-    if quant is not None and int(quant.get("bits", 8)) == 8 and task in OUTPUTS:
-        return ModuleEngine(folder.load(task=task, int8_runtime=True), OUTPUTS[task]), "torch int8-dynamic"
+    if quant is not None and int(quant.get("bits", 8)) == 8 and task in TASKS:
+        return ModuleEngine(folder.load(task=task, int8_runtime=True), get_task(task).outputs), "torch int8-dynamic"
     return None, "torch fp32"
 
 
@@ -97,15 +95,17 @@ def folder_metrics(folder: ModelFolder, cfg: EvaluateConfig, engine: Any = None)
             note(f"{folder.path}: scoring at --max-length {cfg.max_length}, but the model was fine-tuned at {saved}; "
                  "quality can drop at a length the model has not seen")
     task = cfg.task or folder.task
-    if task not in MODULES:
+    if task is None:
         raise EncoderkitError(f"{folder.path}: cannot tell the task from encoderkit.json or config.json "
                               f"(architectures {folder.config.get('architectures') or 'missing'}); pass --task")
     tokenizer = folder.tokenizer(cfg.tokenizer or None)
-    module = importlib.import_module(MODULES[task])
-    if task == "mlm":
+    if task == PRETRAINED:  # no task object: the held-out masked-LM figures are pretraining's own
+        from encoderkit.train.pretrain import evaluate_folder
+
         if engine is not None:
             raise EncoderkitError(f"{folder.path}: an MLM model is measured with its torch weights only")
-        return task, module.evaluate_folder(folder, tokenizer, cfg.data, cfg)
+        return task, evaluate_folder(folder, tokenizer, cfg.data, cfg)
+    task_object = get_task(task)
     # the task's options: the folder's saved settings, an explicit --max-length winning
-    options = module.OPTIONS.for_folder(cfg, folder)
-    return task, module.evaluate_folder(folder, tokenizer, pick(EvalData, cfg), options, engine=engine)
+    options = task_object.options_for_folder(cfg, folder)
+    return task, task_object.evaluate_folder(folder, tokenizer, pick(EvalData, cfg), options, engine=engine)

@@ -1,35 +1,42 @@
-"""Task heads: one package per task, the same file names in each, so a task's reading, features and
-training wiring are found from the folder names alone::
+"""Task heads: one package per task, each exporting its task object ``TASK`` (:mod:`encoderkit.tasks.protocol`),
+registered by one line in :mod:`encoderkit.tasks.registry`::
 
     tasks/<task>/                 classify, ner, qa, rerank, embed
+        __init__.py               TASK: the task object every stage dispatches through
+        task.py                   its class (attributes and the protocol's methods)
         data.py                   reading the task's data files into examples
         features.py               examples -> token rows, model outputs -> predictions (numpy + a fast
-                                  tokenizer; the model behind an injected engine): evaluate, the
-                                  Predictor and compression use it
+                                  tokenizer; the model behind an injected engine)
         options.py                the task's one frozen options class (only its own settings), built
                                   once from the parsed stage config: ``for_training`` / ``for_folder``
         train.py                  ``build(data, options, tokenizer, folder) -> TaskRun`` (fine-tuning
                                   wiring) and ``evaluate_folder(folder, tokenizer, data, options)``
-    tasks/ (shared)               batching, common (TaskRun, TrainData, EvalData, pick), inference
-                                  (engines), options (the flat task flags of finetune/evaluate),
-                                  tabular (TSV/CSV/JSONL rows), labeled (``encoderkit label`` output),
-                                  tags (IOB1/IOB2/BIOES)
-
-rerank's and embed's ``data`` build training groups from triples JSONL or BEIR sources
-(:mod:`encoderkit.retrieval.beir`, :mod:`encoderkit.retrieval.mining`); embed's ``features`` holds
-the bi-encoder, whose pooling + normalisation is its "decoding".
+    tasks/ (shared)               protocol (Task), registry, batching, common (TaskRun, TrainData,
+                                  EvalData, pick), inference (engines), options (the flat task flags of
+                                  finetune/evaluate), tabular (TSV/CSV/JSONL rows), labeled
+                                  (``encoderkit label`` output), tags (IOB1/IOB2/BIOES)
 """
 
 from __future__ import annotations
 
-TASKS = ("classify", "ner", "qa", "rerank", "embed")
+import importlib
+from functools import cache
+from typing import TYPE_CHECKING
 
-# task -> module with ``OPTIONS`` (its options class), ``build(data: TrainData, options, tokenizer,
-# folder: ModelFolder) -> TaskRun`` and ``evaluate_folder(folder, tokenizer, data: EvalData, options) -> metrics``
-TASK_MODULES = {
-    "classify": "encoderkit.tasks.classify.train",
-    "ner": "encoderkit.tasks.ner.train",
-    "qa": "encoderkit.tasks.qa.train",
-    "rerank": "encoderkit.tasks.rerank.train",
-    "embed": "encoderkit.tasks.embed.train",
-}
+from encoderkit.errors import EncoderkitError
+from encoderkit.tasks.registry import TASKS
+
+if TYPE_CHECKING:
+    from encoderkit.tasks.protocol import Task
+
+__all__ = ["TASKS", "get_task"]
+
+
+@cache
+def get_task(name: str | None) -> Task:
+    """The task object of a registered task name (``tasks/<name>/__init__.py``'s ``TASK``)."""
+    if name not in TASKS:
+        what = f"task {name!r}" if name else "a model whose task cannot be told"
+        raise EncoderkitError(f"{what} is not one of {', '.join(TASKS)} (fine-tune a model for one of them, or set "
+                              "'task' in its encoderkit.json)")
+    return importlib.import_module(f"{__name__}.{name}").TASK

@@ -8,7 +8,6 @@ max length, dev metrics).
 
 from __future__ import annotations
 
-import importlib
 import shutil
 import time
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from encoderkit.config import arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import check_output_dir, output_dir, write_card
 from encoderkit.models.folder import ModelFolder
-from encoderkit.tasks import TASK_MODULES
+from encoderkit.tasks import get_task
 from encoderkit.tasks.common import DEFAULT_MODEL, TrainData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
 from encoderkit.train import checkpoint
@@ -104,10 +103,10 @@ def _identity(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def task_inputs(cfg: FinetuneConfig, folder: ModelFolder) -> tuple[Any, TrainData, Any]:
-    """The task module of ``--task``, what it trains on (:class:`TrainData`) and its options, each
+    """The task object of ``--task``, what it trains on (:class:`TrainData`) and its options, each
     built once from the parsed config (which stays as given: derived values live in the options)."""
-    task = importlib.import_module(TASK_MODULES[cfg.task])
-    return task, pick(TrainData, cfg), task.OPTIONS.for_training(cfg, folder)
+    task = get_task(cfg.task)
+    return task, pick(TrainData, cfg), task.options_for_training(cfg, folder)
 
 
 def run(cfg: FinetuneConfig) -> FinetuneResult:

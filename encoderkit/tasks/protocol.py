@@ -1,0 +1,145 @@
+"""The task protocol: one object per task, and every stage dispatches through it.
+
+``tasks/<name>/__init__.py`` exports ``TASK``, an instance of a :class:`Task` subclass, and
+:func:`encoderkit.tasks.get_task` finds it by the name registered in :mod:`encoderkit.tasks.registry`.
+Fine-tuning, evaluation, the Predictor, export, the service and compression ask the task object what
+they would otherwise decide by comparing task names: what a request is, which graph outputs to run,
+how to read and featurise rows, how to decode outputs into the public result, the serving unit timed
+for latency, what compression reads.
+
+The object holds no state: settings live in the task's frozen options class (``options``), built once
+from a stage config (:meth:`Task.options_for_training` / :meth:`Task.options_for_folder`).
+
+Methods that run a model take an engine (``run(inputs) -> outputs``, :mod:`encoderkit.tasks.inference`)
+or a *runner*: the Predictor seen from below (:class:`Runner`), so a task never imports deploy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from encoderkit.errors import EncoderkitError
+
+
+class Runner(Protocol):
+    """What a task's inference methods use of the Predictor: the folder, its tokenizer, the length cut,
+    and the engine run over token rows (length-sorted batches; per row, its outputs with the padding cut
+    off, in input order)."""
+
+    info: Any  # the ModelFolder
+    tokenizer: Any
+    max_length: int
+    max_batch: int
+    engine: Any
+
+    def run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]: ...
+
+
+@dataclass(frozen=True)
+class ServingUnit:
+    """What one served request is, timed for latency (and the batch unit timed for throughput; empty when
+    the task has none): a description and a short name for each, as the compression report prints them."""
+
+    desc: str
+    short: str
+    batch_desc: str = ""
+    batch_short: str = ""
+
+
+@dataclass
+class TaskInputs:
+    """Model inputs of a task's data, as compression reads them: single texts or (text, text) pairs, and
+    class ids when labelled (classify only: the hard loss of distillation and recovery)."""
+
+    texts: list[Any]
+    labels: list[int] | None = None
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def head(self, n: int | None) -> TaskInputs:
+        if not n:
+            return self
+        return TaskInputs(self.texts[:n], None if self.labels is None else self.labels[:n], self.source)
+
+
+class Task:
+    """One task (see the module docstring). Subclasses set the class attributes and implement the methods
+    that raise :class:`NotImplementedError` here."""
+
+    name: ClassVar[str]
+    options: ClassVar[type]                 # the frozen options class (``for_training`` / ``for_folder``)
+    outputs: ClassVar[tuple[str, ...]]      # the graph's output names, in order (export, ONNX and torch engines)
+    per_token: ClassVar[bool] = False       # outputs are (B, T, ...) per token, not (B, C) per sequence
+    pair_inputs: ClassVar[bool] = False     # a request is a (text, text) pair: export traces pairs
+    few_logits: ClassVar[bool] = False      # a few logits per example: INT8 parity compares probabilities
+    int8_by_default: ClassVar[bool] = False  # Predictor's ``auto`` runs the INT8 graph (measured on this task)
+    record_fields: ClassVar[tuple[str, ...]] = ("text",)  # fields of a ``predict`` JSONL record (a .txt: one text a line)
+    endpoint: ClassVar[str | None] = None   # the service's route that serves it (``/v1/<endpoint>``)
+    unit: ClassVar[ServingUnit]             # the serving unit compression times
+    primary_metrics: ClassVar[tuple[str, ...]]  # the evaluation's quality figure (the first one present)
+    data_help: ClassVar[str]                # what the task's data file is, for error messages
+
+    # -- options ------------------------------------------------------------------------------------
+    def options_for_training(self, cfg: Any, folder: Any) -> Any:
+        return self.options.for_training(cfg, folder)
+
+    def options_for_folder(self, cfg: Any, folder: Any) -> Any:
+        return self.options.for_folder(cfg, folder)
+
+    # -- training and evaluation --------------------------------------------------------------------
+    def build(self, data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
+        """The :class:`~encoderkit.tasks.common.TaskRun` fine-tuning trains (``data``: TrainData)."""
+        raise NotImplementedError
+
+    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any, engine: Any = None) -> dict[str, Any]:
+        """Metrics of a saved model on labelled data (``data``: EvalData); ``engine`` runs the model
+        (None: the folder's torch model)."""
+        raise NotImplementedError
+
+    # -- inference ----------------------------------------------------------------------------------
+    def check_record(self, record: dict[str, Any], where: str) -> None:
+        """Refuse a ``predict`` record without the task's fields, naming ``where`` (file:line)."""
+        if any(not record.get(k) for k in self.record_fields):
+            raise EncoderkitError(f"{where}: a {self.name} record needs non-empty fields {', '.join(self.record_fields)}")
+
+    def predict(self, runner: Runner, records: Sequence[dict[str, Any]], **kw: Any) -> list[dict[str, Any]]:
+        """One public result per record (a dict with :attr:`record_fields`), in order."""
+        raise NotImplementedError
+
+    def serve(self, runner: Runner, items: list[Any]) -> list[Any]:
+        """The service's batched call: items as the endpoint parses them, one result each."""
+        raise NotImplementedError
+
+    def engine_for_latency(self, engine: Any, folder: Any) -> Any:
+        """The engine timed for latency (embed pools and normalises on top of the graph)."""
+        return engine
+
+    # -- compression --------------------------------------------------------------------------------
+    def compress_inputs(self, spec: str, path: Path, *, card: dict[str, Any] | None, folder: str | Path | None,
+                        label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> TaskInputs:
+        """The inputs of a data file as compression reads them (calibration, distillation, vocabulary)."""
+        raise NotImplementedError
+
+    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: np.random.Generator, *, miner: str,
+                        candidates: int) -> dict[str, Any]:
+        """The dev examples timed for latency (``cfg``: the evaluation config), read with the task's reader."""
+        raise NotImplementedError
+
+    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any, max_length: int
+                     ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]:
+        """Feature rows of the timed unit and of the timed batch (empty: no batch unit)."""
+        raise NotImplementedError
+
+
+def typical_and_batch(items: list, size: Any, rng: np.random.Generator, n: int = 32) -> dict[str, list]:
+    """One typical item (the median by ``size``) and a seeded sample of ``n``: a task's latency samples."""
+    order = sorted(range(len(items)), key=lambda i: size(items[i]))
+    pick = rng.choice(len(items), size=min(n, len(items)), replace=False)
+    return {"one": [items[order[len(order) // 2]]], "batch": [items[int(i)] for i in sorted(pick)]}
