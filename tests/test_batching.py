@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from encoderkit.deploy.batching import MicroBatcher, token_counts
@@ -136,24 +137,28 @@ def test_token_counts_use_the_tokenizer(tiny_tokenizer_dir):
 
 
 class _PoisonClassifier:
-    """A Predictor stand-in whose model call (30 ms) raises when a batch holds the text 'poison'."""
+    """A Predictor stand-in (what the classify task's serve sees of one: a tokenizer and ``run_rows``) whose model
+    call (30 ms) raises when a batch holds the text 'poison' (token id 9; every other text is one token, id 1)."""
 
     task, backend, max_batch, max_length = "classify", "stub", 64, 16
     info = __import__("types").SimpleNamespace(task="classify", labels=["no", "yes"], normalize=True, card={})
     folder = __import__("pathlib").Path("/nonexistent")
-    tokenizer = None
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
         self.lock = threading.Lock()
 
-    def classify(self, items):
+    @staticmethod
+    def tokenizer(texts, pairs=None, **kw):
+        return {"input_ids": [[9] if t == "poison" else [1] for t in texts]}
+
+    def run_rows(self, rows):
         with self.lock:
-            self.sizes.append(len(items))
+            self.sizes.append(len(rows))
         time.sleep(0.03)
-        if "poison" in items:
+        if any(9 in r["input_ids"] for r in rows):
             raise RuntimeError("the engine failed on this batch")
-        return [{"label": "yes", "score": 1.0, "scores": {"yes": 1.0}} for _ in items]
+        return [[np.array([0.0, 5.0], dtype=np.float32)] for _ in rows]  # logits: "yes"
 
 
 def test_one_bad_request_among_30_good_ones_over_http():

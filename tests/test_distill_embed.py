@@ -10,9 +10,10 @@ import torch
 
 from encoderkit.compress.distill import DistillConfig
 from encoderkit.compress.distill import run as distill
-from encoderkit.compress.distill_embed import embedding_mse, split_sentences, training_texts
+from encoderkit.compress.distill_embed import embedding_mse
 from encoderkit.compress.students import build_student_from_teacher, parse_layer_map
 from encoderkit.errors import EncoderkitError
+from encoderkit.tasks.embed.texts import split_sentences, training_texts
 from tests.conftest import WORDS, tiny_bert_config
 
 

@@ -279,7 +279,7 @@ def tiny_beir(tmp_path: Path, n_docs: int = 12) -> tuple[Path, dict[str, tuple[s
 def test_rerank_distillation_adds_corpus_titles_as_label_free_queries(tmp_path, tiny_tokenizer_dir, tmp_path_factory):
     from deploy_models import make_task_model, tiny_root
 
-    from encoderkit.compress.distill_tasks import candidate_lists
+    from encoderkit.tasks.rerank.candidates import candidate_lists
 
     beir, docs = tiny_beir(tmp_path)
     miner = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
@@ -302,8 +302,8 @@ def test_rerank_distillation_adds_corpus_titles_as_label_free_queries(tmp_path, 
 def test_fresh_pseudo_queries_give_each_epoch_its_own_titles(tmp_path, tiny_tokenizer_dir, tmp_path_factory, capsys):
     from deploy_models import make_task_model, tiny_root
 
-    from encoderkit.compress.distill_tasks import candidate_groups, candidate_lists
     from encoderkit.tasks.batching import RotatingBatches
+    from encoderkit.tasks.rerank.candidates import candidate_groups, candidate_lists
 
     beir, _ = tiny_beir(tmp_path, n_docs=24)
     miner = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
@@ -343,7 +343,7 @@ def test_fresh_pseudo_queries_give_each_epoch_its_own_titles(tmp_path, tiny_toke
 
 
 def test_pseudo_queries_on_a_file_of_lists_say_they_are_ignored(tmp_path, capsys):
-    from encoderkit.compress.distill_tasks import candidate_lists
+    from encoderkit.tasks.rerank.candidates import candidate_lists
 
     train = tmp_path / "lists.jsonl"
     train.write_text("".join(json.dumps({"query": f"q{i}", "positive": "p", "negatives": ["n1", "n2"]}) + "\n" for i in range(3)))
@@ -355,7 +355,7 @@ def test_pseudo_queries_on_a_file_of_lists_say_they_are_ignored(tmp_path, capsys
 
 
 def test_a_deep_candidate_list_keeps_the_top_half_and_samples_the_ranks_below_in_order():
-    from encoderkit.compress.distill_tasks import spread
+    from encoderkit.tasks.rerank.candidates import spread
 
     ranked = [f"d{i}" for i in range(100)]
     lists = [spread(ranked, 16, np.random.default_rng(s)) for s in range(20)]

@@ -7,7 +7,8 @@ module may import its own layer or lower ones, never a higher one; nothing impor
 import cycles between modules.
 
     base (errors, config, io, progress, seeding, hardware)
-    < data, tokenizer, models, evaluate.metrics (pure metric functions the tasks score with)
+    < data, tokenizer, models, evaluate.metrics (pure metric functions the tasks score with),
+      tasks.registry (the task names and heads the folder reader checks)
     < tasks
     < train, deploy (export, runtime, batching), evaluate
     < compress (and its report), retrieval, label
@@ -29,8 +30,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("encoderkit", "encoderkit.errors", "encoderkit.config", "encoderkit.io", "encoderkit.progress",
      "encoderkit.seeding", "encoderkit.hardware"),
     # retrieval's data reading and metrics sit low (tasks train and score with them); its index and search sit high
+    # the registry of task names and heads is read by the folder reader (it imports no task package)
     ("encoderkit.data", "encoderkit.tokenizer", "encoderkit.models", "encoderkit.evaluate.metrics",
-     "encoderkit.retrieval.beir", "encoderkit.retrieval.metrics"),
+     "encoderkit.retrieval.beir", "encoderkit.retrieval.metrics", "encoderkit.tasks.registry"),
     ("encoderkit.tasks", "encoderkit.retrieval.exact", "encoderkit.retrieval.mining"),
     ("encoderkit.train", "encoderkit.deploy", "encoderkit.evaluate"),
     ("encoderkit.compress", "encoderkit.report", "encoderkit.retrieval", "encoderkit.label"),

@@ -317,7 +317,7 @@ def test_rerank_steps_on_a_beir_source_take_the_first_stage_from_compress_miner(
     judged positives."""
     from test_finetune import _beir
 
-    from encoderkit.compress.task_data import MINED_PAIRS
+    from encoderkit.tasks.rerank.candidates import MINED_PAIRS
 
     monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
     beir, ce, miner = f"{_beir(tmp_path)}#test", models["rerank"], str(models["embed"])

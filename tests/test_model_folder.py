@@ -62,6 +62,40 @@ def test_facts_of_task_folders(tmp_path_factory, tiny_tokenizer_dir, tmp_path):
     assert rerank.task == "rerank" and rerank.num_labels == 1
 
 
+def _retask(src, dst, task):
+    folder = _copy(src, dst)
+    card = json.loads((folder / "encoderkit.json").read_text())
+    (folder / "encoderkit.json").write_text(json.dumps({**card, "task": task}))
+    return folder
+
+
+def test_a_head_registered_in_one_line_is_opened_checked_and_loaded(tmp_path_factory, tiny_tokenizer_dir, tmp_path,
+                                                                     monkeypatch):
+    """The folder reader takes a task's head from the registry: its Auto class, the architecture suffix
+    require_task checks and the pooling it records; a name the registry lacks is refused."""
+    from encoderkit.tasks.registry import HEADS, Head
+
+    root = tiny_root(tmp_path_factory)
+    regression = _retask(make_task_model(root, tiny_tokenizer_dir, "classify"), tmp_path / "reg", "regression")
+    with pytest.raises(EncoderkitError, match="task 'regression' is not one of mlm, classify"):
+        ModelFolder.open(regression)
+    monkeypatch.setitem(HEADS, "regression", Head("AutoModelForSequenceClassification", "ForSequenceClassification",
+                                                  "classifier"))
+    opened = ModelFolder.open(regression)
+    assert (opened.task, opened.pooling, opened.require_task("regression")) == ("regression", "first", "regression")
+    assert type(opened.load(task="regression")).__name__ == "BertForSequenceClassification"
+    wrong = ModelFolder.open(_retask(make_task_model(root, tiny_tokenizer_dir, "ner"), tmp_path / "wrong", "regression"))
+    with pytest.raises(EncoderkitError, match=r"a 'regression' model needs a \*ForSequenceClassification head"):
+        wrong.require_task("regression")
+
+
+def test_an_mlm_card_on_a_pretraining_head_passes_the_head_check(tmp_path):
+    """BertForPreTraining holds an MLM head (task_from_config reads it as mlm), so its card's task stands."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForPreTraining"]}))
+    (tmp_path / "encoderkit.json").write_text(json.dumps({"task": "mlm"}))
+    assert ModelFolder.open(tmp_path, weights=False, tokenizer=False).require_task("mlm") == "mlm"
+
+
 @pytest.fixture(scope="module")
 def broken(tmp_path_factory, tiny_tokenizer_dir):
     """A classify folder without tokenizer files, and one whose model.safetensors is cut in half."""

@@ -158,17 +158,22 @@ def test_task_not_served_and_model_required(predictors):
 
 
 class _SlowClassifier:
-    """Stands in for a Predictor whose model call takes a while (to test shutdown)."""
+    """Stands in for a Predictor (what the classify task's serve sees of one: a tokenizer and ``run_rows``) whose
+    model call takes a while (to test shutdown)."""
 
     task, backend, max_batch, max_length = "classify", "stub", 8, 16
     info = __import__("types").SimpleNamespace(task="classify", labels=["no", "yes"], normalize=True, card={})
     folder = __import__("pathlib").Path("/nonexistent")
     started = threading.Event()
 
-    def classify(self, items):
+    @staticmethod
+    def tokenizer(texts, pairs=None, **kw):
+        return {"input_ids": [[1, 2] for _ in texts]}
+
+    def run_rows(self, rows):
         self.started.set()
         time.sleep(0.6)
-        return [{"label": "yes", "score": 1.0, "scores": {"yes": 1.0}} for _ in items]
+        return [[np.array([0.0, 5.0], dtype=np.float32)] for _ in rows]  # logits: "yes"
 
 
 def test_graceful_shutdown_finishes_requests_in_flight():

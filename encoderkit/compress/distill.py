@@ -13,7 +13,7 @@ Two modes share the student builder and the loss:
   also be narrower (``hidden_size``): it is then initialised at random and the hidden-state
   match goes through a learned projection student-width -> teacher-width.
 
-With ``mode=task`` the teacher's task (its card, else its files) picks the recipe: ``embed``
+With ``mode=task`` the teacher's task (its card, else its files) picks the recipe by its ``distill_kind``: ``embed``
 teachers go to :mod:`encoderkit.compress.distill_embed` (embedding MSE on unlabelled text,
 optionally Matryoshka), ``rerank``, ``ner`` and ``qa`` teachers to
 :mod:`encoderkit.compress.distill_tasks` (candidate-list scores, token and span logits);
@@ -36,11 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoderkit.compress.distill_embed import run_embed
+from encoderkit.compress.distill_tasks import KINDS as TASK_KINDS
 from encoderkit.compress.distill_tasks import run_task
 from encoderkit.compress.students import DistillResult, fit_and_save, make_student, soft_target_kl
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
+from encoderkit.tasks import TASKS, get_task
 
 
 def hidden_cosine_loss(student_hidden: torch.Tensor, teacher_hidden: torch.Tensor,
@@ -140,8 +142,8 @@ def make_loss_fn(teacher: nn.Module, want_hidden: bool) -> Callable[[nn.Module, 
 # -- data ------------------------------------------------------------------------------------------
 
 def task_batches(path: str, tokenizer: Any, teacher_config: Any, batch_size: int, seq_len: int, seed: int,
-                 limit: int = 0, folder: str | Path | None = None) -> tuple[Any, int, bool]:
-    """An engine batch source over a classify task file, read by the task's reader with the columns of
+                 limit: int = 0, folder: str | Path | None = None, task: str = "classify") -> tuple[Any, int, bool]:
+    """An engine batch source over a ``task`` file (a classify table), read by the task's reader with the columns of
     the teacher ``folder``'s card (:func:`encoderkit.compress.task_data.read_task_inputs`):
     input_ids/attention_mask (and token_type_ids, labels when the file has the label column) per
     micro-batch, padded to the batch's longest row; batches are length-bucketed (rows of similar
@@ -152,7 +154,7 @@ def task_batches(path: str, tokenizer: Any, teacher_config: Any, batch_size: int
     from encoderkit.compress.task_data import read_task_inputs
 
     label2id = {str(k): int(v) for k, v in (getattr(teacher_config, "label2id", None) or {}).items()}
-    inputs = read_task_inputs(path, "classify", folder=folder, label2id=label2id, limit=limit)
+    inputs = read_task_inputs(path, task, folder=folder, label2id=label2id, limit=limit)
     return input_batches(tokenizer, inputs, seq_len, batch_size, seed), len(inputs), inputs.labels is not None
 
 
@@ -183,8 +185,7 @@ def load_blocks(data: str | Path) -> Any:
 
 # -- the stage ---------------------------------------------------------------------------------------
 
-DEFAULT_LR = 1e-4
-RERANK_LR = 3e-4  # a cut cross-encoder starts from chance (docs/compress.md, "A cut cross-encoder starts from nothing")
+DEFAULT_LR = 1e-4  # unless the teacher's task says otherwise (Task.distill_lr: 3e-4 for a reranker)
 
 
 @dataclass
@@ -271,16 +272,17 @@ def run(config: DistillConfig) -> DistillResult:
     """Distil a teacher into a smaller student (task-specific or task-agnostic, DistilBERT-style).
     In task mode, ``seq_len`` 0 becomes the teacher's max length (the length it serves at); ``lr`` 0 becomes
     3e-4 for a rerank teacher, else 1e-4."""
-    task, cfg = "mlm", config
+    task, cfg = None, config  # agnostic, or a teacher of no fine-tuned task: the logits distillation below
     if config.mode == "task":
         card = ModelFolder.open(config.teacher, tokenizer=False)
-        task = card.task
+        task = get_task(card.task) if card.task in TASKS else None
         cfg = config if config.seq_len else dataclasses.replace(config, seq_len=card.max_length)
     if not cfg.lr:
-        cfg = dataclasses.replace(cfg, lr=RERANK_LR if task == "rerank" else DEFAULT_LR)
-    if task == "embed":
+        cfg = dataclasses.replace(cfg, lr=(task.distill_lr if task else None) or DEFAULT_LR)
+    kind = task.distill_kind if task else "logits"
+    if kind == "embedding":
         return run_embed(cfg)
-    if task in ("rerank", "ner", "qa"):
+    if kind in TASK_KINDS:
         return run_task(cfg, task)
 
     from encoderkit.io import inherited_card
@@ -296,7 +298,8 @@ def run(config: DistillConfig) -> DistillResult:
         source, n_examples = agnostic_batches(cfg.data, tokenizer, cfg.batch_size, cfg.mask_rate, cfg.seed, cfg.limit)
     else:
         source, n_examples, has_labels = task_batches(cfg.train, tokenizer, teacher.config, cfg.batch_size,
-                                                      cfg.seq_len, cfg.seed, cfg.limit, folder=cfg.teacher)
+                                                      cfg.seq_len, cfg.seed, cfg.limit, folder=cfg.teacher,
+                                                      **({"task": task.name} if task else {}))
         if not has_labels:
             weights = LossWeights(weights.kl, 0.0, weights.cos, weights.temperature)
     loss = DistillLoss(weights, student.config.hidden_size, teacher.config.hidden_size, mlm=cfg.mode == "agnostic")

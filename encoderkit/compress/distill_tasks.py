@@ -1,6 +1,6 @@
 """Distillation of rerank, NER and QA teachers (the student built as in :mod:`encoderkit.compress.distill`).
 
-- ``rerank``: each query comes with a list of candidate passages: a BEIR source's queries with the
+- ``rerank``: each query comes with a list of candidate passages (:mod:`encoderkit.tasks.rerank.candidates`): a BEIR source's queries with the
   top ``candidates`` of a first-stage bi-encoder (``miner``; with ``candidate_depth`` D, the top half of them
   and a seeded sample of the rest of its top D, the list a reranker serves) (with ``pseudo_queries`` N, also N
   corpus documents' titles as queries: more teacher-scored lists, still no label; with
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,89 +33,13 @@ from torch import nn
 from encoderkit.compress.students import soft_target_kl
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
-from encoderkit.progress import note
+from encoderkit.tasks.protocol import Task
+from encoderkit.tasks.rerank.candidates import candidate_groups
 
 NEG = -1e4  # logit given to padding before a softmax over positions
-QueryList = tuple[str, list[str]]  # a query and its candidate passages
 
 
 # -- rerank ------------------------------------------------------------------------------------------
-
-def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0, pseudo_queries: int = 0,
-                    seed: int = 0, limit: int = 0) -> list[QueryList]:
-    """(query, candidate passages) per query, every list cut to the same length (at most ``candidates``):
-    the split's queries, then the titles; the arguments are :class:`~encoderkit.compress.distill.DistillConfig`'s
-    fields of those names."""
-    split, titles = candidate_groups(train, miner, candidates, candidate_depth=candidate_depth,
-                                     pseudo_queries=pseudo_queries, seed=seed, limit=limit)
-    return split + [x for group in titles for x in group]
-
-
-def candidate_groups(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0, pseudo_queries: int = 0,
-                     title_sets: int | Callable[[int], int] = 1, seed: int = 0,
-                     limit: int = 0) -> tuple[list[QueryList], list[list[QueryList]]]:
-    """(the split's lists, ``title_sets`` sets of ``pseudo_queries`` corpus titles' lists, no document in two sets);
-    ``title_sets`` may be a function of the number of split lists. The first set is the one a single set would be
-    (the sample is drawn once, in one seeded order, and cut into sets). ``limit`` cuts the split's lists (and, as
-    before, the titles when it is smaller than the split)."""
-    from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
-    from encoderkit.retrieval.beir import pseudo_queries as title_queries
-
-    titles: list[list[QueryList]] = []
-    if is_beir_source(train):
-        check(bool(miner), f"--train {train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
-                               "folder whose top --candidates per query the teacher scores")
-        from transformers import AutoTokenizer
-
-        from encoderkit.retrieval.exact import retrieve
-        from encoderkit.tasks.common import resolve_model
-        from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
-
-        data = load_retrieval(train)
-        n_split = min(len(data.qrels), limit) if limit else len(data.qrels)
-        data.qrels = dict(list(data.qrels.items())[:n_split])
-        sets = title_sets(n_split) if callable(title_sets) else title_sets
-        per_set = max(0, min(pseudo_queries, limit - n_split) if limit else pseudo_queries)
-        extra = title_queries(data, per_set * sets, seed=seed) if per_set else {}
-        if extra:
-            sets = max(1, min(sets, len(extra) // per_set))  # a small corpus: fewer, full sets
-            extra = dict(list(extra.items())[: per_set * sets])
-            data.queries.update(extra)
-            data.qrels.update({q: {} for q in extra})  # ranked like the split's queries; no judgment is read
-            note(f"{train}: {n_split} queries of the split + {len(extra)} corpus documents' titles (else first "
-                 "sentences) as queries" + (f", a new {len(extra) // sets} each epoch" if sets > 1 else ""))
-        miner_folder = resolve_model(miner)  # a folder, or 'minilm'
-        depth = max(candidates, candidate_depth)
-        ranked = retrieve(load_bi_encoder(miner_folder), AutoTokenizer.from_pretrained(str(miner_folder)), data,
-                          folder_max_length(miner_folder) or 256, 64, 64, k=depth, progress=True, cache_for=miner_folder)
-        rng = np.random.default_rng(seed)
-        lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, candidates, rng)]) for q, docs in ranked.items()]
-        split, rest = lists[:n_split], lists[n_split:]
-        if rest:
-            per = len(rest) // sets
-            titles = [rest[i * per: (i + 1) * per] for i in range(sets)]
-    else:
-        split = [(t.query, [t.positive, *t.negatives]) for t in read_triples(train)]
-        split = split[:limit] if limit else split
-        if pseudo_queries:
-            note(f"--pseudo-queries {pseudo_queries} ignored: {train} is a file of lists, with no corpus to draw "
-                 "titles from (a BEIR source with --miner has one)")
-    size = min(candidates, *(len(c) for group in [split, *titles] for _, c in group))
-    check(size >= 2, f"--train {train}: a query has {size} candidate(s); rerank distillation needs at least 2 per query "
-                     "(JSONL rows need 'negatives')")
-    return [(q, c[:size]) for q, c in split], [[(q, c[:size]) for q, c in group] for group in titles]
-
-
-def spread(ranked: list[str], size: int, rng: np.random.Generator) -> list[str]:
-    """``size`` of a first stage's ranked documents: all of them when there are no more; else the top half
-    of ``size`` and a seeded sample of the ranks below, in rank order. A reranker serving a top-100 list
-    must also push down the documents ranked 50th or 90th, which a list of the top few never shows it."""
-    if len(ranked) <= size:
-        return list(ranked)
-    top = (size + 1) // 2
-    deeper = np.sort(rng.choice(np.arange(top, len(ranked)), size - top, replace=False))
-    return [*ranked[:top], *(ranked[int(i)] for i in deeper)]
-
 
 def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
     """(batch source, loss_fn, number of lists per epoch): teacher scores computed once for every pair. With
@@ -257,25 +180,14 @@ def position_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor
     return soft_target_kl(student.float().masked_fill(pad, NEG), teacher.float().masked_fill(pad, NEG), temperature)
 
 
-def token_rows(cfg: Any, task: str, tokenizer: Any) -> list[dict[str, np.ndarray]]:
-    """Tokenised inputs: NER sentences (words) or QA (question, context) pairs (the first window)."""
-    if task == "ner":
-        from encoderkit.tasks.ner.data import read_ner
-
-        sents = read_ner(cfg.train)
-        enc = tokenizer([s.words for s in sents], is_split_into_words=True, truncation=True, max_length=cfg.seq_len)
-    else:
-        from encoderkit.tasks.qa.data import read_squad
-
-        examples, _ = read_squad(cfg.train, "train")  # the training articles; the held-out ones stay unseen
-        enc = tokenizer([e.question for e in examples], [e.context for e in examples], truncation="only_second",
-                        max_length=cfg.seq_len)
-    keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
-    rows = [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(enc["input_ids"]))]
+def token_rows(cfg: Any, task: Task, tokenizer: Any) -> list[dict[str, np.ndarray]]:
+    """Tokenised inputs, as the task reads its training data (:meth:`~encoderkit.tasks.protocol.Task.distill_rows`:
+    NER sentences (words) or QA (question, context) pairs (the first window)), the first ``cfg.limit``."""
+    rows = task.distill_rows(cfg, tokenizer)
     return rows[: cfg.limit] if cfg.limit else rows
 
 
-def token_setup(cfg: Any, task: str, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
+def token_setup(cfg: Any, task: Task, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
     """(batch source, loss_fn, number of examples); the teacher runs under no_grad on each batch."""
     from encoderkit.tasks.batching import BucketedBatches, encode_batch
 
@@ -292,7 +204,7 @@ def token_setup(cfg: Any, task: str, teacher: nn.Module, tokenizer: Any) -> tupl
             t = teacher(**batch)
         s = module(**batch)
         mask = batch["attention_mask"]
-        if task == "ner":
+        if task.distill_kind == "tokens":  # per-token logits; else "spans": start and end logits
             loss = masked_token_kl(s.logits, t.logits, mask, cfg.temperature)
             return loss, {"kl": float(loss.detach())}
         start = position_kl(s.start_logits, t.start_logits, mask, cfg.temperature)
@@ -304,22 +216,25 @@ def token_setup(cfg: Any, task: str, teacher: nn.Module, tokenizer: Any) -> tupl
 
 # -- the stage -----------------------------------------------------------------------------------------
 
-def run_task(cfg: Any, task: str) -> Any:
+KINDS = ("lists", "tokens", "spans")  # the task distillations here (Task.distill_kind): rerank, NER, QA
+_TRAIN_HELP = {"lists": "a BEIR source with --miner, or JSONL {query, positive, negatives}"}  # else the task's data_help
+
+
+def run_task(cfg: Any, task: Task) -> Any:
     """Distil a rerank, NER or QA teacher (``cfg`` is a DistillConfig); see the module docstring."""
     from encoderkit.compress.students import DistillResult, fit_and_save, make_student
     from encoderkit.io import inherited_card
     from encoderkit.models.folder import ModelFolder
 
-    if task not in ("rerank", "ner", "qa"):
-        raise EncoderkitError(f"distill_tasks handles rerank, ner and qa teachers, not {task!r}")
-    check(bool(cfg.train), f"distilling a {task} model needs --train (" + {
-        "rerank": "a BEIR source with --miner, or JSONL {query, positive, negatives}",
-        "ner": "a CoNLL or JSONL NER file", "qa": "a SQuAD JSON file"}[task] + ")")
+    if task.distill_kind not in KINDS:
+        raise EncoderkitError(f"distill_tasks handles rerank, ner and qa teachers, not {task.name!r}")
+    check(bool(cfg.train), f"distilling a {task.name} model needs --train "
+                           f"({_TRAIN_HELP.get(task.distill_kind, task.data_help)})")
     teacher_folder = ModelFolder.open(cfg.teacher)
     teacher = teacher_folder.load(frozen=True)
     tokenizer = teacher_folder.tokenizer()
     student, layers = make_student(cfg, teacher)
-    if task == "rerank":
+    if task.distill_kind == "lists":
         source, loss_fn, n = rerank_setup(cfg, teacher, tokenizer)
     else:
         source, loss_fn, n = token_setup(cfg, task, teacher, tokenizer)
@@ -329,6 +244,6 @@ def run_task(cfg: Any, task: str) -> Any:
         tokenizer.save_pretrained(folder)
 
     res = fit_and_save(cfg, student, loss_fn, source, save, examples=n, layers=layers,
-                       facts={"task": task, **inherited_card(teacher_folder.card)})
+                       facts={"task": task.name, **inherited_card(teacher_folder.card)})
     return DistillResult(Path(cfg.out), layers, sum(p.numel() for p in teacher.parameters()),
                          sum(p.numel() for p in student.parameters()), res.steps, res.train_logs)

@@ -36,8 +36,9 @@ from encoderkit.compress.task_data import LeverData
 from encoderkit.config import StageConfig, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.tasks import TASKS
+from encoderkit.tasks.registry import PRETRAINED
 
-WEIGHT_TASKS = (*TASKS, "mlm")  # pruning and quantization also take a pretrained MLM model
+WEIGHT_TASKS = (*TASKS, PRETRAINED)  # pruning and quantization also take a pretrained MLM model
 ALIASES = {"recover_steps": "recovery_steps"}
 
 
@@ -110,7 +111,7 @@ class DistillLever(_Base):
                   "'student' choose a new student: drop them, or use teacher 'previous'")
             teacher, settings["student"] = str(data.folder or "<the starting model>"), str(model)
         train = settings.get("train") or data.source("train")
-        if data.task == "rerank" and not settings.get("miner") and data.source("miner"):  # compress --miner, unless the step names its own
+        if data.uses_miner and not settings.get("miner") and data.source("miner"):  # compress --miner, unless the step names its own
             settings = {**settings, "miner": data.source("miner")}
         return DistillConfig.from_dict({**settings, "teacher": teacher, "out": str(out), "train": train})
 

@@ -12,7 +12,7 @@ of the folder being measured.
   fixed batch sizes; quality from a caller's hook).
 * :class:`StepMeasurer` -- what the recipe runner and the planner report for every step: the task
   (from the starting model's folder), its dev metric, and latency in the unit the task is served in
-  (:data:`UNITS`).
+  (the task object's ``unit``).
 
 :class:`LeverReport` is the common result of ``quantize(...)`` and ``prune(...)``; the recipe
 runner stacks them and prints ``before``/``after`` side by side.
@@ -30,25 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from encoderkit.compress.task_data import card_columns
 from encoderkit.config import check
-from encoderkit.deploy.runtime import OUTPUTS, graph_engine
+from encoderkit.deploy.runtime import graph_engine
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.run import EvaluateConfig, compressed_engine, folder_metrics
 from encoderkit.models.folder import SERVABLE, ModelFolder
-from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
-from encoderkit.tasks.classify import data as classify_data
-from encoderkit.tasks.classify import features as classify_features
-from encoderkit.tasks.classify import train as classify_train
-from encoderkit.tasks.embed import features as embed_features
+from encoderkit.tasks import get_task
 from encoderkit.tasks.inference import ModuleEngine, run_rows
-from encoderkit.tasks.ner import features as ner_features
-from encoderkit.tasks.ner import train as ner_train
-from encoderkit.tasks.ner.data import read_ner
-from encoderkit.tasks.qa import features as qa_features
-from encoderkit.tasks.qa import train as qa_train
-from encoderkit.tasks.qa.data import read_squad
-from encoderkit.tasks.rerank import features as rerank_features
+from encoderkit.tasks.protocol import Task
+from encoderkit.tasks.registry import HEADS
 
 QualityFn = Callable[[Path], dict[str, float]]
 
@@ -175,7 +165,8 @@ def folder_parameters(folder: str | Path | ModelFolder, model: torch.nn.Module |
     if model is not None:
         # an embedding pools the token states; a bare encoder's pooler (dense + tanh) never runs, and its
         # ONNX export (outputs: last_hidden_state) has none
-        pooler = getattr(model, "pooler", None) if mf.task == "embed" else None
+        head = HEADS.get(mf.task or "")
+        pooler = getattr(model, "pooler", None) if head is not None and head.auto_class == "AutoModel" else None
         return count_parameters(model) - (count_parameters(pooler) if isinstance(pooler, torch.nn.Module) else 0)
     graph = mf.onnx_int8 or mf.onnx_fp32
     if graph is None:
@@ -284,26 +275,16 @@ def _measure_onnx(path: Path, latency: bool, seq_len: int, batch_sizes: tuple[in
 
 # -- the recipe runner's measurement: every task, its own metric, its own serving unit ------------------------
 
-# per task: the dev metric reported as ``quality`` (the first one the evaluation gives) and what a
-# latency figure is: (single unit, its short name, batch unit, its short name)
-PRIMARY = {"classify": ("accuracy", "micro_f1"), "ner": ("f1",), "qa": ("f1",), "rerank": ("ndcg@10", "mrr@10"),
-           "embed": ("ndcg@10",)}
-UNITS = {
-    "classify": ("one request (batch 1, a typical dev example)", "request", "32 dev examples in one batch", "32 requests"),
-    "ner": ("one request (one typical dev sentence, all its windows)", "request", "32 dev sentences", "32 requests"),
-    "qa": ("one request (one typical dev question and its context, all its windows)", "request",
-           "32 dev questions", "32 requests"),
-    "rerank": ("one query's top 100 candidates (100 query-passage pairs, batches of 32)", "query (top 100)", "", ""),
-    "embed": ("one query (batch 1)", "query", "a batch of 32 corpus documents", "32 documents"),
-}
-RERANK_CANDIDATES = 100
+# per task (its object, :mod:`encoderkit.tasks.protocol`): the dev metric reported as ``quality``
+# (``primary_metrics``: the first one the evaluation gives), what a latency figure is (``unit``), the dev
+# examples timed (``latency_samples``) and their feature rows (``latency_rows``)
 MAX_BATCH = 32  # rows per engine call, as the Predictor serves (Predictor.load's max_batch)
 _COUNTS = ("examples", "sentences", "questions", "queries")
 
 
 class StepMeasurer:
     """Measures one model folder of the task of the starting model (``model``; else the first folder
-    measured): dev quality, parameters, weight bytes, latency in the task's serving unit (:data:`UNITS`).
+    measured): dev quality, parameters, weight bytes, latency in the task's serving unit (its ``unit``).
 
     Quality is :func:`encoderkit.evaluate.run.folder_metrics` -- the function ``encoderkit evaluate``
     runs, with the columns and feature settings the starting model's card recorded at fine-tuning --
@@ -338,7 +319,7 @@ class StepMeasurer:
             raise EncoderkitError(f"{start.path} is {'a ' + repr(task) if task else 'a'} model whose task compression cannot "
                                   f"measure; the starting model must be one of {', '.join(SERVABLE)} (fine-tune it first)")
         where = f"compress: {task} dev data {self.dev} (read to measure the starting model, before step 1)"
-        cols = card_columns(start.path) if task == "classify" else {}
+        cols = get_task(task).eval_columns(start.path)
         self.eval_cfg = EvaluateConfig(model=str(start.path), data=self.dev, task=task, max_examples=self.dev_limit,
                                        miner=self.miner, candidates=self.candidates, batch_size=self.batch_size,
                                        eval_batch_size=self.batch_size, qa_split=self.qa_split, **cols)
@@ -351,44 +332,13 @@ class StepMeasurer:
     def _samples(self, start: ModelFolder) -> dict[str, Any]:
         """The dev examples timed for latency (one typical example: the median by characters; a batch:
         a seeded sample), read with the task's own reader -- which also checks the fields the task needs."""
-        cfg, dev = self.eval_cfg, self.dev
-        rng = np.random.default_rng(0)
+        return self.spec.latency_samples(self.dev, self.eval_cfg, start, np.random.default_rng(0), miner=self.miner,
+                                         candidates=self.candidates)
 
-        def typical_and_batch(items: list, size: Callable[[Any], int], n: int = 32) -> dict[str, list]:
-            order = sorted(range(len(items)), key=lambda i: size(items[i]))
-            pick = rng.choice(len(items), size=min(n, len(items)), replace=False)
-            return {"one": [items[order[len(order) // 2]]], "batch": [items[int(i)] for i in sorted(pick)]}
-
-        if self.task == "classify":
-            options = classify_train.OPTIONS.for_folder(cfg, start)
-            texts, pairs, _, _, _ = classify_data.read_examples(dev, options, start.card.get("text_column"))
-            items = list(zip(texts, pairs or [None] * len(texts), strict=True))
-            return typical_and_batch(items, lambda x: len(x[0]) + len(x[1] or ""))
-        if self.task == "ner":
-            return typical_and_batch(read_ner(dev, cfg.tag_scheme), lambda s: len(" ".join(s.words)))
-        if self.task == "qa":
-            examples, _ = read_squad(dev, cfg.qa_split)
-            check(bool(examples), f"{dev} holds no question with an answer")
-            return typical_and_batch(examples, lambda e: len(e.question) + len(e.context))
-        if self.task == "rerank":
-            if is_beir_source(dev):
-                check(bool(self.miner), "field 'miner' missing: a BEIR source gives queries and a corpus but no first "
-                      "stage to rerank; pass --miner EMBED_FOLDER (or 'minilm'), the bi-encoder whose top "
-                      f"{self.candidates} the reranker reorders, or a JSONL of queries with candidates "
-                      "({query, positive, negatives})")
-                queries, passages = _beir_sample(dev, RERANK_CANDIDATES, rng)
-            else:
-                triples = read_triples(dev)
-                check(all(t.negatives for t in triples), "field 'negatives' missing: a rerank dev row needs candidates "
-                      "to rank (a positive and negatives); give each row 'negatives', or pass a BEIR source with --miner")
-                queries = [t.query for t in triples]
-                passages = [p for t in triples for p in [t.positive, *t.negatives]]
-            passages = (passages * (RERANK_CANDIDATES // max(1, len(passages)) + 1))[:RERANK_CANDIDATES]
-            return {"query": sorted(queries, key=len)[len(queries) // 2], "passages": passages}
-        check(is_beir_source(dev), "embed quality is nDCG@10 over a corpus: --dev must be a BEIR source (a folder with "
-              "corpus.jsonl, queries.jsonl, qrels/<split>.tsv, or the SciFact zip with #split), not a file of texts")
-        queries, docs = _beir_sample(dev, MAX_BATCH, rng)
-        return {"query": sorted(queries, key=len)[len(queries) // 2], "docs": docs}
+    @property
+    def spec(self) -> Task:
+        """The task object of the starting model's task."""
+        return get_task(self.task)
 
     # -- one folder ----------------------------------------------------------------------------------
     def __call__(self, folder: Path) -> dict[str, Any]:
@@ -396,7 +346,7 @@ class StepMeasurer:
         opened = ModelFolder.open(folder)  # with its tokenizer: quality and latency both tokenize
         if self.task is None:
             self.setup(opened)
-        if opened.task not in (None, self.task):
+        if opened.task is not None and opened.task != self.task:  # two folders' tasks, not a task's name
             raise EncoderkitError(f"{folder} is a {opened.task!r} model but the starting model is a {self.task!r} model; "
                                   "every step of a recipe keeps the task")
         try:
@@ -414,7 +364,7 @@ class StepMeasurer:
             return engine, engine, f"deploy {backend}"
         engine, runtime = compressed_engine(mf, self.task, threads, MAX_BATCH)  # what `evaluate` runs on this folder
         if engine is None:
-            return None, ModuleEngine(mf.load(task=self.task), OUTPUTS[self.task]), runtime
+            return None, ModuleEngine(mf.load(task=self.task), self.spec.outputs), runtime
         return engine, engine, runtime
 
     def _measure(self, mf: ModelFolder) -> dict[str, Any]:
@@ -425,8 +375,9 @@ class StepMeasurer:
                                "threads": torch.get_num_threads()}
         cfg = dataclasses.replace(self.eval_cfg, model=str(mf.path))
         _, metrics = folder_metrics(mf, cfg, quality_engine)
-        primary = next((m for m in PRIMARY[self.task] if m in metrics), None)
-        check(primary is not None, f"the {self.task} evaluation gave no {' or '.join(PRIMARY[self.task])} ({sorted(metrics)})")
+        wanted = self.spec.primary_metrics
+        primary = next((m for m in wanted if m in metrics), None)
+        check(primary is not None, f"the {self.task} evaluation gave no {' or '.join(wanted)} ({sorted(metrics)})")
         row.update({"metric": primary, "quality": float(metrics[primary]),
                     "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
         count = next((metrics[k] for k in _COUNTS if k in metrics), None)
@@ -441,9 +392,9 @@ class StepMeasurer:
         max_length = min(self.seq_len, mf.max_length) if self.seq_len else mf.max_length
         pad = tok.pad_token_id or 0
         one, batch = self._rows(mf, tok, max_length)
-        if self.task == "embed":
-            engine = embed_features.PooledEngine(engine, mf.pooling or "mean", mf.normalize)
-        unit, short, batch_unit, batch_short = UNITS[self.task]
+        engine = self.spec.engine_for_latency(engine, mf)
+        served = self.spec.unit
+        unit, short, batch_unit, batch_short = served.desc, served.short, served.batch_desc, served.batch_short
         out: dict[str, Any] = {"latency_unit": short, "latency_unit_desc": unit,
                                "seq_len": max(len(r["input_ids"]) for r in one),
                                "latency_ms": median_ms(lambda: run_rows(engine, one, pad, MAX_BATCH), self.repeats)}
@@ -460,33 +411,7 @@ class StepMeasurer:
 
     def _rows(self, mf: ModelFolder, tok: Any, max_length: int) -> tuple[list, list]:
         """Feature rows (the task's own featurisers, with the card's feature settings) of the timed unit and batch."""
-        s, card, cfg = self.samples, mf.card, self.eval_cfg
-        if self.task == "classify":
-            def rows(items: list) -> list:
-                pairs = [p for _, p in items] if items[0][1] is not None else None
-                return classify_features.featurize(tok, [t for t, _ in items], pairs, max_length)
-
-            return rows(s["one"]), rows(s["batch"])
-        if self.task == "ner":
-            ner_opts = dataclasses.replace(ner_train.OPTIONS.for_folder(cfg, mf), max_length=max_length)
-            return (ner_features.window_rows(ner_train.featurize(tok, s["one"], ner_opts))[0],
-                    ner_features.window_rows(ner_train.featurize(tok, s["batch"], ner_opts))[0])
-        if self.task == "qa":
-            qa_opts = dataclasses.replace(qa_train.OPTIONS.for_folder(cfg, mf), max_length=max_length)
-            return (qa_features.window_rows(qa_train.featurize(tok, s["one"], qa_opts, with_answers=False)),
-                    qa_features.window_rows(qa_train.featurize(tok, s["batch"], qa_opts, with_answers=False)))
-        if self.task == "rerank":
-            return rerank_features.pair_rows(tok, [s["query"]] * len(s["passages"]), s["passages"], max_length), []
-        query_length = min(max_length, card.get("max_query_length", cfg.max_query_length))
-        return embed_features.tokenize(tok, [s["query"]], query_length), embed_features.tokenize(tok, s["docs"], max_length)
-
-
-def _beir_sample(dev: str, n: int, rng: np.random.Generator) -> tuple[list[str], list[str]]:
-    """A BEIR source's judged queries and the texts of ``n`` documents drawn from its corpus by ``rng``."""
-    data = load_retrieval(dev)
-    doc_ids = list(data.corpus)
-    picked = rng.choice(len(doc_ids), size=min(n, len(doc_ids)), replace=False)
-    return [data.queries[q] for q in sorted(data.qrels)], [data.doc_text(doc_ids[int(i)]) for i in picked]
+        return self.spec.latency_rows(self.samples, tok, mf, self.eval_cfg, max_length)
 
 
 def _sig(x: float) -> float:

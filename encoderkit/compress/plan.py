@@ -14,7 +14,7 @@ The planner is a short list of rules that encode what is known to work for encod
   (bytes), dynamic INT8 (CPU speed) and QAT (quality under a tight floor) are alternatives.
 
 The planner knows the task (``--task``, else the ``--model`` folder's): latency is planned in the
-unit the task is served in (:data:`SERVED_UNIT`): a reranker per query's top 100 candidates (100
+unit the task is served in (:func:`served_unit`): a reranker per query's top 100 candidates (100
 query-passage pairs in one batch, where depth and matrix size are the cost and a sparse GPU's 2:4
 kernels pay off), an embedder per batch of documents and single query, NER/QA/classify per request.
 A planned recipe names its task, so the runner refuses a model of another task.
@@ -39,24 +39,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from encoderkit.compress.distill import RERANK_LR
-from encoderkit.compress.measure import MAX_BATCH, RERANK_CANDIDATES, StepMeasurer
+from encoderkit.compress.measure import StepMeasurer
 from encoderkit.compress.stack import QUANT_LEVERS, CompressConfig, run_steps, validate_recipe
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import PLANNER_HARDWARE, Hardware, describe, detect, planner_hardware
-from encoderkit.tasks import TASKS
+from encoderkit.tasks import TASKS, get_task
+from encoderkit.tasks.protocol import Task
 
-# task -> (batch, what one timed call is): the unit the task is served in, which latency is planned for
-# (the sizes the compression measurer times, encoderkit.compress.measure.UNITS)
-SERVED_UNIT: dict[str, tuple[int, str]] = {
-    "classify": (1, "one request (one text or text pair)"),
-    "ner": (1, "one request (one text)"),
-    "qa": (1, "one request (one question and its context)"),
-    "rerank": (RERANK_CANDIDATES, (f"one query's top {RERANK_CANDIDATES} candidates ({RERANK_CANDIDATES} "
-                                   "query-passage pairs in one batch)")),
-    "embed": (MAX_BATCH, f"a batch of {MAX_BATCH} documents, and a single query"),
-}
+
+def task_object(task: str | None) -> Task | None:
+    """The task object planned for; None when the task is unknown."""
+    return get_task(task) if task in TASKS else None
+
+
+def served_unit(task: str | None) -> tuple[int, str]:
+    """(batch, what one timed call is): the unit ``task`` is served in, which latency is planned for (the task
+    object's ``planned_unit``: the sizes the compression measurer times), else one request."""
+    spec = task_object(task)
+    return spec.planned_unit if spec is not None else (1, "one request")
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Plan:
     @property
     def latency_unit(self) -> tuple[int, str]:
         """(batch, what it is) of the latency the plan is for: the task's served unit, else one request."""
-        return SERVED_UNIT.get(self.task or "", (1, "one request"))
+        return served_unit(self.task)
 
     def quantization(self) -> PlannedStep | None:
         """The plan's one quantization step (a plan never quantizes twice), if any."""
@@ -152,7 +153,7 @@ def resolve_hardware(cfg: PlanConfig, hw: Hardware | None = None) -> tuple[str, 
 
 def resolve_task(cfg: PlanConfig) -> str | None:
     """The task planned for: ``--task``, else the ``--model`` folder's task, else None (unknown)."""
-    if cfg.task != "auto":
+    if cfg.task in TASKS:  # given (else "auto")
         return cfg.task
     if cfg.model:
         from encoderkit.models.folder import ModelFolder
@@ -168,8 +169,10 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
     and ``--task auto`` reads the ``--model`` folder's task."""
     kind, kind_why = resolve_hardware(cfg, hw)
     task = resolve_task(cfg)
-    batch, unit = SERVED_UNIT.get(task or "", (1, "one request"))
-    per_query = task == "rerank" and cfg.goal == "latency"
+    spec = task_object(task)
+    batch, unit = served_unit(task)
+    ranks_lists = spec is not None and spec.ranks_lists  # a reranker: served per query's candidate list
+    per_query = ranks_lists and cfg.goal == "latency"
     trains = cfg.budget == "some"
     steps: list[PlannedStep] = []
     out: list[tuple[str, str]] = []
@@ -178,22 +181,22 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
     # 1. distillation: fewer layers is the biggest win on every hardware, if we may train. A reranker on a CPU
     # keeps its depth instead: half the heads and 3/4 of the FFN neurons go, and the unpruned model teaches the
     # pruned one back (measured on SciFact: 96.8% of the teacher after INT8, where half the layers kept 90.3%).
-    width = task == "rerank" and kind != "gpu-sparse" and per_query and trains and cfg.teacher and not tight
+    width = ranks_lists and kind != "gpu-sparse" and per_query and trains and cfg.teacher and not tight
     if width:
         steps.append(PlannedStep("prune", {"method": "structured", "heads": 0.5, "ffn": 0.75, "seq_len": 256},
                                  f"a reranker on a CPU, per {unit}: keeping all layers and removing half the attention "
                                  "heads and 3/4 of the FFN neurons (by Taylor importance) is about 2.2x faster in FP32; a "
                                  "cut this deep ranks below the first stage until the next step teaches it back"))
-        steps.append(PlannedStep("distill", {"teacher": "start", "epochs": 5, "lr": RERANK_LR, "candidates": 8,
+        steps.append(PlannedStep("distill", {"teacher": "start", "epochs": 5, "lr": spec.distill_lr, "candidates": 8,
                                              "pseudo_queries": 1000, "fresh_pseudo_queries": True, "seq_len": 256},
                                  "the unpruned model (the recipe's start) teaches the pruned one on its scores over each "
                                  "query's mined candidates (KL over the list), 1,000 new corpus titles each epoch as "
                                  "label-free queries: the width-pruned student keeps more of the teacher than one with "
                                  "half the layers (SciFact: 97.3% before INT8 against 91.7%)"))
     elif trains and cfg.teacher:
-        rerank = task == "rerank"
+        rerank = ranks_lists
         steps.append(PlannedStep("distill", {"layers": "every-other", "epochs": 3,
-                                             **({"lr": RERANK_LR, "pseudo_queries": 1000, "fresh_pseudo_queries": True} if rerank else {})},
+                                             **({"lr": spec.distill_lr, "pseudo_queries": 1000, "fresh_pseudo_queries": True} if rerank else {})},
                                  "a teacher and a training budget: a student with every other layer, initialised from the "
                                  "teacher's layers and trained on its soft targets, halves depth-bound latency and size "
                                  "for a small quality cost" + (

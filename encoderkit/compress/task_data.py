@@ -7,7 +7,7 @@ reads files itself:
 - ``train``: the task's training data as the task reads it (distillation, recovery, QAT);
 - ``calib``: in-domain inputs for calibration, importance scores and vocabulary (default: ``train``).
 
-Inputs of each task, read by the task's own reader:
+Inputs of each task, read by the task's own reader (its object's ``compress_inputs``):
 
 - classify: :func:`encoderkit.tasks.tabular.read_rows`; the text column the model was fine-tuned on
   (its card's ``text_column``), the pair and label columns of the fine-tuning config in its lineage
@@ -15,7 +15,8 @@ Inputs of each task, read by the task's own reader:
 - ner: :func:`encoderkit.tasks.ner.data.read_ner` (the words of a sentence joined by spaces);
 - qa: :func:`encoderkit.tasks.qa.data.read_squad`, the training articles, (question, context) pairs;
 - rerank: a BEIR source (:func:`encoderkit.retrieval.beir.load_retrieval`: each judged
-  (query, document) pair; with a ``miner``, each judged query with its top :data:`MINED_PAIRS`
+  (query, document) pair; with a ``miner``, each judged query with its top
+  :data:`~encoderkit.tasks.rerank.candidates.MINED_PAIRS`
   documents from that bi-encoder, the pairs a reranker serves on, as distillation reads them) or
   JSONL triples (:func:`~encoderkit.retrieval.beir.read_triples`: the query with its positive and
   each negative);
@@ -24,7 +25,7 @@ Inputs of each task, read by the task's own reader:
 
 A ``.txt`` file (one input per line, no labels) is read the same way for every task.
 
-Vocabulary (:func:`vocabulary_texts`) reads the same inputs, except that a rerank model's BEIR
+Vocabulary (:func:`vocabulary_texts`) reads the same inputs, except that a rerank model's (``uses_miner``) BEIR
 source gives every document of its corpus and every query of its split: the documents a reranker
 serves are the corpus, not only the ones a training query judged or mined.
 """
@@ -36,124 +37,27 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.tasks.protocol import TaskInputs
+from encoderkit.tasks import TASKS, get_task
+from encoderkit.tasks.protocol import Task, TaskInputs
+from encoderkit.tasks.registry import PRETRAINED
 
 FIELDS = {
     "train": "the task's training data (--train)",
     "calib": "in-domain inputs for calibration (--calib, else --train)",
     "miner": "rerank: the first-stage bi-encoder whose top candidates of a BEIR source's queries are the pairs (--miner)",
 }
-MINED_PAIRS = 16  # rerank on a BEIR source with a miner: each judged query's top 16 documents, as distillation scores them
-# what each task's data file is, for error messages
-TASK_DATA = {
-    "classify": "a .tsv/.csv/.jsonl table with the text column the model was fine-tuned on",
-    "ner": "a CoNLL or JSONL NER file",
-    "qa": "a SQuAD JSON file",
-    "rerank": "a BEIR source (folder or zip, PATH#split) or JSONL {query, positive, negatives}",
-    "embed": "a corpus (text, JSONL, CSV/TSV, folder) or a BEIR source",
-    "mlm": "a text file",
-}
+OTHER_DATA = {PRETRAINED: "a text file"}  # what an MLM model's data is (the pretrained head has no task object)
 
 
-COLUMNS = ("text_column", "label_column", "text_pair_column")
+def _task(name: str | None) -> Task | None:
+    """The task object of a fine-tuned task's name; None for a pretrained (MLM) model or an unknown task."""
+    return get_task(name) if name in TASKS else None
 
 
-def card_columns(folder: str | Path) -> dict[str, str]:
-    """The data columns a classify model was fine-tuned with: what its card (or the nearest card of its
-    lineage) records, else, for folders written before cards recorded all three, the fine-tuning
-    config found in its lineage. The one rule for compression's readers and its measurer; a pair
-    classifier whose pair column no longer shows in its lineage is refused."""
-    from encoderkit.io import lineage
-
-    cards = lineage(folder)
-    cols: dict[str, str] = {}
-    for card in cards:
-        for key in COLUMNS:
-            if card.get(key) and key not in cols:
-                cols[key] = str(card[key])
-        conf = card.get("config") or {}
-        if card.get("stage") == "finetune" or "label_column" in conf:
-            for key in ("text_pair_column", "label_column"):
-                if key in conf and key not in cols:
-                    cols[key] = str(conf[key])
-            if conf.get("text_column") not in (None, "auto") and "text_column" not in cols:
-                cols["text_column"] = str(conf["text_column"])
-            break
-    if cards and cards[0].get("text_pair") and "text_pair_column" not in cols:
-        raise EncoderkitError(f"{folder}: the model classifies text pairs, but its lineage no longer names the pair "
-                              "column (the fine-tuned parent folder is gone); keep the parent folder, add "
-                              "'text_pair_column' to its encoderkit.json, or pass single texts in a .txt file")
-    return cols
-
-
-def _label_ids(values: list[Any], label2id: dict[str, int], wheres: list[str]) -> list[int]:
-    out = []
-    for v, where in zip(values, wheres, strict=True):
-        key = str(v).strip()
-        if key in label2id:
-            out.append(int(label2id[key]))
-        elif key.lstrip("-").isdigit():
-            out.append(int(key))
-        else:
-            raise EncoderkitError(f"{where}: label {key!r}, which the model does not know (its labels: "
-                                  f"{sorted(label2id)}); fix the file or pass unlabelled data")
-    return out
-
-
-def _classify_inputs(path: Path, columns: dict[str, str], label2id: dict[str, int] | None) -> TaskInputs:
-    from types import SimpleNamespace
-
-    from encoderkit.tasks.classify.data import resolve_text_column
-    from encoderkit.tasks.tabular import column, read_rows, text_column
-
-    rows = read_rows(path)
-    label_col = columns.get("label_column", "label")
-    pair_col = columns.get("text_pair_column", "")
-    opts = SimpleNamespace(text_column="auto", label_column=label_col, text_pair_column=pair_col)
-    name = resolve_text_column(rows, path, opts, columns.get("text_column"))
-    texts: list[Any] = text_column(rows, name, path, "--text-column")
-    if pair_col:
-        texts = list(zip(texts, text_column(rows, pair_col, path, "--text-pair-column"), strict=True))
-    labels = None
-    if label2id is not None and label_col in rows[0].fields:
-        labels = _label_ids(column(rows, label_col, path, "--label-column"), label2id, [r.where for r in rows])
-    return TaskInputs(texts, labels, str(path))
-
-
-def _rerank_inputs(spec: str, miner: str | None = None) -> TaskInputs:
-    from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
-
-    if is_beir_source(spec) and miner:
-        from encoderkit.compress.distill_tasks import candidate_lists
-
-        lists = candidate_lists(spec, miner, MINED_PAIRS)
-        # rank-major (every query's first candidate, then every query's second, ...), so that the first N
-        # pairs a calibration sample takes span N queries
-        return TaskInputs([(q, c[r]) for r in range(len(lists[0][1])) for q, c in lists], None, spec)
-    if is_beir_source(spec):
-        data = load_retrieval(spec)
-        pairs = [(data.queries[q], data.doc_text(d)) for q, rels in data.qrels.items() for d, r in rels.items() if r > 0]
-    else:
-        pairs = [(t.query, p) for t in read_triples(spec) for p in (t.positive, *t.negatives)]
-    return TaskInputs(pairs, None, spec)
-
-
-def _embed_inputs(spec: str, path: Path, limit: int, seed: int) -> TaskInputs:
-    from encoderkit.retrieval.beir import is_beir_source, load_retrieval
-    from encoderkit.tasks.tabular import find_text_column, read_rows, table_format, text_column
-
-    if is_beir_source(spec):
-        data = load_retrieval(spec)
-        return TaskInputs([data.doc_text(d) for d in data.corpus] + list(data.queries.values()), None, spec)
-    try:
-        table_format(path)
-    except EncoderkitError:  # not a table: any corpus, cut into sentence pieces as embedding distillation reads it
-        from encoderkit.compress.distill_embed import training_texts
-
-        return TaskInputs(list(training_texts(spec, limit, seed=seed)), None, spec)
-    rows = read_rows(path)
-    name, _ = find_text_column(rows, path)
-    return TaskInputs(list(text_column(rows, name, path, "--text-column")), None, spec)
+def data_help(task: str | None) -> str:
+    """What ``task``'s data file is, for error messages."""
+    spec = _task(task)
+    return spec.data_help if spec is not None else OTHER_DATA.get(task or "", "task data")
 
 
 def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None, folder: str | Path | None = None,
@@ -171,29 +75,14 @@ def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None
         if not lines:
             raise EncoderkitError(f"{path} holds no texts")
         return TaskInputs(list(lines), None, str(path)).head(limit)
-    if task == "classify":
-        columns = card_columns(folder) if folder is not None else {}
-        if card and card.get("text_column"):
-            columns.setdefault("text_column", str(card["text_column"]))
-        out = _classify_inputs(path, columns, label2id)
-    elif task == "ner":
-        from encoderkit.tasks.ner.data import read_ner
-
-        out = TaskInputs([" ".join(s.words) for s in read_ner(path)], None, str(path))
-    elif task == "qa":
-        from encoderkit.tasks.qa.data import read_squad
-
-        examples, _ = read_squad(path, "train")  # the training articles; the held-out ones stay unseen
-        out = TaskInputs([(e.question, e.context) for e in examples], None, str(path))
-    elif task == "rerank":
-        out = _rerank_inputs(spec, miner)
-    elif task == "embed":
-        out = _embed_inputs(spec, path, limit, seed)
-    else:
-        raise EncoderkitError(f"{spec}: compression reads classify, ner, qa, rerank or embed data, not {task!r} "
+    task_object = _task(task)
+    if task_object is None:
+        raise EncoderkitError(f"{spec}: compression reads {', '.join(TASKS[:-1])} or {TASKS[-1]} data, not {task!r} "
                               "(a .txt file of texts works for any model)")
+    out = task_object.compress_inputs(spec, path, card=card, folder=folder, label2id=label2id, limit=limit, seed=seed,
+                                      miner=miner)
     if not out.texts:
-        raise EncoderkitError(f"{spec} holds no {task} inputs; expected {TASK_DATA.get(task, 'task data')}")
+        raise EncoderkitError(f"{spec} holds no {task} inputs; expected {data_help(task)}")
     return out.head(limit)
 
 
@@ -201,9 +90,11 @@ def vocabulary_texts(spec: str, task: str, **kwargs: Any) -> list[Any]:
     """The texts whose tokens the vocabulary lever keeps: :func:`read_task_inputs`' inputs, or for a rerank
     model's BEIR source, every document of the corpus and every query of the split (as embed reads it)."""
     from encoderkit.retrieval.beir import is_beir_source
+    from encoderkit.tasks.embed.texts import beir_texts
 
-    if task == "rerank" and is_beir_source(spec):
-        return _embed_inputs(spec, Path(spec.partition("#")[0]), 0, 0).texts
+    task_object = _task(task)
+    if task_object is not None and task_object.uses_miner and is_beir_source(spec):  # judged or mined pairs: not the corpus
+        return beir_texts(spec)
     return read_task_inputs(spec, task, **kwargs).texts
 
 
@@ -228,6 +119,12 @@ class LeverData:
             raise EncoderkitError(f"{model}: cannot tell the model's task; set 'task' in its encoderkit.json")
         return cls(mf.task, {k: v for k, v in sources.items() if v}, str(model))
 
+    @property
+    def uses_miner(self) -> bool:
+        """Whether the model's task reads a BEIR source's pairs through a first-stage bi-encoder (``miner``)."""
+        task_object = _task(self.task)
+        return task_object is not None and task_object.uses_miner
+
     def with_sources(self, **sources: str | None) -> LeverData:
         """A copy where the given non-empty sources (a step's or a stage's own files) replace these."""
         return LeverData(self.task, {**self.sources, **{k: v for k, v in sources.items() if v}}, self.folder)
@@ -243,7 +140,7 @@ class LeverData:
         for name in fields:
             if not self.source(name):
                 raise EncoderkitError(f"{where}: the {self.task} model's step needs '{name}' ({FIELDS[name]}: "
-                                      f"{TASK_DATA.get(self.task, 'task data')}), and none was given; pass it or "
+                                      f"{data_help(self.task)}), and none was given; pass it or "
                                       "set the step's own data field")
 
     def inputs(self, name: str, model: str | Path, limit: int = 0, seed: int = 0) -> TaskInputs:
@@ -253,7 +150,7 @@ class LeverData:
         spec = self.source(name)
         if not spec:
             self.require((name,), f"{self.task} data")
-        miner = self.sources.get("miner") if self.task == "rerank" else None
+        miner = self.sources.get("miner") if self.uses_miner else None
         key = (spec, str(model), limit, seed, miner)
         if key not in self._cache:
             mf = ModelFolder.open(model, weights=False, tokenizer=False)

@@ -26,15 +26,10 @@ import numpy as np
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import inherited_card, output_dir, write_card
-from encoderkit.models.folder import ONNX_FP32, ONNX_INT8, SERVABLE, ModelFolder
+from encoderkit.models.folder import ONNX_FP32, ONNX_INT8, ModelFolder
+from encoderkit.tasks import TASKS, get_task
 
-OUTPUT_NAMES = {
-    "embed": ["last_hidden_state"],
-    "classify": ["logits"],
-    "rerank": ["logits"],
-    "ner": ["logits"],
-    "qa": ["start_logits", "end_logits"],
-}
+OUTPUT_NAMES = {t: list(get_task(t).outputs) for t in TASKS}  # task -> its graph's output names (``task.outputs``)
 WEIGHT_FILES = {"model.safetensors", "pytorch_model.bin", "model.onnx", "model.int8.onnx", "encoderkit.json"}
 SAMPLE_TEXTS = [
     "the movie was great fun",
@@ -76,8 +71,8 @@ class ExportResult:
 
 
 def _sample_inputs(tokenizer, info: ModelFolder) -> dict[str, np.ndarray]:
-    """Three examples of different lengths, padded (B=3, T); pairs for qa/rerank."""
-    if info.task in ("qa", "rerank"):
+    """Three examples of different lengths, padded (B=3, T); (text, text) pairs for a task whose requests are pairs."""
+    if get_task(info.task).pair_inputs:
         enc = tokenizer(["who visited paris ?", "what was fun", "why"], SAMPLE_TEXTS, padding=True,
                         truncation=True, max_length=min(64, info.max_length), return_tensors="np")
     else:
@@ -92,7 +87,7 @@ class _GraphModule:
     def wrap(model, task: str, input_names: list[str]):
         import torch
 
-        outputs = OUTPUT_NAMES[task]
+        outputs = get_task(task).outputs
 
         class Wrapped(torch.nn.Module):
             def __init__(self) -> None:
@@ -112,7 +107,7 @@ def torch_outputs(model, task: str, inputs: dict[str, np.ndarray]) -> list[np.nd
 
     with torch.inference_mode():
         out = model(**{k: torch.from_numpy(v) for k, v in inputs.items()})
-    return [out[name].float().numpy() for name in OUTPUT_NAMES[task]]
+    return [out[name].float().numpy() for name in get_task(task).outputs]
 
 
 def _run_graph(session, outputs: list[str], inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -206,7 +201,8 @@ def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: boo
 
     info = model_dir if isinstance(model_dir, ModelFolder) else ModelFolder.open(model_dir, tokenizer=False)
     model_dir = info.path
-    info.require_task(*SERVABLE)
+    info.require_task(*TASKS)
+    task = get_task(info.task)
     tokenizer = info.tokenizer()
     inputs = _sample_inputs(tokenizer, info)
     input_names = list(inputs)
@@ -214,9 +210,9 @@ def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: boo
     # state where later eager calls can differ.
     reference = torch_outputs(info.load(task=info.task, attn="eager", frozen=True), info.task, inputs)
     model = info.load(task=info.task, attn="eager", frozen=True)
-    outputs = OUTPUT_NAMES[info.task]
+    outputs = list(task.outputs)
     axes = {name: {0: "batch", 1: "sequence"} for name in input_names}
-    axes.update({name: ({0: "batch"} if info.task in ("classify", "rerank") else {0: "batch", 1: "sequence"}) for name in outputs})
+    axes.update({name: ({0: "batch", 1: "sequence"} if task.per_token else {0: "batch"}) for name in outputs})
     config = info.config
     report: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -247,7 +243,7 @@ def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: boo
                 shutil.copyfile(q, out / ONNX_INT8)
             got = _run_graph(ort_session(out / ONNX_INT8), outputs, inputs)
             report["int8_max_abs_diff"] = _max_abs(got, reference, inputs["attention_mask"])
-            if info.task in ("classify", "rerank"):  # few logits per example: compare probabilities instead
+            if task.few_logits:  # few logits per example: compare probabilities instead
                 report["int8_max_prob_diff"] = float(np.abs(_probs(got[0]) - _probs(reference[0])).max())
                 if report["int8_max_prob_diff"] > 0.1:
                     raise EncoderkitError(
@@ -282,7 +278,7 @@ def run(cfg: ExportConfig) -> ExportResult:
     """
     src = Path(cfg.model)
     info = ModelFolder.open(src, tokenizer=False)
-    info.require_task(*SERVABLE)
+    info.require_task(*TASKS)
     info.require_tokenizer()
     with output_dir(cfg.out, cfg.overwrite) as tmp:
         copy_model_files(src, tmp)

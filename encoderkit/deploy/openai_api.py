@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException
 from encoderkit.deploy.runtime import finish_embeddings
 from encoderkit.deploy.text_checks import text_problem
 from encoderkit.errors import EncoderkitError
+from encoderkit.tasks import get_task
 
 log = logging.getLogger(__name__)
 ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
@@ -134,15 +135,17 @@ def openai_router(served: Mapping[str, Any], authorize: Callable[[Request], None
     created = int(time.time())
     router = APIRouter(route_class=_route_class(authorize))
 
-    def pick(task: str, name: str | None, route: str) -> Any:
-        able = [n for n, s in served.items() if s.predictor.task == task]
+    def pick(endpoint: str, name: str | None, route: str) -> Any:
+        """The served model for ``route``: one whose task object's ``endpoint`` is ``endpoint`` (``embed``,
+        ``rerank``: each named after the task it serves, as the messages say)."""
+        able = [n for n, s in served.items() if get_task(s.predictor.task).endpoint == endpoint]
         if name is not None:
             if name not in served:
                 raise OpenAIError(404, f"the model {name!r} does not exist; served: {', '.join(served)} "
                                        f"(GET /v1/models)", "model_not_found", "model")
-            if served[name].predictor.task != task:
+            if name not in able:
                 raise OpenAIError(404, f"model {name!r} is a {served[name].predictor.task} model; {route} needs "
-                                       f"a {task} model ({', '.join(able) or 'none served'})", "wrong_task", "model")
+                                       f"a {endpoint} model ({', '.join(able) or 'none served'})", "wrong_task", "model")
             return served[name]
         if len(able) != 1:
             raise OpenAIError(400 if able else 404, f"name the model: {route} models served: {', '.join(able) or 'none'}",

@@ -31,23 +31,16 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.deploy.export import copy_model_files, export_onnx, ort_session
+from encoderkit.deploy.export import OUTPUT_NAMES, copy_model_files, export_onnx, ort_session
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import cache_dir, check_writable, output_dir, write_text_atomic
-from encoderkit.models.folder import SERVABLE, ModelFolder
-from encoderkit.tasks.classify.features import decode as decode_labels
-from encoderkit.tasks.classify.features import engine_logits
-from encoderkit.tasks.classify.features import featurize as featurize_pairs
+from encoderkit.models.folder import ModelFolder
+from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.inference import ModuleEngine, run_rows
-from encoderkit.tasks.ner.features import decode_entities, featurize_text, window_logits
-from encoderkit.tasks.ner.features import window_rows as ner_window_rows
-from encoderkit.tasks.qa.features import decode_answers, featurize_qa, window_span_logits
-from encoderkit.tasks.qa.features import window_rows as qa_window_rows
 
 BACKENDS = ("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8")
-INT8_TASKS = ("embed",)
-OUTPUTS = {"embed": ["last_hidden_state"], "classify": ["logits"], "rerank": ["logits"], "ner": ["logits"],
-           "qa": ["start_logits", "end_logits"]}
+INT8_TASKS = tuple(t for t in TASKS if get_task(t).int8_by_default)  # what ``auto`` runs on INT8 (the task objects say)
+OUTPUTS = OUTPUT_NAMES  # task -> its graph's output names (``task.outputs``)
 
 
 def _torch_engine(folder: ModelFolder, bf16: bool) -> ModuleEngine:
@@ -55,7 +48,7 @@ def _torch_engine(folder: ModelFolder, bf16: bool) -> ModuleEngine:
     import torch
 
     model = folder.load(task=folder.task, dtype=torch.bfloat16 if bf16 else None, attn="sdpa", frozen=True)
-    return ModuleEngine(model, OUTPUTS[folder.task])
+    return ModuleEngine(model, list(get_task(folder.task).outputs))
 
 
 class _OnnxEngine:
@@ -65,7 +58,7 @@ class _OnnxEngine:
 
         self.session = ort_session(path, threads, spin)
         self.input_names = [i.name for i in self.session.get_inputs()]
-        self.outputs = OUTPUTS[task]
+        self.outputs = list(get_task(task).outputs)
         missing = set(self.outputs) - {o.name for o in self.session.get_outputs()}
         if missing or not {"input_ids", "attention_mask"} <= set(self.input_names):
             raise EncoderkitError(f"{path}: graph inputs/outputs do not match a {task} model "
@@ -79,10 +72,10 @@ class _OnnxEngine:
 
 
 def auto_backend(folder: ModelFolder) -> str:
-    """What ``backend="auto"`` runs ``folder`` on: ONNX INT8 for the INT8_TASKS (from the folder's own
-    ``model.int8.onnx`` or an export of its weights), ONNX FP32 for the others; a folder that holds only
-    ``model.int8.onnx`` (no FP32 graph, no weights to export one from) runs on what it has."""
-    if folder.task in INT8_TASKS:
+    """What ``backend="auto"`` runs ``folder`` on: ONNX INT8 for a task whose object says ``int8_by_default``
+    (from the folder's own ``model.int8.onnx`` or an export of its weights), ONNX FP32 for the others; a folder
+    that holds only ``model.int8.onnx`` (no FP32 graph, no weights to export one from) runs on what it has."""
+    if get_task(folder.task).int8_by_default:
         return "onnx-int8" if folder.onnx_int8 or folder.torch_weights else "onnx-fp32"
     only_int8 = folder.onnx_int8 is not None and folder.onnx_fp32 is None and folder.torch_weights is None
     return "onnx-int8" if only_int8 else "onnx-fp32"
@@ -132,7 +125,7 @@ class Predictor:
         if max_batch < 1:
             raise EncoderkitError(f"max_batch must be at least 1, got {max_batch}")
         info = ModelFolder.open(folder, tokenizer=False)
-        info.require_task(*SERVABLE)
+        info.require_task(*TASKS)
         tokenizer = info.tokenizer()
         if backend == "auto":
             backend = auto_backend(info)
@@ -144,77 +137,50 @@ class Predictor:
         return cls(info.path, info, tokenizer, engine, backend, max_batch, limit)
 
     # -- batching -------------------------------------------------------------------------
-    def _run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+    def run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
         """Run the model on 1-D token rows in length-sorted batches; per row, each output with its
-        padding cut off ((C,) for sequence outputs, (T_row, ...) for token outputs), in input order."""
-        token_level = self.task in ("embed", "ner", "qa")  # outputs (B, T, ...) rather than (B, C)
-        return run_rows(self.engine, rows, self.tokenizer.pad_token_id or 0, self.max_batch, per_token=token_level)
-
-    def _encode(self, texts: Sequence[str], pairs: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
-        return featurize_pairs(self.tokenizer, list(texts), list(pairs) if pairs is not None else None, self.max_length)
+        padding cut off ((C,) for sequence outputs, (T_row, ...) for token outputs), in input order
+        (the :class:`~encoderkit.tasks.protocol.Runner` a task's ``predict`` and ``serve`` use)."""
+        return run_rows(self.engine, rows, self.tokenizer.pad_token_id or 0, self.max_batch,
+                        per_token=get_task(self.task).per_token)
 
     def _need(self, *tasks: str) -> None:
+        # a guard, not a branch: these public methods are named after a task's API (classify, extract, ...)
         if self.task not in tasks:
             raise EncoderkitError(f"{self.folder} is a {self.task!r} model; this call needs a {' or '.join(tasks)} model")
 
-    # -- tasks ----------------------------------------------------------------------------
+    # -- tasks: each the task object's own method, on this predictor ----------------------
     def classify(self, inputs: Sequence[str | tuple[str, str] | list[str]]) -> list[dict[str, Any]]:
         """Label, its probability and every label's probability for each text or (text, text_pair)."""
         self._need("classify", "rerank")
-        if not inputs:
-            return []
-        if all(isinstance(x, str) for x in inputs):
-            rows = self._encode(inputs)  # type: ignore[arg-type]
-        else:
-            firsts = [x if isinstance(x, str) else x[0] for x in inputs]
-            seconds = ["" if isinstance(x, str) else x[1] for x in inputs]
-            rows = self._encode(firsts, seconds)
-        logits = engine_logits(self.engine, rows, self.tokenizer.pad_token_id or 0, self.max_batch)  # (N, C)
-        return decode_labels(logits, self.info.labels)
+        return get_task("classify").classify(self, inputs)
 
     def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
         """Relevance logits (N,) of (query, passage) pairs for a ``rerank`` model (first logit; for a
         two-label model, the last label's logit minus the first's)."""
         self._need("rerank", "classify")
-        if not passages:
-            return np.zeros(0, dtype=np.float32)
-        logits = np.stack([r[0] for r in self._run_rows(self._encode(queries, passages))])
-        return logits[:, 0] if logits.shape[1] == 1 else logits[:, -1] - logits[:, 0]
+        return get_task("rerank").score(self, queries, passages)
 
     def rerank(self, query: str, passages: Sequence[str]) -> list[dict[str, Any]]:
         """Passages ranked by relevance to ``query``: [{"index", "score"}], best first."""
-        scores = self.score_pairs([query] * len(passages), passages)
-        order = np.argsort(-scores, kind="stable")
-        return [{"index": int(i), "score": float(scores[i])} for i in order]
+        self._need("rerank", "classify")
+        return get_task("rerank").rank(self, query, passages)
 
     def embed_raw(self, texts: Sequence[str]) -> np.ndarray:
         """Pooled, un-normalised embeddings (N, H) float32 (mean or first-token pooling per the folder)."""
         self._need("embed")
-        if not texts:
-            return np.zeros((0, 0), dtype=np.float32)
-        out = self._run_rows(self._encode(texts))
-        if self.info.pooling == "first":
-            return np.stack([o[0][0] for o in out]).astype(np.float32)
-        return np.stack([o[0].mean(axis=0) for o in out]).astype(np.float32)
+        return get_task("embed").embed_raw(self, texts)
 
     def embed(self, texts: Sequence[str], dim: int | None = None, normalize: bool | None = None) -> np.ndarray:
         """Embeddings (N, dim or H) float32; ``dim`` keeps the first dims (Matryoshka) before normalising.
         ``normalize`` defaults to the folder's setting (sentence-transformers ``Normalize`` module)."""
-        return finish_embeddings(self.embed_raw(texts), dim, self.info.normalize if normalize is None else normalize)
+        self._need("embed")
+        return get_task("embed").embed(self, texts, dim, normalize)
 
     def extract(self, texts: Sequence[str], stride: int | None = None) -> list[list[dict[str, Any]]]:
         """Entities per text: [{"entity", "label", "start", "end", "score"}], character offsets [start, end)."""
         self._need("ner")
-        stride = stride if stride is not None else self.info.card.get("stride", min(32, self.max_length // 4))
-        feats = [featurize_text(self.tokenizer, t, max_length=self.max_length, stride=stride) for t in texts]
-        rows, where = ner_window_rows(feats)
-        outs = [o[0] for o in self._run_rows(rows)] if rows else []
-        id2label = dict(enumerate(self.info.labels))
-        results = []
-        for f, logits in zip(feats, window_logits(feats, where, outs, len(id2label)), strict=True):
-            results.append([{"entity": e.text, "label": e.label, "start": e.start, "end": e.end, "score": float(e.score)}
-                            for e in decode_entities(f, logits, id2label)])
-        return results
+        return get_task("ner").extract(self, texts, stride)
 
     def answer(self, questions: Sequence[str], contexts: Sequence[str], max_answer_length: int | None = None,
                n_best: int | None = None) -> list[dict[str, Any]]:
@@ -222,31 +188,13 @@ class Predictor:
         answer with score None when no span fits. Window and span settings come from the folder's card
         (what the model was fine-tuned and evaluated with), else defaults cut to ``max_length``."""
         self._need("qa")
-        if len(questions) != len(contexts):
-            raise EncoderkitError(f"{len(questions)} questions but {len(contexts)} contexts; give one context per question")
-        if not questions:
-            return []
-        card = self.info.card
-        max_answer_length = max_answer_length or card.get("max_answer_length", 30)
-        n_best = n_best or card.get("n_best", 20)
-        feats = featurize_qa(self.tokenizer, questions, contexts, max_length=self.max_length,
-                             doc_stride=card.get("doc_stride", min(128, self.max_length // 4)),
-                             max_question_length=card.get("max_question_length", min(64, self.max_length // 4)))
-        start, end = window_span_logits(feats, self._run_rows(qa_window_rows(feats)))
-        best = decode_answers(feats, start, end, n_best=n_best, max_answer_length=max_answer_length)
-        return [{"answer": b[0].text, "start": b[0].start, "end": b[0].end, "score": float(b[0].score)} if b
-                else {"answer": "", "start": None, "end": None, "score": None} for b in best]
+        return get_task("qa").answer(self, questions, contexts, max_answer_length, n_best)
 
 
 def finish_embeddings(vectors: np.ndarray, dim: int | None, normalize: bool) -> np.ndarray:
-    """Keep the first ``dim`` dimensions (Matryoshka truncation) of (N, H) vectors, then L2-normalise."""
-    if dim is not None:
-        if not 1 <= dim <= vectors.shape[1]:
-            raise EncoderkitError(f"dim={dim} must be between 1 and the model's {vectors.shape[1]} dimensions")
-        vectors = vectors[:, :dim]
-    if normalize:
-        vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-    return np.ascontiguousarray(vectors, dtype=np.float32)
+    """Keep the first ``dim`` dimensions (Matryoshka truncation) of (N, H) vectors, then L2-normalise (the
+    embed task's last step, for the routes and indexes that cut and normalise pooled vectors themselves)."""
+    return get_task("embed").finish(vectors, dim, normalize)
 
 
 def describe(p: Predictor) -> dict[str, Any]:
@@ -298,13 +246,13 @@ def read_records(path: Path, task: str) -> list[dict[str, Any]]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
         raise EncoderkitError(f"{path} is not UTF-8 text ({e}); re-encode it as UTF-8") from e
-    need = {"qa": ("question", "context"), "rerank": ("query", "passages")}.get(task, ("text",))
+    need = get_task(task).record_fields
     records = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if path.suffix != ".jsonl":
-            if task in ("qa", "rerank"):
+            if need != ("text",):  # a line of a .txt is one text: the input of a task whose record is one text
                 raise EncoderkitError(f"{path}: a {task} model needs a .jsonl input with fields {', '.join(need)}")
             records.append({"text": line})
             continue
@@ -312,8 +260,7 @@ def read_records(path: Path, task: str) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise EncoderkitError(f"{path}:{n}: not valid JSON ({e})") from e
-        if not isinstance(rec, dict) or any(not rec.get(k) for k in need):
-            raise EncoderkitError(f"{path}:{n}: a {task} record needs non-empty fields {', '.join(need)}")
+        get_task(task).check_record(rec if isinstance(rec, dict) else {}, f"{path}:{n}")  # a non-object has no field
         records.append(rec)
     if not records:
         raise EncoderkitError(f"{path} holds no records")
@@ -321,19 +268,8 @@ def read_records(path: Path, task: str) -> list[dict[str, Any]]:
 
 
 def predict_records(p: Predictor, records: list[dict[str, Any]], dim: int | None = None) -> list[dict[str, Any]]:
-    """One result dict per input record (the record's ``id`` is copied when present)."""
-    if p.task == "classify":
-        pairs = [(r["text"], r["text_pair"]) if r.get("text_pair") else r["text"] for r in records]
-        results = p.classify(pairs)
-    elif p.task == "ner":
-        results = [{"entities": e} for e in p.extract([r["text"] for r in records])]
-    elif p.task == "qa":
-        results = p.answer([r["question"] for r in records], [r["context"] for r in records])
-    elif p.task == "rerank":
-        results = [{"ranking": p.rerank(r["query"], list(r["passages"]))} for r in records]
-    else:
-        vectors = p.embed([r["text"] for r in records], dim=dim)
-        results = [{"embedding": v.tolist()} for v in vectors]
+    """One result dict per input record (the record's ``id`` is copied when present): the task's ``predict``."""
+    results = get_task(p.task).predict(p, records, dim=dim)
     return [({"id": r["id"]} if "id" in r else {}) | res for r, res in zip(records, results, strict=True)]
 
 

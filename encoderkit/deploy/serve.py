@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,8 @@ from encoderkit.deploy.openai_api import error_type, openai_router
 from encoderkit.deploy.runtime import BACKENDS, Predictor, describe, finish_embeddings
 from encoderkit.deploy.text_checks import text_problem
 from encoderkit.errors import EncoderkitError
+from encoderkit.tasks import TASKS, get_task
 
-ENDPOINT_TASK = {"classify": "classify", "extract": "ner", "answer": "qa", "rerank": "rerank", "embed": "embed"}
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -220,19 +221,6 @@ class _Served:
     batcher: MicroBatcher
 
 
-def _batched_fn(p: Predictor):
-    """The per-item function the batcher calls for ``p``'s task (items: texts or tuples)."""
-    if p.task == "classify":
-        return lambda items: p.classify(items)
-    if p.task == "ner":
-        return lambda items: p.extract(items)
-    if p.task == "qa":
-        return lambda items: p.answer([q for q, _ in items], [c for _, c in items])
-    if p.task == "rerank":
-        return lambda items: p.score_pairs([q for q, _ in items], [d for _, d in items]).tolist()
-    return lambda items: list(p.embed_raw(items))
-
-
 def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_batch: int = 32,
                max_wait_ms: float = 5.0, max_batch_tokens: int | None = 16384, extra_routes: tuple = ()) -> FastAPI:
     """The ASGI app serving ``models`` (name -> Predictor); wrap-free, ready for uvicorn. A model call
@@ -243,7 +231,8 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
     metrics = Metrics()
     served: dict[str, _Served] = {}
     for name, p in models.items():
-        batcher = MicroBatcher(_batched_fn(p), max_batch, max_wait_ms, name=name, max_batch_tokens=max_batch_tokens,
+        # the batched call, serve(p, items): the task's own, on items as its route parses them (texts or tuples)
+        batcher = MicroBatcher(partial(get_task(p.task).serve, p), max_batch, max_wait_ms, name=name, max_batch_tokens=max_batch_tokens,
                                on_batch=lambda stats, m=name: metrics.observe_batch(m, stats),
                                cost=lambda items, p=p: token_counts(getattr(p, "tokenizer", None), items, p.max_length))
         served[name] = _Served(name, p, batcher)
@@ -273,16 +262,16 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]]
         return JSONResponse(_error_body("invalid_request", "; ".join(parts), 422), status_code=422)
 
-    accepted = ", ".join(f"/v1/{e} (model {s.name})" for s in served.values()  # for error messages; fixed at start-up
-                         for e, t in ENDPOINT_TASK.items() if t == s.predictor.task)
+    endpoint_of = {s.name: get_task(s.predictor.task).endpoint for s in served.values()}  # a route serves its tasks' models
+    accepted = ", ".join(f"/v1/{endpoint_of[s.name]} (model {s.name})" for s in served.values())  # for error messages
 
     def pick(endpoint: str, name: str | None) -> _Served:
-        task = ENDPOINT_TASK[endpoint]
-        able = [s for s in served.values() if s.predictor.task == task]
+        task = " or ".join(t for t in TASKS if get_task(t).endpoint == endpoint)  # what the route's models do
+        able = [s for s in served.values() if endpoint_of[s.name] == endpoint]
         if name is not None:
             if name not in served:
                 raise ApiError(404, "unknown_model", f"no model named {name!r}; served: {accepted}")
-            if served[name].predictor.task != task:
+            if endpoint_of[name] != endpoint:
                 raise ApiError(404, "wrong_task", f"model {name!r} does not do {task}; it accepts: {accepted}")
             return served[name]
         if not able:

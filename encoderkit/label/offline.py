@@ -19,6 +19,7 @@ import numpy as np
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.label.endpoint import Labelled
+from encoderkit.tasks import get_task
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -40,7 +41,7 @@ class EmbedLabeller:
         from encoderkit.deploy.runtime import Predictor
 
         self.predictor = Predictor.load(model, backend=backend, threads=None, max_batch=batch_size)
-        if self.predictor.task != "embed":
+        if get_task(self.predictor.task).endpoint != "embed":  # prototypes are sentence vectors: /v1/embed's call
             raise EncoderkitError(f"--model {model} is a {self.predictor.task!r} model; the embed labeller needs an "
                                   "embedding model (a sentence-transformers folder, e.g. minilm)")
         self.labels, self.temperature = labels, temperature

@@ -20,6 +20,7 @@ from encoderkit.io import read_json, write_json_atomic
 from encoderkit.label.records import parse_labels, read_labeled
 from encoderkit.label.sheet import check_rows, gold_labels, read_sheet
 from encoderkit.label.stats import agreement
+from encoderkit.tasks import get_task
 
 PER = 1_000_000
 
@@ -119,7 +120,7 @@ def run(cfg: ReportConfig) -> ReportResult:
         from encoderkit.deploy.runtime import Predictor
 
         predictor = Predictor.load(cfg.encoder, threads=1)
-        if predictor.task != "classify":
+        if get_task(predictor.task).endpoint != "classify":  # the report labels single texts: /v1/classify's call
             raise EncoderkitError(f"--encoder {cfg.encoder} is a {predictor.task!r} model; give a classify model folder")
     if cfg.labels:
         labels = parse_labels(cfg.labels)

@@ -14,8 +14,9 @@ Facts, each with one rule:
   ``*ForQuestionAnswering`` ``qa``, ``*ForMaskedLM`` ``mlm``, a bare encoder (``BertModel``) ``embed``.
 - ``pooling``, one vocabulary everywhere: ``"first"`` (the first token, [CLS]) or ``"mean"`` (of the
   real tokens). ``"cls"`` is read as ``"first"`` (older cards; ModernBERT's ``classifier_pooling``).
-  classify/rerank: ``config.json``'s ``classifier_pooling``; embed: the card, else
-  ``1_Pooling/config.json``, else mean. None for the other tasks.
+  The task's head in :data:`encoderkit.tasks.registry.HEADS` says which: a ``classifier`` head
+  (classify, rerank) reads ``config.json``'s ``classifier_pooling`` (first by default); a ``sentence``
+  head (embed) the card, else ``1_Pooling/config.json``, else mean. None for the other tasks.
 - ``max_length``: the card's, else the sentence-transformers ``max_seq_length``, else the
   tokenizer's ``model_max_length``, each capped at the usable ``positions``
   (``max_position_embeddings``, less RoBERTa's padding offset).
@@ -39,19 +40,14 @@ from encoderkit.io import CARD
 from encoderkit.models.pooling import apply_pooling
 from encoderkit.models.rebuild import HEADS_KEY, QUANT_FILE, QUANT_KEY, rebuild_model
 from encoderkit.progress import note
+from encoderkit.tasks.registry import HEADS, TASKS
 from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
 
-TASKS = ("mlm", "classify", "ner", "qa", "rerank", "embed")
-SERVABLE = ("classify", "ner", "qa", "rerank", "embed")
+SERVABLE = TASKS  # the registry's fine-tunable tasks, under the name stages still import it by
 POOLINGS = ("first", "mean")
 ONNX_FP32 = "model.onnx"
 ONNX_INT8 = "model.int8.onnx"
 TORCH_WEIGHTS = ("model.safetensors", "pytorch_model.bin", QUANT_FILE)
-HEAD_SUFFIX = {"classify": "ForSequenceClassification", "rerank": "ForSequenceClassification",
-               "ner": "ForTokenClassification", "qa": "ForQuestionAnswering", "mlm": "ForMaskedLM"}
-_AUTO = {"classify": "AutoModelForSequenceClassification", "rerank": "AutoModelForSequenceClassification",
-         "ner": "AutoModelForTokenClassification", "qa": "AutoModelForQuestionAnswering", "embed": "AutoModel",
-         "mlm": "AutoModelForMaskedLM"}
 
 
 def pooling_name(value: Any, where: str) -> str:
@@ -153,8 +149,9 @@ class ModelFolder:
         card = read_json_object(path / CARD) if (path / CARD).is_file() else {}
         is_st = (path / "modules.json").is_file()
         task = card.get("task") or ("embed" if is_st else task_from_config(config))
-        if task is not None and task not in TASKS:
-            raise EncoderkitError(f"{path}/{CARD}: task {task!r} is not one of {', '.join(TASKS)}")
+        if task is not None and task not in HEADS:
+            raise EncoderkitError(f"{path}/{CARD}: task {task!r} is not one of {', '.join(HEADS)}")
+        head_pooling = HEADS[task].pooling if task else None
 
         id2label = config.get("id2label") or {}
         labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(len(id2label))]
@@ -170,7 +167,7 @@ class ModelFolder:
 
         pooling: str | None = None
         normalize = True
-        if task in ("classify", "rerank"):
+        if head_pooling == "classifier":
             pooling = pooling_name(config.get("classifier_pooling") or "first", f"{path}/config.json classifier_pooling")
         if is_st:
             sbert = path / "sentence_bert_config.json"
@@ -180,7 +177,7 @@ class ModelFolder:
                     max_length = min(max_length, msl)
             modules = json.loads((path / "modules.json").read_text(encoding="utf-8"))
             normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
-        if task == "embed":
+        if head_pooling == "sentence":
             pooling = _st_pooling(path) or "mean"
             if card.get("pooling"):
                 pooling = pooling_name(card["pooling"], f"{path}/{CARD}")
@@ -242,8 +239,10 @@ class ModelFolder:
             raise EncoderkitError(f"{self.path} is {what}; this needs one of {', '.join(tasks)} "
                                   "(fine-tune it first: encoderkit finetune, or set 'task' in encoderkit.json)")
         archs = self.config.get("architectures") or []
-        suffix = HEAD_SUFFIX.get(self.task)
-        if suffix and archs and self.task != "mlm" and not any(a.endswith(suffix) for a in archs):
+        suffix = HEADS[self.task].suffix
+        # the head is there when an architecture ends with the task's suffix, or when the architectures
+        # imply the task by the rules of task_from_config (BertForPreTraining holds an MLM head)
+        if suffix and archs and not any(a.endswith(suffix) for a in archs) and task_from_config(self.config) != self.task:
             raise EncoderkitError(
                 f"{self.path}: encoderkit.json says task {self.task!r} but config.json architectures are {archs}; "
                 f"a {self.task!r} model needs a *{suffix} head. Fix the 'task' field or use the right folder")
@@ -254,7 +253,7 @@ class ModelFolder:
         import transformers
 
         if task:
-            return getattr(transformers, _AUTO[task])
+            return getattr(transformers, HEADS[task].auto_class)
         for arch in self.config.get("architectures") or []:
             found = getattr(transformers, arch, None)
             if found is not None:

@@ -35,6 +35,7 @@ from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import int8_calibration, stored_codes
 from encoderkit.retrieval.corpus import SourceDoc, passage_spans, read_corpus
 from encoderkit.retrieval.store import Generation, current_folder, open_generation, write_generation
+from encoderkit.tasks import get_task
 
 EMBED_CHUNK = 256  # texts per Predictor call (it batches inside)
 
@@ -110,7 +111,7 @@ def run(cfg: IndexConfig) -> IndexResult:
     if len(read.skipped) > 5:
         note(f"... and {len(read.skipped) - 5} more skipped")
     p = Predictor.load(cfg.model, backend=cfg.runtime, threads=cfg.threads, max_batch=cfg.batch_size)
-    if p.task != "embed":
+    if get_task(p.task).endpoint != "embed":  # the index holds sentence vectors: /v1/embed's call
         raise EncoderkitError(f"--model {cfg.model} is a {p.task!r} model; indexing needs an embed model")
     fingerprint = model_fingerprint(cfg.model)
     size = {0: p.max_length - 2, -1: 0}.get(cfg.passage_tokens, cfg.passage_tokens)

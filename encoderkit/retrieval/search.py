@@ -43,6 +43,7 @@ from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_dequantize, top_k
 from encoderkit.retrieval.metrics import rrf_scores
 from encoderkit.retrieval.store import Generation, open_generation
+from encoderkit.tasks import get_task
 
 FIRST_STAGES = ("binary", "int8", "float")
 RESCORES = ("int8", "float", "none")
@@ -143,7 +144,7 @@ class Searcher:
                                   f"fingerprint {recorded['fingerprint']}); its vectors would not be comparable")
         p = Predictor.load(folder, backend=runtime or recorded["runtime"], threads=threads)
         r = Predictor.load(rerank, threads=threads) if rerank else None
-        if r is not None and r.task not in ("rerank", "classify"):
+        if r is not None and get_task(r.task).per_token:  # a cross-encoder scores a pair with sequence logits (B, C)
             raise EncoderkitError(f"--rerank {rerank} is a {r.task!r} model, not a cross-encoder")
         if milvus is not None:
             from encoderkit.retrieval.milvus import check_collection

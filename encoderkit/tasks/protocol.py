@@ -122,6 +122,27 @@ class Task:
         return engine
 
     # -- compression --------------------------------------------------------------------------------
+    # its compression inputs of a BEIR source are (query, document) pairs, judged or mined by a first-stage
+    # bi-encoder (``miner``), not the corpus it serves (the vocabulary lever reads the whole corpus)
+    uses_miner: ClassVar[bool] = False
+    ranks_lists: ClassVar[bool] = False     # served per query's candidate list: the planner plans per query
+    # (batch, what one timed call is): the unit the planner plans latency for
+    planned_unit: ClassVar[tuple[int, str]] = (1, "one request")
+    # what task distillation matches: ``logits`` (sequence logits), ``embedding``, ``lists`` (scores over each
+    # query's candidates), ``tokens`` (per-token logits), ``spans`` (start and end logits)
+    distill_kind: ClassVar[str] = "logits"
+    distill_lr: ClassVar[float | None] = None  # task distillation's default learning rate (None: distill's)
+
+    def eval_columns(self, folder: Any) -> dict[str, str]:
+        """The data columns (evaluation config fields) a saved model's lineage records, for measuring it on
+        dev data as it was fine-tuned (none: the task's reader finds its fields)."""
+        return {}
+
+    def distill_rows(self, cfg: Any, tokenizer: Any) -> list[dict[str, np.ndarray]]:
+        """Token rows of task distillation's training data (``cfg``: the DistillConfig), for the kinds
+        ``tokens`` and ``spans``."""
+        raise NotImplementedError
+
     def compress_inputs(self, spec: str, path: Path, *, card: dict[str, Any] | None, folder: str | Path | None,
                         label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> TaskInputs:
         """The inputs of a data file as compression reads them (calibration, distillation, vocabulary)."""

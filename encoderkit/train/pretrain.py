@@ -53,6 +53,7 @@ from encoderkit.models.mlm import (
     mlm_nsp_loss_fn,
 )
 from encoderkit.models.presets import ARCHS, PRESETS, build_config
+from encoderkit.tasks.registry import PRETRAINED
 from encoderkit.tokenizer import load_tokenizer
 from encoderkit.train import distributed as dist_util
 from encoderkit.train.engine import FitResult, IndexedBatches, TrainArgs, fit
@@ -333,7 +334,7 @@ def run(cfg: PretrainConfig) -> PretrainResult:
             write_card(tmp, stage="pretrain", parent=cfg.model or None, config=cfg.to_dict(),
                        metrics={**metrics, "steps": result.steps, "tokens_per_s": result.tokens_per_s,
                                 "data": str(data), "data_fingerprint": meta.get("fingerprint")},
-                       task="mlm", max_length=int(meta["seq_len"]))
+                       task=PRETRAINED, max_length=int(meta["seq_len"]))
     dist.barrier()
     return PretrainResult(out, metrics, result.steps, result.tokens_per_s,
                           extra={"run_dir": str(run_dir), "best_checkpoint": str(result.best_checkpoint)})

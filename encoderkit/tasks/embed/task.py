@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from encoderkit.tasks.embed.train import OPTIONS, build, evaluate_folder
-from encoderkit.tasks.protocol import ServingUnit, Task
+from encoderkit.tasks.protocol import Runner, ServingUnit, Task
 
 
 class EmbedTask(Task):
@@ -28,8 +29,93 @@ class EmbedTask(Task):
         return evaluate_folder(folder, tokenizer, data, options, engine=engine)
 
     # -- inference ----------------------------------------------------------------------------------
+    def embed_raw(self, runner: Runner, texts: Sequence[str]) -> Any:
+        """Pooled, un-normalised embeddings (N, H) float32 (mean or first-token pooling per the folder)."""
+        import numpy as np
+
+        from encoderkit.tasks.embed.features import tokenize
+
+        if not texts:
+            return np.zeros((0, 0), dtype=np.float32)
+        out = runner.run_rows(tokenize(runner.tokenizer, list(texts), runner.max_length))  # per text: (T_i, H)
+        if runner.info.pooling == "first":
+            return np.stack([o[0][0] for o in out]).astype(np.float32)
+        return np.stack([o[0].mean(axis=0) for o in out]).astype(np.float32)
+
+    @staticmethod
+    def finish(vectors: Any, dim: int | None, normalize: bool) -> Any:
+        """Keep the first ``dim`` dimensions (Matryoshka truncation) of (N, H) vectors, then L2-normalise."""
+        import numpy as np
+
+        from encoderkit.errors import EncoderkitError
+
+        if dim is not None:
+            if not 1 <= dim <= vectors.shape[1]:
+                raise EncoderkitError(f"dim={dim} must be between 1 and the model's {vectors.shape[1]} dimensions")
+            vectors = vectors[:, :dim]
+        if normalize:
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def embed(self, runner: Runner, texts: Sequence[str], dim: int | None = None, normalize: bool | None = None) -> Any:
+        """Embeddings (N, dim or H) float32; ``dim`` keeps the first dims (Matryoshka) before normalising.
+        ``normalize`` defaults to the folder's setting (sentence-transformers ``Normalize`` module)."""
+        return self.finish(self.embed_raw(runner, texts), dim, runner.info.normalize if normalize is None else normalize)
+
+    def predict(self, runner: Runner, records: Sequence[dict[str, Any]], *, dim: int | None = None,
+                **kw: Any) -> list[dict[str, Any]]:
+        """``{"embedding": [...]}`` per record (``text``); ``dim``: keep the first dims, then renormalise."""
+        return [{"embedding": v.tolist()} for v in self.embed(runner, [r["text"] for r in records], dim=dim)]
+
+    def serve(self, runner: Runner, items: list[Any]) -> list[Any]:
+        """Items: texts; the pooled, un-normalised vector of each (the embed routes cut and normalise)."""
+        return list(self.embed_raw(runner, items))
 
     # -- compression --------------------------------------------------------------------------------
+    planned_unit = (32, "a batch of 32 documents, and a single query")
+    distill_kind = "embedding"
+
+    def engine_for_latency(self, engine: Any, folder: Any) -> Any:
+        from encoderkit.tasks.embed.features import PooledEngine
+
+        return PooledEngine(engine, folder.pooling or "mean", folder.normalize)
+
+    def compress_inputs(self, spec: str, path: Any, *, card: dict[str, Any] | None, folder: Any,
+                        label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> Any:
+        """A BEIR source's documents and queries; a table's text column (found as classify finds it); any other
+        corpus cut into sentence pieces as embedding distillation reads it."""
+        from encoderkit.errors import EncoderkitError
+        from encoderkit.retrieval.beir import is_beir_source
+        from encoderkit.tasks.embed.texts import beir_texts, training_texts
+        from encoderkit.tasks.protocol import TaskInputs
+        from encoderkit.tasks.tabular import find_text_column, read_rows, table_format, text_column
+
+        if is_beir_source(spec):
+            return TaskInputs(beir_texts(spec), None, spec)
+        try:
+            table_format(path)
+        except EncoderkitError:  # not a table: any corpus, cut into sentence pieces as embedding distillation reads it
+            return TaskInputs(list(training_texts(spec, limit, seed=seed)), None, spec)
+        rows = read_rows(path)
+        name, _ = find_text_column(rows, path)
+        return TaskInputs(list(text_column(rows, name, path, "--text-column")), None, spec)
+
+    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str, candidates: int) -> dict[str, Any]:
+        """The median-length judged query, and a seeded batch of 32 corpus documents."""
+        from encoderkit.config import check
+        from encoderkit.retrieval.beir import is_beir_source
+        from encoderkit.tasks.embed.texts import beir_sample
+
+        check(is_beir_source(dev), "embed quality is nDCG@10 over a corpus: --dev must be a BEIR source (a folder with "
+              "corpus.jsonl, queries.jsonl, qrels/<split>.tsv, or the SciFact zip with #split), not a file of texts")
+        queries, docs = beir_sample(dev, 32, rng)
+        return {"query": sorted(queries, key=len)[len(queries) // 2], "docs": docs}
+
+    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any, max_length: int) -> tuple[list, list]:
+        from encoderkit.tasks.embed.features import tokenize
+
+        query_length = min(max_length, folder.card.get("max_query_length", cfg.max_query_length))
+        return tokenize(tokenizer, [samples["query"]], query_length), tokenize(tokenizer, samples["docs"], max_length)
 
 
 TASK = EmbedTask()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from encoderkit.tasks.ner.train import OPTIONS, build, evaluate_folder
-from encoderkit.tasks.protocol import ServingUnit, Task
+from encoderkit.tasks.protocol import Runner, ServingUnit, Task
 
 
 class NerTask(Task):
@@ -27,8 +28,66 @@ class NerTask(Task):
         return evaluate_folder(folder, tokenizer, data, options, engine=engine)
 
     # -- inference ----------------------------------------------------------------------------------
+    def extract(self, runner: Runner, texts: Sequence[str], stride: int | None = None) -> list[list[dict[str, Any]]]:
+        """Entities per text: [{"entity", "label", "start", "end", "score"}], character offsets [start, end);
+        long texts in overlapping windows (``stride``: the folder's card, else a quarter of the length cut)."""
+        from encoderkit.tasks.ner.features import decode_entities, featurize_text, window_logits, window_rows
+
+        stride = stride if stride is not None else runner.info.card.get("stride", min(32, runner.max_length // 4))
+        feats = [featurize_text(runner.tokenizer, t, max_length=runner.max_length, stride=stride) for t in texts]
+        rows, where = window_rows(feats)
+        outs = [o[0] for o in runner.run_rows(rows)] if rows else []
+        id2label = dict(enumerate(runner.info.labels))
+        return [[{"entity": e.text, "label": e.label, "start": e.start, "end": e.end, "score": float(e.score)}
+                 for e in decode_entities(f, logits, id2label)]
+                for f, logits in zip(feats, window_logits(feats, where, outs, len(id2label)), strict=True)]
+
+    def predict(self, runner: Runner, records: Sequence[dict[str, Any]], **kw: Any) -> list[dict[str, Any]]:
+        """``{"entities": [...]}`` per record (``text``), as :meth:`extract` finds them."""
+        return [{"entities": e} for e in self.extract(runner, [r["text"] for r in records])]
+
+    def serve(self, runner: Runner, items: list[Any]) -> list[Any]:
+        """Items: texts; the entities of each (:meth:`extract`)."""
+        return self.extract(runner, items)
 
     # -- compression --------------------------------------------------------------------------------
+    planned_unit = (1, "one request (one text)")
+    distill_kind = "tokens"
+
+    def distill_rows(self, cfg: Any, tokenizer: Any) -> list[dict[str, Any]]:
+        """The sentences of a CoNLL or JSONL file (its words; tags are not used), cut at ``cfg.seq_len``."""
+        import numpy as np
+
+        from encoderkit.tasks.ner.data import read_ner
+
+        sents = read_ner(cfg.train)
+        enc = tokenizer([s.words for s in sents], is_split_into_words=True, truncation=True, max_length=cfg.seq_len)
+        keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
+        return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(enc["input_ids"]))]
+
+    def compress_inputs(self, spec: str, path: Any, *, card: dict[str, Any] | None, folder: Any,
+                        label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> Any:
+        """The words of each sentence joined by spaces."""
+        from encoderkit.tasks.ner.data import read_ner
+        from encoderkit.tasks.protocol import TaskInputs
+
+        return TaskInputs([" ".join(s.words) for s in read_ner(path)], None, str(path))
+
+    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str, candidates: int) -> dict[str, Any]:
+        from encoderkit.tasks.ner.data import read_ner
+        from encoderkit.tasks.protocol import typical_and_batch
+
+        return typical_and_batch(read_ner(dev, cfg.tag_scheme), lambda s: len(" ".join(s.words)), rng)
+
+    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any, max_length: int) -> tuple[list, list]:
+        import dataclasses
+
+        from encoderkit.tasks.ner.features import window_rows
+        from encoderkit.tasks.ner.train import featurize
+
+        opts = dataclasses.replace(self.options_for_folder(cfg, folder), max_length=max_length)
+        return (window_rows(featurize(tokenizer, samples["one"], opts))[0],
+                window_rows(featurize(tokenizer, samples["batch"], opts))[0])
 
 
 TASK = NerTask()
