@@ -30,6 +30,7 @@ HEADS: dict[str, Head] = {
     "qa": Head("AutoModelForQuestionAnswering", "ForQuestionAnswering"),
     "rerank": Head("AutoModelForSequenceClassification", "ForSequenceClassification", "classifier"),
     "embed": Head("AutoModel", "", "sentence"),
+    "multilabel": Head("AutoModelForSequenceClassification", "ForSequenceClassification", "classifier"),
 }
 
 PRETRAINED = "mlm"  # the pretraining head: a folder's task, but no task object (pretrain and evaluate --task mlm own it)

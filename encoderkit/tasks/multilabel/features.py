@@ -1,0 +1,73 @@
+"""Multilabel decoding: logits (N, C) -> a sigmoid probability per label, the labels over their
+thresholds, and the per-label thresholds picked on dev data. Pure numpy (featurising is classify's
+:func:`encoderkit.tasks.classify.features.featurize`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from encoderkit.evaluate.metrics import multilabel_scores
+
+DEFAULT_THRESHOLD = 0.5
+GRID = np.round(np.arange(0.05, 0.951, 0.05), 2)  # 0.05, 0.10, ..., 0.95
+
+
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.asarray(logits, dtype=np.float64)))
+
+
+def targets(sets: list[list[str]], names: list[str]) -> np.ndarray:
+    """0/1 targets (N, C) float32 of label sets over ``names``."""
+    index = {n: i for i, n in enumerate(names)}
+    y = np.zeros((len(sets), len(names)), dtype=np.float32)
+    for r, items in enumerate(sets):
+        y[r, [index[x] for x in items]] = 1.0
+    return y
+
+
+def _f1(gold: np.ndarray, pred: np.ndarray) -> float:
+    tp = float((gold & pred).sum())
+    denom = float(gold.sum() + pred.sum())
+    return 2 * tp / denom if denom else 0.0
+
+
+def choose_thresholds(probs: np.ndarray, gold: np.ndarray, grid: np.ndarray = GRID) -> np.ndarray:
+    """Per label (C,), the threshold of ``grid`` that maximises that label's F1 on (probs, gold), both (N, C);
+    ties go to the one nearest 0.5, and a label absent from ``gold`` keeps 0.5 (nothing to tune it on)."""
+    gold = np.asarray(gold).astype(bool)
+    out = np.full(gold.shape[1], DEFAULT_THRESHOLD)
+    for c in range(gold.shape[1]):
+        if not gold[:, c].any():
+            continue
+        f1 = [_f1(gold[:, c], probs[:, c] >= t) for t in grid]
+        out[c] = min(zip(f1, grid, strict=True), key=lambda ft: (-ft[0], abs(ft[1] - DEFAULT_THRESHOLD)))[1]
+    return out
+
+
+def thresholds_of(card: Mapping[str, Any], names: list[str]) -> np.ndarray:
+    """The thresholds (C,) a model folder's card records per label name (0.5 for a label it does not list)."""
+    saved = card.get("thresholds") or {}
+    return np.asarray([float(saved.get(n, DEFAULT_THRESHOLD)) for n in names])
+
+
+def scores(gold: np.ndarray, pred: np.ndarray) -> dict[str, float]:
+    """micro/macro F1 and subset accuracy (:func:`~encoderkit.evaluate.metrics.multilabel_scores`) plus micro
+    precision and recall, of 0/1 arrays (N, C)."""
+    gold, pred = np.asarray(gold).astype(bool), np.asarray(pred).astype(bool)
+    tp, npred, ngold = int((gold & pred).sum()), int(pred.sum()), int(gold.sum())
+    return {**multilabel_scores(gold, pred), "micro_precision": tp / npred if npred else 0.0,
+            "micro_recall": tp / ngold if ngold else 0.0}
+
+
+def decode(logits: np.ndarray, names: list[str], thresholds: np.ndarray) -> list[dict[str, Any]]:
+    """Per row of logits (N, C): the labels at or over their thresholds (most probable first) and every
+    label's probability."""
+    probs = sigmoid(logits)
+    out = []
+    for p in probs:
+        over = [c for c in np.argsort(-p, kind="stable") if p[c] >= thresholds[c]]
+        out.append({"labels": [names[c] for c in over], "scores": {names[c]: float(p[c]) for c in range(len(names))}})
+    return out

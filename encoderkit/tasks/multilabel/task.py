@@ -1,0 +1,81 @@
+"""The multilabel task object (:mod:`encoderkit.tasks.protocol`): several labels per text, a sigmoid and a
+threshold per label; served on ``/v1/classify``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.tasks.classify.features import featurize
+from encoderkit.tasks.multilabel.data import read_examples
+from encoderkit.tasks.multilabel.features import decode, thresholds_of
+from encoderkit.tasks.multilabel.options import MultilabelOptions
+from encoderkit.tasks.multilabel.train import OPTIONS, build, evaluate_folder
+from encoderkit.tasks.protocol import Runner, ServingUnit, Task, TaskInputs, typical_and_batch
+
+
+class MultilabelTask(Task):
+    name = "multilabel"
+    options = OPTIONS
+    outputs = ("logits",)
+    pair_inputs = False
+    few_logits = True
+    record_fields = ("text",)
+    endpoint = "classify"
+    unit = ServingUnit("one request (batch 1, a typical dev example)", "request", "32 dev examples in one batch", "32 requests")
+    primary_metrics = ("micro_f1",)
+    data_help = ("a .tsv/.csv table with a 'labels' column of labels joined by '|', or a .jsonl whose 'labels' is a "
+                 "list, and the text column the model was fine-tuned on")
+
+    # -- training and evaluation --------------------------------------------------------------------
+    def build(self, data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
+        return build(data, options, tokenizer, folder)
+
+    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any, engine: Any = None) -> dict[str, Any]:
+        return evaluate_folder(folder, tokenizer, data, options, engine=engine)
+
+    # -- inference ----------------------------------------------------------------------------------
+    def predict(self, runner: Runner, records: Sequence[dict[str, Any]], **kw: Any) -> list[dict[str, Any]]:
+        """``{"labels": [the labels over their thresholds], "scores": {label: probability}}`` per record."""
+        return self.serve(runner, [r["text"] for r in records])
+
+    def serve(self, runner: Runner, items: list[Any]) -> list[Any]:
+        """Items: texts (a multilabel model takes no text pairs); one :meth:`predict` result each."""
+        if any(not isinstance(x, str) for x in items):
+            raise EncoderkitError("a multilabel model classifies single texts; send 'texts' without 'text_pairs'")
+        if not items:
+            return []
+        rows = featurize(runner.tokenizer, list(items), None, runner.max_length)
+        logits = np.stack([out[0] for out in runner.run_rows(rows)])  # (N, C)
+        names = runner.info.labels
+        return decode(logits, names, thresholds_of(runner.info.card, names))
+
+    # -- compression --------------------------------------------------------------------------------
+    planned_unit = (1, "one request (one text)")
+
+    def compress_inputs(self, spec: str, path: Path, *, card: dict[str, Any] | None, folder: str | Path | None,
+                        label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> TaskInputs:
+        """The texts of a table (the column the model was trained on); no class ids: a label set is not
+        one class, so distillation and recovery have no hard loss here."""
+        card = card or {}
+        options = MultilabelOptions(label_separator=card.get("label_separator", MultilabelOptions.label_separator))
+        ex = read_examples(path, options, card.get("text_column"), card.get("label_column"), labels=False)
+        return TaskInputs(list(ex.texts), None, str(path))
+
+    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: np.random.Generator, *, miner: str,
+                        candidates: int) -> dict[str, Any]:
+        options = self.options_for_folder(cfg, start)
+        ex = read_examples(dev, options, start.card.get("text_column"), start.card.get("label_column"), labels=False)
+        return typical_and_batch(ex.texts, len, rng)
+
+    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any, max_length: int
+                     ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]:
+        return (featurize(tokenizer, samples["one"], None, max_length),
+                featurize(tokenizer, samples["batch"], None, max_length))
+
+
+TASK = MultilabelTask()

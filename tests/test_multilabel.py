@@ -1,0 +1,286 @@
+"""The multilabel task: reading label sets (TSV ``a|b``, JSONL lists), its bad-input errors, per-label
+thresholds chosen on dev, and a tiny model through finetune -> evaluate -> predict / export / serve."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_finetune import one_thread  # noqa: F401 -- the autouse fixture: tiny models run on one thread
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.tasks.multilabel.data import read_examples
+from encoderkit.tasks.multilabel.features import choose_thresholds, decode, scores
+from encoderkit.tasks.multilabel.options import MultilabelOptions
+
+KEYS = {"film": "movie", "love": "love", "tech": "python"}  # a label is on when its keyword is in the text
+FILL = ["the", "a", "was", "it", "story", "time", "man"]
+
+
+def _tsv(path: Path, n: int, seed: int) -> Path:
+    rng = random.Random(seed)
+    lines = ["text\tlabels"]
+    for _ in range(n):
+        on = [k for k in KEYS if rng.random() < 0.4]
+        words = rng.sample(FILL, 3) + [KEYS[k] for k in on]
+        rng.shuffle(words)
+        lines.append(" ".join(words) + "\t" + ("|".join(on) or "none"))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# -- reading ------------------------------------------------------------------------------------------
+
+def test_reads_tsv_label_sets_and_none(tmp_path):
+    f = _write(tmp_path / "a.tsv", "id\tsentence\tlabels\n1\tgood movie\tfilm|love\n2\tdull\tnone\n3\tcode\ttech | tech\n")
+    ex = read_examples(f, MultilabelOptions())
+    assert ex.texts == ["good movie", "dull", "code"] and ex.text_column == "sentence" and ex.label_column == "labels"
+    assert ex.labels == [["film", "love"], [], ["tech"]]  # none: the empty set; a repeated label counts once
+    assert ex.where == [f"{f}:2", f"{f}:3", f"{f}:4"]
+
+
+def test_reads_jsonl_lists_and_joined_strings_and_a_label_column(tmp_path):
+    f = _write(tmp_path / "a.jsonl", '{"text": "x", "labels": ["a", "b"]}\n{"text": "y", "labels": "b|c"}\n'
+                                     '{"text": "z", "labels": ["none"]}\n')
+    assert read_examples(f, MultilabelOptions()).labels == [["a", "b"], ["b", "c"], []]
+    g = _write(tmp_path / "b.tsv", "text\tlabel\nx\ta|b\n")  # only 'label': found
+    assert read_examples(g, MultilabelOptions()).labels == [["a", "b"]]
+    h = _write(tmp_path / "c.tsv", "text\ttopics\tlabels\nx\ta;b\tc\n")  # --label-column and --label-separator
+    assert read_examples(h, MultilabelOptions(label_column="topics", label_separator=";")).labels == [["a", "b"]]
+
+
+def test_options_take_labels_and_pipe_unless_the_flags_changed(tiny_bert_dir):
+    from encoderkit.models.folder import ModelFolder
+    from encoderkit.tasks import get_task
+    from encoderkit.train.finetune import FinetuneConfig
+
+    folder = ModelFolder.open(tiny_bert_dir)
+    task = get_task("multilabel")
+    opts = task.options_for_training(FinetuneConfig(task="multilabel", train="t", out="o"), folder)
+    assert (opts.label_column, opts.label_separator, opts.max_length) == ("", "|", 128)
+    opts = task.options_for_training(FinetuneConfig(task="multilabel", train="t", out="o", label_column="tags",
+                                                    label_separator=";"), folder)
+    assert (opts.label_column, opts.label_separator) == ("tags", ";")
+    with pytest.raises(EncoderkitError, match="--text-pair-column is a classify setting"):
+        task.options_for_training(FinetuneConfig(task="multilabel", train="t", out="o", text_pair_column="b"), folder)
+
+
+@pytest.mark.parametrize(("body", "line", "match"), [
+    ("text\tlabels\nx\ta\ny\t\n", 3, r"no labels in column 'labels' \(an empty label set\); write 'none'"),
+    ("text\tlabels\nx\ta,b\n", 2, r"looks like several labels joined by ','.*separated by '\|': write a\|b"),
+    ("text\tlabels\nx\ta\ny\tb; c\n", 3, r"joined by ';'.*write b\|c"),
+    ("text\tlabels\nx\tnone|a\n", 2, r"'none' .* means the row has no label"),
+])
+def test_bad_label_cells_name_the_file_and_line(tmp_path, body, line, match):
+    f = _write(tmp_path / "bad.tsv", body)
+    with pytest.raises(EncoderkitError, match=match) as e:
+        read_examples(f, MultilabelOptions())
+    assert str(e.value).startswith(f"{f}:{line}: ")
+
+
+def test_bad_jsonl_labels_name_the_line(tmp_path):
+    f = _write(tmp_path / "bad.jsonl", '{"text": "x", "labels": ["a"]}\n{"text": "y", "labels": []}\n')
+    with pytest.raises(EncoderkitError, match=rf"^{f}:2: no labels"):
+        read_examples(f, MultilabelOptions())
+    g = _write(tmp_path / "bad2.jsonl", '{"text": "x", "labels": ["a,b"]}\n')
+    with pytest.raises(EncoderkitError, match=rf'^{g}:1: .*one label per element: write \["a", "b"\]'):
+        read_examples(g, MultilabelOptions())
+
+
+def test_a_missing_labels_column_says_how_to_name_it(tmp_path):
+    f = _write(tmp_path / "a.tsv", "text\ttopic\nx\ta\n")
+    with pytest.raises(EncoderkitError, match="no 'labels' column .*set --label-column"):
+        read_examples(f, MultilabelOptions())
+
+
+# -- thresholds and decoding --------------------------------------------------------------------------
+
+def test_thresholds_maximise_each_labels_f1_and_keep_half_when_nothing_says_otherwise():
+    gold = np.array([[1, 0, 1, 0], [1, 0, 0, 0], [0, 0, 1, 0], [0, 1, 0, 0]])
+    probs = np.array([[0.30, 0.9, 0.8, 0.2], [0.25, 0.9, 0.1, 0.2], [0.10, 0.9, 0.9, 0.2], [0.05, 0.9, 0.2, 0.2]])
+    # label 0: positives at 0.25-0.30, negatives at or below 0.10 -> any of 0.15..0.25 separates them; nearest 0.5: 0.25
+    # label 1: a constant 0.9 -> every threshold up to 0.90 gives the same F1; nearest 0.5: 0.5
+    # label 2: 0.5 already separates them; label 3: never positive -> 0.5
+    assert choose_thresholds(probs, gold).tolist() == [0.25, 0.5, 0.5, 0.5]
+
+
+def test_decode_and_scores():
+    logits = np.log(np.array([[0.8, 0.3], [0.2, 0.6]]) / (1 - np.array([[0.8, 0.3], [0.2, 0.6]])))
+    out = decode(logits, ["a", "b"], np.array([0.5, 0.25]))
+    assert out[0]["labels"] == ["a", "b"] and out[1]["labels"] == ["b"]
+    assert out[1]["scores"] == {"a": pytest.approx(0.2), "b": pytest.approx(0.6)}
+    m = scores(np.array([[1, 0], [1, 1]]), np.array([[1, 1], [1, 0]]))
+    assert m["micro_precision"] == pytest.approx(2 / 3) and m["micro_recall"] == pytest.approx(2 / 3)
+    assert m["subset_accuracy"] == 0.0 and m["micro_f1"] == pytest.approx(2 / 3)
+
+
+def test_thresholds_chosen_on_dev_are_saved_in_the_card(tmp_path, tiny_bert_dir):
+    """A head that gives 'film' sigmoid(-2) = 0.12 and 'love' sigmoid(2) = 0.88 on every text: film's F1 is
+    best at a threshold under 0.12 (0.10, nearest 0.5), love's is the same at any threshold up to 0.85 (0.5)."""
+    from encoderkit.tasks import get_task
+    from encoderkit.tasks.common import TrainData, open_model
+
+    train = _write(tmp_path / "train.tsv", "text\tlabels\na movie\tfilm\nlove it\tlove\nthe man\tnone\n")
+    dev = _write(tmp_path / "dev.tsv", "text\tlabels\na movie\tfilm\nlove it\tlove\nthe man\tfilm|love\nthe\tnone\n")
+    folder = open_model(tiny_bert_dir)
+    task = get_task("multilabel")
+    opts = MultilabelOptions(max_length=32)
+    tr = task.build(TrainData(str(train), str(dev), batch_size=2), opts, folder.tokenizer(), folder)
+    assert tr.card["thresholds"] == {"film": 0.5, "love": 0.5} and tr.primary == ("micro_f1", "max")
+    with torch.no_grad():
+        tr.module.classifier.weight.zero_()
+        tr.module.classifier.bias.copy_(torch.tensor([-2.0, 2.0]))
+    assert tr.evaluate(tr.module)["micro_recall"] == pytest.approx(0.5)  # at 0.5 film is never predicted
+    tr.save(tr.module, tmp_path / "out")
+    assert tr.card["thresholds"] == {"film": 0.1, "love": 0.5}
+    assert tr.card["dev_at_thresholds"]["micro_recall"] == 1.0
+
+
+def test_a_dev_label_never_seen_in_training_names_its_line(tmp_path, tiny_bert_dir):
+    from encoderkit.tasks import get_task
+    from encoderkit.tasks.common import TrainData, open_model
+
+    train = _write(tmp_path / "train.tsv", "text\tlabels\na movie\tfilm\nlove it\tlove\n")
+    dev = _write(tmp_path / "dev.tsv", "text\tlabels\na movie\tfilm\npython\tfilm|tech\n")
+    folder = open_model(tiny_bert_dir)
+    with pytest.raises(EncoderkitError, match=rf"^{dev}:3: label 'tech' does not occur in the training data"):
+        get_task("multilabel").build(TrainData(str(train), str(dev)), MultilabelOptions(), folder.tokenizer(), folder)
+
+
+# -- the stages ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_bert_dir):
+    """A tiny multilabel model fine-tuned by the finetune stage (the folder and its dev file)."""
+    from encoderkit.train.finetune import FinetuneConfig, run
+
+    root = tmp_path_factory.mktemp("multilabel")
+    train, dev = _tsv(root / "train.tsv", 320, 0), _tsv(root / "dev.tsv", 64, 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        res = run(FinetuneConfig(model=str(tiny_bert_dir), task="multilabel", train=str(train), dev=str(dev),
+                                 out=str(root / "model"), lr=1e-3, epochs=12, batch_size=16, seed=0))
+    finally:
+        torch.set_num_threads(before)
+    return res, dev
+
+
+def test_finetune_then_evaluate_at_the_saved_thresholds(trained, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+
+    res, dev = trained
+    card = json.loads((res.out / "encoderkit.json").read_text())
+    assert card["task"] == "multilabel" and card["labels"] == ["film", "love", "tech"]
+    assert (card["label_column"], card["label_separator"], card["pooling"]) == ("labels", "|", "first")
+    assert set(card["thresholds"]) == {"film", "love", "tech"}
+    assert res.metrics["micro_f1"] >= 0.6  # the keywords decide the labels; all-off scores 0
+    model = AutoModelForSequenceClassification.from_pretrained(res.out)  # plain transformers loads it
+    assert model.config.problem_type == "multi_label_classification"
+
+    ev = evaluate(EvaluateConfig(model=str(res.out), data=str(dev)))  # task from encoderkit.json
+    assert ev.task == "multilabel" and ev.metrics["examples"] == 64
+    for k, v in card["dev_at_thresholds"].items():  # the same rows at the same thresholds
+        assert ev.metrics[k] == pytest.approx(v)
+
+    low = tmp_path / "low"  # the card's thresholds are what evaluate applies: near 0, every label is on
+    low.mkdir()
+    for p in res.out.iterdir():
+        if p.is_file():
+            (low / p.name).write_bytes(p.read_bytes())
+    (low / "encoderkit.json").write_text(json.dumps({**card, "thresholds": dict.fromkeys(card["labels"], 1e-9)}))
+    assert evaluate(EvaluateConfig(model=str(low), data=str(dev))).metrics["micro_recall"] == 1.0
+
+
+def test_predict_gives_labels_over_their_thresholds(trained, tmp_path):
+    from encoderkit.deploy.runtime import PredictConfig
+    from encoderkit.deploy.runtime import run as predict
+
+    res, _ = trained
+    inp = _write(tmp_path / "in.jsonl", '{"id": 7, "text": "the movie was python"}\n{"text": "the man"}\n')
+    out = predict(PredictConfig(model=str(res.out), input=str(inp), output=str(tmp_path / "p.jsonl"), backend="torch-fp32"))
+    assert out.task == "multilabel" and out.records == 2
+    rows = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert rows[0]["id"] == 7 and set(rows[0]["scores"]) == {"film", "love", "tech"}
+    card = json.loads((res.out / "encoderkit.json").read_text())
+    for r in rows:
+        assert r["labels"] == sorted((k for k, p in r["scores"].items() if p >= card["thresholds"][k]),
+                                     key=lambda k: -r["scores"][k])
+
+
+def test_export_onnx_matches_torch_and_serves_classify(trained, tmp_path):
+    import httpx
+
+    from encoderkit.deploy.export import ExportConfig
+    from encoderkit.deploy.export import run as export
+    from encoderkit.deploy.runtime import Predictor
+    from encoderkit.deploy.serve import BackgroundServer, create_app
+    from encoderkit.tasks import get_task
+
+    res, _ = trained
+    ex = export(ExportConfig(model=str(res.out), out=str(tmp_path / "onnx")))
+    assert ex.task == "multilabel" and "model.onnx" in ex.files
+    texts = ["the movie was python", "love it", "the man"]
+    task = get_task("multilabel")
+    torch_p = Predictor.load(res.out, backend="torch-fp32")
+    onnx_p = Predictor.load(tmp_path / "onnx", backend="onnx-fp32")
+    a, b = task.serve(torch_p, texts), task.serve(onnx_p, texts)
+    assert [x["labels"] for x in a] == [x["labels"] for x in b]
+    for x, y in zip(a, b, strict=True):
+        assert x["scores"] == {k: pytest.approx(v, abs=1e-4) for k, v in y["scores"].items()}
+
+    app = create_app({"tags": onnx_p}, max_batch=8, max_wait_ms=5)
+    with BackgroundServer(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/v1/classify", json={"texts": texts})
+        assert r.status_code == 200, r.text
+        got = r.json()["results"]
+        r = client.post("/v1/classify", json={"texts": ["a"], "text_pairs": ["b"]})
+        assert r.status_code == 422 and "single texts" in r.text
+    assert [x["labels"] for x in got] == [x["labels"] for x in b]
+
+
+def test_compression_reads_texts_and_times_requests(trained, tmp_path):
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.models.folder import ModelFolder
+    from encoderkit.tasks import get_task
+
+    res, dev = trained
+    task = get_task("multilabel")
+    folder = ModelFolder.open(res.out)
+    calib = _write(tmp_path / "calib.tsv", "labels\ttext\n\tthe movie\n\tlove it\n")  # labels unread: blanks are fine
+    got = task.compress_inputs(str(calib), calib, card=folder.card, folder=str(res.out), label2id=None, limit=0,
+                               seed=0, miner=None)
+    assert got.texts == ["the movie", "love it"] and got.labels is None
+    samples = task.latency_samples(str(dev), EvaluateConfig(model=str(res.out), data=str(dev)), folder,
+                                   np.random.default_rng(0), miner="", candidates=100)
+    assert len(samples["one"]) == 1 and len(samples["batch"]) == 32
+    one, batch = task.latency_rows(samples, folder.tokenizer(), folder, None, 16)
+    assert len(one) == 1 and len(batch) == 32 and max(len(r["input_ids"]) for r in batch) <= 16
+
+
+def test_cpu_ptq_recipe_measures_micro_f1(trained, tmp_path):
+    from encoderkit.cli import main
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+
+    res, dev = trained
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "cpu-ptq.yaml"
+    out = tmp_path / "out"
+    assert main(["compress", "--recipe", str(recipe), "--model", str(res.out), "--dev", str(dev), "--out", str(out),
+                 "--runtime", "torch", "--repeats", "1"]) == 0
+    rows = json.loads((out / "report.json").read_text())["steps"]
+    assert rows[0]["metric"] == "micro_f1" and rows[0]["latency_unit"] == "request"
+    assert rows[0]["quality"] == pytest.approx(evaluate(EvaluateConfig(model=str(res.out), data=str(dev))).metrics["micro_f1"])
+    assert rows[1]["runtime"] == "deploy onnx-int8" and rows[1]["quality"] == pytest.approx(rows[0]["quality"], abs=0.1)
