@@ -7,8 +7,8 @@ itself by default, or a student (``encoderkit distill``), optionally Matryoshka-
 Both embed the same texts in one process, at the same batch size and thread count: SciFact
 documents (title + abstract, as BEIR encodes them), its 300 BEIR test queries and SST-2 dev
 sentences. Reported: texts/s of each, the speed ratio, the cosine of ours to the teacher's, and
-SciFact nDCG@10 / recall@100 of each (exact search with :func:`encoderkit.retrieval.exact.search` and
-:func:`encoderkit.retrieval.metrics.retrieval_scores`, as ``encoderkit evaluate`` does) over the
+SciFact nDCG@10 / recall@100 of each (exact search with :func:`encoderkit.tasks.embed.exact.search` and
+:func:`encoderkit.evaluate.ranking.retrieval_scores`, as ``encoderkit evaluate`` does) over the
 documents encoded: with ``--docs 0`` the full 5,183-document corpus (the BEIR figure), otherwise
 every judged document plus seeded random others.
 
@@ -36,7 +36,7 @@ DATA = Path(os.environ.get("ENCODERKIT_SHARED_DATA", REPO.parent / "shared" / "d
 def load_scifact(n_docs: int, seed: int) -> tuple[dict[str, str], dict[str, str], dict[str, dict[str, int]]]:
     """(docs, queries, qrels) of SciFact's BEIR test split: every judged document plus seeded random
     others up to ``n_docs`` (0 = the whole corpus, 5,183), in corpus order."""
-    from encoderkit.retrieval.beir import load_retrieval
+    from encoderkit.data.beir import load_retrieval
 
     data = load_retrieval(str(DATA / "scifact" / "scifact_hf_export.zip") + "#test")
     judged = {d for rels in data.qrels.values() for d in rels}
@@ -54,8 +54,8 @@ def load_scifact(n_docs: int, seed: int) -> tuple[dict[str, str], dict[str, str]
 
 def retrieval(doc_ids: list[str], doc_vecs: np.ndarray, queries: dict[str, str], query_vecs: np.ndarray,
               qrels: dict[str, dict[str, int]]) -> dict[str, float]:
-    from encoderkit.retrieval.exact import search
-    from encoderkit.retrieval.metrics import retrieval_scores
+    from encoderkit.evaluate.ranking import retrieval_scores
+    from encoderkit.tasks.embed.exact import search
 
     return retrieval_scores(search(query_vecs, doc_vecs, doc_ids, list(queries), 100), qrels)
 
@@ -64,10 +64,10 @@ def teacher_full_corpus(teacher_dir: str | Path, batch: int) -> dict[str, float]
     """The teacher's SciFact BEIR-test scores over the full corpus, as ``encoderkit evaluate`` computes
     them (fp32 torch, the same figure as sentence-transformers: 0.6451 both for MiniLM as shipped);
     the corpus embeddings come from the evaluation cache when an earlier run left them."""
-    from encoderkit.retrieval.beir import load_retrieval
-    from encoderkit.retrieval.exact import retrieve
-    from encoderkit.retrieval.metrics import retrieval_scores
+    from encoderkit.data.beir import load_retrieval
+    from encoderkit.evaluate.ranking import retrieval_scores
     from encoderkit.tasks.common import load_tokenizer
+    from encoderkit.tasks.embed.exact import retrieve
     from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
     data = load_retrieval(str(DATA / "scifact" / "scifact_hf_export.zip") + "#test")

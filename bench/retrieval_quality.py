@@ -34,11 +34,11 @@ def main() -> int:
     import torch
     from sentence_transformers import SentenceTransformer
 
+    from encoderkit.data.beir import load_retrieval
+    from encoderkit.evaluate.ranking import retrieval_scores
     from encoderkit.hardware import describe, result_field
-    from encoderkit.retrieval.beir import load_retrieval
-    from encoderkit.retrieval.exact import retrieve, search
-    from encoderkit.retrieval.metrics import retrieval_scores
     from encoderkit.tasks.common import load_tokenizer, resolve_model
+    from encoderkit.tasks.embed.exact import retrieve, search
     from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
     if args.threads:

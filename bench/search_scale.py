@@ -194,8 +194,8 @@ def shares(args) -> list[float]:
 def real_overlaps(real: str, mults: list[int], extra_shares: list[float]) -> dict[str, float]:
     """Overlap@10 (passages) with exact float search on real SciFact embeddings, binary + int8 (and float) rescoring of
     m x 10 candidates after the exact and the IVF first stage."""
+    from encoderkit.data.beir import load_retrieval
     from encoderkit.retrieval import ann
-    from encoderkit.retrieval.beir import load_retrieval
     from encoderkit.retrieval.search import Searcher, SearchSettings
 
     s = Searcher.open(real, runtime="onnx-fp32", threads=1)

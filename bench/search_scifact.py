@@ -48,12 +48,12 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    from encoderkit.data.beir import load_retrieval
     from encoderkit.deploy.runtime import finish_embeddings
-    from encoderkit.retrieval.beir import load_retrieval
+    from encoderkit.evaluate.ranking import retrieval_scores
     from encoderkit.retrieval.calibrate import SETTINGS, calibrate, dims_grid, in_memory
     from encoderkit.retrieval.index import IndexConfig, embed_texts
     from encoderkit.retrieval.index import run as build
-    from encoderkit.retrieval.metrics import retrieval_scores
     from encoderkit.retrieval.search import QueryVectors, Searcher, SearchSettings
     from encoderkit.tasks.common import resolve_model
 

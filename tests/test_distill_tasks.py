@@ -249,7 +249,7 @@ def test_qa_distillation_reads_contexts_at_the_teachers_length_by_default(tmp_pa
 
 
 def test_pseudo_queries_are_titles_else_first_sentences_seeded_and_never_a_split_id():
-    from encoderkit.retrieval.beir import Retrieval, pseudo_queries
+    from encoderkit.data.beir import Retrieval, pseudo_queries
 
     corpus = {"a": ("Vitamin D lowers fracture risk", "We studied 300 adults. Fractures fell."),
               "b": ("", "Short. Then a longer sentence follows here."),

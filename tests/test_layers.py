@@ -29,11 +29,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "encoderkit"
 LAYERS: list[tuple[str, ...]] = [
     ("encoderkit", "encoderkit.errors", "encoderkit.config", "encoderkit.io", "encoderkit.progress",
      "encoderkit.seeding", "encoderkit.hardware"),
-    # retrieval's data reading and metrics sit low (tasks train and score with them); its index and search sit high
-    # the registry of task names and heads is read by the folder reader (it imports no task package)
+    # the metrics sit low (tasks score with them); the registry of task names and heads is read by the folder
+    # reader (it imports no task package)
     ("encoderkit.data", "encoderkit.tokenizer", "encoderkit.models", "encoderkit.evaluate.metrics",
-     "encoderkit.retrieval.beir", "encoderkit.retrieval.metrics", "encoderkit.tasks.registry"),
-    ("encoderkit.tasks", "encoderkit.retrieval.exact", "encoderkit.retrieval.mining"),
+     "encoderkit.evaluate.ranking", "encoderkit.tasks.registry"),
+    ("encoderkit.tasks",),
     ("encoderkit.train", "encoderkit.deploy", "encoderkit.evaluate"),
     ("encoderkit.compress", "encoderkit.report", "encoderkit.retrieval", "encoderkit.label"),
     ("encoderkit.deploy.serve",),

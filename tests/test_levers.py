@@ -323,7 +323,7 @@ def test_rerank_steps_on_a_beir_source_take_the_first_stage_from_compress_miner(
     beir, ce, miner = f"{_beir(tmp_path)}#test", models["rerank"], str(models["embed"])
     judged = LeverData.for_model(ce, train=beir).inputs("train", ce).texts
     mined = LeverData.for_model(ce, train=beir, miner=miner).inputs("train", ce).texts
-    from encoderkit.retrieval.beir import load_retrieval
+    from encoderkit.data.beir import load_retrieval
 
     n_queries = len(load_retrieval(beir).qrels)
     assert {q for q, _ in mined} == {q for q, _ in judged} and len(mined) == n_queries * MINED_PAIRS > len(judged)

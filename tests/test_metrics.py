@@ -17,7 +17,7 @@ from encoderkit.evaluate.metrics import (
     normalize_answer,
     squad_scores,
 )
-from encoderkit.retrieval.metrics import reciprocal_rank_fusion, retrieval_scores
+from encoderkit.evaluate.ranking import reciprocal_rank_fusion, retrieval_scores
 
 
 def test_classification_by_hand():

@@ -280,7 +280,7 @@ def test_over_long_query_is_truncated_and_said(embed_dir, tmp_path, capsys):
 # -- stages and the CLI --------------------------------------------------------------------------
 def test_bm25_fusion_and_rerank_stages(embed_dir, tmp_path, tmp_path_factory, tiny_tokenizer_dir):
     from encoderkit.deploy.runtime import Predictor
-    from encoderkit.retrieval.metrics import rrf_scores
+    from encoderkit.evaluate.ranking import rrf_scores
 
     out = tmp_path / "idx"
     docs = {f"d{i}": _doc(i) for i in range(30)}

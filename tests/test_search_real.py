@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from encoderkit.retrieval.beir import load_retrieval
+from encoderkit.data.beir import load_retrieval
+from encoderkit.evaluate.ranking import retrieval_scores
 from encoderkit.retrieval.index import IndexConfig
 from encoderkit.retrieval.index import run as index
-from encoderkit.retrieval.metrics import retrieval_scores
 from encoderkit.retrieval.search import Searcher, SearchSettings
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from encoderkit.data.beir import load_retrieval, parse_scifact_abstract, read_triples
 from encoderkit.errors import EncoderkitError
-from encoderkit.retrieval.beir import load_retrieval, parse_scifact_abstract, read_triples
 from encoderkit.tasks.batching import BucketedBatches
 from encoderkit.tasks.tabular import read_rows
 

@@ -14,11 +14,11 @@ Inputs of each task, read by the task's own reader (its object's ``compress_inpu
   (else found as ``finetune`` finds them); labels become the model's class ids;
 - ner: :func:`encoderkit.tasks.ner.data.read_ner` (the words of a sentence joined by spaces);
 - qa: :func:`encoderkit.tasks.qa.data.read_squad`, the training articles, (question, context) pairs;
-- rerank: a BEIR source (:func:`encoderkit.retrieval.beir.load_retrieval`: each judged
+- rerank: a BEIR source (:func:`encoderkit.data.beir.load_retrieval`: each judged
   (query, document) pair; with a ``miner``, each judged query with its top
   :data:`~encoderkit.tasks.rerank.candidates.MINED_PAIRS`
   documents from that bi-encoder, the pairs a reranker serves on, as distillation reads them) or
-  JSONL triples (:func:`~encoderkit.retrieval.beir.read_triples`: the query with its positive and
+  JSONL triples (:func:`~encoderkit.data.beir.read_triples`: the query with its positive and
   each negative);
 - embed: a BEIR source's documents and queries; a table's text column (found as classify finds it);
   any other corpus cut into sentence pieces as embedding distillation reads it.
@@ -89,7 +89,7 @@ def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None
 def vocabulary_texts(spec: str, task: str, **kwargs: Any) -> list[Any]:
     """The texts whose tokens the vocabulary lever keeps: :func:`read_task_inputs`' inputs, or for a rerank
     model's BEIR source, every document of the corpus and every query of the split (as embed reads it)."""
-    from encoderkit.retrieval.beir import is_beir_source
+    from encoderkit.data.beir import is_beir_source
     from encoderkit.tasks.embed.texts import beir_texts
 
     task_object = _task(task)

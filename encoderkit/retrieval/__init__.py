@@ -1,11 +1,9 @@
-"""Retrieval: the one home of BEIR data, exact search, negative mining, retrieval metrics and the
-local search index.
+"""Retrieval: the local search index, an application of the embed (and rerank) task through the Predictor.
 
-Below the tasks (importable by tasks' training and evaluation): ``beir`` (BEIR folders, the
-SciFact export, triples), ``metrics`` (nDCG/MRR/recall, reciprocal-rank fusion), ``exact`` (exact
-top-k, the bi-encoder run over a BEIR source), ``mining`` (hard negatives).
-Above deploy (through the Predictor): ``corpus``, ``codes``, ``store``, ``ann``, ``index``
-(``encoderkit index``), ``search`` (``encoderkit search`` and the Python API), ``calibrate``,
-``milvus``, ``http`` (``/v1/search``). deploy/runtime never imports retrieval; deploy/serve only
-registers the route when ``--index`` is given.
+``corpus``, ``codes``, ``store``, ``ann``, ``index`` (``encoderkit index``), ``search`` (``encoderkit search``
+and the Python API), ``calibrate``, ``milvus``, ``http`` (``/v1/search``). What tasks train and score with
+lives below them: BEIR reading in :mod:`encoderkit.data.beir`, nDCG/MRR/recall and reciprocal-rank fusion in
+:mod:`encoderkit.evaluate.ranking`, exact search and hard-negative mining in the embed task
+(:mod:`encoderkit.tasks.embed.exact`, :mod:`encoderkit.tasks.embed.mining`). deploy/runtime never imports
+retrieval; deploy/serve only registers the route when ``--index`` is given.
 """

@@ -59,7 +59,7 @@ def read_corpus(sources: list[str], id_field: str = "id", text_field: str = "tex
         if not path.exists():
             raise EncoderkitError(f"corpus {spec} does not exist")
         if path.suffix == ".zip" or (path.is_dir() and (path / "corpus.jsonl").is_file()):
-            from encoderkit.retrieval.beir import load_retrieval
+            from encoderkit.data.beir import load_retrieval
 
             data = load_retrieval(spec)
             docs += [SourceDoc(d, data.doc_text(d), f"{spec}: doc {d}") for d in data.corpus]

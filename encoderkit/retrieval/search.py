@@ -37,11 +37,11 @@ import numpy as np
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.runtime import BACKENDS, Predictor
 from encoderkit.errors import EncoderkitError
+from encoderkit.evaluate.ranking import rrf_scores
 from encoderkit.io import model_fingerprint, write_text_atomic
 from encoderkit.progress import note
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_dequantize, top_k
-from encoderkit.retrieval.metrics import rrf_scores
 from encoderkit.retrieval.store import Generation, open_generation
 from encoderkit.tasks import get_task
 

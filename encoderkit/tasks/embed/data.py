@@ -1,12 +1,12 @@
 """Embed training data: (query, positive, negatives) groups from a triples JSONL or a BEIR source
 (each judged (query, doc) pair is a group; hard negatives only with ``--negatives mined``, see
-:mod:`encoderkit.retrieval.mining`; ``sampled`` relies on the in-batch negatives alone)."""
+:mod:`encoderkit.tasks.embed.mining`; ``sampled`` relies on the in-batch negatives alone)."""
 
 from __future__ import annotations
 
-from encoderkit.retrieval.beir import Triple, is_beir_source, load_retrieval, read_triples
-from encoderkit.retrieval.mining import groups_from_beir
+from encoderkit.data.beir import Triple, is_beir_source, load_retrieval, read_triples
 from encoderkit.tasks.common import TrainData, seeded_subset
+from encoderkit.tasks.embed.mining import groups_from_beir
 from encoderkit.tasks.embed.options import EmbedOptions
 
 

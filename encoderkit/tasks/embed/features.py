@@ -1,5 +1,5 @@
 """Bi-encoder embeddings: encode texts, train with in-batch negatives (+ Matryoshka), and save in the
-sentence-transformers layout (exact search over the embeddings: :mod:`encoderkit.retrieval.exact`).
+sentence-transformers layout (exact search over the embeddings: :mod:`encoderkit.tasks.embed.exact`).
 
 * Embedding = pooling (``mean`` over real tokens, or the ``first`` token) of the encoder's last
   hidden states, then L2 normalisation, so a dot product is the cosine similarity. This is what

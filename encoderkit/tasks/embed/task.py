@@ -84,8 +84,8 @@ class EmbedTask(Task):
                         label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> Any:
         """A BEIR source's documents and queries; a table's text column (found as classify finds it); any other
         corpus cut into sentence pieces as embedding distillation reads it."""
+        from encoderkit.data.beir import is_beir_source
         from encoderkit.errors import EncoderkitError
-        from encoderkit.retrieval.beir import is_beir_source
         from encoderkit.tasks.embed.texts import beir_texts, training_texts
         from encoderkit.tasks.protocol import TaskInputs
         from encoderkit.tasks.tabular import find_text_column, read_rows, table_format, text_column
@@ -103,7 +103,7 @@ class EmbedTask(Task):
     def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str, candidates: int) -> dict[str, Any]:
         """The median-length judged query, and a seeded batch of 32 corpus documents."""
         from encoderkit.config import check
-        from encoderkit.retrieval.beir import is_beir_source
+        from encoderkit.data.beir import is_beir_source
         from encoderkit.tasks.embed.texts import beir_sample
 
         check(is_beir_source(dev), "embed quality is nDCG@10 over a corpus: --dev must be a BEIR source (a folder with "

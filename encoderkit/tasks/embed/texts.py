@@ -32,7 +32,7 @@ def split_sentences(text: str) -> list[str]:
 def source_documents(spec: str) -> Iterator[str]:
     """Document texts of one source: a BEIR source's corpus (title + text), and with an explicit
     ``#split`` that split's queries too (each its own text; no labels are read), or any corpus file."""
-    from encoderkit.retrieval.beir import load_retrieval, split_spec
+    from encoderkit.data.beir import load_retrieval, split_spec
 
     path, split = split_spec(spec)
     if (path.is_dir() and (path / "corpus.jsonl").is_file()) or (path.suffix == ".zip" and _is_scifact_zip(path)):
@@ -102,7 +102,7 @@ def training_texts(sources: str, limit: int = 0, min_chars: int = 20, seed: int 
 
 def beir_texts(spec: str) -> list[str]:
     """Every document of a BEIR source's corpus, then every query of its split."""
-    from encoderkit.retrieval.beir import load_retrieval
+    from encoderkit.data.beir import load_retrieval
 
     data = load_retrieval(spec)
     return [data.doc_text(d) for d in data.corpus] + list(data.queries.values())
@@ -110,7 +110,7 @@ def beir_texts(spec: str) -> list[str]:
 
 def beir_sample(dev: str, n: int, rng: np.random.Generator) -> tuple[list[str], list[str]]:
     """A BEIR source's judged queries and the texts of ``n`` documents drawn from its corpus by ``rng``."""
-    from encoderkit.retrieval.beir import load_retrieval
+    from encoderkit.data.beir import load_retrieval
 
     data = load_retrieval(dev)
     doc_ids = list(data.corpus)

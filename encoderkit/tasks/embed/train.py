@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from encoderkit.data.beir import is_beir_source, load_retrieval
 from encoderkit.errors import EncoderkitError
+from encoderkit.evaluate.ranking import retrieval_scores
 from encoderkit.models.folder import ModelFolder
-from encoderkit.retrieval.beir import is_beir_source, load_retrieval
-from encoderkit.retrieval.exact import retrieve
-from encoderkit.retrieval.metrics import retrieval_scores
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
 from encoderkit.tasks.embed.data import train_groups
+from encoderkit.tasks.embed.exact import retrieve
 from encoderkit.tasks.embed.features import (
     BiEncoder,
     PooledEngine,

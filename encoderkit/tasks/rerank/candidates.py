@@ -38,8 +38,8 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
     ``title_sets`` may be a function of the number of split lists. The first set is the one a single set would be
     (the sample is drawn once, in one seeded order, and cut into sets). ``limit`` cuts the split's lists (and, as
     before, the titles when it is smaller than the split)."""
-    from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
-    from encoderkit.retrieval.beir import pseudo_queries as title_queries
+    from encoderkit.data.beir import is_beir_source, load_retrieval, read_triples
+    from encoderkit.data.beir import pseudo_queries as title_queries
 
     titles: list[list[QueryList]] = []
     if is_beir_source(train):
@@ -47,8 +47,8 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
                                "folder whose top --candidates per query the teacher scores")
         from transformers import AutoTokenizer
 
-        from encoderkit.retrieval.exact import retrieve
         from encoderkit.tasks.common import resolve_model
+        from encoderkit.tasks.embed.exact import retrieve
         from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
         data = load_retrieval(train)

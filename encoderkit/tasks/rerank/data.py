@@ -1,13 +1,13 @@
 """Rerank training data: groups of one query, one positive and a pool of negatives, from a triples
 JSONL (``{query, positive, negatives}``) or a BEIR source (each judged (query, doc) pair is a group;
 negatives ``sampled`` at random from the corpus or ``mined`` from a bi-encoder's ranks 4-30, see
-:mod:`encoderkit.retrieval.mining`)."""
+:mod:`encoderkit.tasks.embed.mining`)."""
 
 from __future__ import annotations
 
-from encoderkit.retrieval.beir import Triple, is_beir_source, load_retrieval, read_triples
-from encoderkit.retrieval.mining import groups_from_beir
+from encoderkit.data.beir import Triple, is_beir_source, load_retrieval, read_triples
 from encoderkit.tasks.common import TrainData, seeded_subset
+from encoderkit.tasks.embed.mining import groups_from_beir
 from encoderkit.tasks.rerank.options import RerankOptions
 
 

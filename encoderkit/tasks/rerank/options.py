@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from encoderkit.models.folder import ModelFolder
-from encoderkit.retrieval.mining import CANDIDATES
 from encoderkit.tasks.common import DEFAULT_MODEL, pick, settle_max_length
+from encoderkit.tasks.embed.mining import CANDIDATES
 
 DEFAULT_MAX_LENGTH = 256
 

@@ -70,7 +70,7 @@ class RerankTask(Task):
         """A BEIR source's judged (query, document) pairs, or with ``miner`` each judged query with its top
         ``MINED_PAIRS`` documents from that bi-encoder; JSONL triples: the query with its positive and each
         negative."""
-        from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
+        from encoderkit.data.beir import is_beir_source, load_retrieval, read_triples
         from encoderkit.tasks.protocol import TaskInputs
         from encoderkit.tasks.rerank.candidates import MINED_PAIRS, candidate_lists
 
@@ -90,7 +90,7 @@ class RerankTask(Task):
         """The median-length query and 100 passages (a BEIR source's corpus sample, else the rows' candidates,
         repeated to 100)."""
         from encoderkit.config import check
-        from encoderkit.retrieval.beir import is_beir_source, read_triples
+        from encoderkit.data.beir import is_beir_source, read_triples
         from encoderkit.tasks.embed.texts import beir_sample
         from encoderkit.tasks.rerank.candidates import SERVED_CANDIDATES
 

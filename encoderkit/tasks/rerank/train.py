@@ -5,7 +5,7 @@ is cross-entropy over the group's scores with the positive as the target (listwi
 Data: JSONL ``{query, positive, negatives}`` (each row needs at least ``num_negatives``
 negatives) or a BEIR source (each judged (query, doc) pair is a row; negatives ``sampled`` at
 random from the corpus, or ``mined``: drawn from ranks 4-30 of a bi-encoder's results, leaving
-out judged documents; see :mod:`encoderkit.retrieval.mining`). Each group keeps a
+out judged documents; see :mod:`encoderkit.tasks.embed.mining`). Each group keeps a
 pool of negatives (a row's list, the mined ranks, or ``SAMPLED_POOL`` x N random documents) and
 every epoch draws a fresh ``num_negatives`` from it, seeded by (seed, epoch, row), so a run of
 several epochs sees several times as many distinct negatives.
@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from encoderkit.data.beir import is_beir_source, load_retrieval, read_triples
 from encoderkit.errors import EncoderkitError
+from encoderkit.evaluate.ranking import reciprocal_rank_fusion, retrieval_scores
 from encoderkit.models.folder import ModelFolder
-from encoderkit.retrieval.beir import is_beir_source, load_retrieval, read_triples
-from encoderkit.retrieval.metrics import reciprocal_rank_fusion, retrieval_scores
-from encoderkit.retrieval.mining import candidates
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
+from encoderkit.tasks.embed.mining import candidates
 from encoderkit.tasks.rerank.data import train_groups
 from encoderkit.tasks.rerank.features import pair_rows, score_pairs
 from encoderkit.tasks.rerank.options import RerankOptions

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from encoderkit.retrieval.beir import Retrieval, Triple
-from encoderkit.retrieval.exact import retrieve
+from encoderkit.data.beir import Retrieval, Triple
 from encoderkit.tasks.common import load_tokenizer, resolve_model
+from encoderkit.tasks.embed.exact import retrieve
 from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
 CANDIDATES = 100

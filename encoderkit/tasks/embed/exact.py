@@ -25,7 +25,7 @@ def search(query_emb: np.ndarray, doc_emb: np.ndarray, doc_ids: list[str], query
 
 def retrieve(model: BiEncoder, tokenizer, data: Any, max_length: int, max_query_length: int, batch_size: int = 64,
              k: int = 100, progress: bool = False, cache_for: Path | None = None) -> dict[str, list[str]]:
-    """Top-k documents of every judged query of a :class:`~encoderkit.retrieval.beir.Retrieval`.
+    """Top-k documents of every judged query of a :class:`~encoderkit.data.beir.Retrieval`.
     ``cache_for``: the saved folder ``model`` was loaded from, to reuse its corpus embeddings
     (:func:`encode_cached`); None while weights are changing (evaluation during training)."""
     doc_ids = list(data.corpus)
