@@ -83,3 +83,20 @@ def test_long_text_windows_and_entity_char_spans(minilm_dir):
     for e in ents:
         assert text[e.start : e.end] == e.text
         assert e.text == ("Angela Merkel" if e.label == "PER" else "Paris")
+
+
+def test_evaluate_and_the_predictor_share_one_stride_rule():
+    """A NER folder's windows overlap by the same stride in evaluate (NerOptions.for_folder) and in
+    Predictor.extract (NerTask.extract): the card's, else 32 cut to a quarter of the window."""
+    from types import SimpleNamespace
+
+    from encoderkit.tasks.ner.options import NerOptions, folder_stride
+
+    def options(card: dict, max_length: int) -> NerOptions:
+        cfg = SimpleNamespace(max_length=max_length, stride=32, tag_scheme="auto")
+        return NerOptions.for_folder(cfg, SimpleNamespace(card=card))
+
+    for card, length in (({}, 64), ({}, 256), ({"stride": 7}, 64), ({"stride": 48, "max_length": 200}, 0)):
+        opts = options(card, length)
+        assert opts.stride == folder_stride(card, opts.max_length)
+    assert folder_stride({}, 64) == 16 and folder_stride({}, 256) == 32 and folder_stride({"stride": 7}, 64) == 7

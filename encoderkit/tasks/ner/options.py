@@ -10,6 +10,14 @@ from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.common import pick, settle_max_length
 
 DEFAULT_MAX_LENGTH = 128
+DEFAULT_STRIDE = 32
+
+
+def folder_stride(card: dict[str, Any], max_length: int, requested: int = DEFAULT_STRIDE) -> int:
+    """The sub-tokens a saved model's windows share: the stride it was fine-tuned with (its card), else the
+    requested one cut to a quarter of the window (so each window still moves on by most of its length). The
+    one rule for evaluate and the Predictor."""
+    return int(card.get("stride", min(requested, max_length // 4)))
 
 
 @dataclass(frozen=True)
@@ -17,7 +25,7 @@ class NerOptions:
     """Sub-tokens per window, sub-tokens shared by consecutive windows, and the tag scheme of the files."""
 
     max_length: int = DEFAULT_MAX_LENGTH
-    stride: int = 32
+    stride: int = DEFAULT_STRIDE
     tag_scheme: str = "auto"
 
     @classmethod
@@ -28,5 +36,5 @@ class NerOptions:
     def for_folder(cls, cfg: Any, folder: ModelFolder) -> NerOptions:
         """The window length and stride the model was fine-tuned with (``--max-length`` overrides the length)."""
         card = folder.card
-        return pick(cls, cfg, max_length=cfg.max_length or card.get("max_length", DEFAULT_MAX_LENGTH),
-                    stride=card.get("stride", cfg.stride))
+        max_length = cfg.max_length or card.get("max_length", DEFAULT_MAX_LENGTH)
+        return pick(cls, cfg, max_length=max_length, stride=folder_stride(card, max_length, cfg.stride))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from encoderkit.tasks.ner.options import folder_stride
 from encoderkit.tasks.ner.train import OPTIONS, build, evaluate_folder
 from encoderkit.tasks.protocol import Runner, ServingUnit, Task
 
@@ -33,7 +34,7 @@ class NerTask(Task):
         long texts in overlapping windows (``stride``: the folder's card, else a quarter of the length cut)."""
         from encoderkit.tasks.ner.features import decode_entities, featurize_text, window_logits, window_rows
 
-        stride = stride if stride is not None else runner.info.card.get("stride", min(32, runner.max_length // 4))
+        stride = stride if stride is not None else folder_stride(runner.info.card, runner.max_length)
         feats = [featurize_text(runner.tokenizer, t, max_length=runner.max_length, stride=stride) for t in texts]
         rows, where = window_rows(feats)
         outs = [o[0] for o in runner.run_rows(rows)] if rows else []
