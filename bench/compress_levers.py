@@ -156,7 +156,7 @@ def main() -> None:
     ow = {"overwrite": True}
     t0 = time.time()
     if "ptq" in args.only or "static_onnx" in args.only:
-        for name, kw in {"dyn_torch": {"method": "dynamic"}, "dyn_onnx": {"method": "dynamic", "backend": "onnx"},
+        for name, kw in {"dyn_torch": {"method": "dynamic"}, "dyn_onnx": {"method": "dynamic", "format": "onnx"},
                          "static_onnx": {"method": "static", "calib_method": "percentile", "calib_samples": 64}}.items():
             if "ptq" not in args.only and name not in args.only:
                 continue

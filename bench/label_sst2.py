@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from encoderkit.hardware import describe, result_field
-from encoderkit.io import read_card
 from encoderkit.label.records import read_labeled
+from encoderkit.models.card import read_card
 from encoderkit.tasks.common import seeded_subset
 from encoderkit.tasks.tabular import read_rows
 

@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--data", default=f"{DATA}#test")
     ap.add_argument("--model", default="minilm")
     ap.add_argument("--out", default="/tmp/scifact-idx")
-    ap.add_argument("--runtime", default="onnx-fp32", help="Predictor backend (onnx-fp32: the weights as shipped)")
+    ap.add_argument("--backend", default="onnx-fp32", help="Predictor backend (onnx-fp32: the weights as shipped)")
     ap.add_argument("--rerank", default=None, help="a cross-encoder folder for the rerank rows")
     ap.add_argument("--rerank-latency-queries", type=int, default=30,
                     help="queries timed (uncached) for the rerank rows' latency; their quality uses all queries")
@@ -64,10 +64,10 @@ def main() -> int:
     texts = [data.queries[q] for q in qids]
     t0 = time.perf_counter()
     if not Path(args.out, "CURRENT").is_file():
-        st = build(IndexConfig(model=model, corpus=[args.data], out=args.out, float16=True, runtime=args.runtime, threads=args.threads,
+        st = build(IndexConfig(model=model, corpus=[args.data], out=args.out, float16=True, backend=args.backend, threads=args.threads,
                                 passage_tokens=args.passage_tokens)).stats
         print(f"index: {st['documents']} documents, {st['passages']} passages, {time.perf_counter() - t0:.0f} s", flush=True)
-    s = Searcher.open(args.out, runtime=args.runtime, rerank=args.rerank, threads=args.threads)
+    s = Searcher.open(args.out, runtime=args.backend, rerank=args.rerank, threads=args.threads)
     cached = memoize_reranker(s, args.rerank_cache) if args.rerank else None
     n_docs = len({p["doc_id"] for p in s.gen.passages})
     per_doc = len(s.gen.passages) / n_docs
@@ -78,7 +78,7 @@ def main() -> int:
         s.embed([t])
         times.append(time.perf_counter() - a)
     qv = s.embed(texts)
-    print(f"query embedding ({args.runtime}, {args.threads} thread(s)): p50 {1000 * np.median(times):.1f} ms", flush=True)
+    print(f"query embedding ({args.backend}, {args.threads} thread(s)): p50 {1000 * np.median(times):.1f} ms", flush=True)
 
     def run(st: SearchSettings, k: int) -> dict[str, list[str]]:
         st.k = k

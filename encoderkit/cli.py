@@ -39,7 +39,7 @@ STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("finetune",): ("encoderkit.train.finetune:FinetuneConfig:run", "train a task head: classify, ner, qa, rerank, embed"),
     ("evaluate",): ("encoderkit.evaluate.run:EvaluateConfig:run", "task metrics of a model folder on labelled data (JSON)"),
     ("export",): ("encoderkit.deploy.export:ExportConfig:run", "export a task model to ONNX (fused, optional INT8), parity-checked"),
-    ("predict",): ("encoderkit.deploy.runtime:PredictConfig:run", "run a task model over a .txt/.jsonl file into JSONL results"),
+    ("predict",): ("encoderkit.inference.predictor:PredictConfig:run", "run a task model over a .txt/.jsonl file into JSONL results"),
     ("serve",): ("encoderkit.deploy.serve:ServeConfig:run", "HTTP service with micro-batching: classify/extract/answer/rerank/embed"),
     ("label",): ("encoderkit.label.run:LabelConfig:run", "label texts with an OpenAI-compatible endpoint, an embedding model or an MLM"),
     ("audit", "suspect"): ("encoderkit.label.suspicion:SuspectConfig:run", "score likely label errors (out-of-fold probabilities + cleanlab)"),
@@ -61,8 +61,12 @@ def _doc(obj: Any) -> str:
     return (obj.__doc__ or "").strip()
 
 
+OLD_DEST = "old_spelling:"  # argparse dest of a hidden flag that keeps an old spelling for one release
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cfg_cls: type[StageConfig]) -> None:
-    """One flag per dataclass field; defaults are None so that only flags given override a file."""
+    """One flag per dataclass field; defaults are None so that only flags given override a file. An old
+    spelling (``cfg_cls.renamed``) is a hidden flag, or, told apart by value, extra hidden choices."""
     hints = typing.get_type_hints(cfg_cls)
     main = parser.add_argument_group("settings")
     speed = parser.add_argument_group("speed settings (never change results beyond float tolerance)")
@@ -81,9 +85,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cfg_cls: type[StageConfig]
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         base = _base_type(hint)
         if base is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-            continue
-        if typing.get_origin(base) is list:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(base) is list:
             kwargs["nargs"] = "+"
             kwargs["action"] = "extend"  # --model a --model b == --model a b
             kwargs["metavar"] = f.name.upper()
@@ -93,6 +96,13 @@ def add_config_flags(parser: argparse.ArgumentParser, cfg_cls: type[StageConfig]
                 kwargs["type"] = base
         else:
             kwargs["metavar"] = f.name.upper()
+        for old, r in cfg_cls.renamed.items():  # an old spelling: the same flag, hidden from --help
+            if r.new == f.name and old not in hints:
+                group.add_argument("--" + old.replace("_", "-"), **{**kwargs, "dest": OLD_DEST + old, "help": argparse.SUPPRESS})
+        old_meaning = cfg_cls.renamed.get(f.name)
+        if old_meaning is not None and "choices" in kwargs:  # the flag's old meaning, told apart by value
+            kwargs["choices"] = [*kwargs["choices"], *old_meaning.values]
+            kwargs["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
         group.add_argument(flag, **kwargs)
 
 
@@ -106,12 +116,13 @@ def _base_type(hint: Any) -> Any:
 def config_from_args(cfg_cls: type[StageConfig], ns: argparse.Namespace, seed: int | None = None) -> StageConfig:
     """The stage config from its flags over its ``--config`` file; a global ``seed`` fills the
     stage's own ``seed`` when neither gives one."""
-    data: dict[str, Any] = load_mapping(ns.config) if getattr(ns, "config", None) else {}
+    data: dict[str, Any] = cfg_cls.new_keys(load_mapping(ns.config), ns.config) if getattr(ns, "config", None) else {}
     hints = typing.get_type_hints(cfg_cls)
-    for f in fields(cfg_cls):
-        value = getattr(ns, f.name, None)
-        if value is not None:
-            data[f.name] = coerce(value, hints[f.name], "--" + f.name.replace("_", "-"))
+    given = {f.name: getattr(ns, f.name, None) for f in fields(cfg_cls)}
+    given.update({old: getattr(ns, OLD_DEST + old, None) for old in cfg_cls.renamed if old not in hints})
+    given = cfg_cls.new_keys({k: v for k, v in given.items() if v is not None}, "command line", flags=True)
+    for name, value in given.items():
+        data[name] = coerce(value, hints[name], "--" + name.replace("_", "-"))
     if seed is not None and "seed" in hints and "seed" not in data:
         data["seed"] = seed
     return cfg_cls.from_dict(data, source=ns.config or "command line")

@@ -15,6 +15,12 @@ the same keys, so the three can never drift apart::
 Settings that change results and settings that only change speed are kept apart by the
 ``speed=True`` flag of :func:`arg` (dtype, threads, compile...): ``--help`` lists them in their own
 group, and ``result_dict()`` leaves them out, so a cache or resume check never trips on them.
+
+A renamed key keeps its old spelling for one release: the config class maps it to the new one in
+``renamed`` (``{"runtime": Renamed("backend")}``; ``Renamed("store", values=("local", "milvus"))``
+when only those values of the old key mean the new one, the old key being a field again with
+another meaning). Flags, config files, recipe steps and keyword arguments all go through
+:meth:`StageConfig.new_keys`, which says once, on stderr, what to write instead.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import tomllib
 
@@ -57,13 +63,39 @@ def check(ok: bool, message: str) -> None:
         raise EncoderkitError(message)
 
 
+@dataclass(frozen=True)
+class Renamed:
+    """The new key of an old spelling; with ``values``, only those values of the old key mean it."""
+
+    new: str
+    values: tuple[Any, ...] = ()
+
+    def applies(self, value: Any) -> bool:
+        return not self.values or value in self.values
+
+
+SAID: set[str] = set()  # deprecations already printed by this process (each is said once)
+
+
+class _ConfigType(type):
+    """Old keyword spellings work in Python as well: ``IndexConfig(runtime="onnx-int8")``."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if kwargs and cls.renamed:
+            kwargs = cls.new_keys(kwargs, cls.__name__)
+        return super().__call__(*args, **kwargs)
+
+
 @dataclass
-class StageConfig:
+class StageConfig(metaclass=_ConfigType):
     """Base of every stage config. Subclasses add fields with :func:`arg` and may override ``validate``.
 
     A config is read-only once built and checked: a stage that needs another value derives it (a
     local variable, a task's options object, ``dataclasses.replace`` for a new config) instead of
     writing it back, so the config a run records is the one it was given."""
+
+    # old key -> its new key, kept one release (see the module docstring)
+    renamed: ClassVar[dict[str, Renamed]] = {}
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -100,7 +132,38 @@ class StageConfig:
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self) if not f.metadata.get("speed")}
 
     @classmethod
+    def new_keys(cls, data: dict[str, Any], source: str = "config", flags: bool = False) -> dict[str, Any]:
+        """``data`` with every old spelling replaced by its new key (``-`` read as ``_``; other keys
+        kept as written), each deprecation said once on stderr; ``flags``: from command-line flags."""
+        from encoderkit.progress import note
+
+        def spell(key: str, value: Any = None, ruled: bool = False) -> str:
+            if flags:
+                return f"{_flag(key)} {value}" if ruled else _flag(key)
+            return repr(f"{key}: {value}" if ruled else key)
+
+        out: dict[str, Any] = {}
+        given: dict[str, str] = {}  # field name -> the key that set it, as written
+        for key, value in data.items():
+            name = key.replace("-", "_")
+            r = cls.renamed.get(name)
+            new_key = key
+            if r is not None and r.applies(value):
+                old, new = spell(name, value, bool(r.values)), spell(r.new, value, bool(r.values))
+                message = f"{source}: {old} is deprecated, use {new} instead ({old} is removed in the next release)"
+                if message not in SAID:
+                    SAID.add(message)
+                    note(message)
+                name = new_key = r.new
+            if name in given:
+                raise EncoderkitError(f"{source}: {given[name]} and {spell(key)} both set {spell(name)}; keep "
+                                      f"{spell(name)} alone")
+            out[new_key], given[name] = value, spell(key)
+        return out
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> StageConfig:
+        data = cls.new_keys(data, source)
         known = {f.name: f for f in fields(cls)}
         unknown = [k for k in data if k.replace("-", "_") not in known]
         if unknown:

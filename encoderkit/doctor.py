@@ -118,14 +118,13 @@ def onnx_int8_peak(n: int, seconds: float, threads: int) -> Peak:
 def backend_choices(hw: Hardware) -> dict[str, Choice]:
     """What each stage picks on ``hw`` and why (pure: no measurement, no files)."""
     from encoderkit.compress.plan import PlanConfig, make_plan
-    from encoderkit.tasks import TASKS, get_task
+    from encoderkit.inference.engines import serve_rule
 
     device = "cuda" if hw.cuda else "cpu"
     bf16 = hardware.bf16_choice(hw, device)
     train = Choice(f"bf16 autocast {'on' if bf16.value else 'off'} ({device})", bf16.why)
 
-    int8_tasks = [t for t in TASKS if get_task(t).int8_by_default]  # the task objects say what ``auto`` runs on INT8
-    fp32_tasks = [t for t in TASKS if t not in int8_tasks]
+    fp32_tasks, int8_tasks = serve_rule()  # the engines' ``serve`` policy: what ``--backend auto`` runs
     int8_why = ("INT8 matrix multiplies run on the CPU's VNNI/AMX int8 dot products here" if hw.vnni else
                 "this CPU has no VNNI/AMX: ONNX Runtime's u8 x s8 INT8 runs on AVX2 multiply-adds, gains less and "
                 "can saturate (quantizing with reduce_range is ONNX Runtime's advice for such CPUs)")

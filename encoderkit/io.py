@@ -5,8 +5,8 @@ renames it into place only when the stage finished; on an exception the temporar
 removed and any previous output is left as it was. Single files are written to a temporary
 name in the same folder and renamed (``os.replace`` is atomic on POSIX).
 
-``encoderkit.json`` beside the HF files records which stage made a model folder, from which
-parent, with which config, and what was measured on it (see :func:`write_card`).
+What a model folder holds, its ``encoderkit.json`` card included, is :mod:`encoderkit.models`'
+business (:mod:`encoderkit.models.card`); this module only writes outputs safely.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
-
-CARD = "encoderkit.json"
 
 
 def cache_dir(name: str) -> Path:
@@ -348,19 +346,6 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def write_card(folder: Path, stage: str, parent: str | Path | None, config: dict[str, Any], metrics: dict[str, Any] | None = None, **extra: Any) -> None:
-    """Write ``encoderkit.json``: the stage that made ``folder``, its parent folder, config and metrics."""
-    card = {
-        "stage": stage,
-        "parent": str(Path(parent).resolve()) if parent else None,
-        "config": config,
-        "metrics": metrics or {},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **extra,
-    }
-    write_json_atomic(Path(folder) / CARD, card)
-
-
 def read_json(path: str | Path, missing: str, fix: str = "remove or fix it") -> Any:
     """A JSON file; ``missing`` is the error message when it does not exist, ``fix`` says what to do
     when it is not valid JSON."""
@@ -404,42 +389,3 @@ def _lone_surrogate(value: Any, path: str = "") -> str | None:
         if found:
             return found
     return None
-
-
-def read_card(folder: str | Path) -> dict[str, Any]:
-    """The folder's ``encoderkit.json``, or an empty dict for a plain HF folder."""
-    p = Path(folder) / CARD
-    return read_json(p, "") if p.is_file() else {}
-
-
-CARD_FIELDS = ("stage", "parent", "config", "metrics", "created")  # what write_card itself writes
-# facts of the run that made a folder, true of that folder only (its lineage keeps them for the children)
-RUN_FACTS = ("steps", "train_examples", "stopped_early", "loss", "layers_from_teacher", "recipe_step", "recipe_params")
-
-
-def card_facts(card: dict[str, Any]) -> dict[str, Any]:
-    """A card's facts beyond :data:`CARD_FIELDS`: what a folder's own card keeps when it is rewritten."""
-    return {k: v for k, v in card.items() if k not in CARD_FIELDS}
-
-
-def inherited_card(folder_or_card: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """What a derived folder's card carries over from its parent's: the task facts (task, labels,
-    pooling, max_length...), not the parent's own stage, lineage, config, metrics or date, nor the facts
-    of the run that made the parent (:data:`RUN_FACTS`: a student distilled from a fine-tuned teacher did
-    not train for the teacher's steps, nor with its loss)."""
-    card = folder_or_card if isinstance(folder_or_card, dict) else read_card(folder_or_card)
-    return {k: v for k, v in card_facts(card).items() if k not in RUN_FACTS}
-
-
-def lineage(folder: str | Path) -> list[dict[str, Any]]:
-    """The cards of ``folder`` and its parents, newest first (stops where a parent has no card)."""
-    out, seen = [], set()
-    cur: str | None = str(folder)
-    while cur and cur not in seen:
-        seen.add(cur)
-        card = read_card(cur)
-        if not card:
-            break
-        out.append({"folder": cur, **card})
-        cur = card.get("parent")
-    return out

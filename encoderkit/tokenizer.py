@@ -28,7 +28,8 @@ import numpy as np
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.data.readers import DOC_SPLITS, ReadStats, estimate_bytes, iter_documents
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import output_dir, write_card, write_json_atomic
+from encoderkit.io import output_dir, write_json_atomic
+from encoderkit.models.card import write_card
 
 KINDS = ("wordpiece", "bpe")
 ROLES = ("pad", "unk", "cls", "sep", "mask")

@@ -22,7 +22,7 @@ def make_task_model(root: Path, tokenizer_dir: Path, task: str, seed: int = 0) -
     import transformers
     from transformers import AutoTokenizer
 
-    from encoderkit.io import write_card
+    from encoderkit.models.card import write_card
 
     out = root / f"tiny_{task}"
     if (out / "encoderkit.json").is_file():

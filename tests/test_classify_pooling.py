@@ -70,7 +70,7 @@ def test_onnx_export_of_a_mean_pooled_classifier_matches_torch(tmp_path, tiny_be
 
     from encoderkit.deploy.export import OUTPUT_NAMES, ExportConfig, ort_session, torch_outputs
     from encoderkit.deploy.export import run as export
-    from encoderkit.io import write_card
+    from encoderkit.models.card import write_card
     from encoderkit.models.folder import ModelFolder
 
     src, out = tmp_path / "src", tmp_path / "onnx"

@@ -212,7 +212,7 @@ def test_a_step_of_another_task_is_refused(root, tiny_tokenizer_dir, dev_data):
 
 
 def test_a_torch_int8_folder_is_evaluated_as_the_measurer_runs_it(root, tiny_tokenizer_dir, dev_data, tmp_path, capsys):
-    """`quantize --backend torch` stores INT8 weights that are served through torch's dynamic INT8: evaluate
+    """`quantize --format torch` stores INT8 weights that are served through torch's dynamic INT8: evaluate
     runs that model (not the weights dequantized to FP32), so its figure is the measurer's."""
     from encoderkit.compress.quantize import QuantizeConfig, quantize
     from encoderkit.evaluate.run import compressed_engine
@@ -220,7 +220,7 @@ def test_a_torch_int8_folder_is_evaluated_as_the_measurer_runs_it(root, tiny_tok
 
     folder = make_task_model(root, tiny_tokenizer_dir, "classify")
     q = tmp_path / "q"
-    quantize(folder, QuantizeConfig(method="dynamic", backend="torch", measure=False), q)
+    quantize(folder, QuantizeConfig(method="dynamic", format="torch", measure=False), q)
     engine, runtime = compressed_engine(ModelFolder.open(q), "classify")
     assert runtime == "torch int8-dynamic" and engine is not None
     assert any(type(m).__module__ == "torch.ao.nn.quantized.dynamic.modules.linear" for m in engine.module.modules())

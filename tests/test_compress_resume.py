@@ -16,7 +16,7 @@ from encoderkit.compress.distill import run as distill
 from encoderkit.compress.stack import CompressConfig
 from encoderkit.compress.stack import run as compress
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import read_card
+from encoderkit.models.card import read_card
 from encoderkit.train import engine
 from tests.conftest import WORDS
 

@@ -9,7 +9,8 @@ import pytest
 from encoderkit import cli
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import lineage, output_dir, write_card
+from encoderkit.io import output_dir
+from encoderkit.models.card import lineage, write_card
 
 
 @dataclass

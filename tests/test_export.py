@@ -11,7 +11,7 @@ from deploy_models import TASK_CLASSES, export_task_model, make_task_model, tiny
 from encoderkit.cli import main
 from encoderkit.deploy.export import OUTPUT_NAMES, ExportConfig, ort_session, run, torch_outputs
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import read_card
+from encoderkit.models.card import read_card
 from encoderkit.models.folder import ModelFolder
 
 

@@ -131,11 +131,11 @@ _NOT_BERT_LIKE = r"{stage}: {family} models are not supported \({cls}ForSequence
 LEVER_REFUSED: dict[tuple[str, str], str] = {
     ("distilbert", "prune-heads"): _NOT_BERT_LIKE.format(stage="prune --method heads", family="distilbert", cls="DistilBert"),
     ("distilbert", "prune-ffn"): _NOT_BERT_LIKE.format(stage="prune --method ffn", family="distilbert", cls="DistilBert"),
-    ("distilbert", "quantize-dynamic"): _NOT_BERT_LIKE.format(stage="quantize --method dynamic --backend torch",
+    ("distilbert", "quantize-dynamic"): _NOT_BERT_LIKE.format(stage="quantize --method dynamic --format torch",
                                                               family="distilbert", cls="DistilBert"),
     ("modernbert", "prune-heads"): _NOT_BERT_LIKE.format(stage="prune --method heads", family="modernbert", cls="ModernBert"),
     ("modernbert", "prune-ffn"): _NOT_BERT_LIKE.format(stage="prune --method ffn", family="modernbert", cls="ModernBert"),
-    ("modernbert", "quantize-dynamic"): _NOT_BERT_LIKE.format(stage="quantize --method dynamic --backend torch",
+    ("modernbert", "quantize-dynamic"): _NOT_BERT_LIKE.format(stage="quantize --method dynamic --format torch",
                                                               family="modernbert", cls="ModernBert"),
     ("deberta-v2", "prune-heads"): r"prune --method heads: deberta-v2 models are not supported \(DebertaV2For\w+ lacks",
 }

@@ -65,6 +65,35 @@ def test_cloze_labeller_reads_the_verbalizer_at_the_mask(tiny_mlm):
     assert [r.label for r in swapped] == ["neg" if g == "pos" else "pos" for g in gold]
 
 
+def test_cloze_labeller_loads_a_quantized_mlm_folder(tmp_path, tiny_mlm):
+    """A quantized MLM folder holds ``model.quantized.safetensors``, which plain ``from_pretrained`` cannot read
+    (there is no ``model.safetensors``): the labeller loads through ``ModelFolder.load``, which rebuilds it, and
+    INT8 weights label as the fp32 model does."""
+    import torch
+    from transformers import BertForMaskedLM
+
+    from encoderkit.compress.packing import QuantSpec, rtn_quantize, save_quantized
+
+    model = BertForMaskedLM.from_pretrained(tiny_mlm)
+    qtensors = {}
+    with torch.no_grad():
+        for name, lin in model.bert.encoder.named_modules():
+            if isinstance(lin, torch.nn.Linear):
+                qtensors[f"bert.encoder.{name}.weight"] = qt = rtn_quantize(lin.weight, QuantSpec(8, -1, True))
+                lin.weight.copy_(qt.dequantize())
+    out = tmp_path / "int8"
+    out.mkdir()
+    save_quantized(model, tiny_mlm, out, qtensors, {"method": "rtn", "bits": 8, "group_size": -1,
+                                                    "runtime": "dequantized-fp32"})
+    assert not (out / "model.safetensors").exists() and (out / "tokenizer.json").is_file()
+    texts = [f"this {a} story" for a in POS + NEG]
+    verbalizer = {"neg": "bad", "pos": "good"}
+    got = ClozeLabeller(out, ["neg", "pos"], verbalizer, PATTERN).label(texts)
+    want = ClozeLabeller(tiny_mlm, ["neg", "pos"], verbalizer, PATTERN).label(texts)
+    assert [r.label for r in got] == [r.label for r in want] == ["pos"] * len(POS) + ["neg"] * len(NEG)
+    assert max(abs(a.confidence - b.confidence) for a, b in zip(got, want, strict=True)) < 0.05
+
+
 def test_cloze_bad_verbalizer_and_pattern_are_clear_errors(tiny_mlm):
     with pytest.raises(EncoderkitError, match="no word for pos"):
         ClozeLabeller(tiny_mlm, ["neg", "pos"], {"neg": "bad"}, PATTERN)

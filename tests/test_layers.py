@@ -10,7 +10,7 @@ import cycles between modules.
     < data, tokenizer, models, evaluate.metrics (pure metric functions the tasks score with),
       tasks.registry (the task names and heads the folder reader checks)
     < tasks
-    < train, deploy (export, runtime, batching), evaluate
+    < train, inference (engines, the Predictor), deploy (export, batching; runtime: the Predictor's old home), evaluate
     < compress (and its report), retrieval, label
     < deploy.serve (it serves /v1/search, so it sits above retrieval)
     < quickstart, cli
@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("encoderkit.data", "encoderkit.tokenizer", "encoderkit.models", "encoderkit.evaluate.metrics",
      "encoderkit.evaluate.ranking", "encoderkit.tasks.registry"),
     ("encoderkit.tasks",),
-    ("encoderkit.train", "encoderkit.deploy", "encoderkit.evaluate"),
+    ("encoderkit.train", "encoderkit.inference", "encoderkit.deploy", "encoderkit.evaluate"),
     ("encoderkit.compress", "encoderkit.report", "encoderkit.retrieval", "encoderkit.label"),
     ("encoderkit.deploy.serve",),
     ("encoderkit.quickstart", "encoderkit.doctor", "encoderkit.cli"),

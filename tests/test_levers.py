@@ -203,7 +203,7 @@ def test_classify_data_is_read_with_the_cards_columns(models, tmp_path):
     """A classifier fine-tuned on columns 'review' / 'stars': the levers read those (the old reader
     needed a column literally named 'label' and guessed the text)."""
     from encoderkit.compress.distill import task_batches
-    from encoderkit.io import write_card
+    from encoderkit.models.card import write_card
     from encoderkit.models.folder import ModelFolder
 
     src = models["classify"]
@@ -292,7 +292,7 @@ def test_pair_columns_come_from_the_fine_tuning_config_in_the_lineage(models, tm
     config does; without the parent the pair column is unknown and that is an error, not single texts."""
     import shutil
 
-    from encoderkit.io import write_card
+    from encoderkit.models.card import write_card
 
     parent, child = tmp_path / "parent", tmp_path / "child"
     for d in (parent, child):

@@ -95,9 +95,9 @@ def test_bad_settings_are_clear_errors(tiny_classifier, tmp_path) -> None:
     with pytest.raises(EncoderkitError, match="bits=4"):
         QuantizeConfig(method="dynamic", bits=4)
     with pytest.raises(EncoderkitError, match="fallback_layers needs ONNX"):
-        QuantizeConfig(method="dynamic", fallback_layers=2)  # the torch backend
+        QuantizeConfig(method="dynamic", fallback_layers=2)  # the torch format
     with pytest.raises(EncoderkitError, match="calib-data"):  # the sensitivity is measured on calibration inputs
-        quantize(tiny_classifier, _cfg(method="dynamic", backend="onnx", fallback_layers=2), tmp_path / "d")
+        quantize(tiny_classifier, _cfg(method="dynamic", format="onnx", fallback_layers=2), tmp_path / "d")
     assert not (tmp_path / "d").exists()
     with pytest.raises(EncoderkitError, match="calib-data"):
         quantize(tiny_classifier, _cfg(method="gptq"), tmp_path / "g")
@@ -123,8 +123,8 @@ def test_qat_trains_through_fake_quant_and_stores_int8(tiny_classifier, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [{"method": "dynamic", "backend": "onnx"},
-                                {"method": "dynamic", "backend": "onnx", "fallback_layers": 2},
+@pytest.mark.parametrize("kw", [{"method": "dynamic", "format": "onnx"},
+                                {"method": "dynamic", "format": "onnx", "fallback_layers": 2},
                                 {"method": "static", "calib_method": "minmax", "fallback_layers": 2},
                                 {"method": "static", "calib_method": "percentile", "batch_size": 8}])
 def test_onnx_int8(tiny_classifier, tmp_path, kw) -> None:
@@ -180,7 +180,7 @@ def test_onnx_int4_word_embeddings(tiny_classifier, tmp_path) -> None:
     outs = {}
     for emb in ("fp32", "int4"):
         outs[emb] = tmp_path / emb
-        quantize(tiny_classifier, QuantizeConfig(method="dynamic", backend="onnx", embeddings=emb, group_size=16, measure=False),
+        quantize(tiny_classifier, QuantizeConfig(method="dynamic", format="onnx", embeddings=emb, group_size=16, measure=False),
                  outs[emb], calib=TEXTS)
     graph = onnx.load(str(outs["int4"] / "model.int8.onnx")).graph
     node = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
@@ -201,7 +201,7 @@ def test_onnx_int4_word_embeddings(tiny_classifier, tmp_path) -> None:
     assert np.abs(logits["int4"] - logits["fp32"]).max() < 0.5
     assert (logits["int4"].argmax(-1) == logits["fp32"].argmax(-1)).mean() >= 0.75
     with pytest.raises(EncoderkitError, match="group-size"):
-        QuantizeConfig(method="dynamic", backend="onnx", embeddings="int4", group_size=48)
+        QuantizeConfig(method="dynamic", format="onnx", embeddings="int4", group_size=48)
 
 
 def test_cli_quantize_and_prune(tiny_classifier, tmp_path, capsys) -> None:
@@ -236,7 +236,7 @@ def test_head_and_ffn_pruned_model_goes_through_onnx_int8(tiny_classifier, tmp_p
 
     prune(tiny_classifier, PruneConfig(method="heads", amount=0.5, importance="magnitude", measure=False), tmp_path / "h")
     prune(tmp_path / "h", PruneConfig(method="ffn", amount=0.5, importance="magnitude", measure=False), tmp_path / "hf")
-    rep = quantize(tmp_path / "hf", QuantizeConfig(method="dynamic", backend="onnx", measure=False), tmp_path / "q", calib=TEXTS)
+    rep = quantize(tmp_path / "hf", QuantizeConfig(method="dynamic", format="onnx", measure=False), tmp_path / "q", calib=TEXTS)
     graph = onnx.load(str(tmp_path / "q" / "model.int8.onnx")).graph
     shapes = {tuple(t.dims) for t in graph.initializer if t.data_type == onnx.TensorProto.INT8}
     assert (32, 16) in shapes and (32, 32) in shapes  # Q/K/V: 2 of 4 heads kept; FFN 64 -> 32

@@ -39,7 +39,7 @@ def _corpus(path: Path, docs: dict[str, str]) -> Path:
 
 
 def _cfg(embed_dir, corpus, out, **kw) -> IndexConfig:
-    base = {"model": str(embed_dir), "corpus": [str(corpus)], "out": str(out), "runtime": "torch-fp32",
+    base = {"model": str(embed_dir), "corpus": [str(corpus)], "out": str(out), "backend": "torch-fp32",
             "passage_tokens": 16, "overlap": 4}
     return IndexConfig(**{**base, **kw})
 
@@ -271,10 +271,10 @@ def test_over_long_query_is_truncated_and_said(embed_dir, tmp_path, capsys):
     out = tmp_path / "idx"
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(10)}), out))
     long_q = " ".join(["python movie"] * 400)
-    r = search(SearchConfig(index=str(out), query=long_q, runtime="torch-fp32"))
+    r = search(SearchConfig(index=str(out), query=long_q, backend="torch-fp32"))
     assert r.results[0]["truncated"] is True and len(r.results[0]["hits"]) == 10
     assert "truncated" in capsys.readouterr().err
-    assert search(SearchConfig(index=str(out), query="python movie", runtime="torch-fp32")).results[0]["truncated"] is False
+    assert search(SearchConfig(index=str(out), query="python movie", backend="torch-fp32")).results[0]["truncated"] is False
 
 
 # -- stages and the CLI --------------------------------------------------------------------------
@@ -315,7 +315,7 @@ def test_search_cli_queries_file_to_jsonl(embed_dir, tmp_path):
 
     corpus = _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(12)})
     out = tmp_path / "idx"
-    assert main(["index", "--model", str(embed_dir), "--corpus", str(corpus), "--out", str(out), "--runtime", "torch-fp32",
+    assert main(["index", "--model", str(embed_dir), "--corpus", str(corpus), "--out", str(out), "--backend", "torch-fp32",
                  "--passage-tokens", "16", "--overlap", "4"]) in (0, None)
     (tmp_path / "q.jsonl").write_text('{"id": "a", "query": "python data"}\n{"id": "b", "query": "dull story"}\n')
     assert main(["search", "--index", str(out), "--queries", str(tmp_path / "q.jsonl"), "--output", str(tmp_path / "o.jsonl"),

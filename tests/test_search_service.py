@@ -26,7 +26,7 @@ def test_milvus_lite_round_trip_matches_the_embedded_index(embed_dir, tmp_path):
     uri = str(tmp_path / "milvus.db")
     docs = {f"d{i}": _doc(i) for i in range(30)}
     out = tmp_path / "idx"
-    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, backend="milvus", uri=uri, collection="t"))
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, store="milvus", uri=uri, collection="t"))
     queries = ["python movie fun", "dull story data", "great film"]
     local = Searcher.open(out, runtime="torch-fp32").search(queries, SearchSettings(first_stage="float", rescore="none"))
     remote_s = Searcher.open(out, runtime="torch-fp32", milvus=(uri, "t"))
@@ -36,7 +36,7 @@ def test_milvus_lite_round_trip_matches_the_embedded_index(embed_dir, tmp_path):
         np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-3)
     # an update deletes and upserts in Milvus too
     docs2 = {k: v for k, v in docs.items() if k != "d4"} | {"d9": _doc(9) + " changed"}
-    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs2), out, backend="milvus", uri=uri, collection="t"))
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs2), out, store="milvus", uri=uri, collection="t"))
     from encoderkit.retrieval.milvus import _count, client
 
     n = len(Searcher.open(out, runtime="torch-fp32").gen.passages)
@@ -55,7 +55,7 @@ def test_milvus_uri_that_does_not_answer_is_a_clear_error_and_nothing_is_lost(em
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, float16=True))
     sizes, before = _sizes(out), Searcher.open(out, runtime="torch-fp32").search(["python"])
     with pytest.raises(EncoderkitError, match=rf"Milvus at http://127.0.0.1:{port} did not answer.*local index .* is unchanged"):
-        index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {**docs, "x": "movie"}), out, backend="milvus",
+        index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {**docs, "x": "movie"}), out, store="milvus",
                    uri=f"http://127.0.0.1:{port}"))
     assert _sizes(out) == sizes and Searcher.open(out, runtime="torch-fp32").search(["python"]) == before
     assert not list(out.glob(".gen-*"))

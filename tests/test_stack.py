@@ -73,7 +73,7 @@ def test_shorthands_expand_to_lever_calls():
         {"lever": "quantize", "method": "dynamic-int8"},
     ]})
     assert steps[0].calls == [{"method": "heads", "amount": 0.25}, {"method": "ffn", "amount": 0.5, "recovery_steps": 10}]
-    assert steps[1].calls == [{"method": "dynamic", "backend": "onnx"}]
+    assert steps[1].calls == [{"method": "dynamic", "format": "onnx"}]
     # one quantization step per recipe: gptq is checked in a recipe of its own
     assert validate_recipe({"steps": [{"lever": "gptq", "bits": 4}]})[0].calls == [{"method": "gptq", "bits": 4}]
 
@@ -100,7 +100,7 @@ def test_two_lever_stack_remeasures_every_step(classifier_dir, dev_tsv, tmp_path
     from transformers import AutoTokenizer
 
     from encoderkit.compress.packing import load_model
-    from encoderkit.io import lineage
+    from encoderkit.models.card import lineage
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("steps:\n"

@@ -285,7 +285,7 @@ def run(config: DistillConfig) -> DistillResult:
     if kind in TASK_KINDS:
         return run_task(cfg, task)
 
-    from encoderkit.io import inherited_card
+    from encoderkit.models.card import inherited_card
 
     teacher_folder = ModelFolder.open(cfg.teacher)
     teacher = teacher_folder.load(frozen=True)

@@ -21,8 +21,6 @@ The student is saved as a sentence-transformers folder with the teacher's own mo
 
 from __future__ import annotations
 
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from torch import nn
 
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder_files import copy_side_files
 from encoderkit.tasks.embed.texts import training_texts
 
 _PLAIN_MODULES = ("Transformer", "Pooling", "Normalize")
@@ -52,17 +51,6 @@ def check_plain_embedder(folder: Path) -> None:
         if kind not in _PLAIN_MODULES:
             raise EncoderkitError(f"{modules}: module {m.get('path')!r} is a {kind}; embedding distillation handles "
                                   f"{' -> '.join(_PLAIN_MODULES)} teachers only")
-
-
-def copy_st_files(teacher: Path, out: Path) -> None:
-    """The teacher's sentence-transformers files (modules.json, pooling/normalise folders, configs)
-    into ``out``, so the student pools and normalises as the teacher does."""
-    for name in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
-        if (teacher / name).is_file():
-            shutil.copy2(teacher / name, out / name)
-    for sub in teacher.iterdir():
-        if sub.is_dir() and re.match(r"\d+_", sub.name):
-            shutil.copytree(sub, out / sub.name, dirs_exist_ok=True)
 
 
 # -- loss and training -------------------------------------------------------------------------------
@@ -96,7 +84,7 @@ def teacher_embeddings(teacher: Any, tokenizer: Any, texts: list[str], max_lengt
 def embed_batches(tokenizer: Any, texts: list[str], targets: np.ndarray, seq_len: int, batch_size: int, seed: int) -> Any:
     """A length-bucketed engine batch source: token ids of each text and its teacher embedding."""
     from encoderkit.tasks.batching import BucketedBatches, encode_batch
-    from encoderkit.tasks.embed.features import tokenize
+    from encoderkit.tasks.embed.embedder import tokenize
 
     rows = tokenize(tokenizer, texts, seq_len)
     for r, t in zip(rows, targets):
@@ -111,8 +99,6 @@ def embed_batches(tokenizer: Any, texts: list[str], targets: np.ndarray, seq_len
 
 def run_embed(cfg: Any) -> Any:
     """Distil an embed teacher (see the module docstring); ``cfg`` is a DistillConfig."""
-    from transformers import AutoModel, AutoTokenizer
-
     from encoderkit.compress.students import (
         DistillResult,
         build_student_from_teacher,
@@ -121,7 +107,7 @@ def run_embed(cfg: Any) -> Any:
         fit_and_save,
         parse_layer_map,
     )
-    from encoderkit.io import inherited_card
+    from encoderkit.models.card import inherited_card
     from encoderkit.models.folder import ModelFolder
     from encoderkit.tasks.embed.features import BiEncoder, folder_max_length, save_sentence_transformers
 
@@ -133,14 +119,14 @@ def run_embed(cfg: Any) -> Any:
     card = inherited_card(teacher_folder.card)
     pooling = teacher_folder.pooling or "mean"  # first/mean, from the card or the ST files
     max_length = card.get("max_length") or folder_max_length(teacher_dir) or 256
-    tokenizer = AutoTokenizer.from_pretrained(str(teacher_dir))
-    teacher_enc = AutoModel.from_pretrained(str(teacher_dir)).eval()
+    tokenizer = teacher_folder.tokenizer()
+    teacher_enc = teacher_folder.load(task="embed")  # a quantized or head-pruned teacher is rebuilt
     teacher = BiEncoder(teacher_enc, pooling)
     layers: list[int] | None = None
     if cfg.student:
         check_same_tokenizer(teacher_dir, cfg.student)
         check_same_task(teacher_dir, cfg.student)
-        student_enc = AutoModel.from_pretrained(str(cfg.student))
+        student_enc = ModelFolder.open(cfg.student, tokenizer=False).load(task="embed")
         check(student_enc.config.hidden_size == teacher_enc.config.hidden_size,
               f"student {cfg.student} has hidden size {student_enc.config.hidden_size}, the teacher "
               f"{teacher_enc.config.hidden_size}; embedding distillation needs the same embedding size")
@@ -170,7 +156,7 @@ def run_embed(cfg: Any) -> Any:
         if (teacher_dir / "modules.json").is_file():
             student_enc.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
-            copy_st_files(teacher_dir, folder)
+            copy_side_files(teacher_dir, folder, sentence_transformers_only=True)
         else:
             save_sentence_transformers(BiEncoder(student_enc, pooling), tokenizer, folder, max_length)
 

@@ -223,7 +223,7 @@ _TRAIN_HELP = {"lists": "a BEIR source with --miner, or JSONL {query, positive, 
 def run_task(cfg: Any, task: Task) -> Any:
     """Distil a rerank, NER or QA teacher (``cfg`` is a DistillConfig); see the module docstring."""
     from encoderkit.compress.students import DistillResult, fit_and_save, make_student
-    from encoderkit.io import inherited_card
+    from encoderkit.models.card import inherited_card
     from encoderkit.models.folder import ModelFolder
 
     if task.distill_kind not in KINDS:

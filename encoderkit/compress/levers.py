@@ -173,7 +173,7 @@ class QuantizeLever(_WeightLever):
         (p,) = super().calls(params)
         if p.get("method") == "dynamic-int8":
             p["method"] = "dynamic"
-            p.setdefault("backend", "onnx")
+            p.setdefault("format", "onnx")
         return [p]
 
     def needs(self, settings: dict[str, Any]) -> tuple[str, ...]:

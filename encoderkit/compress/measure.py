@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from encoderkit.config import check
-from encoderkit.deploy.runtime import graph_engine
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.run import EvaluateConfig, compressed_engine, folder_metrics
+from encoderkit.inference.engines import open_engine
 from encoderkit.models.folder import SERVABLE, ModelFolder
 from encoderkit.tasks import get_task
 from encoderkit.tasks.inference import ModuleEngine, run_rows
@@ -69,7 +69,8 @@ def finish_lever(tmp: Path, lever: str, method: str, model_dir: Path, out_dir: P
                  quality_fn: QualityFn | None) -> LeverReport:
     """Measure the lever's new folder ``tmp`` (to be renamed to ``out_dir``), write its card (the
     parent's task facts carried over) and ``report.json``, and return the report."""
-    from encoderkit.io import inherited_card, write_card, write_json_atomic
+    from encoderkit.io import write_json_atomic
+    from encoderkit.models.card import inherited_card, write_card
 
     after = measure_folder(tmp, latency=latency, quality_fn=quality_fn)
     report = LeverReport(lever, method, str(model_dir), str(out_dir), before, after, details)
@@ -360,7 +361,7 @@ class StepMeasurer:
         threads = torch.get_num_threads()
         plain = mf.quantization is None and mf.kept_heads is None
         if mf.onnx_int8 is not None or (self.runtime == "deploy" and plain):
-            engine, backend = graph_engine(mf, threads, MAX_BATCH)
+            engine, backend = open_engine(mf, "graph", threads=threads)
             return engine, engine, f"deploy {backend}"
         engine, runtime = compressed_engine(mf, self.task, threads, MAX_BATCH)  # what `evaluate` runs on this folder
         if engine is None:

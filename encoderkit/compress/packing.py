@@ -8,7 +8,6 @@ folders too; they are re-exported here for the levers.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import load_model, read_config  # noqa: F401 -- the one loader, re-exported for the levers
+from encoderkit.models.folder_files import copy_side_files
 from encoderkit.models.rebuild import (  # noqa: F401 -- re-exported for the levers and their tests
     HEADS_KEY,
     QUANT_FILE,
@@ -27,8 +27,6 @@ from encoderkit.models.rebuild import (  # noqa: F401 -- re-exported for the lev
     shrink_heads,
     unpack_int4,
 )
-
-_WEIGHT_FILES = {"model.safetensors", "pytorch_model.bin", QUANT_FILE, "config.json", "encoderkit.json", "report.json"}
 
 
 def scale_zero(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -128,18 +126,6 @@ def save_quantized(model: torch.nn.Module, src_dir: Path, out: Path, qtensors: d
     model.config.save_pretrained(out)
     del model.config.__dict__[QUANT_KEY]
     copy_side_files(src_dir, out)
-
-
-def copy_side_files(src: Path, out: Path) -> None:
-    """Copy tokenizer and sentence-transformers files (everything but weights, config and card)."""
-    for p in Path(src).iterdir():
-        if p.name in _WEIGHT_FILES or p.suffix in (".onnx", ".data") or p.name.startswith("."):
-            continue
-        if p.is_dir():
-            if p.name not in ("onnx", "openvino", "checkpoints"):
-                shutil.copytree(p, out / p.name, dirs_exist_ok=True)
-        else:
-            shutil.copy2(p, out / p.name)
 
 
 # -- loading ---------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, text_batches
-from encoderkit.compress.packing import HEADS_KEY, copy_side_files, is_quantized, load_model
+from encoderkit.compress.packing import HEADS_KEY, is_quantized, load_model
 from encoderkit.compress.recovery import recover, self_target_loss
 from encoderkit.compress.task_data import LeverData, TaskInputs
 from encoderkit.config import StageConfig, arg, check
@@ -37,6 +37,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import describe, detect
 from encoderkit.io import output_dir
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.folder_files import copy_side_files
 from encoderkit.models.rebuild import encoder_layers, slice_linear
 from encoderkit.progress import progress
 

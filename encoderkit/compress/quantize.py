@@ -2,9 +2,9 @@
 
 Methods (``method=``):
 
-- ``dynamic``: post-training dynamic INT8. ``backend=torch`` stores per-channel INT8 weights with
+- ``dynamic``: post-training dynamic INT8. ``format=torch`` stores per-channel INT8 weights with
   their scales (real int8 tensors in safetensors; activations quantized at run time by
-  ``torch.ao`` dynamic quantization when served); ``backend=onnx`` exports ONNX and runs ORT
+  ``torch.ao`` dynamic quantization when served); ``format=onnx`` exports ONNX and runs ORT
   ``quantize_dynamic(per_channel=True)``, writing ``model.int8.onnx``.
 - ``static``: INT8 weights *and* activations with a calibration set (ORT QDQ ``quantize_static``,
   MinMax / Entropy / Percentile calibration), with a per-layer fallback to fp32 for the MatMuls
@@ -24,7 +24,7 @@ import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -34,17 +34,17 @@ from encoderkit.compress.onnx_embeddings import BLOCK_SIZES
 from encoderkit.compress.packing import (
     QTensor,
     QuantSpec,
-    copy_side_files,
     is_quantized,
     load_model,
     rtn_quantize,
     save_quantized,
 )
 from encoderkit.compress.task_data import LeverData
-from encoderkit.config import StageConfig, arg, check
+from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.folder_files import copy_side_files
 from encoderkit.progress import progress
 
 METHODS = ("dynamic", "static", "qat", "gptq", "rtn")
@@ -57,11 +57,13 @@ CALIB_DEFAULT = {"gptq": 4096}
 class QuantizeConfig(StageConfig):
     """Settings of the quantization lever (CLI: ``encoderkit quantize``; recipe step ``lever: quantize``)."""
 
+    renamed: ClassVar[dict[str, Renamed]] = {"backend": Renamed("format")}  # until the next release
+
     model: str = arg("", help="Model folder to quantize (given by the recipe runner inside a recipe)")
     out: str = arg("", help="Output folder for the quantized model (given by the recipe runner inside a recipe)")
     method: str = arg("dynamic", help="dynamic | static | qat | gptq | rtn", choices=METHODS)
-    backend: str = arg("torch", help="dynamic: 'torch' (int8 safetensors) or 'onnx' (ORT int8 model.int8.onnx); static always uses onnx",
-                       choices=("torch", "onnx"))
+    format: str = arg("torch", help="dynamic: 'torch' (int8 safetensors) or 'onnx' (ORT int8 model.int8.onnx); static always uses onnx",
+                      choices=("torch", "onnx"))
     bits: int = arg(8, help="Weight bits: 8 or 4 (4 only for gptq/rtn)")
     group_size: int = arg(128, help="Input columns sharing one scale (gptq/rtn); -1 = one scale per output row")
     symmetric: bool = arg(True, help="Symmetric quantization (no zero point); False stores uint zero points (gptq/rtn)")
@@ -79,7 +81,7 @@ class QuantizeConfig(StageConfig):
                                      "Linear needs many tokens and short texts give few; static/qat 128)")
     calib_seq_len: int = arg(0, help="Max tokens per calibration / QAT text (0: the model's max length, the length it serves at)")
     calib_method: str = arg("minmax", help="static: activation range calibration", choices=("minmax", "entropy", "percentile"))
-    fallback_layers: int = arg(0, help="static, and dynamic with --backend onnx: keep this many most sensitive MatMuls in "
+    fallback_layers: int = arg(0, help="static, and dynamic with --format onnx: keep this many most sensitive MatMuls in "
                                         "fp32 (each quantized alone, measured by the output error on calibration inputs)")
     train_data: str = arg("", help="qat: the task's training data for the quantization-aware fine-tuning (read by the task's reader)")
     qat_steps: int = arg(200, help="qat: optimisation steps")
@@ -101,9 +103,9 @@ class QuantizeConfig(StageConfig):
               "calib_samples must be >= 0 and calib_seq_len 0 (the model's max length) or >= 8")
         check(self.fallback_layers >= 0, "fallback_layers must be >= 0")
         check(0 <= self.kd_alpha <= 1, f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
-        onnx = self.method == "static" or self.method == "dynamic" and self.backend == "onnx"
+        onnx = self.method == "static" or self.method == "dynamic" and self.format == "onnx"
         check(self.fallback_layers == 0 or onnx, "fallback_layers needs ONNX: method static, or dynamic with "
-              "--backend onnx (the torch backend has no per-layer fallback)")
+              "--format onnx (the torch format has no per-layer fallback)")
         check(not onnx or self.embeddings != "int4" or self.group_size in BLOCK_SIZES,
               f"embeddings=int4 on ONNX needs --group-size in {BLOCK_SIZES} (columns per block), got {self.group_size}")
 
@@ -138,18 +140,18 @@ def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
     data = (data or LeverData.for_model(model_dir)).with_sources(train=config.train_data, calib=config.calib_data)
     folder = ModelFolder.open(model_dir)
     cfg = config if config.calib_seq_len else dataclasses.replace(config, calib_seq_len=folder.max_length)  # as served
-    onnx_check = cfg.method == "dynamic" and cfg.backend == "onnx" and data.source("calib")  # the INT8 graph's output error
+    onnx_check = cfg.method == "dynamic" and cfg.format == "onnx" and data.source("calib")  # the INT8 graph's output error
     if calib is None and (needs_calibration(cfg) or onnx_check):
         calib = calibration_texts(cfg, None, data, model_dir)
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
     tokenizer = folder.tokenizer()
     model = folder.load()
     details: dict[str, Any] = {}
-    onnx = cfg.method == "dynamic" and cfg.backend == "onnx" or cfg.method == "static"
+    onnx = cfg.method == "dynamic" and cfg.format == "onnx" or cfg.method == "static"
     if not onnx:  # torch methods walk BERT's layer list: another family is refused by name before any work
         from encoderkit.models.rebuild import encoder_layers
 
-        encoder_layers(model, f"quantize --method {cfg.method} --backend torch")
+        encoder_layers(model, f"quantize --method {cfg.method} --format torch")
     with output_dir(out_dir, cfg.overwrite) as tmp:
         if onnx:
             details = _quantize_onnx(model, tokenizer, cfg, model_dir, tmp, calib)

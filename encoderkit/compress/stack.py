@@ -99,7 +99,7 @@ def validate_recipe(data: Any, source: str = "recipe") -> list[RecipeStep]:
         if name not in LEVERS:
             raise EncoderkitError(f"{where}: unknown lever; known levers: {', '.join(LEVERS)}")
         lever = LEVERS[name]
-        params = {k: v for k, v in raw.items() if k != "lever"}
+        params = lever.config_class.new_keys({k: v for k, v in raw.items() if k != "lever"}, where)
         known = lever.recipe_keys()
         for key in params:
             field_name = key.replace("-", "_")
@@ -241,7 +241,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
     ``task`` is the recipe's task, if it names one. ``done``: the rows of a resumed run (the start and
     the steps it finished, whose folders are in ``work``), not run again; ``on_row(rows)`` is called
     after every measurement."""
-    from encoderkit.io import card_facts, read_card, write_card
+    from encoderkit.models.card import card_facts, read_card, write_card
     from encoderkit.progress import note, progress
 
     data = LeverData.for_model(cfg.model, train=cfg.train, calib=cfg.calib, miner=cfg.miner)

@@ -110,10 +110,9 @@ def build_narrow_student(teacher: nn.Module, hidden_size: int, num_layers: int, 
 
 def check_same_tokenizer(teacher_dir: str | Path, student_dir: str | Path) -> None:
     """Raise unless both folders hold the same vocabulary (same tokens at the same ids)."""
-    from transformers import AutoTokenizer
+    from encoderkit.tokenizer import load_tokenizer
 
-    t = AutoTokenizer.from_pretrained(str(teacher_dir))
-    s = AutoTokenizer.from_pretrained(str(student_dir))
+    t, s = load_tokenizer(teacher_dir), load_tokenizer(student_dir)
     tv, sv = t.get_vocab(), s.get_vocab()
     if tv != sv:
         only_t = sorted(set(tv) - set(sv))[:5]
@@ -199,7 +198,8 @@ def fit_and_save(cfg: Any, module: nn.Module, loss_fn: Any, source: Any, save: A
     replay); a fresh start removes a stale one; a finished run removes its own."""
     import shutil
 
-    from encoderkit.io import check_output_dir, output_dir, write_card
+    from encoderkit.io import check_output_dir, output_dir
+    from encoderkit.models.card import write_card
     from encoderkit.train.checkpoint import run_dir_beside
     from encoderkit.train.engine import TrainSettings, fit
 

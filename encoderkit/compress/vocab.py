@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder
-from encoderkit.compress.packing import copy_side_files
 from encoderkit.compress.task_data import LeverData, vocabulary_texts
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, write_json_atomic
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.folder_files import copy_side_files
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")
 

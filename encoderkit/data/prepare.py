@@ -56,7 +56,8 @@ from encoderkit.data.readers import (
     resolve_sources,
 )
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import output_dir, read_json, write_card, write_json_atomic
+from encoderkit.io import output_dir, read_json, write_json_atomic
+from encoderkit.models.card import write_card
 from encoderkit.progress import note, progress
 from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
 

@@ -25,8 +25,10 @@ import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import inherited_card, output_dir, write_card
+from encoderkit.io import output_dir
+from encoderkit.models.card import inherited_card, write_card
 from encoderkit.models.folder import ONNX_FP32, ONNX_INT8, ModelFolder
+from encoderkit.models.folder_files import copy_side_files
 from encoderkit.tasks import TASKS, get_task
 
 OUTPUT_NAMES = {t: list(get_task(t).outputs) for t in TASKS}  # task -> its graph's output names (``task.outputs``)
@@ -259,18 +261,6 @@ def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: boo
     return report
 
 
-def copy_model_files(src: Path, dst: Path) -> None:
-    """Copy config, tokenizer, sentence-transformers files and weights. Copies, not hard links: a link would
-    make an in-place edit of either folder's file (a config fix, a tokenizer tweak) change the other too."""
-    for p in src.rglob("*"):
-        rel = p.relative_to(src)
-        if p.is_dir() or rel.name in ("encoderkit.json", ONNX_FP32, ONNX_INT8) or rel.parts[0].startswith("."):
-            continue
-        target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(p, target)  # the new folder's own permissions (umask), not the source's mode
-
-
 def run(cfg: ExportConfig) -> ExportResult:
     """Export a task model to ONNX (optionally fused and INT8), checked against PyTorch.
 
@@ -281,7 +271,7 @@ def run(cfg: ExportConfig) -> ExportResult:
     info.require_task(*TASKS)
     info.require_tokenizer()
     with output_dir(cfg.out, cfg.overwrite) as tmp:
-        copy_model_files(src, tmp)
+        copy_side_files(src, tmp, weights=True)
         parity = export_onnx(info, tmp, optimize=cfg.optimize, int8=cfg.quantize == "int8-dynamic", opset=cfg.opset,
                              tolerance=cfg.tolerance, int8_min_cosine=cfg.int8_min_cosine)
         print(f"parity on {len(SAMPLE_TEXTS)} sample inputs: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in parity.items()))

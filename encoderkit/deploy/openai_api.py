@@ -32,9 +32,9 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
-from encoderkit.deploy.runtime import finish_embeddings
 from encoderkit.deploy.text_checks import text_problem
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.predictor import finish_embeddings
 from encoderkit.tasks import get_task
 
 log = logging.getLogger(__name__)

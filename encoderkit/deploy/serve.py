@@ -43,9 +43,9 @@ from starlette.exceptions import HTTPException
 from encoderkit.config import StageConfig, arg, check, named_folders
 from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
 from encoderkit.deploy.openai_api import error_type, openai_router
-from encoderkit.deploy.runtime import BACKENDS, Predictor, describe, finish_embeddings
 from encoderkit.deploy.text_checks import text_problem
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.predictor import BACKENDS, Predictor, describe, finish_embeddings
 from encoderkit.tasks import TASKS, get_task
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

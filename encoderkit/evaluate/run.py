@@ -69,19 +69,16 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
 def compressed_engine(folder: ModelFolder, task: str | None, threads: int | None = None, max_batch: int = 32) -> tuple[Any, str]:
     """How a compressed folder's quality is measured, by ``evaluate`` and the compression measurer alike:
     ONNX Runtime on its graph when it has no torch weights (an ONNX INT8 step's folder); torch's dynamic
-    INT8 model when its weights are INT8 (``quantize --backend torch``: int8 weights, activations
+    INT8 model when its weights are INT8 (``quantize --format torch``: int8 weights, activations
     quantized at run time, not the weights dequantized to FP32); else ``(None, "torch fp32")``: the
-    folder's torch model as it loads."""
-    from encoderkit.deploy.runtime import graph_engine
-    from encoderkit.tasks.inference import ModuleEngine
+    folder's torch model as it loads. The rule is the engines' ``evaluate`` policy
+    (:func:`encoderkit.inference.engines.open_engine`); ``max_batch`` is the caller's, not the engine's."""
+    from encoderkit.inference.engines import TORCH_INT8, open_engine
 
-    if folder.torch_weights is None and (folder.onnx_int8 is not None or folder.onnx_fp32 is not None):
-        engine, backend = graph_engine(folder, threads, max_batch)
-        return engine, f"deploy {backend}"
-    quant = folder.quantization
-    if quant is not None and int(quant.get("bits", 8)) == 8 and task in TASKS:
-        return ModuleEngine(folder.load(task=task, int8_runtime=True), get_task(task).outputs), "torch int8-dynamic"
-    return None, "torch fp32"
+    engine, backend = open_engine(folder, "evaluate", task=task, threads=threads)
+    if backend is None:
+        return None, "torch fp32"
+    return engine, backend if backend == TORCH_INT8 else f"deploy {backend}"
 
 
 def folder_metrics(folder: ModelFolder, cfg: EvaluateConfig, engine: Any = None) -> tuple[str, dict[str, Any]]:

@@ -1,7 +1,7 @@
 """Offline labellers that need only an encoder, no server.
 
 * :class:`EmbedLabeller`: zero-shot by nearest label description in embedding space (through the
-  :class:`~encoderkit.deploy.runtime.Predictor`); each class's prototype is the normalised mean of
+  :class:`~encoderkit.inference.predictor.Predictor`); each class's prototype is the normalised mean of
   its description's embedding and, if given, a few labelled seed texts.
 * :class:`ClozeLabeller`: the pattern-exploiting approach (PET, Schick & Schütze 2021): the text is
   put into a pattern with one mask (``"{text} It was {mask}."``) and each label scored by the masked-LM
@@ -38,7 +38,7 @@ class EmbedLabeller:
     def __init__(self, model: str | Path, labels: list[str], descriptions: dict[str, str],
                  seeds: list[tuple[str, str]] | None = None, temperature: float = 0.05, backend: str = "auto",
                  batch_size: int = 32) -> None:
-        from encoderkit.deploy.runtime import Predictor
+        from encoderkit.inference.predictor import Predictor
 
         self.predictor = Predictor.load(model, backend=backend, threads=None, max_batch=batch_size)
         if get_task(self.predictor.task).endpoint != "embed":  # prototypes are sentence vectors: /v1/embed's call
@@ -71,7 +71,8 @@ class ClozeLabeller:
     def __init__(self, model: str | Path, labels: list[str], verbalizer: dict[str, str], pattern: str = DEFAULT_PATTERN,
                  max_length: int = 128, batch_size: int = 32) -> None:
         import torch
-        from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+        from encoderkit.models.folder import ModelFolder
 
         for ph in ("{text}", "{mask}"):
             if pattern.count(ph) != 1:
@@ -80,12 +81,13 @@ class ClozeLabeller:
         if missing:
             raise EncoderkitError(f"--verbalizer has no word for {', '.join(missing)}; give LABEL=WORD for every label")
         self.torch = torch
-        self.tok = AutoTokenizer.from_pretrained(str(model))
-        try:
-            self.model = AutoModelForMaskedLM.from_pretrained(str(model)).eval()
-        except (OSError, ValueError) as e:
-            raise EncoderkitError(f"--model {model}: no masked-LM head could be loaded ({e}); the cloze labeller needs an "
-                                  "MLM folder (e.g. the output of `encoderkit pretrain`)") from e
+        folder = ModelFolder.open(model)
+        self.tok = folder.tokenizer()
+        try:  # a quantized or head-pruned MLM folder is rebuilt
+            self.model = folder.load(task="mlm")
+        except EncoderkitError as e:
+            raise EncoderkitError(f"--model {model}: no masked-LM head could be loaded ({e.__cause__ or e}); the cloze "
+                                  "labeller needs an MLM folder (e.g. the output of `encoderkit pretrain`)") from e
         if self.tok.mask_token is None:
             raise EncoderkitError(f"--model {model}: the tokenizer has no mask token")
         self.word_ids = []

@@ -82,7 +82,7 @@ def seen_in_training(encoder: str | Path, texts: list[str]) -> int | None:
     """How many of ``texts`` the encoder was fine-tuned on (from its card's training file), or None
     when that file is not at hand: an encoder scored on texts it trained on, with the audited
     corrections as labels, looks better than it is."""
-    from encoderkit.io import read_card
+    from encoderkit.models.card import read_card
     from encoderkit.tasks.tabular import read_rows
 
     config = read_card(encoder).get("config") or {}
@@ -117,7 +117,7 @@ def run(cfg: ReportConfig) -> ReportResult:
     check_rows(cfg.sheet, rows, recs, cfg.input)
     predictor = None
     if cfg.encoder:
-        from encoderkit.deploy.runtime import Predictor
+        from encoderkit.inference.predictor import Predictor
 
         predictor = Predictor.load(cfg.encoder, threads=1)
         if get_task(predictor.task).endpoint != "classify":  # the report labels single texts: /v1/classify's call

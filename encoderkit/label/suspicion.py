@@ -60,7 +60,7 @@ def features(texts: list[str], kind: str, model: str):
     if kind in ("tfidf", "both"):
         parts.append(TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True).fit_transform(texts))
     if kind in ("embed", "both"):
-        from encoderkit.deploy.runtime import Predictor
+        from encoderkit.inference.predictor import Predictor
         from encoderkit.tasks.common import resolve_model
 
         parts.append(sparse.csr_matrix(Predictor.load(resolve_model(model)).embed(texts, normalize=True)))

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import CARD
+from encoderkit.models.card import CARD
 from encoderkit.models.pooling import apply_pooling
 from encoderkit.models.rebuild import HEADS_KEY, QUANT_FILE, QUANT_KEY, rebuild_model
 from encoderkit.progress import note

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from encoderkit.deploy.runtime import Predictor, finish_embeddings
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.predictor import Predictor, finish_embeddings
 from encoderkit.io import write_json_atomic
 from encoderkit.retrieval.codes import int8_calibration, stored_codes
 from encoderkit.retrieval.store import Generation

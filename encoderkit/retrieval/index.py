@@ -22,19 +22,19 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from encoderkit.config import StageConfig, arg, check
-from encoderkit.deploy.runtime import BACKENDS, Predictor, finish_embeddings
+from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.predictor import BACKENDS, Predictor, finish_embeddings
 from encoderkit.io import model_fingerprint
 from encoderkit.progress import note, progress
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import int8_calibration, stored_codes
 from encoderkit.retrieval.corpus import SourceDoc, passage_spans, read_corpus
-from encoderkit.retrieval.store import Generation, current_folder, open_generation, write_generation
+from encoderkit.retrieval.store import STORES, Generation, current_folder, open_generation, write_generation
 from encoderkit.tasks import get_task
 
 EMBED_CHUNK = 256  # texts per Predictor call (it batches inside)
@@ -50,6 +50,9 @@ def embed_texts(p: Predictor, texts: list[str], desc: str = "embed") -> np.ndarr
 @dataclass
 class IndexConfig(StageConfig):
     """Settings of ``encoderkit index``."""
+
+    # old spellings, until the next release: --runtime X is --backend X, --backend local|milvus is --store
+    renamed: ClassVar[dict[str, Renamed]] = {"runtime": Renamed("backend"), "backend": Renamed("store", values=STORES)}
 
     model: str = arg(help="Embed model folder (a sentence-transformers or encoderkit embed folder).", required=True)
     corpus: list[str] = arg(help="Text files, folders, JSONL/CSV with an id field, a BEIR folder or the SciFact zip.",
@@ -72,11 +75,11 @@ class IndexConfig(StageConfig):
     calibrate_queries: str | None = arg(None, help="JSONL of {'query'} lines for --calibrate (default: the first "
                                                    "sentences of sampled passages).")
     min_overlap: float = arg(0.9, help="--calibrate recommends the smallest setting whose mean top-10 overlap is at least this.")
-    backend: str = arg("local", help="Where vectors are searched: the local index, or also a Milvus server.",
-                       choices=("local", "milvus"))
-    uri: str | None = arg(None, help="Milvus URI for --backend milvus (http://host:19530, or a file.db for milvus-lite).")
+    store: str = arg("local", help="Where vectors are searched: the local index, or also a Milvus server.",
+                     choices=STORES)
+    uri: str | None = arg(None, help="Milvus URI for --store milvus (http://host:19530, or a file.db for milvus-lite).")
     collection: str = arg("encoderkit", help="Milvus collection name.")
-    runtime: str = arg("auto", help="Predictor backend for embedding (auto: the fastest, ONNX INT8 for embed models).",
+    backend: str = arg("auto", help="Predictor backend for embedding (auto: the fastest, ONNX INT8 for embed models).",
                        choices=BACKENDS, speed=True)
     threads: int | None = arg(None, help="onnxruntime threads.", speed=True)
     batch_size: int = arg(32, help="Texts per model call.", speed=True)
@@ -85,7 +88,7 @@ class IndexConfig(StageConfig):
         check(self.dims >= 0, "--dims must be 0 (the model's) or positive")
         check(self.overlap >= 0, "--overlap must be >= 0")
         check(self.passage_tokens <= 0 or self.overlap < self.passage_tokens, "--overlap must be below --passage-tokens")
-        check(self.backend != "milvus" or bool(self.uri), "--backend milvus needs --uri (http://host:19530 or file.db)")
+        check(self.store != "milvus" or bool(self.uri), "--store milvus needs --uri (http://host:19530 or file.db)")
         check(0 < self.min_overlap <= 1, "--min-overlap must be in (0, 1]")
 
 
@@ -110,7 +113,7 @@ def run(cfg: IndexConfig) -> IndexResult:
         note(f"skipped {s}")
     if len(read.skipped) > 5:
         note(f"... and {len(read.skipped) - 5} more skipped")
-    p = Predictor.load(cfg.model, backend=cfg.runtime, threads=cfg.threads, max_batch=cfg.batch_size)
+    p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.batch_size)
     if get_task(p.task).endpoint != "embed":  # the index holds sentence vectors: /v1/embed's call
         raise EncoderkitError(f"--model {cfg.model} is a {p.task!r} model; indexing needs an embed model")
     fingerprint = model_fingerprint(cfg.model)
@@ -121,7 +124,7 @@ def run(cfg: IndexConfig) -> IndexResult:
         old = open_generation(root)
     elif root.exists() and any(x for x in root.iterdir() if not x.name.startswith(".")):
         raise EncoderkitError(f"--out {root} is a non-empty folder that is not an index; choose another --out")
-    manifest = {"model": {"folder": str(Path(cfg.model).resolve()), "fingerprint": fingerprint, "runtime": p.backend,
+    manifest = {"model": {"folder": str(Path(cfg.model).resolve()), "fingerprint": fingerprint, "backend": p.backend,
                           "max_length": p.max_length},
                 "passages": {"tokens": size, "overlap": cfg.overlap}, "normalized": True}
     if old is not None and not cfg.rebuild:
@@ -132,8 +135,8 @@ def run(cfg: IndexConfig) -> IndexResult:
         for key, want in (("passages", manifest["passages"]), ("dims", cfg.dims or om["dims"])):
             if om.get(key) != want:
                 raise EncoderkitError(f"index {root} has {key}={om.get(key)}, this run asks {want}; pass --rebuild to re-embed")
-        if (cfg.float16 or cfg.backend == "milvus") and not om.get("float16"):
-            raise EncoderkitError(f"index {root} holds no float16 vectors (needed by --float16 and --backend milvus); "
+        if (cfg.float16 or cfg.store == "milvus") and not om.get("float16"):
+            raise EncoderkitError(f"index {root} holds no float16 vectors (needed by --float16 and --store milvus); "
                                   "pass --rebuild to re-embed")
     reuse = {} if old is None or cfg.rebuild else _rows_by_doc(old)
 
@@ -165,7 +168,7 @@ def run(cfg: IndexConfig) -> IndexResult:
     vecs = finish_embeddings(raw, dims, True) if raw.size else np.zeros((0, dims), np.float32)
     calibration = (np.asarray(old.arrays["int8_calibration"]) if old is not None and not cfg.rebuild
                    else int8_calibration(vecs))
-    keep_float = cfg.float16 or cfg.backend == "milvus" or bool(old is not None and not cfg.rebuild and old.manifest["float16"])
+    keep_float = cfg.float16 or cfg.store == "milvus" or bool(old is not None and not cfg.rebuild and old.manifest["float16"])
     arrays = _assemble(old, source_rows, vecs, calibration, keep_float)
     manifest.update({"dims": dims, "model_dims": full, "float16": keep_float,
                      "precisions": ["binary", "int8"] + (["float16"] if keep_float else [])})
@@ -174,7 +177,7 @@ def run(cfg: IndexConfig) -> IndexResult:
     if len(passages) > cfg.ann_threshold:
         extra["binary.ivf"] = lambda path: ann.save(ann.build_binary_ivf(arrays["binary"]), path)
     before_swap = None
-    if cfg.backend == "milvus":
+    if cfg.store == "milvus":
         from encoderkit.retrieval.milvus import sync
 
         kept = {x["id"] for x in passages}

@@ -1,10 +1,10 @@
 """Scale-out: the index's passage ids and float vectors in Milvus, through pymilvus.
 
-``encoderkit index --backend milvus --uri URI`` writes the local index as usual (texts, codes,
+``encoderkit index --store milvus --uri URI`` writes the local index as usual (texts, codes,
 float16 vectors, BM25 source) and, before the new generation goes live, upserts the new and
 changed passages into the collection and deletes the removed ones (same ids: ``DOC#j``); if
 Milvus fails, the error says so and the local index stays as it was. ``encoderkit search
---backend milvus`` runs the dense stage in Milvus (float vectors, inner product = cosine on unit
+--store milvus`` runs the dense stage in Milvus (float vectors, inner product = cosine on unit
 vectors, a FLAT index: exact) and the same BM25 fusion and rerank stages on top, locally.
 
 The same code talks to a Milvus server (``http://host:19530``) and to milvus-lite, the embedded
@@ -35,7 +35,7 @@ def client(uri: str):
     try:
         from pymilvus import MilvusClient
     except ImportError as e:
-        raise EncoderkitError("--backend milvus needs pymilvus (and milvus-lite for a file.db): pip install "
+        raise EncoderkitError("--store milvus needs pymilvus (and milvus-lite for a file.db): pip install "
                               "'encoderkit[search]'") from e
     try:
         c = MilvusClient(uri, timeout=TIMEOUT_S)
@@ -99,11 +99,11 @@ def sync(uri: str, name: str, gen: Generation, changed: list[str], removed: list
 def check_collection(uri: str, name: str, gen: Generation) -> None:
     c = client(uri)
     if not c.has_collection(name):
-        raise EncoderkitError(f"Milvus at {uri} has no collection {name!r}; run `encoderkit index --backend milvus --uri {uri}`")
+        raise EncoderkitError(f"Milvus at {uri} has no collection {name!r}; run `encoderkit index --store milvus --uri {uri}`")
     n = _count(c, name)
     if n != len(gen.passages):
         raise EncoderkitError(f"Milvus collection {name!r} holds {n} vectors, the local index {len(gen.passages)}; "
-                              "re-run `encoderkit index --backend milvus` to bring it in line")
+                              "re-run `encoderkit index --store milvus` to bring it in line")
 
 
 def search(uri: str, name: str, q: np.ndarray, fetch: int) -> tuple[list[list[str]], list[list[float]]]:

@@ -1,6 +1,6 @@
 """Tiered search over an index, as a Python API and ``encoderkit search``.
 
-    s = Searcher.open("idx")                                    # the index's own model, same runtime
+    s = Searcher.open("idx")                                    # the index's own model, same backend
     s.search(["what causes fever?"], SearchSettings(k=10, bm25=True))[0].hits
 
 Stages, each switchable:
@@ -30,19 +30,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from encoderkit.config import StageConfig, arg, check
-from encoderkit.deploy.runtime import BACKENDS, Predictor
+from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.ranking import rrf_scores
+from encoderkit.inference.predictor import BACKENDS, Predictor
 from encoderkit.io import model_fingerprint, write_text_atomic
 from encoderkit.progress import note
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_dequantize, top_k
-from encoderkit.retrieval.store import Generation, open_generation
+from encoderkit.retrieval.store import STORES, Generation, open_generation
 from encoderkit.tasks import get_task
 
 FIRST_STAGES = ("binary", "int8", "float")
@@ -142,7 +142,8 @@ class Searcher:
         if model is not None and model_fingerprint(folder) != recorded["fingerprint"]:
             raise EncoderkitError(f"--model {folder} is not the model index {root} was built with ({recorded['folder']}, "
                                   f"fingerprint {recorded['fingerprint']}); its vectors would not be comparable")
-        p = Predictor.load(folder, backend=runtime or recorded["runtime"], threads=threads)
+        built = recorded.get("backend", recorded.get("runtime"))  # indexes written before the rename say 'runtime'
+        p = Predictor.load(folder, backend=runtime or built, threads=threads)
         r = Predictor.load(rerank, threads=threads) if rerank else None
         if r is not None and get_task(r.task).per_token:  # a cross-encoder scores a pair with sequence logits (B, C)
             raise EncoderkitError(f"--rerank {rerank} is a {r.task!r} model, not a cross-encoder")
@@ -287,6 +288,9 @@ class Searcher:
 class SearchConfig(StageConfig):
     """Settings of ``encoderkit search``."""
 
+    # old spellings, until the next release: --runtime X is --backend X, --backend local|milvus is --store
+    renamed: ClassVar[dict[str, Renamed]] = {"runtime": Renamed("backend"), "backend": Renamed("store", values=STORES)}
+
     index: str = arg(help="Index folder written by `encoderkit index`.", required=True)
     query: str | None = arg(None, help="One query; the hits are printed.")
     queries: str | None = arg(None, help="JSONL of {'id', 'query'} lines (with --output).")
@@ -306,11 +310,11 @@ class SearchConfig(StageConfig):
         "dense / BM25 stages) by reciprocal rank (k = 60) instead of keeping the cross-encoder's order alone; "
         "scores become fusion scores."))
     model: str | None = arg(None, help="Query model (default: the one the index records; another model is refused).")
-    backend: str = arg("local", help="Dense search in the local index or in Milvus.", choices=("local", "milvus"))
-    uri: str | None = arg(None, help="Milvus URI for --backend milvus.")
+    store: str = arg("local", help="Dense search in the local index or in Milvus.", choices=STORES)
+    uri: str | None = arg(None, help="Milvus URI for --store milvus.")
     collection: str = arg("encoderkit", help="Milvus collection name.")
     exact: bool = arg(False, help="Exact Hamming search even where the index has an approximate one.")
-    runtime: str | None = arg(None, help="Predictor backend for queries (default: the one the index was built with).",
+    backend: str | None = arg(None, help="Predictor backend for queries (default: the one the index was built with).",
                               choices=BACKENDS, speed=True)
     threads: int | None = arg(None, help="onnxruntime threads.", speed=True)
 
@@ -318,7 +322,7 @@ class SearchConfig(StageConfig):
         check((self.query is None) != (self.queries is None), "give exactly one of --query and --queries")
         check(self.queries is None or self.output is not None, "--queries needs --output FILE.jsonl")
         check(self.k >= 1 and self.rescore_multiplier >= 0, "--k must be at least 1 and --rescore-multiplier at least 0")
-        check(self.backend != "milvus" or bool(self.uri), "--backend milvus needs --uri")
+        check(self.store != "milvus" or bool(self.uri), "--store milvus needs --uri")
         check(not self.rerank_fuse or bool(self.rerank), "--rerank-fuse needs --rerank DIR")
 
     def settings(self) -> SearchSettings:
@@ -360,8 +364,8 @@ def read_queries(path: Path) -> list[tuple[str, str]]:
 
 def run(cfg: SearchConfig) -> SearchRunResult:
     """Search an index (see the module docstring); one --query prints its hits, --queries writes JSONL."""
-    milvus = (cfg.uri, cfg.collection) if cfg.backend == "milvus" else None
-    s = Searcher.open(cfg.index, cfg.model, cfg.runtime, cfg.rerank, cfg.threads, milvus=milvus)
+    milvus = (cfg.uri, cfg.collection) if cfg.store == "milvus" else None
+    s = Searcher.open(cfg.index, cfg.model, cfg.backend, cfg.rerank, cfg.threads, milvus=milvus)
     items = [("query", cfg.query)] if cfg.query is not None else read_queries(Path(cfg.queries))
     t0 = time.perf_counter()
     results = s.search([q for _, q in items], cfg.settings())

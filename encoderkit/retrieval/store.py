@@ -34,6 +34,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.io import write_json_atomic, write_text_atomic
 
 FORMAT = "encoderkit-index/1"
+STORES = ("local", "milvus")  # where the dense stage searches: this folder, or also a Milvus server
 ARRAYS = ("binary", "int8", "int8_calibration", "float16")
 
 

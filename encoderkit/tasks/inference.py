@@ -1,7 +1,8 @@
 """Running a model over feature rows, whatever the engine: evaluation, the Predictor and training's
 dev evaluation call :func:`run_rows` with an injected engine (an object with
 ``run(inputs: dict[str, int64 array (B, T)]) -> list[float32 array]``): :class:`ModuleEngine` for a
-torch module here, an ONNX Runtime session in :mod:`encoderkit.deploy.runtime`.
+torch module here, an ONNX Runtime session in :mod:`encoderkit.inference.engines` (which re-exports these:
+the tasks layer runs a training-time module with them and may not import that package).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from typing import Any
 
 from encoderkit.config import arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import check_output_dir, output_dir, write_card
+from encoderkit.io import check_output_dir, output_dir
+from encoderkit.models.card import write_card
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks import get_task
 from encoderkit.tasks.common import DEFAULT_MODEL, TrainData, open_model, pick

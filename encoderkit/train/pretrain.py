@@ -42,7 +42,8 @@ from encoderkit.data.masking import Masker, MaskingSpec
 from encoderkit.data.nsp import PairBuilder
 from encoderkit.data.prepare import PrepareConfig, ensure_prepared, open_blocks, read_meta
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import cache_dir, check_output_dir, check_writable, output_dir, write_card, write_json_atomic
+from encoderkit.io import cache_dir, check_output_dir, check_writable, output_dir, write_json_atomic
+from encoderkit.models.card import write_card
 from encoderkit.models.load import build_encoder, check_fits, load_encoder
 from encoderkit.models.mlm import (
     MaskedOnlyMLM,
@@ -240,9 +241,7 @@ def _check_same_tokenizer(model_dir: Path, tokenizer: Any) -> None:
     """A model folder that carries a tokenizer must carry the one the data was prepared with."""
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "vocab.txt", "vocab.json")):
         return
-    from transformers import AutoTokenizer
-
-    theirs = AutoTokenizer.from_pretrained(model_dir).get_vocab()
+    theirs = load_tokenizer(model_dir).get_vocab()
     if theirs != tokenizer.get_vocab():
         raise EncoderkitError(
             f"the data was prepared with a different tokenizer than {model_dir}'s own "

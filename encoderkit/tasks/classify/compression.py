@@ -17,7 +17,7 @@ def card_columns(folder: str | Path) -> dict[str, str]:
     lineage) records, else, for folders written before cards recorded all three, the fine-tuning
     config found in its lineage. The one rule for compression's readers and its measurer; a pair
     classifier whose pair column no longer shows in its lineage is refused."""
-    from encoderkit.io import lineage
+    from encoderkit.models.card import lineage
 
     cards = lineage(folder)
     cols: dict[str, str] = {}

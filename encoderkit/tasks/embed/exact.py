@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from encoderkit.tasks.embed.embedder import Embedder
 from encoderkit.tasks.embed.features import BiEncoder, encode, encode_cached
 
 
@@ -23,9 +24,10 @@ def search(query_emb: np.ndarray, doc_emb: np.ndarray, doc_ids: list[str], query
     return out
 
 
-def retrieve(model: BiEncoder, tokenizer, data: Any, max_length: int, max_query_length: int, batch_size: int = 64,
+def retrieve(model: BiEncoder | Embedder, tokenizer, data: Any, max_length: int, max_query_length: int, batch_size: int = 64,
              k: int = 100, progress: bool = False, cache_for: Path | None = None) -> dict[str, list[str]]:
-    """Top-k documents of every judged query of a :class:`~encoderkit.data.beir.Retrieval`.
+    """Top-k documents of every judged query of a :class:`~encoderkit.data.beir.Retrieval`, embedded by ``model``
+    (a training-time module, or an :class:`Embedder` over any engine: :func:`encode`).
     ``cache_for``: the saved folder ``model`` was loaded from, to reuse its corpus embeddings
     (:func:`encode_cached`); None while weights are changing (evaluation during training)."""
     doc_ids = list(data.corpus)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,8 +26,8 @@ from torch import nn
 from encoderkit.io import cached_array, model_fingerprint, write_json_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import pool
-from encoderkit.tasks.batching import encode_batch, sorted_batches
-from encoderkit.tasks.inference import run_rows
+from encoderkit.tasks.embed.embedder import Embedder
+from encoderkit.tasks.embed.options import embed_pooling
 
 
 def folder_max_length(folder: Path) -> int | None:
@@ -54,53 +53,21 @@ class BiEncoder(nn.Module):
         return nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
 
 
-def tokenize(tokenizer, texts: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
-    enc = tokenizer(texts, truncation=True, max_length=max_length)
-    keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
-    return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(texts))]
-
-
-class PooledEngine:
-    """An engine that gives token states (``last_hidden_state``: ONNX Runtime on an export, or a torch
-    encoder) as one that gives sentence embeddings (B, H): pooled by :func:`encoderkit.models.pooling.pool`
-    as :class:`BiEncoder` pools, then L2-normalised when ``normalize``."""
-
-    def __init__(self, engine: Any, pooling: str, normalize: bool = True) -> None:
-        self.engine, self.pooling, self.normalize = engine, pooling, normalize
-
-    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        hidden = torch.from_numpy(np.asarray(self.engine.run(inputs)[0], dtype=np.float32))
-        pooled = pool(hidden, torch.from_numpy(inputs["attention_mask"]), self.pooling)
-        return [(nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled).numpy()]
-
-
 @torch.no_grad()
-def encode(model: BiEncoder | PooledEngine, tokenizer, texts: list[str], max_length: int, batch_size: int = 64,
+def encode(model: BiEncoder | Embedder, tokenizer, texts: list[str], max_length: int, batch_size: int = 64,
            progress: bool = False) -> np.ndarray:
-    """Unit embeddings (N, H) float32 of ``texts`` (truncated to ``max_length`` sub-tokens); ``model`` is a
-    :class:`BiEncoder` or an engine giving embeddings (:class:`PooledEngine`)."""
-    rows = tokenize(tokenizer, texts, max_length)
-    if not isinstance(model, nn.Module):
-        out = run_rows(model, rows, tokenizer.pad_token_id, batch_size)
-        return np.stack([o[0] for o in out]).astype(np.float32) if out else np.zeros((0, 0), np.float32)
+    """Embeddings (N, H) float32 of ``texts`` (truncated to ``max_length`` sub-tokens) by an :class:`Embedder`
+    (its engine, batch size and normalisation), or by the module ``model`` as it is now, in eval mode
+    (:meth:`Embedder.of_module`; unit vectors unless ``model.normalize`` is off)."""
+    if isinstance(model, Embedder):
+        return model.embed(texts, max_length=max_length, progress=progress)
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    out = np.zeros((len(texts), 0), dtype=np.float32)
-    batches = sorted_batches([len(r["input_ids"]) for r in rows], batch_size)
-    if progress:
-        from encoderkit.progress import progress as bar
-
-        batches = bar(batches, desc="encode", unit="batch")
-    for idx in batches:
-        batch = encode_batch([rows[i] for i in idx], tokenizer.pad_token_id)
-        emb = model(**{k: v.to(device) for k, v in batch.items()}).float().cpu().numpy()
-        if out.shape[1] == 0:
-            out = np.zeros((len(texts), emb.shape[1]), dtype=np.float32)
-        out[idx] = emb
-    if was_training:
-        model.train()
-    return out
+    try:
+        return Embedder.of_module(model, tokenizer, max_length, batch_size).embed(texts, progress=progress)
+    finally:
+        if was_training:
+            model.train()
 
 
 def mnrl_loss(q: torch.Tensor, passages: torch.Tensor, scale: float, dims: list[int]) -> torch.Tensor:
@@ -116,11 +83,9 @@ def mnrl_loss(q: torch.Tensor, passages: torch.Tensor, scale: float, dims: list[
 
 
 def load_bi_encoder(folder: Path | ModelFolder, pooling: str = "auto") -> BiEncoder:
-    """The encoder of ``folder`` with ``pooling`` ('first' or 'mean'; ``auto``: the folder's own, else mean)."""
+    """The encoder of ``folder`` with ``pooling`` ('first' or 'mean'; ``auto``: :func:`embed_pooling`)."""
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder, tokenizer=False)
-    if pooling == "auto":
-        pooling = mf.pooling if mf.task == "embed" and mf.pooling else "mean"
-    return BiEncoder(mf.load(task="embed"), pooling)
+    return BiEncoder(mf.load(task="embed"), embed_pooling(mf, pooling))
 
 
 def save_sentence_transformers(model: BiEncoder, tokenizer, folder: Path, max_length: int) -> None:
@@ -142,7 +107,7 @@ def save_sentence_transformers(model: BiEncoder, tokenizer, folder: Path, max_le
     write_json_atomic(folder / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
 
 
-def encode_cached(model: BiEncoder, tokenizer, texts: list[str], max_length: int, batch_size: int, progress: bool,
+def encode_cached(model: BiEncoder | Embedder, tokenizer, texts: list[str], max_length: int, batch_size: int, progress: bool,
                   folder: Path) -> np.ndarray:
     """:func:`encode`, with the result kept in ``$ENCODERKIT_CACHE/embeddings`` (default
     ``~/.cache/encoderkit``) under a hash of the saved model's weight files, the tokenizer, the

@@ -27,7 +27,7 @@ def candidates(data: Retrieval, miner: str | Path, k: int, max_query_length: int
                ) -> dict[str, list[str]]:
     """Top-k documents per judged query from the bi-encoder ``miner`` (queries cut to ``max_query_length``)."""
     folder = resolve_model(miner)
-    model = load_bi_encoder(folder)
+    model = load_bi_encoder(folder)  # the folder's own pooling (embed_pooling)
     tok = load_tokenizer(folder)
     return retrieve(model, tok, data, folder_max_length(folder) or 256, max_query_length, batch_size, k=k,
                     progress=True, cache_for=folder)

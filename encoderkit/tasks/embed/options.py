@@ -15,6 +15,15 @@ def default_max_length(folder: ModelFolder) -> int:
     return folder.max_length if folder.sentence_transformers else 256
 
 
+def embed_pooling(folder: ModelFolder, requested: str = "auto") -> str:
+    """The one place an embed pooling is resolved: ``requested`` ('first' or 'mean') when given; ``auto``: the
+    folder's own (:attr:`ModelFolder.pooling`, an embed folder's card or sentence-transformers files), else
+    mean. Fine-tuning writes the result into the card and ``1_Pooling/config.json``, so it is resolved once."""
+    if requested != "auto":
+        return requested
+    return folder.pooling if folder.task == "embed" and folder.pooling else "mean"
+
+
 @dataclass(frozen=True)
 class EmbedOptions:
     """Sub-tokens per document and per query, pooling (``auto``: the folder's own, else mean), hard
@@ -31,8 +40,10 @@ class EmbedOptions:
 
     @classmethod
     def for_training(cls, cfg: Any, folder: ModelFolder) -> EmbedOptions:
+        """``--max-length`` settled against the model's positions; ``--pooling auto`` resolved (:func:`embed_pooling`)."""
         return pick(cls, cfg, max_length=settle_max_length(cfg.max_length, default_max_length(folder), folder),
-                    matryoshka_dims=tuple(sorted(set(cfg.matryoshka_dims))))
+                    matryoshka_dims=tuple(sorted(set(cfg.matryoshka_dims))),
+                    pooling=embed_pooling(folder, getattr(cfg, "pooling", "auto")))
 
     @classmethod
     def for_folder(cls, cfg: Any, folder: ModelFolder) -> EmbedOptions:
@@ -40,4 +51,4 @@ class EmbedOptions:
         card = folder.card
         return pick(cls, cfg, max_length=cfg.max_length or card.get("max_length") or default_max_length(folder),
                     max_query_length=card.get("max_query_length", cfg.max_query_length),
-                    pooling=folder.pooling or cfg.pooling)
+                    pooling=folder.pooling or embed_pooling(folder, cfg.pooling))

@@ -30,37 +30,25 @@ class EmbedTask(Task):
 
     # -- inference ----------------------------------------------------------------------------------
     def embed_raw(self, runner: Runner, texts: Sequence[str]) -> Any:
-        """Pooled, un-normalised embeddings (N, H) float32 (mean or first-token pooling per the folder)."""
-        import numpy as np
+        """Pooled, un-normalised embeddings (N, H) float32 (mean or first-token pooling per the folder): the
+        runner's :class:`~encoderkit.tasks.embed.embedder.Embedder`."""
+        from encoderkit.tasks.embed.embedder import Embedder
 
-        from encoderkit.tasks.embed.features import tokenize
-
-        if not texts:
-            return np.zeros((0, 0), dtype=np.float32)
-        out = runner.run_rows(tokenize(runner.tokenizer, list(texts), runner.max_length))  # per text: (T_i, H)
-        if runner.info.pooling == "first":
-            return np.stack([o[0][0] for o in out]).astype(np.float32)
-        return np.stack([o[0].mean(axis=0) for o in out]).astype(np.float32)
+        return Embedder.of_runner(runner).pooled(texts)
 
     @staticmethod
     def finish(vectors: Any, dim: int | None, normalize: bool) -> Any:
         """Keep the first ``dim`` dimensions (Matryoshka truncation) of (N, H) vectors, then L2-normalise."""
-        import numpy as np
+        from encoderkit.tasks.embed.embedder import Embedder
 
-        from encoderkit.errors import EncoderkitError
-
-        if dim is not None:
-            if not 1 <= dim <= vectors.shape[1]:
-                raise EncoderkitError(f"dim={dim} must be between 1 and the model's {vectors.shape[1]} dimensions")
-            vectors = vectors[:, :dim]
-        if normalize:
-            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        return np.ascontiguousarray(vectors, dtype=np.float32)
+        return Embedder.finish(vectors, dim, normalize)
 
     def embed(self, runner: Runner, texts: Sequence[str], dim: int | None = None, normalize: bool | None = None) -> Any:
         """Embeddings (N, dim or H) float32; ``dim`` keeps the first dims (Matryoshka) before normalising.
         ``normalize`` defaults to the folder's setting (sentence-transformers ``Normalize`` module)."""
-        return self.finish(self.embed_raw(runner, texts), dim, runner.info.normalize if normalize is None else normalize)
+        from encoderkit.tasks.embed.embedder import Embedder
+
+        return Embedder.of_runner(runner).embed(texts, dim, normalize)
 
     def predict(self, runner: Runner, records: Sequence[dict[str, Any]], *, dim: int | None = None,
                 **kw: Any) -> list[dict[str, Any]]:
@@ -76,9 +64,10 @@ class EmbedTask(Task):
     distill_kind = "embedding"
 
     def engine_for_latency(self, engine: Any, folder: Any) -> Any:
-        from encoderkit.tasks.embed.features import PooledEngine
+        from encoderkit.tasks.embed.embedder import PooledEngine
+        from encoderkit.tasks.embed.options import embed_pooling
 
-        return PooledEngine(engine, folder.pooling or "mean", folder.normalize)
+        return PooledEngine(engine, embed_pooling(folder), folder.normalize)
 
     def compress_inputs(self, spec: str, path: Any, *, card: dict[str, Any] | None, folder: Any,
                         label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> Any:
@@ -112,7 +101,7 @@ class EmbedTask(Task):
         return {"query": sorted(queries, key=len)[len(queries) // 2], "docs": docs}
 
     def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any, max_length: int) -> tuple[list, list]:
-        from encoderkit.tasks.embed.features import tokenize
+        from encoderkit.tasks.embed.embedder import tokenize
 
         query_length = min(max_length, folder.card.get("max_query_length", cfg.max_query_length))
         return tokenize(tokenizer, [samples["query"]], query_length), tokenize(tokenizer, samples["docs"], max_length)

@@ -19,15 +19,9 @@ from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
 from encoderkit.tasks.embed.data import train_groups
+from encoderkit.tasks.embed.embedder import Embedder, tokenize
 from encoderkit.tasks.embed.exact import retrieve
-from encoderkit.tasks.embed.features import (
-    BiEncoder,
-    PooledEngine,
-    load_bi_encoder,
-    mnrl_loss,
-    save_sentence_transformers,
-    tokenize,
-)
+from encoderkit.tasks.embed.features import BiEncoder, load_bi_encoder, mnrl_loss, save_sentence_transformers
 from encoderkit.tasks.embed.options import EmbedOptions
 
 OPTIONS = EmbedOptions
@@ -79,11 +73,12 @@ def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder
 
 def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: EmbedOptions, engine: Any = None) -> dict[str, float]:
     """nDCG@10 / MRR@10 / recall@100 of exact search over a BEIR corpus; ``engine`` (default: the folder's
-    torch encoder) gives the token states that are pooled as the folder says (:class:`PooledEngine`)."""
+    torch encoder) gives the token states that an :class:`Embedder` pools and normalises as the folder says."""
     if not is_beir_source(str(data.data)):
         raise EncoderkitError(f"--data {data.data}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
     model = (load_bi_encoder(folder, options.pooling) if engine is None
-             else PooledEngine(engine, "mean" if options.pooling == "auto" else options.pooling, folder.normalize))
+             else Embedder(engine, tokenizer, options.pooling, normalize=folder.normalize, max_length=options.max_length,
+                           max_batch=data.batch_size))
     ds = load_retrieval(str(data.data))
     if data.max_examples:  # a seeded subset of the judged queries; the whole corpus stays searchable
         keep = set(seeded_subset(sorted(ds.qrels), data.max_examples, data.seed))

@@ -45,11 +45,10 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
     if is_beir_source(train):
         check(bool(miner), f"--train {train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
                                "folder whose top --candidates per query the teacher scores")
-        from transformers import AutoTokenizer
-
         from encoderkit.tasks.common import resolve_model
         from encoderkit.tasks.embed.exact import retrieve
         from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
+        from encoderkit.tokenizer import load_tokenizer
 
         data = load_retrieval(train)
         n_split = min(len(data.qrels), limit) if limit else len(data.qrels)
@@ -66,7 +65,7 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
                  "sentences) as queries" + (f", a new {len(extra) // sets} each epoch" if sets > 1 else ""))
         miner_folder = resolve_model(miner)  # a folder, or 'minilm'
         depth = max(candidates, candidate_depth)
-        ranked = retrieve(load_bi_encoder(miner_folder), AutoTokenizer.from_pretrained(str(miner_folder)), data,
+        ranked = retrieve(load_bi_encoder(miner_folder), load_tokenizer(miner_folder), data,
                           folder_max_length(miner_folder) or 256, 64, 64, k=depth, progress=True, cache_for=miner_folder)
         rng = np.random.default_rng(seed)
         lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, candidates, rng)]) for q, docs in ranked.items()]

@@ -1,0 +1,228 @@
+"""The Predictor: one task model behind one backend, with length-sorted batches.
+
+    p = Predictor.load("runs/sst2")                     # backend="auto": ONNX FP32 (INT8 for embed)
+    p.classify(["a great movie", "dull"])               # [{"label": "positive", "score": 0.97, "scores": {...}}, ...]
+    p.embed(["a query"], dim=256)                        # (1, 256) float32, Matryoshka-truncated and renormalised
+
+Backends: ``torch-fp32``, ``torch-bf16`` (eager transformers), ``onnx-fp32``, ``onnx-int8``
+(onnxruntime on ``model.onnx`` / ``model.int8.onnx``). A folder without ONNX files is exported once
+into a cache folder (``ENCODERKIT_CACHE``, default ``~/.cache/encoderkit/onnx``). ``auto`` picks
+ONNX INT8 (per-channel weights) for ``embed`` (measured: mean cosine 0.992 to FP32 on MiniLM,
+SciFact nDCG@10 within 0.4%, see bench/encode_speed.py) and ONNX FP32 for the other tasks: on an
+SST-2 classifier INT8 changed 6% of the labels (bench/classify_speed.py), so it stays opt-in
+(``backend="onnx-int8"``) until measured on your model; a folder that holds only ``model.int8.onnx``
+(an INT8 export, without the FP32 graph or the weights) runs on it.
+
+Long inputs: ``classify``, ``rerank`` and ``embed`` truncate to the model's maximum length (stated
+in ``Predictor.max_length``); ``extract`` and ``answer`` cut long texts into overlapping windows.
+Batches are formed after sorting inputs by token count (little padding) and results are returned
+in input order. ``threads`` sets onnxruntime's intra-op threads; torch threads are a process
+setting, left to the caller (``encoderkit --threads N``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from encoderkit.config import StageConfig, arg, check
+from encoderkit.deploy.export import OUTPUT_NAMES
+from encoderkit.errors import EncoderkitError
+from encoderkit.inference.engines import BACKENDS as ENGINE_BACKENDS
+from encoderkit.inference.engines import open_engine, run_rows
+from encoderkit.io import check_writable, write_text_atomic
+from encoderkit.models.folder import ModelFolder
+from encoderkit.tasks import TASKS, get_task
+from encoderkit.tasks.embed.embedder import Embedder
+
+BACKENDS = ("auto",) + ENGINE_BACKENDS  # ``auto``: the engines' ``serve`` policy
+OUTPUTS = OUTPUT_NAMES  # task -> its graph's output names (``task.outputs``)
+
+
+class Predictor:
+    """A task model ready for inference; see the module docstring."""
+
+    def __init__(self, folder: Path, info: ModelFolder, tokenizer, engine, backend: str, max_batch: int,
+                 max_length: int) -> None:
+        self.folder, self.info, self.tokenizer, self.engine = folder, info, tokenizer, engine
+        self.task, self.backend, self.max_batch, self.max_length = info.task, backend, max_batch, max_length
+
+    @classmethod
+    def load(cls, folder: str | Path, backend: str = "auto", threads: int | None = None, max_batch: int = 32,
+             max_length: int | None = None, spin: bool = True) -> Predictor:
+        """Load ``folder`` (a task model, or its export) with ``backend``; see the module docstring.
+        ``spin=False`` lets onnxruntime's idle threads sleep (a server sharing the CPU with its HTTP loop)."""
+        if backend not in BACKENDS:
+            raise EncoderkitError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        if max_batch < 1:
+            raise EncoderkitError(f"max_batch must be at least 1, got {max_batch}")
+        info = ModelFolder.open(folder, tokenizer=False)
+        info.require_task(*TASKS)
+        tokenizer = info.tokenizer()
+        engine, backend = open_engine(info, "serve" if backend == "auto" else backend, threads=threads, spin=spin)
+        limit = info.max_length if max_length is None else min(max_length, info.max_length)
+        return cls(info.path, info, tokenizer, engine, backend, max_batch, limit)
+
+    # -- batching -------------------------------------------------------------------------
+    def run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        """Run the model on 1-D token rows in length-sorted batches; per row, each output with its
+        padding cut off ((C,) for sequence outputs, (T_row, ...) for token outputs), in input order
+        (the :class:`~encoderkit.tasks.protocol.Runner` a task's ``predict`` and ``serve`` use)."""
+        return run_rows(self.engine, rows, self.tokenizer.pad_token_id or 0, self.max_batch,
+                        per_token=get_task(self.task).per_token)
+
+    def _need(self, *tasks: str) -> None:
+        # a guard, not a branch: these public methods are named after a task's API (classify, extract, ...)
+        if self.task not in tasks:
+            raise EncoderkitError(f"{self.folder} is a {self.task!r} model; this call needs a {' or '.join(tasks)} model")
+
+    # -- tasks: each the task object's own method, on this predictor ----------------------
+    def classify(self, inputs: Sequence[str | tuple[str, str] | list[str]]) -> list[dict[str, Any]]:
+        """Label, its probability and every label's probability for each text or (text, text_pair)."""
+        self._need("classify", "rerank")
+        return get_task("classify").classify(self, inputs)
+
+    def score_pairs(self, queries: Sequence[str], passages: Sequence[str]) -> np.ndarray:
+        """Relevance logits (N,) of (query, passage) pairs for a ``rerank`` model (first logit; for a
+        two-label model, the last label's logit minus the first's)."""
+        self._need("rerank", "classify")
+        return get_task("rerank").score(self, queries, passages)
+
+    def rerank(self, query: str, passages: Sequence[str]) -> list[dict[str, Any]]:
+        """Passages ranked by relevance to ``query``: [{"index", "score"}], best first."""
+        self._need("rerank", "classify")
+        return get_task("rerank").rank(self, query, passages)
+
+    def embed_raw(self, texts: Sequence[str]) -> np.ndarray:
+        """Pooled, un-normalised embeddings (N, H) float32 (mean or first-token pooling per the folder)."""
+        self._need("embed")
+        return Embedder.of_runner(self).pooled(texts)
+
+    def embed(self, texts: Sequence[str], dim: int | None = None, normalize: bool | None = None) -> np.ndarray:
+        """Embeddings (N, dim or H) float32; ``dim`` keeps the first dims (Matryoshka) before normalising.
+        ``normalize`` defaults to the folder's setting (sentence-transformers ``Normalize`` module)."""
+        self._need("embed")
+        return Embedder.of_runner(self).embed(texts, dim, normalize)
+
+    def extract(self, texts: Sequence[str], stride: int | None = None) -> list[list[dict[str, Any]]]:
+        """Entities per text: [{"entity", "label", "start", "end", "score"}], character offsets [start, end)."""
+        self._need("ner")
+        return get_task("ner").extract(self, texts, stride)
+
+    def answer(self, questions: Sequence[str], contexts: Sequence[str], max_answer_length: int | None = None,
+               n_best: int | None = None) -> list[dict[str, Any]]:
+        """The best answer span per (question, context): {"answer", "start", "end", "score"}; an empty
+        answer with score None when no span fits. Window and span settings come from the folder's card
+        (what the model was fine-tuned and evaluated with), else defaults cut to ``max_length``."""
+        self._need("qa")
+        return get_task("qa").answer(self, questions, contexts, max_answer_length, n_best)
+
+
+def finish_embeddings(vectors: np.ndarray, dim: int | None, normalize: bool) -> np.ndarray:
+    """Keep the first ``dim`` dimensions (Matryoshka truncation) of (N, H) vectors, then L2-normalise (the
+    embed task's last step, for the routes and indexes that cut and normalise pooled vectors themselves)."""
+    return Embedder.finish(vectors, dim, normalize)
+
+
+def describe(p: Predictor) -> dict[str, Any]:
+    """What a loaded predictor is: task, backend, labels, limits (for /health and logs)."""
+    return {"folder": str(p.folder), "task": p.task, "backend": p.backend, "labels": p.info.labels,
+            "max_length": p.max_length, "max_batch": p.max_batch, "stage": p.info.card.get("stage")}
+
+
+# -- `encoderkit predict` ---------------------------------------------------------------------
+
+@dataclass
+class PredictConfig(StageConfig):
+    """Settings of ``encoderkit predict``."""
+
+    model: str = arg(help="Task model folder (or its ONNX export).", required=True)
+    input: str = arg(help="Input: .txt (one text per line) or .jsonl with text / text_pair / question+context "
+                          "/ query+passages fields.", required=True)
+    output: str = arg(help="Output .jsonl file: one result per input record, in order.", required=True)
+    backend: str = arg("auto", help="Inference backend.", choices=BACKENDS)
+    dim: int | None = arg(None, help="embed: keep the first dim dimensions (Matryoshka), then renormalise.")
+    overwrite: bool = arg(False, help="Replace an existing --output file.")
+    threads: int | None = arg(None, help="onnxruntime intra-op threads.", speed=True)
+    max_batch: int = arg(32, help="Texts per model call.", speed=True)
+
+    def validate(self) -> None:
+        check(self.max_batch >= 1, "--max-batch must be at least 1")
+
+
+@dataclass
+class PredictResult:
+    output: Path
+    records: int
+    task: str
+    backend: str
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        return {"output": str(self.output), "records": self.records, "task": self.task, "backend": self.backend,
+                "seconds": round(self.seconds, 3), "records_per_s": round(self.records / max(self.seconds, 1e-9), 1)}
+
+
+def read_records(path: Path, task: str) -> list[dict[str, Any]]:
+    """Input records: a .txt file gives {"text": line} per non-empty line; .jsonl one object per line."""
+    import json
+
+    if not path.is_file():
+        raise EncoderkitError(f"input file {path} does not exist")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise EncoderkitError(f"{path} is not UTF-8 text ({e}); re-encode it as UTF-8") from e
+    need = get_task(task).record_fields
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            if need != ("text",):  # a line of a .txt is one text: the input of a task whose record is one text
+                raise EncoderkitError(f"{path}: a {task} model needs a .jsonl input with fields {', '.join(need)}")
+            records.append({"text": line})
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EncoderkitError(f"{path}:{n}: not valid JSON ({e})") from e
+        get_task(task).check_record(rec if isinstance(rec, dict) else {}, f"{path}:{n}")  # a non-object has no field
+        records.append(rec)
+    if not records:
+        raise EncoderkitError(f"{path} holds no records")
+    return records
+
+
+def predict_records(p: Predictor, records: list[dict[str, Any]], dim: int | None = None) -> list[dict[str, Any]]:
+    """One result dict per input record (the record's ``id`` is copied when present): the task's ``predict``."""
+    results = get_task(p.task).predict(p, records, dim=dim)
+    return [({"id": r["id"]} if "id" in r else {}) | res for r, res in zip(records, results, strict=True)]
+
+
+def run(cfg: PredictConfig) -> PredictResult:
+    """Run a task model over a file of texts and write one JSON result per line.
+
+    Example: encoderkit predict --model runs/sst2 --input reviews.txt --output preds.jsonl
+    """
+    import json
+    import time
+
+
+    out = Path(cfg.output)
+    if out.is_dir():
+        raise EncoderkitError(f"--output {out} is a folder; give a file name (e.g. {out / 'predictions.jsonl'})")
+    if out.exists() and not cfg.overwrite:
+        raise EncoderkitError(f"output file {out} exists; pass --overwrite to replace it")
+    check_writable(out, "--output")  # before the model is loaded and run, as every stage checks its --out
+    p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.max_batch)
+    records = read_records(Path(cfg.input), p.task)
+    start = time.perf_counter()
+    results = predict_records(p, records, cfg.dim)
+    seconds = time.perf_counter() - start
+    write_text_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
+    return PredictResult(out, len(results), p.task, p.backend, seconds)

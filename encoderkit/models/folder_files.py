@@ -1,0 +1,62 @@
+"""What a new model folder copies from the folder it was made from.
+
+Every stage that derives a folder from another writes its own weights and ``config.json`` (or, for an
+export, copies them) and takes the rest from the source with :func:`copy_side_files`: the tokenizer,
+the sentence-transformers modules and whatever else lies beside them (``README.md``...). Never copied:
+
+- the card (``encoderkit.json``) and a lever's ``report.json``: facts of the source folder, not of the
+  new one (each stage writes its own);
+- hidden entries (``.git``, a run's ``.<out>.run`` checkpoints);
+- exported graphs and what belongs to them (``*.onnx``, their external ``*.data``, the ``onnx/`` and
+  ``openvino/`` folders of a hub model) and ``checkpoints/``: made from the source's weights, which the
+  new folder does not hold (an export writes its own graph).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from encoderkit.models.card import CARD
+from encoderkit.models.rebuild import QUANT_FILE
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", QUANT_FILE, "config.json")
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+_NEVER_FILES = (CARD, "report.json")
+_NEVER_SUFFIXES = (".onnx", ".data")
+_NEVER_FOLDERS = ("onnx", "openvino", "checkpoints")
+_MODULE_FOLDER = re.compile(r"\d+_")  # a sentence-transformers module: 1_Pooling, 2_Normalize
+
+
+def copy_side_files(src: str | Path, dst: str | Path, *, weights: bool = False,
+                    sentence_transformers_only: bool = False) -> None:
+    """Copy the files of model folder ``src`` that a folder made from it keeps into ``dst`` (see the module
+    docstring), replacing files of the same name there.
+
+    ``weights``: also the weights and ``config.json`` (an export: the new folder holds the same model).
+    ``sentence_transformers_only``: only ``modules.json``, its configs and the module folders (a distilled
+    embedding student: it saves its own tokenizer, and the teacher's README is not the student's).
+    Files are copied, not linked (an in-place edit of either folder's file would change the other) and get
+    the new folder's own permissions (umask), not the source's mode."""
+    src, dst = Path(src), Path(dst)
+    for p in sorted(src.iterdir()):
+        if p.name.startswith("."):
+            continue
+        if p.is_dir():
+            if p.name in _NEVER_FOLDERS or sentence_transformers_only and not _MODULE_FOLDER.match(p.name):
+                continue
+        elif (p.name in _NEVER_FILES or p.suffix in _NEVER_SUFFIXES or not weights and p.name in WEIGHT_FILES
+              or sentence_transformers_only and p.name not in SENTENCE_TRANSFORMERS_FILES):
+            continue
+        _copy(p, dst / p.name)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    if src.is_dir():
+        dst.mkdir(parents=True, exist_ok=True)
+        for p in src.iterdir():
+            _copy(p, dst / p.name)
+    else:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)

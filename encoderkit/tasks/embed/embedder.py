@@ -1,0 +1,102 @@
+"""The one text-to-vector path: tokenise, run an engine, pool, cut (Matryoshka), normalise.
+
+    Embedder.of_runner(predictor).embed(texts, dim=256)        # serving, index, search, label (ONNX or torch)
+    Embedder.of_module(bi_encoder, tokenizer, 256).embed(texts)  # training-time evaluation, mining, exact search
+
+The engine is anything with ``run(inputs: dict[str, int64 array (B, T)]) -> [token states (B, T, H), ...]``:
+ONNX Runtime on an export, or a torch encoder (:class:`~encoderkit.tasks.inference.ModuleEngine`). Texts are
+cut to ``max_length`` sub-tokens and run in length-sorted batches (:func:`~encoderkit.tasks.inference.run_rows`);
+the token states are pooled by :func:`encoderkit.models.pooling.pool` (``mean`` over the real tokens or the
+``first`` token, what :class:`~encoderkit.tasks.embed.features.BiEncoder` computes in training and
+sentence-transformers at inference); :meth:`Embedder.finish` keeps the first ``dim`` dimensions and then
+L2-normalises, so a dot product is the cosine similarity of the cut vectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.models.pooling import pool
+from encoderkit.tasks.inference import ModuleEngine, run_rows
+
+POOLINGS = ("first", "mean")
+
+
+def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
+    """1-D int64 token rows (``input_ids``, ``token_type_ids`` when the tokenizer gives them), cut to ``max_length``."""
+    enc = tokenizer(texts, truncation=True, max_length=max_length)
+    keys = [k for k in ("input_ids", "token_type_ids") if k in enc]
+    return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(texts))]
+
+
+class PooledEngine:
+    """An engine that gives token states (``last_hidden_state``: ONNX Runtime on an export, or a torch
+    encoder) as one that gives sentence embeddings (B, H): pooled by :func:`encoderkit.models.pooling.pool`
+    as :class:`~encoderkit.tasks.embed.features.BiEncoder` pools, then L2-normalised when ``normalize``."""
+
+    def __init__(self, engine: Any, pooling: str, normalize: bool = True) -> None:
+        self.engine, self.pooling, self.normalize = engine, pooling, normalize
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        hidden = torch.from_numpy(np.asarray(self.engine.run(inputs)[0], dtype=np.float32))
+        pooled = pool(hidden, torch.from_numpy(inputs["attention_mask"]), self.pooling)
+        return [(nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled).numpy()]
+
+
+class Embedder:
+    """Texts -> embeddings over one engine; see the module docstring. ``normalize`` is the default of
+    :meth:`embed` (a folder's sentence-transformers ``Normalize`` module); ``max_batch`` rows per engine call."""
+
+    def __init__(self, engine: Any, tokenizer: Any, pooling: str, *, normalize: bool = True, max_length: int = 256,
+                 max_batch: int = 64) -> None:
+        if pooling not in POOLINGS:
+            raise EncoderkitError(f"embedding pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
+        self.engine, self.tokenizer, self.pooling, self.normalize = engine, tokenizer, pooling, normalize
+        self.max_length, self.max_batch = max_length, max_batch
+
+    @classmethod
+    def of_runner(cls, runner: Any) -> Embedder:
+        """The Predictor's (a :class:`~encoderkit.tasks.protocol.Runner`): its engine, tokenizer, length and batch
+        limits, and the folder's pooling and normalisation (:class:`~encoderkit.models.folder.ModelFolder`)."""
+        return cls(runner.engine, runner.tokenizer, runner.info.pooling, normalize=bool(runner.info.normalize),
+                   max_length=runner.max_length, max_batch=runner.max_batch)
+
+    @classmethod
+    def of_module(cls, model: Any, tokenizer: Any, max_length: int, max_batch: int = 64) -> Embedder:
+        """A :class:`~encoderkit.tasks.embed.features.BiEncoder` (its encoder, pooling and normalisation), as it
+        is now: training evaluates the weights being trained. The caller puts the module in eval mode."""
+        return cls(ModuleEngine(model.encoder, ("last_hidden_state",)), tokenizer, model.pooling,
+                   normalize=model.normalize, max_length=max_length, max_batch=max_batch)
+
+    def pooled(self, texts: Sequence[str], max_length: int | None = None, progress: bool = False) -> np.ndarray:
+        """Pooled, un-normalised embeddings (N, H) float32 of ``texts`` cut to ``max_length`` (default: the
+        embedder's) sub-tokens; (0, 0) for no texts. ``progress``: a progress bar (a corpus)."""
+        if len(texts) == 0:
+            return np.zeros((0, 0), dtype=np.float32)
+        rows = tokenize(self.tokenizer, list(texts), max_length or self.max_length)
+        out = run_rows(PooledEngine(self.engine, self.pooling, normalize=False), rows, self.tokenizer.pad_token_id or 0,
+                       self.max_batch, desc="encode" if progress else "")
+        return np.stack([o[0] for o in out]).astype(np.float32)
+
+    def embed(self, texts: Sequence[str], dim: int | None = None, normalize: bool | None = None,
+              max_length: int | None = None, progress: bool = False) -> np.ndarray:
+        """Embeddings (N, dim or H) float32: :meth:`pooled`, then :meth:`finish` (``normalize`` defaults to the
+        embedder's)."""
+        return self.finish(self.pooled(texts, max_length, progress), dim, self.normalize if normalize is None else normalize)
+
+    @staticmethod
+    def finish(vectors: np.ndarray, dim: int | None, normalize: bool) -> np.ndarray:
+        """Keep the first ``dim`` dimensions (Matryoshka truncation) of (N, H) vectors, then L2-normalise."""
+        if dim is not None:
+            if not 1 <= dim <= vectors.shape[1]:
+                raise EncoderkitError(f"dim={dim} must be between 1 and the model's {vectors.shape[1]} dimensions")
+            vectors = vectors[:, :dim]
+        if normalize:
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return np.ascontiguousarray(vectors, dtype=np.float32)
