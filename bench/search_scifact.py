@@ -186,7 +186,7 @@ def memoize_reranker(s, path: str | None = None):
     import json
 
     from encoderkit.io import write_json_atomic
-    from encoderkit.retrieval.store import model_fingerprint
+    from encoderkit.models.folder_files import model_fingerprint
 
     score = s.reranker.score_pairs
     fp = model_fingerprint(s.reranker.folder) if path else None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import secrets
@@ -32,23 +31,6 @@ def cache_dir(name: str) -> Path:
     """``$ENCODERKIT_CACHE/name`` (default ``~/.cache/encoderkit/name``): prepared corpora, ONNX
     exports, corpus embeddings, a rerank teacher's scores."""
     return Path(os.environ.get("ENCODERKIT_CACHE", Path.home() / ".cache" / "encoderkit")) / name
-
-
-def model_fingerprint(folder: str | Path) -> str:
-    """sha256 (first 16 hex) of a model folder's weights, tokenizer, config and pooling files: two folders
-    with the same fingerprint compute the same outputs (an index's embedder, a cache's key)."""
-    folder = Path(folder)
-    h = hashlib.sha256()
-    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".onnx", ".bin") and p.is_file())
-    names += [n for n in ("tokenizer.json", "vocab.txt", "config.json", "1_Pooling/config.json") if (folder / n).is_file()]
-    if not names:
-        raise EncoderkitError(f"{folder}: no model weights found to fingerprint")
-    for n in names:
-        h.update(n.encode())
-        with open(folder / n, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def cached_array(kind: str, key: str, rows: int, compute: Callable[[], Any], what: str) -> Any:

@@ -45,7 +45,7 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
     """(batch source, loss_fn, number of lists per epoch): teacher scores computed once for every pair. With
     ``fresh_pseudo_queries``, each epoch reads the split's lists and its own set of titles' lists (scored set by
     set: a cache written before pairs had their own keys holds one file per set, and is still read)."""
-    from encoderkit.io import model_fingerprint
+    from encoderkit.models.folder_files import model_fingerprint
     from encoderkit.tasks.batching import RotatingBatches, encode_batch
     from encoderkit.tasks.rerank.features import pair_rows
 
@@ -119,7 +119,7 @@ def teacher_scores(store: PairScores, teacher: nn.Module, rows: list[dict[str, n
 
 class PairScores:
     """A teacher's scores cached pair by pair: ``$ENCODERKIT_CACHE/teacher-scores/<key>.npz``, one file per teacher
-    (``fingerprint``: :func:`encoderkit.io.model_fingerprint`, its weights, config and tokenizer) holding ``keys``
+    (``fingerprint``: :func:`encoderkit.models.folder_files.model_fingerprint`, its weights, config and tokenizer) holding ``keys``
     ((N, 16) uint8: each pair's token-id hash) and ``scores`` ((N,) float32), read once, without pickle, and
     rewritten atomically with each addition. A file that cannot be read is treated as empty; one that cannot be
     written costs time later, not this run (a note says so)."""

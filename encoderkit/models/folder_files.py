@@ -1,4 +1,4 @@
-"""What a new model folder copies from the folder it was made from.
+"""What a new model folder copies from the folder it was made from, and the fingerprint of what it computes with.
 
 Every stage that derives a folder from another writes its own weights and ``config.json`` (or, for an
 export, copies them) and takes the rest from the source with :func:`copy_side_files`: the tokenizer,
@@ -14,10 +14,12 @@ the sentence-transformers modules and whatever else lies beside them (``README.m
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from pathlib import Path
 
+from encoderkit.errors import EncoderkitError
 from encoderkit.models.card import CARD
 from encoderkit.models.rebuild import QUANT_FILE
 
@@ -60,3 +62,20 @@ def _copy(src: Path, dst: Path) -> None:
     else:
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
+
+
+def model_fingerprint(folder: str | Path) -> str:
+    """sha256 (first 16 hex) of a model folder's weights, tokenizer, config and pooling files: two folders
+    with the same fingerprint compute the same outputs (an index's embedder, a cache's key)."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".onnx", ".bin") and p.is_file())
+    names += [n for n in ("tokenizer.json", "vocab.txt", "config.json", "1_Pooling/config.json") if (folder / n).is_file()]
+    if not names:
+        raise EncoderkitError(f"{folder}: no model weights found to fingerprint")
+    for n in names:
+        h.update(n.encode())
+        with open(folder / n, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]

@@ -29,7 +29,7 @@ import numpy as np
 from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.predictor import BACKENDS, Predictor, finish_embeddings
-from encoderkit.io import model_fingerprint
+from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note, progress
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import int8_calibration, stored_codes

@@ -38,7 +38,8 @@ from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.ranking import rrf_scores
 from encoderkit.inference.predictor import BACKENDS, Predictor
-from encoderkit.io import model_fingerprint, write_text_atomic
+from encoderkit.io import write_text_atomic
+from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_dequantize, top_k

@@ -1,11 +1,14 @@
-"""The classify task object (:mod:`encoderkit.tasks.protocol`): Sequence classification (single texts or pairs; one label, or several with --multi-label)."""
+"""The classify task object (:mod:`encoderkit.tasks.protocol`): sequence classification (single texts or pairs;
+one label, or several with --multi-label)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from encoderkit.tasks.classify.train import OPTIONS, build, evaluate_folder
+from encoderkit.tasks.classify.train import OPTIONS
+from encoderkit.tasks.classify.train import build as build_run
+from encoderkit.tasks.classify.train import evaluate_folder as evaluate_saved
 from encoderkit.tasks.protocol import Runner, ServingUnit, Task
 
 
@@ -21,12 +24,9 @@ class ClassifyTask(Task):
     primary_metrics = ("accuracy", "micro_f1")
     data_help = "a .tsv/.csv/.jsonl table with the text column the model was fine-tuned on"
 
-    # -- training and evaluation --------------------------------------------------------------------
-    def build(self, data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
-        return build(data, options, tokenizer, folder)
-
-    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any, engine: Any = None) -> dict[str, Any]:
-        return evaluate_folder(folder, tokenizer, data, options, engine=engine)
+    # -- training and evaluation: the task's train module ------------------------------------------
+    build = staticmethod(build_run)
+    evaluate_folder = staticmethod(evaluate_saved)
 
     # -- inference ----------------------------------------------------------------------------------
     def classify(self, runner: Runner, inputs: Sequence[str | tuple[str, str] | list[str]]) -> list[dict[str, Any]]:

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from encoderkit.io import cached_array, model_fingerprint, write_json_atomic
+from encoderkit.io import cached_array, write_json_atomic
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.models.pooling import pool
 from encoderkit.tasks.embed.embedder import Embedder
 from encoderkit.tasks.embed.options import embed_pooling

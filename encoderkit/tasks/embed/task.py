@@ -1,11 +1,14 @@
-"""The embed task object (:mod:`encoderkit.tasks.protocol`): Bi-encoder embeddings: pooled, optionally normalised token states (sentence-transformers layout)."""
+"""The embed task object (:mod:`encoderkit.tasks.protocol`): bi-encoder embeddings: pooled, optionally normalised
+token states (sentence-transformers layout)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from encoderkit.tasks.embed.train import OPTIONS, build, evaluate_folder
+from encoderkit.tasks.embed.train import OPTIONS
+from encoderkit.tasks.embed.train import build as build_run
+from encoderkit.tasks.embed.train import evaluate_folder as evaluate_saved
 from encoderkit.tasks.protocol import Runner, ServingUnit, Task
 
 
@@ -21,12 +24,9 @@ class EmbedTask(Task):
     primary_metrics = ("ndcg@10",)
     data_help = "a corpus (text, JSONL, CSV/TSV, folder) or a BEIR source"
 
-    # -- training and evaluation --------------------------------------------------------------------
-    def build(self, data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
-        return build(data, options, tokenizer, folder)
-
-    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any, engine: Any = None) -> dict[str, Any]:
-        return evaluate_folder(folder, tokenizer, data, options, engine=engine)
+    # -- training and evaluation: the task's train module ------------------------------------------
+    build = staticmethod(build_run)
+    evaluate_folder = staticmethod(evaluate_saved)
 
     # -- inference ----------------------------------------------------------------------------------
     def embed_raw(self, runner: Runner, texts: Sequence[str]) -> Any:

@@ -14,7 +14,9 @@ from encoderkit.tasks.classify.features import featurize
 from encoderkit.tasks.multilabel.data import read_examples
 from encoderkit.tasks.multilabel.features import decode, thresholds_of
 from encoderkit.tasks.multilabel.options import MultilabelOptions
-from encoderkit.tasks.multilabel.train import OPTIONS, build, evaluate_folder
+from encoderkit.tasks.multilabel.train import OPTIONS
+from encoderkit.tasks.multilabel.train import build as build_run
+from encoderkit.tasks.multilabel.train import evaluate_folder as evaluate_saved
 from encoderkit.tasks.protocol import Runner, ServingUnit, Task, TaskInputs, typical_and_batch
 
 
@@ -31,12 +33,9 @@ class MultilabelTask(Task):
     data_help = ("a .tsv/.csv table with a 'labels' column of labels joined by '|', or a .jsonl whose 'labels' is a "
                  "list, and the text column the model was fine-tuned on")
 
-    # -- training and evaluation --------------------------------------------------------------------
-    def build(self, data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
-        return build(data, options, tokenizer, folder)
-
-    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any, engine: Any = None) -> dict[str, Any]:
-        return evaluate_folder(folder, tokenizer, data, options, engine=engine)
+    # -- training and evaluation: the task's train module ------------------------------------------
+    build = staticmethod(build_run)
+    evaluate_folder = staticmethod(evaluate_saved)
 
     # -- inference ----------------------------------------------------------------------------------
     def predict(self, runner: Runner, records: Sequence[dict[str, Any]], **kw: Any) -> list[dict[str, Any]]:

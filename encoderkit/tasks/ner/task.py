@@ -1,4 +1,5 @@
-"""The ner task object (:mod:`encoderkit.tasks.protocol`): Named entities: token classification over words, long sentences in overlapping windows."""
+"""The ner task object (:mod:`encoderkit.tasks.protocol`): named entities: token classification over words, long
+sentences in overlapping windows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from encoderkit.tasks.ner.options import folder_stride
-from encoderkit.tasks.ner.train import OPTIONS, build, evaluate_folder
+from encoderkit.tasks.ner.train import OPTIONS
+from encoderkit.tasks.ner.train import build as build_run
+from encoderkit.tasks.ner.train import evaluate_folder as evaluate_saved
 from encoderkit.tasks.protocol import Runner, ServingUnit, Task
 
 
@@ -21,12 +24,9 @@ class NerTask(Task):
     primary_metrics = ("f1",)
     data_help = "a CoNLL or JSONL NER file"
 
-    # -- training and evaluation --------------------------------------------------------------------
-    def build(self, data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
-        return build(data, options, tokenizer, folder)
-
-    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any, engine: Any = None) -> dict[str, Any]:
-        return evaluate_folder(folder, tokenizer, data, options, engine=engine)
+    # -- training and evaluation: the task's train module ------------------------------------------
+    build = staticmethod(build_run)
+    evaluate_folder = staticmethod(evaluate_saved)
 
     # -- inference ----------------------------------------------------------------------------------
     def extract(self, runner: Runner, texts: Sequence[str], stride: int | None = None) -> list[list[dict[str, Any]]]:

@@ -1,4 +1,5 @@
-"""The qa task object (:mod:`encoderkit.tasks.protocol`): Extractive question answering: the best answer span of a context, in overlapping windows."""
+"""The qa task object (:mod:`encoderkit.tasks.protocol`): extractive question answering: the best answer span of a
+context, in overlapping windows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from encoderkit.tasks.protocol import Runner, ServingUnit, Task
-from encoderkit.tasks.qa.train import OPTIONS, build, evaluate_folder
+from encoderkit.tasks.qa.train import OPTIONS
+from encoderkit.tasks.qa.train import build as build_run
+from encoderkit.tasks.qa.train import evaluate_folder as evaluate_saved
 
 
 class QaTask(Task):
@@ -22,12 +25,9 @@ class QaTask(Task):
     primary_metrics = ("f1",)
     data_help = "a SQuAD JSON file"
 
-    # -- training and evaluation --------------------------------------------------------------------
-    def build(self, data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
-        return build(data, options, tokenizer, folder)
-
-    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any, engine: Any = None) -> dict[str, Any]:
-        return evaluate_folder(folder, tokenizer, data, options, engine=engine)
+    # -- training and evaluation: the task's train module ------------------------------------------
+    build = staticmethod(build_run)
+    evaluate_folder = staticmethod(evaluate_saved)
 
     # -- inference ----------------------------------------------------------------------------------
     def answer(self, runner: Runner, questions: Sequence[str], contexts: Sequence[str],

@@ -1,4 +1,5 @@
-"""The rerank task object (:mod:`encoderkit.tasks.protocol`): Cross-encoder reranking: one relevance score per (query, passage) pair."""
+"""The rerank task object (:mod:`encoderkit.tasks.protocol`): cross-encoder reranking: one relevance score per
+(query, passage) pair."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from encoderkit.tasks.protocol import Runner, ServingUnit, Task
-from encoderkit.tasks.rerank.train import OPTIONS, build, evaluate_folder
+from encoderkit.tasks.rerank.train import OPTIONS
+from encoderkit.tasks.rerank.train import build as build_run
+from encoderkit.tasks.rerank.train import evaluate_folder as evaluate_saved
 
 
 class RerankTask(Task):
@@ -21,12 +24,9 @@ class RerankTask(Task):
     primary_metrics = ("ndcg@10", "mrr@10")
     data_help = "a BEIR source (folder or zip, PATH#split) or JSONL {query, positive, negatives}"
 
-    # -- training and evaluation --------------------------------------------------------------------
-    def build(self, data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
-        return build(data, options, tokenizer, folder)
-
-    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any, engine: Any = None) -> dict[str, Any]:
-        return evaluate_folder(folder, tokenizer, data, options, engine=engine)
+    # -- training and evaluation: the task's train module ------------------------------------------
+    build = staticmethod(build_run)
+    evaluate_folder = staticmethod(evaluate_saved)
 
     # -- inference ----------------------------------------------------------------------------------
     def score(self, runner: Runner, queries: Sequence[str], passages: Sequence[str]) -> Any:
