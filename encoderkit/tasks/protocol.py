@@ -51,6 +51,10 @@ class ServingUnit:
     batch_short: str = ""
 
 
+SEQUENCE_REQUEST = ServingUnit("one request (batch 1, a typical dev example)", "request", "32 dev examples in one batch",
+                               "32 requests")  # a text (or pair) in, one result out: classify, multilabel
+
+
 @dataclass
 class TaskInputs:
     """Model inputs of a task's data, as compression reads them: single texts or (text, text) pairs, and

@@ -9,18 +9,16 @@ from typing import Any
 from encoderkit.tasks.classify.train import OPTIONS
 from encoderkit.tasks.classify.train import build as build_run
 from encoderkit.tasks.classify.train import evaluate_folder as evaluate_saved
-from encoderkit.tasks.protocol import Runner, ServingUnit, Task
+from encoderkit.tasks.protocol import SEQUENCE_REQUEST, Runner, Task
 
 
 class ClassifyTask(Task):
     name = "classify"
     options = OPTIONS
     outputs = ("logits",)
-    pair_inputs = False
     few_logits = True
-    record_fields = ("text",)
     endpoint = "classify"
-    unit = ServingUnit("one request (batch 1, a typical dev example)", "request", "32 dev examples in one batch", "32 requests")
+    unit = SEQUENCE_REQUEST
     primary_metrics = ("accuracy", "micro_f1")
     data_help = "a .tsv/.csv/.jsonl table with the text column the model was fine-tuned on"
 

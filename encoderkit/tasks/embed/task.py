@@ -18,7 +18,6 @@ class EmbedTask(Task):
     outputs = ("last_hidden_state",)
     per_token = True
     int8_by_default = True  # mean cosine 0.992 to FP32 on MiniLM, SciFact nDCG@10 within 0.4% (bench/encode_speed.py)
-    record_fields = ("text",)
     endpoint = "embed"
     unit = ServingUnit("one query (batch 1)", "query", "a batch of 32 corpus documents", "32 documents")
     primary_metrics = ("ndcg@10",)

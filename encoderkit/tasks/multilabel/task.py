@@ -17,18 +17,16 @@ from encoderkit.tasks.multilabel.options import MultilabelOptions
 from encoderkit.tasks.multilabel.train import OPTIONS
 from encoderkit.tasks.multilabel.train import build as build_run
 from encoderkit.tasks.multilabel.train import evaluate_folder as evaluate_saved
-from encoderkit.tasks.protocol import Runner, ServingUnit, Task, TaskInputs, typical_and_batch
+from encoderkit.tasks.protocol import SEQUENCE_REQUEST, Runner, Task, TaskInputs, typical_and_batch
 
 
 class MultilabelTask(Task):
     name = "multilabel"
     options = OPTIONS
     outputs = ("logits",)
-    pair_inputs = False
     few_logits = True
-    record_fields = ("text",)
     endpoint = "classify"
-    unit = ServingUnit("one request (batch 1, a typical dev example)", "request", "32 dev examples in one batch", "32 requests")
+    unit = SEQUENCE_REQUEST
     primary_metrics = ("micro_f1",)
     data_help = ("a .tsv/.csv table with a 'labels' column of labels joined by '|', or a .jsonl whose 'labels' is a "
                  "list, and the text column the model was fine-tuned on")

@@ -18,7 +18,6 @@ class NerTask(Task):
     options = OPTIONS
     outputs = ("logits",)
     per_token = True
-    record_fields = ("text",)
     endpoint = "extract"
     unit = ServingUnit("one request (one typical dev sentence, all its windows)", "request", "32 dev sentences", "32 requests")
     primary_metrics = ("f1",)
