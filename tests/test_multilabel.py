@@ -91,9 +91,8 @@ def test_bad_jsonl_labels_name_the_line(tmp_path):
     f = _write(tmp_path / "bad.jsonl", '{"text": "x", "labels": ["a"]}\n{"text": "y", "labels": []}\n')
     with pytest.raises(EncoderkitError, match=rf"^{f}:2: no labels"):
         read_examples(f, MultilabelOptions())
-    g = _write(tmp_path / "bad2.jsonl", '{"text": "x", "labels": ["a,b"]}\n')
-    with pytest.raises(EncoderkitError, match=rf'^{g}:1: .*one label per element: write \["a", "b"\]'):
-        read_examples(g, MultilabelOptions())
+    g = _write(tmp_path / "list.jsonl", '{"text": "x", "labels": ["Washington, D.C.", "b"]}\n')
+    assert read_examples(g, MultilabelOptions()).labels == [["Washington, D.C.", "b"]]  # a list element is one label
 
 
 def test_a_missing_labels_column_says_how_to_name_it(tmp_path):
@@ -284,3 +283,22 @@ def test_cpu_ptq_recipe_measures_micro_f1(trained, tmp_path):
     assert rows[0]["metric"] == "micro_f1" and rows[0]["latency_unit"] == "request"
     assert rows[0]["quality"] == pytest.approx(evaluate(EvaluateConfig(model=str(res.out), data=str(dev))).metrics["micro_f1"])
     assert rows[1]["runtime"] == "deploy onnx-int8" and rows[1]["quality"] == pytest.approx(rows[0]["quality"], abs=0.1)
+
+
+def test_a_multilabel_model_is_neither_an_audit_encoder_nor_a_cross_encoder(trained, tmp_path):
+    """The audit report compares one label per text, and search's --rerank scores pairs: a multilabel model
+    does neither, and is refused up front rather than failing inside the first call."""
+    from test_label_audit import sheet_rows, write_labeled  # noqa: F401 -- the audit tests' labelled file
+
+    from encoderkit.label.report import ReportConfig
+    from encoderkit.label.report import run as report
+    from encoderkit.label.sample import SampleConfig
+    from encoderkit.label.sample import run as sample
+    from encoderkit.tasks import get_task
+
+    write_labeled(tmp_path / "labeled.jsonl")
+    sample(SampleConfig(input=str(tmp_path / "labeled.jsonl"), n=10, output=str(tmp_path / "sheet.csv")))
+    with pytest.raises(EncoderkitError, match="is a 'multilabel' model; give a classify model folder"):
+        report(ReportConfig(input=str(tmp_path / "labeled.jsonl"), sheet=str(tmp_path / "sheet.csv"),
+                            encoder=str(trained[0].out)))
+    assert [t for t in ("classify", "rerank", "multilabel") if get_task(t).scores_pairs] == ["classify", "rerank"]

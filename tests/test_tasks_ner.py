@@ -87,16 +87,21 @@ def test_long_text_windows_and_entity_char_spans(minilm_dir):
 
 def test_evaluate_and_the_predictor_share_one_stride_rule():
     """A NER folder's windows overlap by the same stride in evaluate (NerOptions.for_folder) and in
-    Predictor.extract (NerTask.extract): the card's, else 32 cut to a quarter of the window."""
+    Predictor.extract (NerTask.extract): the card's, else 32 cut to a quarter of the window; an explicit
+    --stride is taken as given when the card has none, and training's default stays 32."""
     from types import SimpleNamespace
 
     from encoderkit.tasks.ner.options import NerOptions, folder_stride
 
-    def options(card: dict, max_length: int) -> NerOptions:
-        cfg = SimpleNamespace(max_length=max_length, stride=32, tag_scheme="auto")
+    def options(card: dict, max_length: int, stride: int = 0) -> NerOptions:
+        cfg = SimpleNamespace(max_length=max_length, stride=stride, tag_scheme="auto")
         return NerOptions.for_folder(cfg, SimpleNamespace(card=card))
 
     for card, length in (({}, 64), ({}, 256), ({"stride": 7}, 64), ({"stride": 48, "max_length": 200}, 0)):
         opts = options(card, length)
         assert opts.stride == folder_stride(card, opts.max_length)
     assert folder_stride({}, 64) == 16 and folder_stride({}, 256) == 32 and folder_stride({"stride": 7}, 64) == 7
+    assert options({}, 64, stride=40).stride == 40  # explicit, no card: as given
+    assert options({"stride": 7}, 64, stride=40).stride == 7  # the model's own wins
+    train_cfg = SimpleNamespace(max_length=64, stride=0, tag_scheme="auto")
+    assert NerOptions.for_training(train_cfg, SimpleNamespace(positions=512)).stride == 32

@@ -120,7 +120,7 @@ def run(cfg: ReportConfig) -> ReportResult:
         from encoderkit.inference.predictor import Predictor
 
         predictor = Predictor.load(cfg.encoder, threads=1)
-        if get_task(predictor.task).endpoint != "classify":  # the report labels single texts: /v1/classify's call
+        if not get_task(predictor.task).single_label:  # the report compares one label per text with the labeller's
             raise EncoderkitError(f"--encoder {cfg.encoder} is a {predictor.task!r} model; give a classify model folder")
     if cfg.labels:
         labels = parse_labels(cfg.labels)

@@ -124,8 +124,9 @@ def run(cfg: IndexConfig) -> IndexResult:
         old = open_generation(root)
     elif root.exists() and any(x for x in root.iterdir() if not x.name.startswith(".")):
         raise EncoderkitError(f"--out {root} is a non-empty folder that is not an index; choose another --out")
+    # 'runtime' too, for one release: the release before the rename reads that key
     manifest = {"model": {"folder": str(Path(cfg.model).resolve()), "fingerprint": fingerprint, "backend": p.backend,
-                          "max_length": p.max_length},
+                          "runtime": p.backend, "max_length": p.max_length},
                 "passages": {"tokens": size, "overlap": cfg.overlap}, "normalized": True}
     if old is not None and not cfg.rebuild:
         om = old.manifest

@@ -146,7 +146,7 @@ class Searcher:
         built = recorded.get("backend", recorded.get("runtime"))  # indexes written before the rename say 'runtime'
         p = Predictor.load(folder, backend=runtime or built, threads=threads)
         r = Predictor.load(rerank, threads=threads) if rerank else None
-        if r is not None and get_task(r.task).per_token:  # a cross-encoder scores a pair with sequence logits (B, C)
+        if r is not None and not get_task(r.task).scores_pairs:  # a cross-encoder: a pair's score from its logits
             raise EncoderkitError(f"--rerank {rerank} is a {r.task!r} model, not a cross-encoder")
         if milvus is not None:
             from encoderkit.retrieval.milvus import check_collection

@@ -37,7 +37,9 @@ class TaskDataOptions(StageConfig):
         "ner: longer sentences are split into overlapping windows (--stride), nothing is lost. "
         "qa: the context is split into windows overlapping by --doc-stride. evaluate: 0 keeps the length the "
         "model was fine-tuned with; a value overrides it."))
-    stride: int = arg(32, help="ner: sub-tokens shared by consecutive windows of a long sentence.")
+    stride: int = arg(0, help=(
+        "ner: sub-tokens shared by consecutive windows of a long sentence. 0: 32 when training; evaluate takes the "
+        "saved model's own, else 32 cut to a quarter of the window (what predict and serve use)."))
     tag_scheme: str = arg("auto", help="ner: tag scheme of CoNLL files, converted to IOB2.", choices=("auto", "iob1", "iob2", "bioes"))
     doc_stride: int = arg(0, help="qa: sub-tokens shared by consecutive context windows (0: a quarter of --max-length).")
     max_answer_length: int = arg(30, help="qa: longest answer span in sub-tokens.")

@@ -86,6 +86,8 @@ class Task:
     int8_by_default: ClassVar[bool] = False  # Predictor's ``auto`` runs the INT8 graph (measured on this task)
     record_fields: ClassVar[tuple[str, ...]] = ("text",)  # fields of a ``predict`` JSONL record (a .txt: one text a line)
     endpoint: ClassVar[str | None] = None   # the service's route that serves it (``/v1/<endpoint>``)
+    single_label: ClassVar[bool] = False    # one label per text (a softmax over labels): what an audit compares
+    scores_pairs: ClassVar[bool] = False    # scores a (query, passage) pair by its sequence logits: a cross-encoder
     unit: ClassVar[ServingUnit]             # the serving unit compression times
     primary_metrics: ClassVar[tuple[str, ...]]  # the evaluation's quality figure (the first one present)
     data_help: ClassVar[str]                # what the task's data file is, for error messages

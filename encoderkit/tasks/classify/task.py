@@ -18,6 +18,8 @@ class ClassifyTask(Task):
     outputs = ("logits",)
     few_logits = True
     endpoint = "classify"
+    single_label = True
+    scores_pairs = True  # a pair classifier reranks by its last label's logit over its first
     unit = SEQUENCE_REQUEST
     primary_metrics = ("accuracy", "micro_f1")
     data_help = "a .tsv/.csv/.jsonl table with the text column the model was fine-tuned on"

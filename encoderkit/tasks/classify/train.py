@@ -37,7 +37,8 @@ from encoderkit.tasks.inference import ModuleEngine
 OPTIONS = ClassifyOptions
 
 
-def _targets(labels: list[list[str]], names: list[str], multi_label: bool) -> np.ndarray:
+def label_targets(labels: list[list[str]], names: list[str], multi_label: bool) -> np.ndarray:
+    """Class ids (N,) int64, or with ``multi_label`` 0/1 targets (N, C) float32, of label lists over ``names``."""
     index = {n: i for i, n in enumerate(names)}
     if multi_label:
         y = np.zeros((len(labels), len(names)), dtype=np.float32)
@@ -78,7 +79,7 @@ def build(data: TrainData, options: ClassifyOptions, tokenizer, folder: ModelFol
     if len(names) < 2 and not multi:
         raise EncoderkitError(f"{data.train}: only one label ({names}) in column {options.label_column!r}; a classifier needs two or more")
     rows = featurize(tokenizer, texts, pairs, options.max_length)
-    y = _targets(labels, names, multi)
+    y = label_targets(labels, names, multi)
     for r, t in zip(rows, y, strict=True):
         r["labels"] = t
     evaluate = None
@@ -87,7 +88,7 @@ def build(data: TrainData, options: ClassifyOptions, tokenizer, folder: ModelFol
         dtexts, dpairs, dlabels = _subset(data.max_dev_examples, data.seed, dtexts, dpairs, dlabels)
         check_labels(set(names), [x for items in dlabels for x in items], [w for w, items in zip(where, dlabels, strict=False) for _ in items])
         drows = featurize(tokenizer, dtexts, dpairs, options.max_length)
-        dy = _targets(dlabels, names, multi)
+        dy = label_targets(dlabels, names, multi)
 
         def evaluate(module) -> dict[str, float]:
             return scores(predict_logits(module, drows, tokenizer.pad_token_id, data.eval_batch_size), dy, multi)
@@ -137,7 +138,7 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: Cla
     check_labels(set(names), [x for items in labels for x in items], [w for w, items in zip(where, labels, strict=False) for _ in items])
     rows = featurize(tokenizer, texts, pairs, options.max_length)
     logits = engine_logits(engine, rows, tokenizer.pad_token_id, data.batch_size)
-    return {**scores(logits, _targets(labels, names, multi), multi), "examples": len(rows)}
+    return {**scores(logits, label_targets(labels, names, multi), multi), "examples": len(rows)}
 
 
 def _subset(limit: int, seed: int, *columns):

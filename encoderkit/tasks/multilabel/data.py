@@ -69,13 +69,13 @@ def parse_labels(value: Any, where: str, name: str, sep: str) -> list[str]:
     if not items:
         raise EncoderkitError(f"{where}: no labels in column {name!r} (an empty label set); write {NONE!r} for a row "
                               "that has none of the labels, or drop the row")
-    for x in items:
+    for x in items if not isinstance(value, list) else ():  # a list element is one label, commas and all
         other = next((c for c in OTHER_SEPARATORS if c in x and c != sep), None)
         if other:
             parts = [p.strip() for p in x.split(other) if p.strip()]
-            fix = ("[" + ", ".join(f'"{p}"' for p in parts) + "]") if isinstance(value, list) else sep.join(parts)
+            fix = sep.join(parts)
             # no flag for ',': it is --label-separator's default (classify's), which this task reads as '|'
-            hint = "" if isinstance(value, list) or other == "," else \
+            hint = "" if other == "," else \
                 f" (or pass --label-separator '{other}' if the whole file joins them that way)"
             raise EncoderkitError(f"{where}: label {x!r} in column {name!r} looks like several labels joined by {other!r}, "
                                   f"but {joined}: write {fix}{hint}")

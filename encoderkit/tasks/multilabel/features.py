@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from encoderkit.evaluate.metrics import multilabel_scores
+from encoderkit.evaluate.metrics import f1_binary, multilabel_scores
 
 DEFAULT_THRESHOLD = 0.5
 GRID = np.round(np.arange(0.05, 0.951, 0.05), 2)  # 0.05, 0.10, ..., 0.95
@@ -17,21 +17,6 @@ GRID = np.round(np.arange(0.05, 0.951, 0.05), 2)  # 0.05, 0.10, ..., 0.95
 
 def sigmoid(logits: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-np.asarray(logits, dtype=np.float64)))
-
-
-def targets(sets: list[list[str]], names: list[str]) -> np.ndarray:
-    """0/1 targets (N, C) float32 of label sets over ``names``."""
-    index = {n: i for i, n in enumerate(names)}
-    y = np.zeros((len(sets), len(names)), dtype=np.float32)
-    for r, items in enumerate(sets):
-        y[r, [index[x] for x in items]] = 1.0
-    return y
-
-
-def _f1(gold: np.ndarray, pred: np.ndarray) -> float:
-    tp = float((gold & pred).sum())
-    denom = float(gold.sum() + pred.sum())
-    return 2 * tp / denom if denom else 0.0
 
 
 def choose_thresholds(probs: np.ndarray, gold: np.ndarray, grid: np.ndarray = GRID) -> np.ndarray:
@@ -42,7 +27,7 @@ def choose_thresholds(probs: np.ndarray, gold: np.ndarray, grid: np.ndarray = GR
     for c in range(gold.shape[1]):
         if not gold[:, c].any():
             continue
-        f1 = [_f1(gold[:, c], probs[:, c] >= t) for t in grid]
+        f1 = [f1_binary(gold[:, c], probs[:, c] >= t, positive=True) for t in grid]
         out[c] = min(zip(f1, grid, strict=True), key=lambda ft: (-ft[0], abs(ft[1] - DEFAULT_THRESHOLD)))[1]
     return out
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.card import read_card
 from encoderkit.tasks.classify.features import featurize
 from encoderkit.tasks.multilabel.data import read_examples
 from encoderkit.tasks.multilabel.features import decode, thresholds_of
@@ -58,7 +59,7 @@ class MultilabelTask(Task):
                         label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> TaskInputs:
         """The texts of a table (the column the model was trained on); no class ids: a label set is not
         one class, so distillation and recovery have no hard loss here."""
-        card = card or {}
+        card = card or (read_card(folder) if folder else {})  # the columns the model was trained on
         options = MultilabelOptions(label_separator=card.get("label_separator", MultilabelOptions.label_separator))
         ex = read_examples(path, options, card.get("text_column"), card.get("label_column"), labels=False)
         return TaskInputs(list(ex.texts), None, str(path))

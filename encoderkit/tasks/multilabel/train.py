@@ -23,7 +23,7 @@ from encoderkit.progress import note
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.classify.data import label_names
 from encoderkit.tasks.classify.features import engine_logits, featurize
-from encoderkit.tasks.classify.train import predict_logits
+from encoderkit.tasks.classify.train import label_targets, predict_logits
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, check_labels, seeded_subset
 from encoderkit.tasks.inference import ModuleEngine
 from encoderkit.tasks.multilabel.data import Examples, read_examples
@@ -32,7 +32,6 @@ from encoderkit.tasks.multilabel.features import (
     choose_thresholds,
     scores,
     sigmoid,
-    targets,
     thresholds_of,
 )
 from encoderkit.tasks.multilabel.options import MultilabelOptions
@@ -70,7 +69,7 @@ def build(data: TrainData, options: MultilabelOptions, tokenizer, folder: ModelF
         raise EncoderkitError(f"{data.train}: every row is labelled none in column {ex.label_column!r}; "
                               "a classifier needs rows with labels")
     rows = featurize(tokenizer, ex.texts, None, options.max_length)
-    y = targets(ex.labels, names)
+    y = label_targets(ex.labels, names, multi_label=True)
     pad_id = tokenizer.pad_token_id
 
     def make_batch(idx: np.ndarray, epoch: int):
@@ -87,7 +86,7 @@ def build(data: TrainData, options: MultilabelOptions, tokenizer, folder: ModelF
         _check_known(names, dev)
         assert dev.labels is not None
         drows = featurize(tokenizer, dev.texts, None, options.max_length)
-        dy = targets(dev.labels, names)
+        dy = label_targets(dev.labels, names, multi_label=True)
 
         def dev_probs(module) -> np.ndarray:
             return sigmoid(predict_logits(module, drows, pad_id, data.eval_batch_size))
@@ -132,4 +131,4 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: Mul
     assert ex.labels is not None
     rows = featurize(tokenizer, ex.texts, None, options.max_length)
     probs = sigmoid(engine_logits(engine, rows, tokenizer.pad_token_id, data.batch_size))
-    return {**scores(targets(ex.labels, names), probs >= thresholds_of(folder.card, names)), "examples": len(rows)}
+    return {**scores(label_targets(ex.labels, names, multi_label=True), probs >= thresholds_of(folder.card, names)), "examples": len(rows)}

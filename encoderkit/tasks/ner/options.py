@@ -13,11 +13,11 @@ DEFAULT_MAX_LENGTH = 128
 DEFAULT_STRIDE = 32
 
 
-def folder_stride(card: dict[str, Any], max_length: int, requested: int = DEFAULT_STRIDE) -> int:
+def folder_stride(card: dict[str, Any], max_length: int, requested: int = 0) -> int:
     """The sub-tokens a saved model's windows share: the stride it was fine-tuned with (its card), else the
-    requested one cut to a quarter of the window (so each window still moves on by most of its length). The
-    one rule for evaluate and the Predictor."""
-    return int(card.get("stride", min(requested, max_length // 4)))
+    requested one (``--stride``), else 32 cut to a quarter of the window (so each window still moves on by
+    most of its length). The one rule for evaluate and the Predictor."""
+    return int(card.get("stride") or requested or min(DEFAULT_STRIDE, max_length // 4))
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class NerOptions:
 
     @classmethod
     def for_training(cls, cfg: Any, folder: ModelFolder) -> NerOptions:
-        return pick(cls, cfg, max_length=settle_max_length(cfg.max_length, DEFAULT_MAX_LENGTH, folder))
+        return pick(cls, cfg, max_length=settle_max_length(cfg.max_length, DEFAULT_MAX_LENGTH, folder),
+                    stride=cfg.stride or DEFAULT_STRIDE)
 
     @classmethod
     def for_folder(cls, cfg: Any, folder: ModelFolder) -> NerOptions:

@@ -20,6 +20,7 @@ class RerankTask(Task):
     few_logits = True
     record_fields = ("query", "passages")
     endpoint = "rerank"
+    scores_pairs = True
     unit = ServingUnit("one query's top 100 candidates (100 query-passage pairs, batches of 32)", "query (top 100)")
     primary_metrics = ("ndcg@10", "mrr@10")
     data_help = "a BEIR source (folder or zip, PATH#split) or JSONL {query, positive, negatives}"
