@@ -38,7 +38,14 @@ from torch import nn
 from encoderkit.compress.distill_embed import run_embed
 from encoderkit.compress.distill_tasks import KINDS as TASK_KINDS
 from encoderkit.compress.distill_tasks import run_task
-from encoderkit.compress.students import DistillResult, fit_and_save, make_student, soft_target_kl
+from encoderkit.compress.students import (
+    DistillResult,
+    fit_and_save,
+    is_multi_label,
+    make_student,
+    sigmoid_target_loss,
+    soft_target_kl,
+)
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
@@ -73,13 +80,16 @@ class DistillLoss(nn.Module):
     ``forward(student_out, teacher_out, batch)`` takes HF outputs (with ``logits`` and, when
     ``cos > 0``, ``hidden_states``) and the batch (``attention_mask``, ``labels``). ``labels``
     (B, L) with -100 outside masked positions for MLM, or (B,) class ids for a task. Returns the
-    loss and its parts (floats) for logging.
+    loss and its parts (floats) for logging. With ``multi_label`` (a sigmoid per label) the ``kl`` part is
+    :func:`sigmoid_target_loss` and there is no hard part (a label set is not one class id).
     """
 
-    def __init__(self, weights: LossWeights, student_width: int, teacher_width: int, mlm: bool) -> None:
+    def __init__(self, weights: LossWeights, student_width: int, teacher_width: int, mlm: bool,
+                 multi_label: bool = False) -> None:
         super().__init__()
         self.w = weights
         self.mlm = mlm
+        self.multi_label = multi_label
         self.proj = nn.Linear(student_width, teacher_width) if student_width != teacher_width and weights.cos > 0 else None
 
     def forward(self, student_out: Any, teacher_out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -93,8 +103,11 @@ class DistillLoss(nn.Module):
                 parts["hard"] = F.cross_entropy(s_logits[picked].float(), labels[picked]) if picked.any() else s_logits.sum() * 0
         else:
             flat_s, flat_t = s_logits.reshape(-1, s_logits.shape[-1]), t_logits.reshape(-1, t_logits.shape[-1])
-            parts["kl"] = soft_target_kl(flat_s, flat_t, self.w.temperature) if s_logits.shape[-1] > 1 else F.mse_loss(flat_s.float(), flat_t.float())
-            if self.w.hard and labels is not None:
+            if self.multi_label:
+                parts["kl"] = sigmoid_target_loss(flat_s, flat_t, self.w.temperature)
+            else:
+                parts["kl"] = soft_target_kl(flat_s, flat_t, self.w.temperature) if s_logits.shape[-1] > 1 else F.mse_loss(flat_s.float(), flat_t.float())
+            if self.w.hard and labels is not None and not self.multi_label:
                 parts["hard"] = (F.cross_entropy(flat_s.float(), labels.reshape(-1), ignore_index=-100)
                                  if s_logits.shape[-1] > 1 else F.mse_loss(flat_s.float().squeeze(-1), labels.float()))
         if self.w.cos:
@@ -153,7 +166,9 @@ def task_batches(path: str, tokenizer: Any, teacher_config: Any, batch_size: int
     from encoderkit.compress.recovery import input_batches
     from encoderkit.compress.task_data import read_task_inputs
 
-    label2id = {str(k): int(v) for k, v in (getattr(teacher_config, "label2id", None) or {}).items()}
+    label2id: dict[str, int] | None = {str(k): int(v) for k, v in (getattr(teacher_config, "label2id", None) or {}).items()}
+    if is_multi_label(teacher_config):  # label sets, not class ids: no hard loss
+        label2id = None
     inputs = read_task_inputs(path, task, folder=folder, label2id=label2id, limit=limit)
     return input_batches(tokenizer, inputs, seq_len, batch_size, seed), len(inputs), inputs.labels is not None
 
@@ -302,7 +317,8 @@ def run(config: DistillConfig) -> DistillResult:
                                                       **({"task": task.name} if task else {}))
         if not has_labels:
             weights = LossWeights(weights.kl, 0.0, weights.cos, weights.temperature)
-    loss = DistillLoss(weights, student.config.hidden_size, teacher.config.hidden_size, mlm=cfg.mode == "agnostic")
+    loss = DistillLoss(weights, student.config.hidden_size, teacher.config.hidden_size, mlm=cfg.mode == "agnostic",
+                       multi_label=is_multi_label(teacher))
     module = DistillModule(student, loss)
 
     def save(folder: Path) -> None:

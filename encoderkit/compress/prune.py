@@ -31,6 +31,7 @@ import torch
 from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, text_batches
 from encoderkit.compress.packing import HEADS_KEY, is_quantized, load_model
 from encoderkit.compress.recovery import recover, self_target_loss
+from encoderkit.compress.students import is_multi_label
 from encoderkit.compress.task_data import LeverData, TaskInputs
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
@@ -259,10 +260,11 @@ def taylor_scores(model: torch.nn.Module, tokenizer: Any, texts: list[Any], cfg:
     """
     params = {n: p for n, p in model.named_parameters() if ".encoder.layer." in f".{n}" or n.startswith("encoder.layer.")}
     scores = {n: torch.zeros_like(p) for n, p in params.items()}
+    multi_label = is_multi_label(model)  # a sigmoid per label: its own predictions are a label set
     model.eval()
     for batch in progress(list(text_batches(tokenizer, texts, cfg.seq_len, cfg.batch_size)), desc="importance"):
         model.zero_grad(set_to_none=True)
-        loss = self_target_loss(model(**batch), batch["attention_mask"])
+        loss = self_target_loss(model(**batch), batch["attention_mask"], multi_label=multi_label)
         loss.backward()
         for n, p in params.items():
             if p.grad is not None:

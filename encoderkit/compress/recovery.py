@@ -8,6 +8,8 @@ The outputs matched, by what the model returns:
 - NER (``logits`` (B, L, C)): ``T^2 * KL`` of each real token's tag distribution;
 - classify (``logits`` (B, C), C > 1): ``T^2 * KL`` of the class distribution, plus the
   cross-entropy on gold labels when the data has them (weights ``kd_alpha`` / ``1 - kd_alpha``);
+- multi-label (``problem_type`` ``multi_label_classification``: a sigmoid per label):
+  :func:`~encoderkit.compress.students.sigmoid_target_loss` of each label's probability, no gold labels;
 - rerank (``logits`` (B, 1)): squared error of the raw scores (a softmax over one score is constant);
 - embed (``last_hidden_state`` (B, L, H)): ``||s - t||^2`` of the pooled unit vectors (= 2 - 2 cos).
 
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from encoderkit.compress.distill_tasks import NEG, masked_token_kl, position_kl
-from encoderkit.compress.students import soft_target_kl
+from encoderkit.compress.students import is_multi_label, sigmoid_target_loss, soft_target_kl
 from encoderkit.compress.task_data import TaskInputs
 from encoderkit.config import check
 from encoderkit.tasks.classify.features import featurize
@@ -37,9 +39,11 @@ def _pooled(out: Any, mask: torch.Tensor, pooling: str) -> torch.Tensor:
     return F.normalize(pool(out.last_hidden_state.float(), mask, pooling), dim=-1)
 
 
-def output_kd(s_out: Any, t_out: Any, mask: torch.Tensor, temperature: float, pooling: str = "mean") -> torch.Tensor:
+def output_kd(s_out: Any, t_out: Any, mask: torch.Tensor, temperature: float, pooling: str = "mean",
+              multi_label: bool = False) -> torch.Tensor:
     """The distance of student outputs ``s_out`` to teacher outputs ``t_out`` (see the module docstring);
-    ``mask`` (B, L) is the attention mask. Zero when the outputs agree."""
+    ``mask`` (B, L) is the attention mask; ``multi_label``: a sigmoid per label (:func:`is_multi_label`).
+    Zero when the outputs agree."""
     if getattr(s_out, "start_logits", None) is not None:
         return (position_kl(s_out.start_logits, t_out.start_logits, mask, temperature)
                 + position_kl(s_out.end_logits, t_out.end_logits, mask, temperature)) / 2
@@ -48,15 +52,19 @@ def output_kd(s_out: Any, t_out: Any, mask: torch.Tensor, temperature: float, po
         return ((_pooled(s_out, mask, pooling) - _pooled(t_out, mask, pooling)) ** 2).sum(-1).mean()
     if logits.dim() == 3:
         return masked_token_kl(logits, t_out.logits, mask, temperature)
+    if multi_label:
+        return sigmoid_target_loss(logits, t_out.logits, temperature)
     if logits.shape[-1] == 1:
         return F.mse_loss(logits.float(), t_out.logits.float())
     return soft_target_kl(logits, t_out.logits, temperature)
 
 
-def self_target_loss(out: Any, mask: torch.Tensor) -> torch.Tensor:
+def self_target_loss(out: Any, mask: torch.Tensor, multi_label: bool = False) -> torch.Tensor:
     """A label-free loss of a model's outputs against their own detached values, whose gradient is
     not zero (for Taylor importance): cross-entropy to the argmax for classes, tags and QA positions,
-    the squared score for a single score, the squared last hidden state for an embedding model."""
+    the squared score for a single score, the squared last hidden state for an embedding model; with
+    ``multi_label`` (a sigmoid per label) the binary cross-entropy to each label's own decision
+    (its sigmoid thresholded at 0.5)."""
     if getattr(out, "start_logits", None) is not None:
         pad = ~mask.bool()
         parts = [F.cross_entropy(x.float().masked_fill(pad, NEG), x.detach().masked_fill(pad, NEG).argmax(-1))
@@ -69,6 +77,8 @@ def self_target_loss(out: Any, mask: torch.Tensor) -> torch.Tensor:
         m = mask.bool()
         flat = logits[m]
         return F.cross_entropy(flat.float(), flat.detach().argmax(-1))
+    if multi_label:
+        return F.binary_cross_entropy_with_logits(logits.float(), (torch.sigmoid(logits.detach().float()) >= 0.5).float())
     if logits.shape[-1] == 1:
         return logits.float().pow(2).mean()
     return F.cross_entropy(logits.float(), logits.detach().argmax(-1))
@@ -104,7 +114,8 @@ def recover(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, in
     from encoderkit.train.engine import TrainSettings, fit
 
     seq_len = getattr(cfg, "seq_len", None) or getattr(cfg, "calib_seq_len", 128)
-    labelled = inputs.labels is not None  # only classify data carries labels (TaskInputs)
+    multi = is_multi_label(teacher)
+    labelled = inputs.labels is not None and not multi  # only single-label classify data carries class ids
     source = input_batches(tokenizer, inputs, seq_len, cfg.batch_size, cfg.seed, with_labels=labelled)
     hooks = [lin.weight.register_hook(lambda g, m=masks[n]: g * m) for n, lin in linears if n in masks]
     alpha = getattr(cfg, "kd_alpha", 0.5) if labelled else 1.0
@@ -117,7 +128,7 @@ def recover(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, in
         out = module(**inputs_)
         with torch.no_grad():
             t_out = teacher(**inputs_)
-        kd = output_kd(out, t_out, inputs_["attention_mask"], temperature, pooling)
+        kd = output_kd(out, t_out, inputs_["attention_mask"], temperature, pooling, multi_label=multi)
         loss = alpha * kd
         if labels is not None and alpha < 1:
             loss = loss + (1 - alpha) * F.cross_entropy(out.logits.float(), labels.reshape(-1))

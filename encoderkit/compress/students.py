@@ -155,6 +155,34 @@ def soft_target_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, t
     return F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True) * (t * t)
 
 
+MULTI_LABEL = "multi_label_classification"  # config.json ``problem_type`` of a head with a sigmoid per label
+
+
+def is_multi_label(model_or_config: Any) -> bool:
+    """Whether a model (or its config, or a config.json dict) is a multi-label classifier: a sigmoid per
+    label, not one softmax."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if isinstance(config, dict):
+        return config.get("problem_type") == MULTI_LABEL
+    return getattr(config, "problem_type", None) == MULTI_LABEL
+
+
+def sigmoid_target_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The multi-label counterpart of :func:`soft_target_kl`: ``T^2`` * the mean over rows and labels of
+    ``BCE(s/T, sigmoid(t/T)) - BCE(t/T, sigmoid(t/T))`` (each label's Bernoulli KL).
+
+    student_logits, teacher_logits: (N, C), one independent sigmoid per label. Zero when the logits
+    are equal; unlike a softmax KL it sees a shift of all logits together."""
+    if student_logits.numel() == 0:
+        return student_logits.sum() * 0.0
+    t = temperature
+    s, tt = student_logits.float() / t, teacher_logits.float() / t
+    target = torch.sigmoid(tt)
+    kl = (F.binary_cross_entropy_with_logits(s, target, reduction="none")
+          - F.binary_cross_entropy_with_logits(tt, target, reduction="none"))
+    return kl.mean() * (t * t)
+
+
 @dataclass
 class DistillResult:
     out: Path

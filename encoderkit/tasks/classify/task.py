@@ -72,6 +72,8 @@ class ClassifyTask(Task):
         columns = card_columns(folder) if folder is not None else {}
         if card and card.get("text_column"):
             columns.setdefault("text_column", str(card["text_column"]))
+        if card and card.get("multi_label"):  # a row's labels are a set, not one class id: texts only
+            label2id = None
         return read_inputs(path, columns, label2id)
 
     def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str, candidates: int) -> dict[str, Any]:
