@@ -52,3 +52,26 @@ def test_embed_folder_pooled_either_way_exports_serves_and_loads_in_sentence_tra
         r = httpx.post(url + "/v1/embed", json={"texts": TEXTS}, timeout=30)
     assert r.status_code == 200
     np.testing.assert_allclose(np.asarray(r.json()["embeddings"]), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["first", "mean"])
+def test_module_embedder_pools_on_the_device_as_the_engine_path_pools(pooling, tiny_bert_dir, monkeypatch):
+    """``Embedder.of_module`` runs the BiEncoder (pooled there, one (B, H) vector per text back, un-normalised),
+    and gives what the token-state engine path gives; ``encode``'s ``batch_size`` is honoured either way."""
+    from encoderkit.tasks.embed.embedder import BiEncoderEngine, Embedder
+    from encoderkit.tasks.inference import ModuleEngine
+
+    model, tok = load_bi_encoder(tiny_bert_dir, pooling).eval(), load_tokenizer(tiny_bert_dir)
+    texts = TEXTS * 3
+    engine_path = Embedder(ModuleEngine(model.encoder, ("last_hidden_state",)), tok, pooling, max_length=16)
+    shapes: list[tuple[int, ...]] = []
+    run = BiEncoderEngine.run
+    monkeypatch.setattr(BiEncoderEngine, "run", lambda self, inputs: shapes.append((out := run(self, inputs))[0].shape) or out)
+    got = encode(model, tok, texts, 16, batch_size=4)
+    assert max(s[0] for s in shapes) == 4 and sum(s[0] for s in shapes) == 9 and {s[1:] for s in shapes} == {(32,)}
+    np.testing.assert_allclose(got, engine_path.embed(texts), atol=1e-5)
+    np.testing.assert_allclose(Embedder.of_module(model, tok, 16).embed(texts, dim=8), engine_path.embed(texts, dim=8), atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1, atol=1e-5)
+    shapes.clear()
+    encode(Embedder.of_module(model, tok, 16, max_batch=64), tok, texts, 16, batch_size=2)
+    assert max(s[0] for s in shapes) == 2 and sum(s[0] for s in shapes) == 9

@@ -4,12 +4,15 @@
     Embedder.of_module(bi_encoder, tokenizer, 256).embed(texts)  # training-time evaluation, mining, exact search
 
 The engine is anything with ``run(inputs: dict[str, int64 array (B, T)]) -> [token states (B, T, H), ...]``:
-ONNX Runtime on an export, or a torch encoder (:class:`~encoderkit.tasks.inference.ModuleEngine`). Texts are
-cut to ``max_length`` sub-tokens and run in length-sorted batches (:func:`~encoderkit.tasks.inference.run_rows`);
-the token states are pooled by :func:`encoderkit.models.pooling.pool` (``mean`` over the real tokens or the
-``first`` token, what :class:`~encoderkit.tasks.embed.features.BiEncoder` computes in training and
-sentence-transformers at inference); :meth:`Embedder.finish` keeps the first ``dim`` dimensions and then
-L2-normalises, so a dot product is the cosine similarity of the cut vectors.
+ONNX Runtime on an export, or a torch encoder (:class:`~encoderkit.tasks.inference.ModuleEngine`); or one that
+pools itself (``pools = True``: ``[pooled (B, H)]``), as :class:`BiEncoderEngine` runs a training-time
+:class:`~encoderkit.tasks.embed.features.BiEncoder` so the pooling stays on its device and one vector per text
+comes back, not its token states. Texts are cut to ``max_length`` sub-tokens and run in length-sorted batches
+(:func:`~encoderkit.tasks.inference.run_rows`); the token states are pooled by
+:func:`encoderkit.models.pooling.pool` (``mean`` over the real tokens or the ``first`` token: the one pooling,
+what the BiEncoder computes in training and sentence-transformers at inference); :meth:`Embedder.finish`
+keeps the first ``dim`` dimensions and then L2-normalises, so a dot product is the cosine similarity of the
+cut vectors.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.pooling import pool
-from encoderkit.tasks.inference import ModuleEngine, run_rows
+from encoderkit.tasks.inference import run_rows
 
 POOLINGS = ("first", "mean")
 
@@ -40,6 +43,8 @@ class PooledEngine:
     encoder) as one that gives sentence embeddings (B, H): pooled by :func:`encoderkit.models.pooling.pool`
     as :class:`~encoderkit.tasks.embed.features.BiEncoder` pools, then L2-normalised when ``normalize``."""
 
+    pools = True
+
     def __init__(self, engine: Any, pooling: str, normalize: bool = True) -> None:
         self.engine, self.pooling, self.normalize = engine, pooling, normalize
 
@@ -47,6 +52,23 @@ class PooledEngine:
         hidden = torch.from_numpy(np.asarray(self.engine.run(inputs)[0], dtype=np.float32))
         pooled = pool(hidden, torch.from_numpy(inputs["attention_mask"]), self.pooling)
         return [(nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled).numpy()]
+
+
+class BiEncoderEngine:
+    """A :class:`~encoderkit.tasks.embed.features.BiEncoder` as an engine that pools (``pools``): the encoder and
+    its pooling run on the module's device, un-normalised (the :class:`Embedder` cuts and normalises), and
+    ``[(B, H) float32]`` comes back. The caller puts the module in eval mode."""
+
+    pools = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            pooled = self.model(**{k: torch.from_numpy(v).to(device) for k, v in inputs.items()}, normalize=False)
+        return [pooled.float().cpu().numpy()]
 
 
 class Embedder:
@@ -70,25 +92,30 @@ class Embedder:
     @classmethod
     def of_module(cls, model: Any, tokenizer: Any, max_length: int, max_batch: int = 64) -> Embedder:
         """A :class:`~encoderkit.tasks.embed.features.BiEncoder` (its encoder, pooling and normalisation), as it
-        is now: training evaluates the weights being trained. The caller puts the module in eval mode."""
-        return cls(ModuleEngine(model.encoder, ("last_hidden_state",)), tokenizer, model.pooling,
-                   normalize=model.normalize, max_length=max_length, max_batch=max_batch)
+        is now: training evaluates the weights being trained. It pools on its device (:class:`BiEncoderEngine`);
+        the embedder cuts and normalises. The caller puts the module in eval mode."""
+        return cls(BiEncoderEngine(model), tokenizer, model.pooling, normalize=model.normalize, max_length=max_length,
+                   max_batch=max_batch)
 
-    def pooled(self, texts: Sequence[str], max_length: int | None = None, progress: bool = False) -> np.ndarray:
+    def pooled(self, texts: Sequence[str], max_length: int | None = None, progress: bool = False,
+               max_batch: int | None = None) -> np.ndarray:
         """Pooled, un-normalised embeddings (N, H) float32 of ``texts`` cut to ``max_length`` (default: the
-        embedder's) sub-tokens; (0, 0) for no texts. ``progress``: a progress bar (a corpus)."""
+        embedder's) sub-tokens, ``max_batch`` (default: the embedder's) rows per engine call; (0, 0) for no
+        texts. ``progress``: a progress bar (a corpus)."""
         if len(texts) == 0:
             return np.zeros((0, 0), dtype=np.float32)
         rows = tokenize(self.tokenizer, list(texts), max_length or self.max_length)
-        out = run_rows(PooledEngine(self.engine, self.pooling, normalize=False), rows, self.tokenizer.pad_token_id or 0,
-                       self.max_batch, desc="encode" if progress else "")
+        engine = self.engine if getattr(self.engine, "pools", False) else PooledEngine(self.engine, self.pooling, False)
+        out = run_rows(engine, rows, self.tokenizer.pad_token_id or 0, max_batch or self.max_batch,
+                       desc="encode" if progress else "")
         return np.stack([o[0] for o in out]).astype(np.float32)
 
     def embed(self, texts: Sequence[str], dim: int | None = None, normalize: bool | None = None,
-              max_length: int | None = None, progress: bool = False) -> np.ndarray:
+              max_length: int | None = None, progress: bool = False, max_batch: int | None = None) -> np.ndarray:
         """Embeddings (N, dim or H) float32: :meth:`pooled`, then :meth:`finish` (``normalize`` defaults to the
         embedder's)."""
-        return self.finish(self.pooled(texts, max_length, progress), dim, self.normalize if normalize is None else normalize)
+        return self.finish(self.pooled(texts, max_length, progress, max_batch), dim,
+                           self.normalize if normalize is None else normalize)
 
     @staticmethod
     def finish(vectors: np.ndarray, dim: int | None, normalize: bool) -> np.ndarray:

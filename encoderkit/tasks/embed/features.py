@@ -39,7 +39,8 @@ def folder_max_length(folder: Path) -> int | None:
 class BiEncoder(nn.Module):
     """An HF encoder + pooling + L2 normalisation: token ids (B, T) -> unit embeddings (B, H).
     ``normalize=False`` gives the pooled vectors as they are (embedding distillation normalises each
-    Matryoshka slice itself)."""
+    Matryoshka slice itself); ``forward(..., normalize=...)`` overrides it for one call (the
+    :class:`~encoderkit.tasks.embed.embedder.Embedder` pools here, on the device, and normalises itself)."""
 
     def __init__(self, encoder: nn.Module, pooling: str, normalize: bool = True) -> None:
         super().__init__()
@@ -47,21 +48,22 @@ class BiEncoder(nn.Module):
         self.pooling = pooling
         self.normalize = normalize
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                normalize: bool | None = None) -> torch.Tensor:
         kw = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
         pooled = pool(hidden.float(), attention_mask, self.pooling)
-        return nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled
+        return nn.functional.normalize(pooled, dim=-1) if (self.normalize if normalize is None else normalize) else pooled
 
 
 @torch.no_grad()
 def encode(model: BiEncoder | Embedder, tokenizer, texts: list[str], max_length: int, batch_size: int = 64,
            progress: bool = False) -> np.ndarray:
-    """Embeddings (N, H) float32 of ``texts`` (truncated to ``max_length`` sub-tokens) by an :class:`Embedder`
-    (its engine, batch size and normalisation), or by the module ``model`` as it is now, in eval mode
-    (:meth:`Embedder.of_module`; unit vectors unless ``model.normalize`` is off)."""
+    """Embeddings (N, H) float32 of ``texts`` (truncated to ``max_length`` sub-tokens, ``batch_size`` texts per
+    model call) by an :class:`Embedder` (its engine and normalisation), or by the module ``model`` as it is now,
+    in eval mode (:meth:`Embedder.of_module`: pooled on its device; unit vectors unless ``model.normalize`` is off)."""
     if isinstance(model, Embedder):
-        return model.embed(texts, max_length=max_length, progress=progress)
+        return model.embed(texts, max_length=max_length, progress=progress, max_batch=batch_size)
     was_training = model.training
     model.eval()
     try:
