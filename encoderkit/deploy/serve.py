@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import os
 import threading
 import time
@@ -41,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.exceptions import HTTPException
 
 from encoderkit.config import StageConfig, arg, check, named_folders
+from encoderkit.deploy.auth import token_ok as _token_ok
 from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
 from encoderkit.deploy.openai_api import error_type, openai_router
 from encoderkit.deploy.text_checks import text_problem
@@ -64,7 +64,8 @@ class Limits:
     body_timeout_s: float = 30.0
 
 
-PUBLIC_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
+# /search: the search page's shell (a form, no data); its results come from /search/results, behind the token
+PUBLIC_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/search"})
 
 
 class ApiError(HTTPException):
@@ -193,11 +194,6 @@ class _Guard:
             await self.app(scope, limited_receive, send_and_record)
         finally:
             self.metrics.observe_request(path, status[0], time.perf_counter() - start)
-
-
-def _token_ok(headers: dict[bytes, bytes], token: bytes) -> bool:
-    scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token)
 
 
 class FastJSONResponse(JSONResponse):

@@ -4,7 +4,8 @@ One keystroke per line: Enter or ``a`` accepts the labeller's label, ``1``-``9``
 number (a correction), ``s`` skips, ``u`` undoes the last answer, ``q`` quits. The sheet is
 rewritten (atomically) after every answer, and a new session starts at the first line without
 gold, so a dropped SSH connection loses nothing. Plain stdin/stdout: works in any terminal, over
-SSH, or with lines piped in (one key per line).
+SSH, or with lines piped in (one key per line). ``--web`` reviews the same sheet in a browser
+instead (``label/web.py``), so a review can move between the two.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from encoderkit.config import StageConfig, arg
+from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.label.records import parse_labels
 from encoderkit.label.sheet import read_sheet, write_sheet
@@ -26,6 +27,19 @@ class ReviewConfig(StageConfig):
 
     sheet: str = arg(help="Sheet (CSV) from `audit sample`; its gold column is filled in place.", required=True)
     labels: str = arg("", help="The label set, comma-separated (default: the labels seen in the sheet, sorted).")
+    web: bool = arg(False, help="Review in a browser instead (several reviewers at once; see docs/label.md).")
+    host: str = arg("127.0.0.1", help="With --web: address to listen on (0.0.0.0 exposes the sheet to the network).")
+    port: int = arg(8001, help="With --web: TCP port.")
+    token: str = arg("", help="With --web: bearer token every request for the sheet must carry (default: the "
+                              "variable named by --token-env; unset = no token).")
+    token_env: str = arg("ENCODERKIT_TOKEN", help="With --web: environment variable holding the token when "
+                                                  "--token is not given (keeps it out of `ps`).")
+    lease_s: float = arg(600.0, help="With --web: seconds a row shown to one reviewer is kept from the others "
+                                     "(the open page renews it every minute).")
+
+    def validate(self) -> None:
+        check(0 < self.port < 65536, f"--port {self.port} is not a TCP port")
+        check(self.lease_s >= 120, "--lease-s must be at least 120 (the page renews its hold every minute)")
 
 
 @dataclass
@@ -37,6 +51,11 @@ class ReviewResult:
 
     def summary(self) -> dict[str, Any]:
         return {"sheet": str(self.sheet), "reviewed": self.reviewed, "total": self.total, "corrected": self.corrected}
+
+    @classmethod
+    def of(cls, path: Path, rows: list[dict[str, str]]) -> ReviewResult:
+        return cls(path, sum(1 for x in rows if x["gold"]), len(rows),
+                   sum(1 for x in rows if x["gold"] and x["gold"] != x["label"]))
 
 
 class _Keys:
@@ -112,19 +131,16 @@ def review(path: Path, rows: list[dict[str, str]], labels: list[str], keys_in: I
             pos += 1
     finally:
         keys.close()
-    reviewed = sum(1 for x in rows if x["gold"])
-    corrected = sum(1 for x in rows if x["gold"] and x["gold"] != x["label"])
-    out.write(f"\n{reviewed}/{len(rows)} reviewed, {corrected} corrected; saved to {path}\n")
+    result = ReviewResult.of(path, rows)
+    out.write(f"\n{result.reviewed}/{len(rows)} reviewed, {result.corrected} corrected; saved to {path}\n")
     out.flush()
-    return ReviewResult(path, reviewed, len(rows), corrected)
+    return result
 
 
-def run(cfg: ReviewConfig) -> ReviewResult:
-    """Review the sheet interactively (stdin/stdout)."""
-    path = Path(cfg.sheet)
-    rows = read_sheet(path)
-    if cfg.labels:
-        labels = parse_labels(cfg.labels)
+def sheet_labels(path: Path, rows: list[dict[str, str]], given: str) -> list[str]:
+    """The label set: ``given`` (comma-separated) or the labels seen in the sheet, sorted; every label must be in it."""
+    if given:
+        labels = parse_labels(given)
     else:
         labels = sorted({r["label"] for r in rows if r["label"]} | {r["gold"] for r in rows if r["gold"]})
         if len(labels) < 2:
@@ -132,4 +148,21 @@ def run(cfg: ReviewConfig) -> ReviewResult:
     outside = [r["label"] for r in rows if r["label"] and r["label"] not in labels]
     if outside:
         raise EncoderkitError(f"{path}: label {outside[0]!r} is not in --labels ({', '.join(labels)})")
-    return review(path, rows, labels, sys.stdin, sys.stdout)
+    return labels
+
+
+def run(cfg: ReviewConfig) -> ReviewResult:
+    """Review the sheet interactively (stdin/stdout), or with --web in a browser until Ctrl-C."""
+    path = Path(cfg.sheet)
+    rows = read_sheet(path)
+    labels = sheet_labels(path, rows, cfg.labels)
+    if not cfg.web:
+        return review(path, rows, labels, sys.stdin, sys.stdout)
+    import os
+
+    try:
+        from encoderkit.label.web import serve_review
+    except ImportError as e:
+        raise EncoderkitError(f"--web needs FastAPI and uvicorn ({e}); pip install 'encoderkit[deploy]'") from e
+    serve_review(path, labels, cfg.host, cfg.port, cfg.token or os.environ.get(cfg.token_env) or None, cfg.lease_s)
+    return ReviewResult.of(path, read_sheet(path))

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from encoderkit.config import named_folders
 from encoderkit.errors import EncoderkitError
+from encoderkit.retrieval.page import add_search_page
 from encoderkit.retrieval.search import Searcher, SearchSettings
 
 MAX_K = 1000
@@ -48,10 +49,16 @@ class _Error(HTTPException):
 
 def search_routes(specs: list[str], runtime: str | None = None, threads: int | None = None, rerank: str | None = None
                   ) -> Callable[[FastAPI, Callable, Callable], None]:
-    """Open the indexes now (a bad one fails at start-up) and return the hook that adds ``/v1/search``."""
+    """Open the indexes now (a bad one fails at start-up) and return the hook that adds ``/v1/search`` and the
+    search page (``GET /search``, ``retrieval/page.py``)."""
     searchers = {name: Searcher.open(folder, runtime=runtime, rerank=rerank, threads=threads)
                  for name, folder in named_folders(specs, "index").items()}
-    return lambda app, check_texts: add_search_route(app, searchers, check_texts)
+
+    def hook(app: FastAPI, check_texts: Callable[..., None]) -> None:
+        add_search_route(app, searchers, check_texts)
+        add_search_page(app, searchers, check_texts, _Error, MAX_K)
+
+    return hook
 
 
 def add_search_route(app: FastAPI, searchers: dict[str, Searcher], check_texts: Callable[..., None]) -> None:
