@@ -28,7 +28,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "encoderkit"
 LAYERS: list[tuple[str, ...]] = [
     ("encoderkit", "encoderkit.errors", "encoderkit.config", "encoderkit.io", "encoderkit.progress",
-     "encoderkit.seeding", "encoderkit.hardware"),
+     "encoderkit.seeding", "encoderkit.hardware", "encoderkit.ray_jobs"),
     # the metrics sit low (tasks score with them); the registry of task names and heads is read by the folder
     # reader (it imports no task package)
     ("encoderkit.data", "encoderkit.tokenizer", "encoderkit.models", "encoderkit.evaluate.metrics",

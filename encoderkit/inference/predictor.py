@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from encoderkit.inference.engines import BACKENDS as ENGINE_BACKENDS
 from encoderkit.inference.engines import open_engine, run_rows
 from encoderkit.io import check_writable, write_text_atomic
 from encoderkit.models.folder import ModelFolder
+from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.embed.embedder import Embedder
 
@@ -149,9 +151,13 @@ class PredictConfig(StageConfig):
     overwrite: bool = arg(False, help="Replace an existing --output file.")
     threads: int | None = arg(None, help="onnxruntime intra-op threads.", speed=True)
     max_batch: int = arg(32, help="Texts per model call.", speed=True)
+    ray: str | None = ray_address_arg()
+    ray_actors: int = ray_actors_arg()
+    ray_batch: int = ray_batch_arg()
 
     def validate(self) -> None:
         check(self.max_batch >= 1, "--max-batch must be at least 1")
+        check_ray_args(self.ray_actors, self.ray_batch)
 
 
 @dataclass
@@ -219,10 +225,15 @@ def run(cfg: PredictConfig) -> PredictResult:
     if out.exists() and not cfg.overwrite:
         raise EncoderkitError(f"output file {out} exists; pass --overwrite to replace it")
     check_writable(out, "--output")  # before the model is loaded and run, as every stage checks its --out
+    ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before the model is loaded
     p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.max_batch)
     records = read_records(Path(cfg.input), p.task)
     start = time.perf_counter()
-    results = predict_records(p, records, cfg.dim)
+    if ray is not None:  # one Predictor per actor; the one above checked the folder and exported its graph once
+        load = partial(Predictor.load, cfg.model, backend=cfg.backend, threads=ray.threads, max_batch=cfg.max_batch)
+        results = ray.map(records, load, partial(predict_records, dim=cfg.dim), "predict")
+    else:
+        results = predict_records(p, records, cfg.dim)
     seconds = time.perf_counter() - start
     write_text_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
     return PredictResult(out, len(results), p.task, p.backend, seconds)

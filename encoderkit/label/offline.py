@@ -37,10 +37,10 @@ class EmbedLabeller:
 
     def __init__(self, model: str | Path, labels: list[str], descriptions: dict[str, str],
                  seeds: list[tuple[str, str]] | None = None, temperature: float = 0.05, backend: str = "auto",
-                 batch_size: int = 32) -> None:
+                 batch_size: int = 32, threads: int | None = None) -> None:
         from encoderkit.inference.predictor import Predictor
 
-        self.predictor = Predictor.load(model, backend=backend, threads=None, max_batch=batch_size)
+        self.predictor = Predictor.load(model, backend=backend, threads=threads, max_batch=batch_size)
         if get_task(self.predictor.task).endpoint != "embed":  # prototypes are sentence vectors: /v1/embed's call
             raise EncoderkitError(f"--model {model} is a {self.predictor.task!r} model; the embed labeller needs an "
                                   "embedding model (a sentence-transformers folder, e.g. minilm)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.io import write_json_atomic, write_text_atomic
 from encoderkit.label.records import dumps, output_record, parse_labels, parse_pairs, read_texts
 from encoderkit.progress import note, progress
+from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
 from encoderkit.tasks.common import seeded_subset
 from encoderkit.tasks.tabular import read_rows
 
@@ -74,9 +76,15 @@ class LabelConfig(StageConfig):
     backend: str = arg("auto", help="embed: Predictor backend.", speed=True,
                        choices=("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8"))
     batch_size: int = arg(32, help="embed/cloze: texts per forward pass.", speed=True)
+    ray: str | None = ray_address_arg()
+    ray_actors: int = ray_actors_arg()
+    ray_batch: int = ray_batch_arg()
 
     def validate(self) -> None:
         parse_labels(self.labels)
+        check_ray_args(self.ray_actors, self.ray_batch)
+        check(not self.ray or self.labeller != "endpoint", "--ray runs the embed and cloze labellers; the endpoint "
+                                                           "labeller's model runs on its server (raise --concurrency)")
         check(self.samples >= 1, "samples must be at least 1")
         check(self.concurrency >= 1, "concurrency must be at least 1")
         check(self.retries >= 0 and self.parse_retries >= 0, "retries and parse_retries must be 0 or more")
@@ -127,6 +135,7 @@ def run(cfg: LabelConfig) -> LabelResult:
         raise EncoderkitError(f"{out} exists; pass --overwrite to replace it (a labelling rerun reads its cache and "
                               "sends nothing already answered)")
     descriptions = parse_pairs(cfg.descriptions, labels, "--descriptions")
+    ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before any model is loaded
     texts, own = read_texts(cfg.input, cfg.text_field)
     keep = seeded_subset(list(range(len(texts))), cfg.max_examples, cfg.seed)
     texts, own = [texts[i] for i in keep], [own[i] for i in keep]
@@ -146,14 +155,19 @@ def run(cfg: LabelConfig) -> LabelResult:
         model = resolve_model(cfg.model)
         if cfg.labeller == "embed":
             seeds = labelled_pairs(cfg.seeds, labels, "--seeds") if cfg.seeds else None
-            lab: Any = EmbedLabeller(model, labels, descriptions, seeds, cfg.embed_temperature, cfg.backend, cfg.batch_size)
+            make: Any = partial(EmbedLabeller, model, labels, descriptions, seeds, cfg.embed_temperature, cfg.backend,
+                                cfg.batch_size, threads=None if ray is None else ray.threads)
         else:
-            lab = ClozeLabeller(model, labels, parse_pairs(cfg.verbalizer, labels, "--verbalizer"), cfg.pattern,
-                                batch_size=cfg.batch_size)
-        results = []
-        for start in range(0, len(texts), 256):
-            results += lab.label(texts[start:start + 256])
-            bar.update(len(texts[start:start + 256]))
+            make = partial(ClozeLabeller, model, labels, parse_pairs(cfg.verbalizer, labels, "--verbalizer"),
+                           cfg.pattern, batch_size=cfg.batch_size)
+        lab = make()  # with --ray too: it checks the model here, before any actor starts
+        if ray is not None:  # one labeller per actor (a cloze one's torch threads: Ray's OMP_NUM_THREADS)
+            results = ray.map(texts, make, type(lab).label, bar=bar)
+        else:
+            results = []
+            for start in range(0, len(texts), 256):
+                results += lab.label(texts[start:start + 256])
+                bar.update(len(texts[start:start + 256]))
         name = f"{cfg.labeller}:{Path(cfg.model).name}"
         ledger = {"requests": len(texts), "tokens": 0}
     bar.close()

@@ -11,6 +11,7 @@ TF-IDF features are the default: a labeller that is itself a function of the emb
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import write_text_atomic
 from encoderkit.label.records import dumps, read_labeled
+from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
 
 
 @dataclass
@@ -35,8 +37,14 @@ class SuspectConfig(StageConfig):
     folds: int = arg(5, help="Cross-validation folds (each line's probability comes from a model that never saw it).")
     c: float = arg(1.0, help="Inverse L2 regularisation of the logistic regression.")
     seed: int = arg(0, help="Seed of the fold split.")
+    ray: str | None = ray_address_arg()
+    ray_actors: int = ray_actors_arg()
+    ray_batch: int = ray_batch_arg()
 
     def validate(self) -> None:
+        check_ray_args(self.ray_actors, self.ray_batch)
+        check(not self.ray or self.features != "tfidf", "--ray runs the embedding model of --features embed or both; "
+                                                        "--features tfidf runs no model")
         check(self.folds >= 2, "folds must be at least 2")
         check(self.c > 0, "c must be positive")
 
@@ -51,8 +59,8 @@ class SuspectResult:
         return {"output": str(self.output), "labelled": self.labelled, "suspects": self.suspects}
 
 
-def features(texts: list[str], kind: str, model: str):
-    """(N, F) feature matrix (sparse for TF-IDF) of ``texts``."""
+def features(texts: list[str], kind: str, model: str, ray: RayJob | None = None):
+    """(N, F) feature matrix (sparse for TF-IDF) of ``texts`` (embeddings on ``ray``'s actors when given)."""
     from scipy import sparse
     from sklearn.feature_extraction.text import TfidfVectorizer
 
@@ -63,7 +71,13 @@ def features(texts: list[str], kind: str, model: str):
         from encoderkit.inference.predictor import Predictor
         from encoderkit.tasks.common import resolve_model
 
-        parts.append(sparse.csr_matrix(Predictor.load(resolve_model(model)).embed(texts, normalize=True)))
+        p = Predictor.load(resolve_model(model))  # with --ray too: it checks the model before any actor starts
+        if ray is None:
+            parts.append(sparse.csr_matrix(p.embed(texts, normalize=True)))
+        else:
+            load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads)
+            parts.append(sparse.csr_matrix(np.stack(ray.map(texts, load, partial(Predictor.embed, normalize=True),
+                                                            "embed"))))
     return parts[0] if len(parts) == 1 else sparse.hstack(parts).tocsr()
 
 
@@ -89,13 +103,14 @@ def run(cfg: SuspectConfig) -> SuspectResult:
     out = Path(cfg.output)
     if out.exists() and not cfg.overwrite:
         raise EncoderkitError(f"{out} exists; pass --overwrite to replace it")
+    ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before the model is loaded
     recs = read_labeled(cfg.input)
     idx = [i for i, r in enumerate(recs) if r["label"] not in (None, "")]
     names = sorted({str(recs[i]["label"]) for i in idx})
     if len(names) < 2:
         raise EncoderkitError(f"{cfg.input}: only {len(names)} distinct label(s) among labelled lines; suspicion needs two or more")
     y = np.asarray([names.index(str(recs[i]["label"])) for i in idx])
-    x = features([str(recs[i]["text"]) for i in idx], cfg.features, cfg.model)
+    x = features([str(recs[i]["text"]) for i in idx], cfg.features, cfg.model, ray)
     probs = out_of_fold(x, y, len(names), cfg.folds, cfg.seed, cfg.c)
     issues = find_label_issues(labels=y, pred_probs=probs, n_jobs=1)
     for r in recs:

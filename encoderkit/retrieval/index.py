@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +32,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.inference.predictor import BACKENDS, Predictor, finish_embeddings
 from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note, progress
+from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import int8_calibration, stored_codes
 from encoderkit.retrieval.corpus import SourceDoc, passage_spans, read_corpus
@@ -40,8 +42,12 @@ from encoderkit.tasks import get_task
 EMBED_CHUNK = 256  # texts per Predictor call (it batches inside)
 
 
-def embed_texts(p: Predictor, texts: list[str], desc: str = "embed") -> np.ndarray:
-    """Pooled, un-normalised embeddings (N, H) float32 of ``texts``, with a progress bar."""
+def embed_texts(p: Predictor, texts: list[str], desc: str = "embed", ray: RayJob | None = None) -> np.ndarray:
+    """Pooled, un-normalised embeddings (N, H) float32 of ``texts``, with a progress bar (on ``ray``'s actors when
+    given: one Predictor of the same folder and settings each)."""
+    if ray is not None and texts:
+        load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
+        return np.stack(ray.map(texts, load, Predictor.embed_raw, desc))
     chunks = [p.embed_raw(texts[i : i + EMBED_CHUNK]) for i in progress(range(0, len(texts), EMBED_CHUNK),
                                                                       total=-(-len(texts) // EMBED_CHUNK), desc=desc, unit="chunk")]
     return np.concatenate(chunks) if chunks else np.zeros((0, 0), np.float32)
@@ -83,8 +89,12 @@ class IndexConfig(StageConfig):
                        choices=BACKENDS, speed=True)
     threads: int | None = arg(None, help="onnxruntime threads.", speed=True)
     batch_size: int = arg(32, help="Texts per model call.", speed=True)
+    ray: str | None = ray_address_arg()
+    ray_actors: int = ray_actors_arg()
+    ray_batch: int = ray_batch_arg()
 
     def validate(self) -> None:
+        check_ray_args(self.ray_actors, self.ray_batch)
         check(self.dims >= 0, "--dims must be 0 (the model's) or positive")
         check(self.overlap >= 0, "--overlap must be >= 0")
         check(self.passage_tokens <= 0 or self.overlap < self.passage_tokens, "--overlap must be below --passage-tokens")
@@ -108,6 +118,7 @@ class IndexResult:
 def run(cfg: IndexConfig) -> IndexResult:
     """Build or update the index ``cfg.out`` from ``cfg.corpus`` (see the module docstring)."""
     t0 = time.perf_counter()
+    ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before any model is loaded
     read = read_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field)
     for s in read.skipped[:5]:
         note(f"skipped {s}")
@@ -161,7 +172,7 @@ def run(cfg: IndexConfig) -> IndexResult:
             new_texts.append(d.text[a:b])
     live = {d.id for d in read.docs}
     counts["deleted"] = sum(1 for doc_id in reuse if doc_id not in live) if old is not None and not cfg.rebuild else 0
-    raw = embed_texts(p, new_texts) if new_texts else np.zeros((0, 0), np.float32)
+    raw = embed_texts(p, new_texts, "embed", ray) if new_texts else np.zeros((0, 0), np.float32)
     full = raw.shape[1] if raw.size else int(old.manifest["model_dims"])
     dims = cfg.dims or (old.dims if old is not None and not cfg.rebuild else full)
     if dims > full:
@@ -195,7 +206,7 @@ def run(cfg: IndexConfig) -> IndexResult:
         from encoderkit.retrieval.calibrate import calibrate
 
         full_vecs = finish_embeddings(raw, None, True) if len(new_texts) == len(passages) else \
-            finish_embeddings(embed_texts(p, [x["text"] for x in passages], "embed all for --calibrate"), None, True)
+            finish_embeddings(embed_texts(p, [x["text"] for x in passages], "embed all for --calibrate", ray), None, True)
         result.calibration = calibrate(p, full_vecs, passages, cfg.calibrate_queries, cfg.min_overlap, root)
     return result
 

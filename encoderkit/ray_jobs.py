@@ -1,0 +1,244 @@
+"""Corpus jobs on a Ray cluster: one model per actor, results in input order.
+
+    results = map_rows(texts, partial(Predictor.load, folder), Predictor.embed_raw, address="auto", actors=4, batch=256)
+
+:func:`map_rows` is what ``--ray ADDRESS`` runs in ``predict``, ``index``, ``label --labeller embed|cloze`` and
+``audit suspect``: Ray Data ``map_batches`` over the rows with an actor pool of ``actors`` actors, each of which
+builds its model once (``make()``) and then runs ``call(model, rows)`` on batches of ``batch`` rows. Every row
+carries its index through the batches; the driver puts the results back in input order, so the output is the
+one the single-process run writes (the same order, the same values up to float tolerance: a batch is padded
+with other neighbours). A worker that dies mid-batch is restarted by Ray and its batch run again (Ray Data's
+actor pools retry without limit); a row answered twice is kept once, and a row never answered is an error.
+
+What the driver holds: the rows (the stage read them, as the single-process run does) and the results. Rows go
+to the object store one block of ``batch`` rows at a time, pickled (rows are arbitrary records: Arrow would turn
+a key missing from some rows into nulls); the progress bar is the driver's, counted as result blocks arrive.
+
+Addresses: ``auto`` (the cluster this machine is part of, as ``ray start`` left it), ``local`` (start Ray on
+this machine for the job), ``HOST:PORT`` (a head node's GCS port, 6379 by default) or ``ray://HOST:10001``
+(Ray Client). A HOST:PORT that does not answer is an error within seconds, before any model is run. A
+process that already called ``ray.init`` (a notebook, the tests) keeps its connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from encoderkit.config import arg, check
+from encoderkit.errors import EncoderkitError
+from encoderkit.progress import progress
+
+INSTALL = 'pip install "encoderkit[ray]"'
+CONNECT_TIMEOUT = 5.0  # seconds to wait for a HOST:PORT to accept a connection
+
+
+def ray_address_arg() -> Any:
+    return arg(None, help="Run the model on a Ray cluster: auto (the cluster `ray start` joined here), local (start "
+                          "Ray here), HOST:6379 or ray://HOST:10001; the same rows in the same order as without it (values under "
+                          "dynamic INT8: docs/deploy.md).",
+               speed=True)
+
+
+def ray_actors_arg() -> Any:
+    return arg(2, help="--ray: actors, each holding one copy of the model.", speed=True)
+
+
+def ray_batch_arg() -> Any:
+    return arg(256, help="--ray: rows per block sent to an actor.", speed=True)
+
+
+def check_ray_args(actors: int, batch: int) -> None:
+    """The checks a stage's ``validate`` runs on its ``--ray-actors`` and ``--ray-batch``."""
+    check(actors >= 1, "--ray-actors must be at least 1")
+    check(batch >= 1, "--ray-batch must be at least 1")
+
+
+def require_ray() -> Any:
+    """The ``ray`` module, or an error that names the install command."""
+    try:
+        import ray
+        import ray.data
+    except ImportError as e:
+        raise EncoderkitError(f"--ray needs Ray Data, which is not installed ({e}); install it with: {INSTALL}") from e
+    return ray
+
+
+def preflight(address: str) -> None:
+    """What a stage checks before it loads a model: Ray is installed, and a HOST:PORT (or ray://HOST:PORT) address
+    answers within :data:`CONNECT_TIMEOUT` seconds."""
+    ray = require_ray()
+    if address == "local":
+        return
+    if address == "auto":
+        if not ray.is_initialized():
+            _find_auto(ray)
+        return
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise EncoderkitError(f"--ray {address}: expected auto, local, HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as e:
+        raise EncoderkitError(f"--ray {address}: nothing answers at {host}:{port} ({e}); start the cluster there "
+                              "(`ray start --head`) or fix the address. Nothing was written") from e
+
+
+def _find_auto(ray: Any) -> None:
+    """``auto`` finds no cluster: say so now rather than after the model is loaded (Ray's own lookup, which
+    reads RAY_ADDRESS and what `ray start` left in /tmp/ray; skipped where that private API has moved)."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+    except ImportError:
+        return
+    try:
+        canonicalize_bootstrap_address_or_die("auto")
+    except ConnectionError as e:
+        raise EncoderkitError(f"--ray auto: no Ray cluster found on this machine ({e}); start one with "
+                              "`ray start --head`, give its HOST:6379, or pass --ray local. Nothing was written") from e
+
+
+@contextlib.contextmanager
+def connected(address: str) -> Iterator[Any]:
+    """``ray`` connected to ``address`` for the block (a connection made here is closed after it)."""
+    preflight(address)
+    ray = require_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, include_dashboard=False if address == "local" else None)
+    except ConnectionError as e:
+        raise EncoderkitError(f"--ray {address}: could not connect ({e}); start a cluster with `ray start --head` "
+                              "or pass --ray local. Nothing was written") from e
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@dataclass(frozen=True)
+class RayJob:
+    """A stage's ``--ray`` settings: where, how many actors, rows per block, CPUs (and model threads) per actor."""
+
+    address: str
+    actors: int = 2
+    batch: int = 256
+    threads: int = 1
+
+    @classmethod
+    def of(cls, cfg: Any) -> RayJob | None:
+        """From a stage config's ``ray``, ``ray_actors``, ``ray_batch`` (and ``threads`` if it has one); None
+        without ``--ray``. Runs :func:`preflight`, so call it before the stage loads its model."""
+        if not cfg.ray:
+            return None
+        preflight(cfg.ray)
+        return cls(cfg.ray, cfg.ray_actors, cfg.ray_batch, getattr(cfg, "threads", None) or 1)
+
+    def map(self, rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]],
+            desc: str = "ray", bar: Any = None) -> list[Any]:
+        """:func:`map_rows` with these settings."""
+        return map_rows(rows, make, call, address=self.address, actors=self.actors, batch=self.batch,
+                        cpus=self.threads, desc=desc, bar=bar)
+
+
+class _Worker:
+    """One per actor: the model, built once, run on batches of pickled rows (``i``: row index, ``row``)."""
+
+    def __init__(self, make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]]) -> None:
+        self.call, self.model, self.error = call, None, None
+        try:
+            self.model = make()
+        except EncoderkitError as e:  # raised by the first batch: an actor that fails to start reaches the driver
+            self.error = e            # as text only, a batch's exception as itself
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        import numpy as np
+
+        if self.error is not None:
+            raise self.error
+
+        rows = [pickle.loads(x) for x in batch["row"]]
+        out = list(self.call(self.model, rows))
+        if len(out) != len(rows):
+            raise RuntimeError(f"{self.call!r} gave {len(out)} results for {len(rows)} rows")
+        return {"i": np.asarray(batch["i"]), "out": np.array([pickle.dumps(o) for o in out], dtype=object)}
+
+
+def map_rows(rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]], *,
+             address: str, actors: int = 2, batch: int = 256, cpus: float = 1, desc: str = "ray",
+             bar: Any = None) -> list[Any]:
+    """``call(model, rows[a:b])`` over every block of ``rows`` on ``actors`` Ray actors, each with its own
+    ``model = make()``; one result per row, in input order (see the module docstring). ``make`` and ``call``
+    must be importable functions (or partials of them): they travel to the workers by reference. ``bar``: the
+    stage's own progress bar to advance (one of ``desc`` is made, and closed, otherwise)."""
+    if not rows:
+        return []
+    with connected(address) as ray:
+        import pyarrow as pa
+
+        ctx = ray.data.DataContext.get_current()
+        # the driver's own bar below; a worker's exception as itself (a wrong model folder, say), not a wrapper
+        quiet = {"enable_progress_bars": False, "print_on_execution_start": False, "raise_original_map_exception": True}
+        saved = {k: getattr(ctx, k) for k in quiet if hasattr(ctx, k)}
+        for k in saved:
+            setattr(ctx, k, quiet[k])
+        try:
+            blocks = []
+            for a in range(0, len(rows), batch):  # one block at a time into the object store
+                block = pa.table({"i": pa.array(range(a, min(a + batch, len(rows))), pa.int64()),
+                                  "row": pa.array([pickle.dumps(r) for r in rows[a:a + batch]], pa.binary())})
+                blocks.append(ray.put(block))
+            ds = ray.data.from_arrow_refs(blocks).map_batches(
+                _Worker, fn_constructor_args=(make, call), batch_size=batch, batch_format="numpy",
+                compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus)
+            found: dict[int, Any] = {}
+            own = bar is None
+            bar = progress(total=len(rows), desc=desc, unit="row") if own else bar
+            try:
+                for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
+                    fresh = 0
+                    for i, y in zip(out["i"].tolist(), out["out"], strict=True):
+                        if i not in found:  # a batch retried after a worker died may come back twice
+                            found[i] = pickle.loads(y)
+                            fresh += 1
+                    bar.update(fresh)
+            except Exception as e:
+                user = _user_error(e)
+                if user is None:
+                    raise
+                raise user from e
+            finally:
+                if own:
+                    bar.close()
+        finally:
+            for k, v in saved.items():
+                setattr(ctx, k, v)
+    missing = [i for i in range(len(rows)) if i not in found]
+    if missing:
+        raise EncoderkitError(f"--ray: {len(missing)} rows came back without a result (first: row {missing[0]}); rerun")
+    return [found[i] for i in range(len(rows))]
+
+
+def _user_error(e: BaseException) -> EncoderkitError | None:
+    """The :class:`EncoderkitError` a worker raised (a wrong model folder, say), out of Ray's wrappers."""
+    seen: set[int] = set()
+    todo: list[Any] = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        inner = getattr(x, "cause", None)  # RayTaskError(EncoderkitError) is one too, with Ray's text: take the original
+        if isinstance(inner, EncoderkitError):
+            return inner
+        if isinstance(x, EncoderkitError):
+            return x
+        todo += [x.__cause__, x.__context__, getattr(x, "cause", None)]
+    return None

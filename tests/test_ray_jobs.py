@@ -1,0 +1,231 @@
+"""``--ray``: the corpus commands on a local Ray cluster give the single-process output, row for row.
+
+One local cluster (2 CPUs) for the module; tiny in-process models. A worker that exits mid-batch is restarted by
+Ray and every row still comes back once, in order. A bad address and a missing Ray are clear errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import tiny_bert_config
+from deploy_models import make_task_model, tiny_root
+
+from encoderkit.errors import EncoderkitError
+
+TESTS = Path(__file__).resolve().parent
+WORDS = ["the", "great", "movie", "dull", "film", "story", "fun", "boring", "best", "worst", "love", "plot"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster with 2 CPUs for the module (its workers import this file's helpers: tests/ on their path)."""
+    ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install "encoderkit[ray]"')
+    pytest.importorskip("ray.data", reason='Ray Data is missing: pip install "encoderkit[ray]"')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, Path]:
+    import torch
+    from transformers import AutoTokenizer, BertForMaskedLM
+
+    root = tiny_root(tmp_path_factory)
+    out = {t: make_task_model(root, tiny_tokenizer_dir, t) for t in ("classify", "embed")}
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    torch.manual_seed(0)
+    out["mlm"] = root / "tiny_mlm_ray"
+    BertForMaskedLM(tiny_bert_config(len(tok))).save_pretrained(out["mlm"])
+    tok.save_pretrained(out["mlm"])
+    return out
+
+
+def _texts(n: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    return [" ".join(rng.choice(WORDS, 3 + i % 9)) for i in range(n)]  # lengths vary: batches pad differently
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _same_records(a: list[dict], b: list[dict], floats: tuple[str, ...]) -> None:
+    """Same rows in the same order; the fields in ``floats`` within float tolerance, the rest equal."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            if k in floats and isinstance(x[k], dict):  # label -> probability
+                assert x[k].keys() == y[k].keys()
+                np.testing.assert_allclose(list(x[k].values()), list(y[k].values()), atol=1e-5)
+            elif k in floats and x[k] is not None:
+                np.testing.assert_allclose(np.asarray(x[k], float), np.asarray(y[k], float), atol=1e-5)
+            else:
+                assert x[k] == y[k], k
+
+
+# -- helpers the workers run (importable from tests/, see the fixture) -----------------------------------------
+
+def times_ten(model: int, rows: list[dict]) -> list[int]:
+    return [r["x"] * model for r in rows]
+
+
+def die_once(marker: str, row: int) -> tuple[str, int]:
+    return marker, row
+
+
+def exit_on_row_once(model: tuple[str, int], rows: list[dict]) -> list[int]:
+    """Exits the worker process (no exception: the process is gone) the first time it is given ``row``."""
+    marker, row = model
+    if any(r["x"] == row for r in rows) and not Path(marker).exists():
+        Path(marker).write_text("died")
+        os._exit(1)
+    return [r["x"] * 10 for r in rows]
+
+
+def refuse_model() -> None:
+    raise EncoderkitError("models/x is a 'classify' model; this needs an embed model")
+
+
+# -- the shared machinery ----------------------------------------------------------------------------------------
+
+def test_rows_come_back_once_in_input_order_after_a_worker_dies(cluster, tmp_path):
+    from encoderkit.ray_jobs import map_rows
+
+    rows = [{"x": i} for i in range(103)]
+    assert map_rows(rows, partial(int, 10), times_ten, address="auto", actors=2, batch=8) == [i * 10 for i in range(103)]
+    marker = tmp_path / "died"
+    got = map_rows(rows, partial(die_once, str(marker), 50), exit_on_row_once, address="auto", actors=2, batch=8)
+    assert marker.exists()  # the worker really died on the batch holding row 50
+    assert got == [i * 10 for i in range(103)]  # that batch was retried; each row once, in order
+
+
+def test_a_workers_user_error_reaches_the_caller_as_itself(cluster):
+    from encoderkit.ray_jobs import map_rows
+
+    with pytest.raises(EncoderkitError, match="^models/x is a 'classify' model"):  # itself, not Ray's wrapper
+        map_rows([{"x": 1}], refuse_model, times_ten, address="auto", actors=1, batch=8)
+
+
+# -- each command: --ray against the local run -------------------------------------------------------------------
+
+def test_predict_on_ray_equals_the_local_run(cluster, models, tmp_path):
+    from encoderkit.inference.predictor import PredictConfig, run
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": f"r{i}", "text": t}) + "\n"
+                                               for i, t in enumerate(_texts(45))))
+    common = {"model": str(models["classify"]), "input": str(tmp_path / "in.jsonl"), "backend": "torch-fp32", "max_batch": 4}
+    run(PredictConfig(**common, output=str(tmp_path / "local.jsonl")))
+    res = run(PredictConfig(**common, output=str(tmp_path / "ray.jsonl"), ray="auto", ray_actors=2, ray_batch=8))
+    assert res.records == 45
+    local, remote = _jsonl(tmp_path / "local.jsonl"), _jsonl(tmp_path / "ray.jsonl")
+    assert [r["id"] for r in remote] == [f"r{i}" for i in range(45)]
+    _same_records(local, remote, floats=("score", "scores"))
+
+
+def test_index_on_ray_equals_the_local_run(cluster, models, tmp_path):
+    from encoderkit.retrieval.index import IndexConfig, run
+    from encoderkit.retrieval.store import open_generation
+
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n"
+                                              for i, t in enumerate(_texts(60))))
+    common = {"model": str(models["embed"]), "corpus": [str(tmp_path / "c.jsonl")], "backend": "torch-fp32",
+              "passage_tokens": 6, "overlap": 2, "float16": True}
+    run(IndexConfig(**common, out=str(tmp_path / "local")))
+    run(IndexConfig(**common, out=str(tmp_path / "ray"), ray="auto", ray_actors=2, ray_batch=16))
+    a, b = open_generation(tmp_path / "local"), open_generation(tmp_path / "ray")
+    assert len(a.passages) > 60 and a.passages == b.passages  # long texts were split: more rows than documents
+    np.testing.assert_allclose(np.asarray(a.arrays["float16"], np.float32), np.asarray(b.arrays["float16"], np.float32),
+                               atol=2e-3)
+    np.testing.assert_allclose(a.arrays["int8_calibration"], b.arrays["int8_calibration"], atol=1e-5)
+    assert np.mean(np.asarray(a.arrays["binary"]) == np.asarray(b.arrays["binary"])) > 0.99
+
+
+@pytest.mark.parametrize("labeller", ["embed", "cloze"])
+def test_label_on_ray_equals_the_local_run(cluster, models, tmp_path, labeller):
+    from encoderkit.label.run import LabelConfig, run
+
+    (tmp_path / "in.txt").write_text("\n".join(_texts(37)) + "\n")
+    kw = ({"model": str(models["embed"]), "backend": "torch-fp32"} if labeller == "embed" else
+          {"model": str(models["mlm"]), "verbalizer": ["neg=bad", "pos=good"], "pattern": "{text} . it was {mask} ."})
+    common = {"input": str(tmp_path / "in.txt"), "labels": "neg,pos", "labeller": labeller, "batch_size": 4, **kw}
+    run(LabelConfig(**common, output=str(tmp_path / "local.jsonl")))
+    run(LabelConfig(**common, output=str(tmp_path / "ray.jsonl"), ray="auto", ray_actors=2, ray_batch=8))
+    local, remote = _jsonl(tmp_path / "local.jsonl"), _jsonl(tmp_path / "ray.jsonl")
+    assert [r["text"] for r in remote] == _texts(37)
+    _same_records(local, remote, floats=("confidence",))
+
+
+def test_audit_suspect_on_ray_equals_the_local_run(cluster, models, tmp_path):
+    pytest.importorskip("cleanlab")
+    from encoderkit.label.suspicion import SuspectConfig, run
+
+    texts = _texts(60)
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps({"text": t, "label": "pos" if "fun" in t or i % 3 else "neg"})
+                                              + "\n" for i, t in enumerate(texts)))
+    common = {"input": str(tmp_path / "l.jsonl"), "features": "embed", "model": str(models["embed"]), "folds": 3}
+    run(SuspectConfig(**common, output=str(tmp_path / "local.jsonl")))
+    run(SuspectConfig(**common, output=str(tmp_path / "ray.jsonl"), ray="auto", ray_actors=2, ray_batch=16))
+    local, remote = _jsonl(tmp_path / "local.jsonl"), _jsonl(tmp_path / "ray.jsonl")
+    assert [r["text"] for r in remote] == texts
+    for x, y in zip(local, remote, strict=True):
+        assert x["label"] == y["label"] and abs(x["suspicion"] - y["suspicion"]) <= 2e-3
+
+
+# -- bad input ------------------------------------------------------------------------------------------------
+
+def test_an_address_that_does_not_answer_fails_in_seconds_and_writes_nothing(models, tmp_path):
+    pytest.importorskip("ray.data", reason='Ray is an optional extra: pip install "encoderkit[ray]"')
+    from encoderkit.inference.predictor import PredictConfig, run
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "in.txt").write_text("a great movie\n")
+    t0 = time.perf_counter()
+    with pytest.raises(EncoderkitError, match=rf"--ray 127\.0\.0\.1:{port}: nothing answers.*ray start --head"):
+        run(PredictConfig(model=str(models["classify"]), input=str(tmp_path / "in.txt"),
+                          output=str(tmp_path / "out.jsonl"), ray=f"127.0.0.1:{port}"))
+    assert time.perf_counter() - t0 < 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
+def test_without_ray_the_flag_names_the_install_command(models, tmp_path, monkeypatch):
+    from encoderkit.label.suspicion import SuspectConfig
+    from encoderkit.label.suspicion import run as suspect
+    from encoderkit.retrieval.index import IndexConfig
+    from encoderkit.retrieval.index import run as index
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    (tmp_path / "c.jsonl").write_text(json.dumps({"id": "a", "text": "a great movie", "label": "pos"}) + "\n")
+    for call in (lambda: index(IndexConfig(model=str(models["embed"]), corpus=[str(tmp_path / "c.jsonl")],
+                                           out=str(tmp_path / "idx"), ray="auto")),
+                 lambda: suspect(SuspectConfig(input=str(tmp_path / "c.jsonl"), output=str(tmp_path / "s.jsonl"),
+                                               features="embed", ray="auto"))):
+        with pytest.raises(EncoderkitError, match=r'install it with: pip install "encoderkit\[ray\]"'):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]
+
+
+def test_ray_flags_that_would_run_no_model_are_refused():
+    from encoderkit.label.run import LabelConfig
+    from encoderkit.label.suspicion import SuspectConfig
+
+    with pytest.raises(EncoderkitError, match="endpoint labeller's model runs on its server"):
+        LabelConfig(input="x.txt", labels="a,b", output="o.jsonl", endpoint="http://127.0.0.1:1/v1", llm=["m"], ray="auto")
+    with pytest.raises(EncoderkitError, match="--features tfidf runs no model"):
+        SuspectConfig(input="x.jsonl", output="o.jsonl", ray="auto")
+    with pytest.raises(EncoderkitError, match="--ray-actors must be at least 1"):
+        SuspectConfig(input="x.jsonl", output="o.jsonl", features="embed", ray="auto", ray_actors=0)
