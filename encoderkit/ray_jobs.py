@@ -4,14 +4,16 @@
 
 :func:`map_rows` is what ``--ray ADDRESS`` runs in ``predict``, ``index``, ``label --labeller embed|cloze`` and
 ``audit suspect``: Ray Data ``map_batches`` over the rows with an actor pool of ``actors`` actors, each of which
-builds its model once (``make()``) and then runs ``call(model, rows)`` on batches of ``batch`` rows. Every row
-carries its index through the batches; the driver puts the results back in input order, so the output is the
-one the single-process run writes (the same order, the same values up to float tolerance: a batch is padded
-with other neighbours). A worker that dies mid-batch is restarted by Ray and its batch run again (Ray Data's
+builds its model once (``make()``) and then runs ``call(model, rows)`` once per group of rows: the stage passes
+the model calls its single-process run makes (``groups``, see :func:`encoderkit.inference.predictor.engine_batches`),
+and a Ray block of about ``batch`` rows holds whole groups, never part of one, so each row is batched with the
+rows it has in one process (the same values under dynamic INT8 too, whose activation scale is one per call).
+Every row carries its index; the driver puts the results back in input order, so the output is the one the
+single-process run writes. A worker that dies mid-batch is restarted by Ray and its batch run again (Ray Data's
 actor pools retry without limit); a row answered twice is kept once, and a row never answered is an error.
 
 What the driver holds: the rows (the stage read them, as the single-process run does) and the results. Rows go
-to the object store one block of ``batch`` rows at a time, pickled (rows are arbitrary records: Arrow would turn
+to the object store one block at a time, pickled (rows are arbitrary records: Arrow would turn
 a key missing from some rows into nulls); the progress bar is the driver's, counted as result blocks arrive.
 
 Addresses: ``auto`` (the cluster this machine is part of, as ``ray start`` left it), ``local`` (start Ray on
@@ -50,7 +52,8 @@ def ray_actors_arg() -> Any:
 
 
 def ray_batch_arg() -> Any:
-    return arg(256, help="--ray: rows per block sent to an actor.", speed=True)
+    return arg(256, help="--ray: rows per block sent to an actor, in whole model calls (a block is one or more of the "
+                          "batches the single-process run makes, never part of one).", speed=True)
 
 
 def check_ray_args(actors: int, batch: int) -> None:
@@ -142,14 +145,15 @@ class RayJob:
         return cls(cfg.ray, cfg.ray_actors, cfg.ray_batch, getattr(cfg, "threads", None) or 1)
 
     def map(self, rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]],
-            desc: str = "ray", bar: Any = None) -> list[Any]:
+            desc: str = "ray", bar: Any = None, groups: Sequence[Sequence[int]] | None = None) -> list[Any]:
         """:func:`map_rows` with these settings."""
-        return map_rows(rows, make, call, address=self.address, actors=self.actors, batch=self.batch,
+        return map_rows(rows, make, call, address=self.address, actors=self.actors, batch=self.batch, groups=groups,
                         cpus=self.threads, desc=desc, bar=bar)
 
 
 class _Worker:
-    """One per actor: the model, built once, run on batches of pickled rows (``i``: row index, ``row``)."""
+    """One per actor: the model, built once, run on blocks of groups (``i``: the group's row indices, ``rows``:
+    its rows, both pickled); one ``call`` per group."""
 
     def __init__(self, make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]]) -> None:
         self.call, self.model, self.error = call, None, None
@@ -163,23 +167,46 @@ class _Worker:
 
         if self.error is not None:
             raise self.error
+        outs = []
+        for blob in batch["rows"]:
+            rows = pickle.loads(blob)
+            out = list(self.call(self.model, rows))
+            if len(out) != len(rows):
+                raise RuntimeError(f"{self.call!r} gave {len(out)} results for {len(rows)} rows")
+            outs.append(pickle.dumps(out))
+        return {"i": np.asarray(batch["i"]), "out": np.array(outs, dtype=object)}
 
-        rows = [pickle.loads(x) for x in batch["row"]]
-        out = list(self.call(self.model, rows))
-        if len(out) != len(rows):
-            raise RuntimeError(f"{self.call!r} gave {len(out)} results for {len(rows)} rows")
-        return {"i": np.asarray(batch["i"]), "out": np.array([pickle.dumps(o) for o in out], dtype=object)}
+
+def pack(groups: Sequence[Sequence[int]], batch: int) -> list[list[Sequence[int]]]:
+    """Consecutive ``groups`` packed into blocks of at most ``batch`` rows (a group is never split: a larger one
+    is a block of its own)."""
+    blocks: list[list[Sequence[int]]] = []
+    size = 0
+    for g in groups:
+        if not blocks or size + len(g) > batch:
+            blocks.append([])
+            size = 0
+        blocks[-1].append(g)
+        size += len(g)
+    return blocks
 
 
 def map_rows(rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]], *,
-             address: str, actors: int = 2, batch: int = 256, cpus: float = 1, desc: str = "ray",
-             bar: Any = None) -> list[Any]:
-    """``call(model, rows[a:b])`` over every block of ``rows`` on ``actors`` Ray actors, each with its own
-    ``model = make()``; one result per row, in input order (see the module docstring). ``make`` and ``call``
+             address: str, actors: int = 2, batch: int = 256, groups: Sequence[Sequence[int]] | None = None,
+             cpus: float = 1, desc: str = "ray", bar: Any = None) -> list[Any]:
+    """``call(model, [rows[i] for i in group])`` for every group on ``actors`` Ray actors, each with its own
+    ``model = make()``; one result per row, in input order (see the module docstring). ``groups``: row indices,
+    each row in one group, each group one call (the engine batches the single-process run makes); default:
+    consecutive runs of ``batch`` rows. A Ray block is whole groups, about ``batch`` rows. ``make`` and ``call``
     must be importable functions (or partials of them): they travel to the workers by reference. ``bar``: the
     stage's own progress bar to advance (one of ``desc`` is made, and closed, otherwise)."""
     if not rows:
         return []
+    if groups is None:
+        groups = [range(a, min(a + batch, len(rows))) for a in range(0, len(rows), batch)]
+    groups = [[int(i) for i in g] for g in groups if len(g)]
+    if sorted(i for g in groups for i in g) != list(range(len(rows))):
+        raise ValueError(f"map_rows: groups must hold each of the {len(rows)} rows once")
     with connected(address) as ray:
         import pyarrow as pa
 
@@ -191,12 +218,12 @@ def map_rows(rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, 
             setattr(ctx, k, quiet[k])
         try:
             blocks = []
-            for a in range(0, len(rows), batch):  # one block at a time into the object store
-                block = pa.table({"i": pa.array(range(a, min(a + batch, len(rows))), pa.int64()),
-                                  "row": pa.array([pickle.dumps(r) for r in rows[a:a + batch]], pa.binary())})
-                blocks.append(ray.put(block))
+            for block in pack(groups, batch):  # one block at a time into the object store, one group an item
+                blocks.append(ray.put(pa.table({
+                    "i": pa.array([pickle.dumps(g) for g in block], pa.binary()),
+                    "rows": pa.array([pickle.dumps([rows[i] for i in g]) for g in block], pa.binary())})))
             ds = ray.data.from_arrow_refs(blocks).map_batches(
-                _Worker, fn_constructor_args=(make, call), batch_size=batch, batch_format="numpy",
+                _Worker, fn_constructor_args=(make, call), batch_size=None, batch_format="numpy",
                 compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus)
             found: dict[int, Any] = {}
             own = bar is None
@@ -204,10 +231,11 @@ def map_rows(rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, 
             try:
                 for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
                     fresh = 0
-                    for i, y in zip(out["i"].tolist(), out["out"], strict=True):
-                        if i not in found:  # a batch retried after a worker died may come back twice
-                            found[i] = pickle.loads(y)
-                            fresh += 1
+                    for g, ys in zip(out["i"], out["out"], strict=True):
+                        for i, y in zip(pickle.loads(g), pickle.loads(ys), strict=True):
+                            if i not in found:  # a batch retried after a worker died may come back twice
+                                found[i] = y
+                                fresh += 1
                     bar.update(fresh)
             except Exception as e:
                 user = _user_error(e)

@@ -22,7 +22,8 @@ setting, left to the caller (``encoderkit --threads N``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -39,7 +40,8 @@ from encoderkit.io import check_writable, write_text_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
 from encoderkit.tasks import TASKS, get_task
-from encoderkit.tasks.embed.embedder import Embedder
+from encoderkit.tasks.batching import length_batches
+from encoderkit.tasks.embed.embedder import Embedder, tokenize
 
 BACKENDS = ("auto",) + ENGINE_BACKENDS  # ``auto``: the engines' ``serve`` policy
 OUTPUTS = OUTPUT_NAMES  # task -> its graph's output names (``task.outputs``)
@@ -134,6 +136,66 @@ def describe(p: Predictor) -> dict[str, Any]:
     """What a loaded predictor is: task, backend, labels, limits (for /health and logs)."""
     return {"folder": str(p.folder), "task": p.task, "backend": p.backend, "labels": p.info.labels,
             "max_length": p.max_length, "max_batch": p.max_batch, "stage": p.info.card.get("stage")}
+
+
+# -- --ray: the single-process run's engine calls, formed on the driver ------------------------------------
+
+def engine_batches(p: Predictor, lengths: Sequence[int], chunk: int | None = None) -> list[list[int]]:
+    """Row indices of the engine calls the single-process run makes of rows of these token ``lengths``:
+    :func:`~encoderkit.tasks.batching.length_batches` with ``p.max_batch`` over all rows, or over each run of
+    ``chunk`` rows where the caller hands the Predictor its rows ``chunk`` at a time. Each call's rows in the order
+    the engine sees them (shortest first), so that :func:`as_one_call` on them pads and runs the same batch."""
+    step = chunk or max(len(lengths), 1)
+    return [[a + int(i) for i in g] for a in range(0, len(lengths), step)
+            for g in length_batches(lengths[a:a + step], p.max_batch)]
+
+
+def as_one_call(fn: Callable[[Predictor, list[Any]], Any], p: Predictor, rows: list[Any]) -> Any:
+    """``fn(p, rows)`` with ``p.max_batch`` set to ``len(rows)``: rows that one call of
+    :func:`engine_batches` holds, in its order, are one engine call again (a group that length_batches chose is the
+    least-cost split of itself, ties broken the same way, and its sorted order is kept), so a dynamic-INT8 graph,
+    whose activation scale is one per call, gives each row the vector of the single-process run."""
+    one = copy.copy(p)
+    one.max_batch = max(1, len(rows))
+    return fn(one, rows)
+
+
+def text_lengths(p: Predictor, texts: Sequence[str]) -> list[int]:
+    """Token rows' lengths of ``texts`` as the embed path cuts them (:func:`~encoderkit.tasks.embed.embedder.tokenize`)."""
+    return [len(r["input_ids"]) for r in tokenize(p.tokenizer, list(texts), p.max_length)] if texts else []
+
+
+class _Rows(Exception):
+    def __init__(self, lengths: list[int] | None) -> None:
+        self.lengths = lengths
+
+
+class _Probe:
+    """A Runner that featurises as ``p`` does and stops at the first engine call, with the rows' lengths."""
+
+    def __init__(self, p: Predictor) -> None:
+        self.info, self.tokenizer, self.task, self.folder = p.info, p.tokenizer, p.task, p.folder
+        self.max_length, self.max_batch, self.engine = p.max_length, p.max_batch, self
+
+    def run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        raise _Rows([len(r["input_ids"]) for r in rows])
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        raise _Rows(None)
+
+
+def record_lengths(p: Predictor, records: list[dict[str, Any]], dim: int | None = None) -> list[int] | None:
+    """The token length of each record's one model row, where the task's ``predict`` makes one row per record
+    and runs them all in one ``run_rows`` (classify, multilabel, embed; ner and qa while no text needs a second
+    window); None otherwise (rerank ranks each record in calls of its own; windows of long texts)."""
+    task = get_task(p.task)
+    if task.endpoint == "embed":  # its Embedder runs the engine itself, on the texts tokenised thus
+        return text_lengths(p, [r["text"] for r in records])
+    try:
+        task.predict(_Probe(p), records, dim=dim)
+    except _Rows as r:
+        return r.lengths if r.lengths is not None and len(r.lengths) == len(records) else None
+    return None
 
 
 # -- `encoderkit predict` ---------------------------------------------------------------------
@@ -231,7 +293,12 @@ def run(cfg: PredictConfig) -> PredictResult:
     start = time.perf_counter()
     if ray is not None:  # one Predictor per actor; the one above checked the folder and exported its graph once
         load = partial(Predictor.load, cfg.model, backend=cfg.backend, threads=ray.threads, max_batch=cfg.max_batch)
-        results = ray.map(records, load, partial(predict_records, dim=cfg.dim), "predict")
+        lengths = record_lengths(p, records, cfg.dim)  # the local run's engine calls, each shipped whole
+        if lengths is None:  # records whose rows are batched across records (windows), or ranked one by one
+            results = ray.map(records, load, partial(predict_records, dim=cfg.dim), "predict")
+        else:
+            results = ray.map(records, load, partial(as_one_call, partial(predict_records, dim=cfg.dim)), "predict",
+                              groups=engine_batches(p, lengths))
     else:
         results = predict_records(p, records, cfg.dim)
     seconds = time.perf_counter() - start

@@ -10,6 +10,7 @@ the same command after a kill or an error resumes without repeating an answered 
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from dataclasses import dataclass
@@ -127,6 +128,32 @@ def labelled_pairs(path: str, labels: list[str], flag: str) -> list[tuple[str, s
     return out
 
 
+LABEL_CHUNK = 256  # texts per labeller call
+
+
+def _ray_calls(lab: Any, texts: list[str]) -> tuple[Any, list[list[int]]]:
+    """What ``--ray`` runs per group and the groups: the local run's calls of :data:`LABEL_CHUNK` texts, and
+    for an embed labeller each of its engine calls inside them (see :func:`~encoderkit.inference.predictor.as_one_call`)."""
+    p, n = getattr(lab, "predictor", None), len(texts)
+    if p is None:
+        return type(lab).label, [list(range(a, min(a + LABEL_CHUNK, n))) for a in range(0, n, LABEL_CHUNK)]
+    from encoderkit.inference.predictor import engine_batches, text_lengths
+
+    return partial(_label_in_one_call, type(lab).label), engine_batches(p, text_lengths(p, texts), LABEL_CHUNK)
+
+
+def _label_in_one_call(label: Any, lab: Any, texts: list[str]) -> Any:
+    """``label(lab, texts)`` with its Predictor's ``texts`` as one engine call."""
+    from encoderkit.inference.predictor import as_one_call
+
+    def labelled(p: Any, rows: list[str]) -> Any:
+        one = copy.copy(lab)
+        one.predictor = p
+        return label(one, rows)
+
+    return as_one_call(labelled, lab.predictor, texts)
+
+
 def run(cfg: LabelConfig) -> LabelResult:
     """Label every input row; write the JSONL output and its ledger."""
     labels = parse_labels(cfg.labels)
@@ -161,13 +188,14 @@ def run(cfg: LabelConfig) -> LabelResult:
             make = partial(ClozeLabeller, model, labels, parse_pairs(cfg.verbalizer, labels, "--verbalizer"),
                            cfg.pattern, batch_size=cfg.batch_size)
         lab = make()  # with --ray too: it checks the model here, before any actor starts
-        if ray is not None:  # one labeller per actor (a cloze one's torch threads: Ray's OMP_NUM_THREADS)
-            results = ray.map(texts, make, type(lab).label, bar=bar)
+        if ray is not None:  # one labeller per actor (a cloze one's torch threads: Ray's OMP_NUM_THREADS), each
+            call, groups = _ray_calls(lab, texts)  # call the loop below makes
+            results = ray.map(texts, make, call, bar=bar, groups=groups)
         else:
             results = []
-            for start in range(0, len(texts), 256):
-                results += lab.label(texts[start:start + 256])
-                bar.update(len(texts[start:start + 256]))
+            for start in range(0, len(texts), LABEL_CHUNK):
+                results += lab.label(texts[start:start + LABEL_CHUNK])
+                bar.update(len(texts[start:start + LABEL_CHUNK]))
         name = f"{cfg.labeller}:{Path(cfg.model).name}"
         ledger = {"requests": len(texts), "tokens": 0}
     bar.close()

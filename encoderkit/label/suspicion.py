@@ -74,10 +74,13 @@ def features(texts: list[str], kind: str, model: str, ray: RayJob | None = None)
         p = Predictor.load(resolve_model(model))  # with --ray too: it checks the model before any actor starts
         if ray is None:
             parts.append(sparse.csr_matrix(p.embed(texts, normalize=True)))
-        else:
-            load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads)
-            parts.append(sparse.csr_matrix(np.stack(ray.map(texts, load, partial(Predictor.embed, normalize=True),
-                                                            "embed"))))
+        else:  # the local run's engine calls, each shipped whole
+            from encoderkit.inference.predictor import as_one_call, engine_batches, text_lengths
+
+            load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
+            call = partial(as_one_call, partial(Predictor.embed, normalize=True))
+            parts.append(sparse.csr_matrix(np.stack(ray.map(texts, load, call, "embed",
+                                                            groups=engine_batches(p, text_lengths(p, texts))))))
     return parts[0] if len(parts) == 1 else sparse.hstack(parts).tocsr()
 
 

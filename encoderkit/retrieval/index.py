@@ -29,7 +29,14 @@ import numpy as np
 
 from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.inference.predictor import BACKENDS, Predictor, finish_embeddings
+from encoderkit.inference.predictor import (
+    BACKENDS,
+    Predictor,
+    as_one_call,
+    engine_batches,
+    finish_embeddings,
+    text_lengths,
+)
 from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note, progress
 from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
@@ -45,9 +52,10 @@ EMBED_CHUNK = 256  # texts per Predictor call (it batches inside)
 def embed_texts(p: Predictor, texts: list[str], desc: str = "embed", ray: RayJob | None = None) -> np.ndarray:
     """Pooled, un-normalised embeddings (N, H) float32 of ``texts``, with a progress bar (on ``ray``'s actors when
     given: one Predictor of the same folder and settings each)."""
-    if ray is not None and texts:
+    if ray is not None and texts:  # the engine calls of the loop below, each shipped whole
         load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
-        return np.stack(ray.map(texts, load, Predictor.embed_raw, desc))
+        groups = engine_batches(p, text_lengths(p, texts), EMBED_CHUNK)
+        return np.stack(ray.map(texts, load, partial(as_one_call, Predictor.embed_raw), desc, groups=groups))
     chunks = [p.embed_raw(texts[i : i + EMBED_CHUNK]) for i in progress(range(0, len(texts), EMBED_CHUNK),
                                                                       total=-(-len(texts) // EMBED_CHUNK), desc=desc, unit="chunk")]
     return np.concatenate(chunks) if chunks else np.zeros((0, 0), np.float32)
