@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from encoderkit.hardware import describe
+from encoderkit.hardware import describe, result_field
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ENCODERKIT_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -45,7 +45,7 @@ def main() -> None:
         texts = [r["sentence"].strip() for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
     texts = [t for t in texts if t][: args.rows]
     model = str(resolve_model(args.model))
-    print(describe(), flush=True)
+    print(f"hardware: {describe()}", flush=True)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "in.txt").write_text("\n".join(texts) + "\n", encoding="utf-8")
     common = {"model": model, "input": str(tmp / "in.txt"), "threads": 1, "max_batch": 32, "backend": args.backend}
@@ -67,7 +67,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     figures = " ".join(f"{k}={v:.4g}" for k, v in out.items())
-    print(f"RESULT rows={len(texts)} model={args.model} backend={args.backend} {figures}")
+    print(f"RESULT rows={len(texts)} model={args.model} backend={args.backend} {figures} {result_field()}")
 
 
 if __name__ == "__main__":
