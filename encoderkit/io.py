@@ -324,6 +324,33 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         raise EncoderkitError(f"could not write {path} ({reason}); free disk space (or fix permissions) and rerun") from e
 
 
+@contextlib.contextmanager
+def open_text_atomic(path: Path) -> Iterator[Any]:
+    """A text file (UTF-8) to write ``path`` piece by piece: a temporary sibling, renamed onto ``path`` when the
+    block ends without an exception and removed when it raises, so a failure leaves no (and no half) ``path``.
+    For outputs too large to build in memory first; a failed write is an EncoderkitError naming ``path``."""
+    path = Path(path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fds: list[int] = []
+        tmp = _new_sibling(path, "tmp", lambda p: fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
+        with os.fdopen(fds[0], "w", encoding="utf-8", newline="") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        reason = write_failure(e, tmp if tmp is not None else path.parent)  # not a read error of an input nearby
+        if reason is None:
+            raise
+        raise EncoderkitError(f"could not write {path} ({reason}); nothing was written there. Free disk space (or "
+                              "fix permissions) and rerun") from e
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 

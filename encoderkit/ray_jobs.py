@@ -16,6 +16,10 @@ What the driver holds: the rows (the stage read them, as the single-process run 
 to the object store one block at a time, pickled (rows are arbitrary records: Arrow would turn
 a key missing from some rows into nulls); the progress bar is the driver's, counted as result blocks arrive.
 
+:func:`map_chunks` is the streaming form (``predict``, ``index``): a stream of chunks of rows, each with its
+groups, in; each chunk's results out, in order, while the driver reads at most :data:`IN_FLIGHT` chunks ahead of
+the one it hands back; one pool of actors (``ray.util.ActorPool``) for the whole stream.
+
 Addresses: ``auto`` (the cluster this machine is part of, as ``ray start`` left it), ``local`` (start Ray on
 this machine for the job), ``HOST:PORT`` (a head node's GCS port, 6379 by default) or ``ray://HOST:10001``
 (Ray Client). A HOST:PORT that does not answer is an error within seconds, before any model is run. A
@@ -24,11 +28,12 @@ process that already called ``ray.init`` (a notebook, the tests) keeps its conne
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import pickle
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +149,12 @@ class RayJob:
         preflight(cfg.ray)
         return cls(cfg.ray, cfg.ray_actors, cfg.ray_batch, getattr(cfg, "threads", None) or 1)
 
+    def map_chunks(self, chunks: Iterable[tuple[Sequence[Any], Sequence[Sequence[int]] | None]],
+                   make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]]) -> Iterator[list[Any]]:
+        """:func:`map_chunks` with these settings."""
+        return map_chunks(chunks, make, call, address=self.address, actors=self.actors, batch=self.batch,
+                          cpus=self.threads)
+
     def map(self, rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]],
             desc: str = "ray", bar: Any = None, groups: Sequence[Sequence[int]] | None = None) -> list[Any]:
         """:func:`map_rows` with these settings."""
@@ -176,6 +187,18 @@ class _Worker:
             outs.append(pickle.dumps(out))
         return {"i": np.asarray(batch["i"]), "out": np.array(outs, dtype=object)}
 
+    def run(self, blob: bytes) -> bytes:
+        """:func:`map_chunks`' call: pickled lists of rows (one per group) in, pickled lists of results out."""
+        if self.error is not None:
+            raise self.error
+        outs = []
+        for rows in pickle.loads(blob):
+            out = list(self.call(self.model, rows))
+            if len(out) != len(rows):
+                raise RuntimeError(f"{self.call!r} gave {len(out)} results for {len(rows)} rows")
+            outs.append(out)
+        return pickle.dumps(outs)
+
 
 def pack(groups: Sequence[Sequence[int]], batch: int) -> list[list[Sequence[int]]]:
     """Consecutive ``groups`` packed into blocks of at most ``batch`` rows (a group is never split: a larger one
@@ -189,6 +212,59 @@ def pack(groups: Sequence[Sequence[int]], batch: int) -> list[list[Sequence[int]
         blocks[-1].append(g)
         size += len(g)
     return blocks
+
+
+IN_FLIGHT = 3  # map_chunks: chunks the driver has sent ahead of the one whose results it is waiting for, at most
+RETRIES = 4  # map_chunks: restarts of an actor whose process died, and reruns of the batch it held
+
+
+def map_chunks(chunks: Iterable[tuple[Sequence[Any], Sequence[Sequence[int]] | None]], make: Callable[[], Any],
+               call: Callable[[Any, list[Any]], Sequence[Any]], *, address: str, actors: int = 2, batch: int = 256,
+               cpus: float = 1, in_flight: int = IN_FLIGHT) -> Iterator[list[Any]]:
+    """:func:`map_rows` over a stream: for each ``(rows, groups)`` of ``chunks``, in order, the list of
+    ``call(model, ...)`` results of its rows in their order (``groups`` as in :func:`map_rows`, indices into that
+    chunk's rows; None: runs of ``batch`` rows). ``actors`` Ray actors build their model once for the whole stream;
+    each chunk goes out as blocks of whole groups (about ``batch`` rows), and the driver reads a chunk ahead only
+    while fewer than ``in_flight`` chunks are out, so it holds at most ``in_flight`` chunks of rows (plus the one
+    whose results the caller is writing), whatever the length of the stream. An actor whose process dies is
+    restarted and its block run again (:data:`RETRIES` times). Progress is the caller's (one list per chunk)."""
+    with connected(address) as ray:
+        from ray.util import ActorPool
+
+        worker = ray.remote(num_cpus=cpus, max_restarts=RETRIES, max_task_retries=RETRIES)(_Worker)
+        pool = ActorPool([worker.remote(make, call) for _ in range(actors)])
+        pending: collections.deque[tuple[int, list[list[list[int]]]]] = collections.deque()
+
+        def collect() -> list[Any]:
+            n, blocks = pending.popleft()
+            out: list[Any] = [None] * n
+            for block in blocks:
+                try:
+                    results = pickle.loads(pool.get_next())
+                except Exception as e:
+                    user = _user_error(e)
+                    if user is None:
+                        raise
+                    raise user from e
+                for g, ys in zip(block, results, strict=True):
+                    for i, y in zip(g, ys, strict=True):
+                        out[i] = y
+            return out
+
+        for rows, groups in chunks:
+            if groups is None:
+                groups = [range(a, min(a + batch, len(rows))) for a in range(0, len(rows), batch)]
+            groups = [[int(i) for i in g] for g in groups if len(g)]
+            if sorted(i for g in groups for i in g) != list(range(len(rows))):
+                raise ValueError(f"map_chunks: groups must hold each of the chunk's {len(rows)} rows once")
+            blocks = pack(groups, batch)
+            for block in blocks:  # submitted in order, handed back in order (ActorPool.get_next)
+                pool.submit(lambda a, blob: a.run.remote(blob), pickle.dumps([[rows[i] for i in g] for g in block]))
+            pending.append((len(rows), blocks))
+            while len(pending) >= in_flight:
+                yield collect()
+        while pending:
+            yield collect()
 
 
 def map_rows(rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]], *,

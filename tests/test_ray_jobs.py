@@ -152,6 +152,23 @@ def test_the_local_runs_engine_calls_run_one_by_one_give_its_int8_vectors(models
     assert all(len({i // 32 for i in g}) == 1 for g in chunked)
 
 
+def test_a_stream_of_chunks_comes_back_chunk_by_chunk_in_order_after_a_worker_dies(cluster, tmp_path):
+    from encoderkit.ray_jobs import map_chunks
+
+    chunks = [([{"x": i} for i in range(a, min(a + 10, 43))], None) for a in range(0, 43, 10)]
+    marker = tmp_path / "died"
+    got = list(map_chunks(iter(chunks), partial(die_once, str(marker), 25), exit_on_row_once, address="auto",
+                          actors=2, batch=4))
+    assert marker.exists()  # the actor really died on the block holding row 25
+    assert got == [[r["x"] * 10 for r in rows] for rows, _ in chunks]  # restarted, its block rerun; in order
+    groups = [[4, 0, 7], [1], [2, 3, 5, 6, 8, 9], []]
+    got = list(map_chunks([([{"x": i} for i in range(10)], groups)], partial(int, 0), group_of, address="auto",
+                          batch=4))
+    assert got == [[next(tuple(g) for g in groups if i in g) for i in range(10)]]  # each row saw exactly its group
+    with pytest.raises(EncoderkitError, match="^models/x is a 'classify' model"):  # itself, not Ray's wrapper
+        list(map_chunks([([{"x": 1}], None)], refuse_model, times_ten, address="auto", actors=1))
+
+
 def test_a_workers_user_error_reaches_the_caller_as_itself(cluster):
     from encoderkit.ray_jobs import map_rows
 
@@ -177,9 +194,41 @@ def test_predict_on_ray_equals_the_local_run(cluster, models, tmp_path, model, b
     _same_records(local, remote, floats=floats, atol=atol)
 
 
-def test_index_on_ray_equals_the_local_run(cluster, models, tmp_path):
+def test_predict_on_ray_streams_its_input_in_chunks_and_equals_the_local_run(cluster, models, tmp_path, monkeypatch):
+    """With a chunk of 7 records, 30 records: the local run and --ray write the same rows (INT8: the same batches per
+    chunk), the Ray driver reads at most IN_FLIGHT chunks ahead of what it has written, and a bad record in a later
+    chunk is its file:line, with no output file left."""
+    from test_runtime import read_ahead
+
+    from encoderkit import ray_jobs
+    from encoderkit.inference import predictor
+
+    monkeypatch.setattr(predictor, "CHUNK", 7)
+    rows = [{"id": f"r{i}", "text": t} for i, t in enumerate(_texts(30))]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = {"model": str(models["embed_int8"]), "input": str(tmp_path / "in.jsonl"), "max_batch": 4}  # auto: INT8
+    predictor.run(predictor.PredictConfig(**common, output=str(tmp_path / "local.jsonl")))
+    ahead = read_ahead(monkeypatch, predictor, tmp_path / "ray.jsonl")
+    res = predictor.run(predictor.PredictConfig(**common, output=str(tmp_path / "ray.jsonl"), ray="auto", ray_actors=2,
+                                                ray_batch=8))
+    assert res.records == 30 and max(ahead) == ray_jobs.IN_FLIGHT * 7 < 30  # chunks in flight, never the whole input
+    local, remote = _jsonl(tmp_path / "local.jsonl"), _jsonl(tmp_path / "ray.jsonl")
+    assert [r["id"] for r in remote] == [f"r{i}" for i in range(30)]
+    _same_records(local, remote, floats=("embedding",), atol=1e-6)
+    rows[24] = {"id": "r24"}  # line 25, in the fourth chunk
+    (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(EncoderkitError, match=rf"^{tmp_path / 'bad.jsonl'}:25: "):
+        predictor.run(predictor.PredictConfig(**common | {"input": str(tmp_path / "bad.jsonl")},
+                                              output=str(tmp_path / "bad.out.jsonl"), ray="auto", ray_batch=8))
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith((".bad.out", "bad.out"))]
+
+
+def test_index_on_ray_equals_the_local_run(cluster, models, tmp_path, monkeypatch):
+    from encoderkit.retrieval import index
     from encoderkit.retrieval.index import IndexConfig, run
     from encoderkit.retrieval.store import open_generation
+
+    monkeypatch.setattr(index, "EMBED_CHUNK", 16)  # several chunks, streamed to the actors a few at a time
 
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n"
                                               for i, t in enumerate(_texts(60))))

@@ -248,3 +248,49 @@ def test_minilm_int8_matches_sentence_transformers(minilm_dir, shared_data, tmp_
     assert p.backend == "onnx-int8" and p.info.pooling == "mean" and p.max_length == 256
     cos = (p.embed(texts) * ref).sum(1)
     assert cos.mean() >= 0.99 and cos.min() >= 0.95
+
+
+def _numbered(tmp_path, n: int, bad_line: int | None = None):
+    """``n`` records with ids and texts of varied lengths; line ``bad_line`` lacks its text."""
+    words = TEXTS[2].split(" ")
+    lines = [json.dumps({"id": i, "text": " ".join(words[:2 + i % 9])} if i + 1 != bad_line else {"id": i})
+             for i in range(n)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path / "in.jsonl"
+
+
+def read_ahead(monkeypatch, module, out):
+    """Wraps ``module.iter_records``: for each record read, how many records were read and not yet in the (temporary)
+    output file then; the list it fills."""
+    real, ahead = module.iter_records, []
+
+    def counting(path, task):
+        for n, rec in enumerate(real(path, task), 1):
+            tmp = list(out.parent.glob(f".{out.name}.tmp-*"))
+            ahead.append(n - (len(tmp[0].read_text().splitlines()) if tmp else 0))
+            yield rec
+
+    monkeypatch.setattr(module, "iter_records", counting)
+    return ahead
+
+
+def test_predict_reads_runs_and_writes_its_input_a_chunk_at_a_time(folders, tmp_path, monkeypatch):
+    from encoderkit.inference import predictor
+
+    monkeypatch.setattr(predictor, "CHUNK", 7)
+    src, out = _numbered(tmp_path, 30), tmp_path / "out.jsonl"
+    ahead = read_ahead(monkeypatch, predictor, out)
+    res = predictor.run(predictor.PredictConfig(model=str(folders["embed"]), input=str(src), output=str(out),
+                                                max_batch=4))  # auto: INT8, whose vectors depend on their batch
+    assert res.records == 30 and max(ahead) == 7  # one chunk read ahead of what is written, never the whole input
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in rows] == list(range(30))
+    p = Predictor.load(folders["embed"], max_batch=4)
+    records = [json.loads(x) for x in src.read_text().splitlines()]
+    want = [r for a in range(0, 30, 7) for r in predictor.predict_records(p, records[a:a + 7])]  # batched per chunk
+    assert np.abs(np.array([r["embedding"] for r in rows]) - np.array([r["embedding"] for r in want])).max() <= 1e-6
+    out.unlink()
+    _numbered(tmp_path, 30, bad_line=26)  # in the fourth chunk: three chunks were run (and written) first
+    with pytest.raises(EncoderkitError, match=rf"^{tmp_path / 'in.jsonl'}:26: "):
+        predictor.run(predictor.PredictConfig(model=str(folders["embed"]), input=str(src), output=str(out)))
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["in.jsonl"]  # no output, no temporary file

@@ -227,3 +227,27 @@ def test_output_dir_rewords_write_failures_only(tmp_path):
     with pytest.raises(EncoderkitError, match=quota), output_dir(tmp_path / "out"):
         raise OSError(errno.EDQUOT, "Disk quota exceeded")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # and no temporary folder either time
+
+
+def test_open_text_atomic_renames_on_success_and_leaves_nothing_on_failure(tmp_path):
+    import errno
+
+    from encoderkit.errors import EncoderkitError
+    from encoderkit.io import open_text_atomic
+
+    out = tmp_path / "o.jsonl"
+    with open_text_atomic(out) as f:
+        f.write("a\n")
+        assert not out.exists()  # only under its final name once the block ends
+        f.write("b\n")
+    assert out.read_text() == "a\nb\n" and sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]
+    with pytest.raises(ValueError), open_text_atomic(out) as f:
+        f.write("half")
+        raise ValueError("a bad record")
+    assert out.read_text() == "a\nb\n" and sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]  # kept as it was
+    with pytest.raises(FileNotFoundError), open_text_atomic(tmp_path / "p.jsonl"):
+        (tmp_path / "missing-input.txt").read_text()  # a read error beside the output is not a write failure
+    with pytest.raises(EncoderkitError, match=r"could not write .*p\.jsonl \(No space left on device\)"), \
+            open_text_atomic(tmp_path / "p.jsonl"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.jsonl"]

@@ -222,6 +222,6 @@ def run_quantize(cfg: QuantizeConfig) -> LeverReport:
 
 def run_distill(cfg: DistillConfig) -> Any:
     """Distil a teacher into a smaller student (task-specific for every task, or task-agnostic, DistilBERT-style)."""
-    if cfg.mode == "agnostic":  # an MLM teacher on prepared blocks: no task data
+    if cfg.mode == "agnostic" or cfg.to:  # an MLM teacher on prepared blocks, or a static model: not a lever
         return distill_mod.run(cfg)
     return _stage("distill", cfg, cfg.teacher, cfg.out)

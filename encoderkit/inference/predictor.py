@@ -23,7 +23,8 @@ setting, left to the caller (``encoderkit --threads N``).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -35,16 +36,20 @@ from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.export import OUTPUT_NAMES
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.engines import BACKENDS as ENGINE_BACKENDS
-from encoderkit.inference.engines import open_engine, run_rows
-from encoderkit.io import check_writable, write_text_atomic
+from encoderkit.inference.engines import STATIC, open_engine, run_rows
+from encoderkit.io import check_writable, open_text_atomic
 from encoderkit.models.folder import ModelFolder
+from encoderkit.progress import progress
 from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.batching import length_batches
 from encoderkit.tasks.embed.embedder import Embedder, tokenize
 
-BACKENDS = ("auto",) + ENGINE_BACKENDS  # ``auto``: the engines' ``serve`` policy
+BACKENDS = ("auto",) + ENGINE_BACKENDS + (STATIC,)  # ``auto``: the engines' ``serve`` policy; ``static``: a static folder's
 OUTPUTS = OUTPUT_NAMES  # task -> its graph's output names (``task.outputs``)
+# ``predict`` reads, runs and writes its input this many records at a time, locally and with --ray alike (whose driver
+# holds at most ray_jobs.IN_FLIGHT chunks): an input of up to CHUNK records is batched as one, a longer one per chunk
+CHUNK = 4096
 
 
 class Predictor:
@@ -235,41 +240,70 @@ class PredictResult:
                 "seconds": round(self.seconds, 3), "records_per_s": round(self.records / max(self.seconds, 1e-9), 1)}
 
 
-def read_records(path: Path, task: str) -> list[dict[str, Any]]:
-    """Input records: a .txt file gives {"text": line} per non-empty line; .jsonl one object per line."""
+def iter_records(path: Path, task: str) -> Iterator[dict[str, Any]]:
+    """Input records, read line by line (a corpus never sits whole in memory): a .txt file gives {"text": line}
+    per non-empty line; .jsonl one object per line, each checked as it is read (errors name ``file:line``)."""
     import json
 
     if not path.is_file():
         raise EncoderkitError(f"input file {path} does not exist")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise EncoderkitError(f"{path} is not UTF-8 text ({e}); re-encode it as UTF-8") from e
     need = get_task(task).record_fields
-    records = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if path.suffix != ".jsonl":
-            if need != ("text",):  # a line of a .txt is one text: the input of a task whose record is one text
-                raise EncoderkitError(f"{path}: a {task} model needs a .jsonl input with fields {', '.join(need)}")
-            records.append({"text": line})
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EncoderkitError(f"{path}:{n}: not valid JSON ({e})") from e
-        get_task(task).check_record(rec if isinstance(rec, dict) else {}, f"{path}:{n}")  # a non-object has no field
-        records.append(rec)
-    if not records:
+    n = 0
+    found = False
+    with path.open(encoding="utf-8") as f:
+        while True:
+            try:
+                physical = f.readline()
+            except UnicodeDecodeError as e:
+                raise EncoderkitError(f"{path} is not UTF-8 text ({e}); re-encode it as UTF-8") from e
+            if not physical:
+                break
+            for line in physical.splitlines():  # str.splitlines' line breaks, as a whole-file read splits them
+                n += 1
+                if not line.strip():
+                    continue
+                if path.suffix != ".jsonl":
+                    if need != ("text",):  # a line of a .txt is one text: the input of a task whose record is one text
+                        raise EncoderkitError(f"{path}: a {task} model needs a .jsonl input with fields {', '.join(need)}")
+                    found = True
+                    yield {"text": line}
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise EncoderkitError(f"{path}:{n}: not valid JSON ({e})") from e
+                get_task(task).check_record(rec if isinstance(rec, dict) else {}, f"{path}:{n}")  # a non-object has no field
+                found = True
+                yield rec
+    if not found:
         raise EncoderkitError(f"{path} holds no records")
-    return records
+
+
+def read_records(path: Path, task: str) -> list[dict[str, Any]]:
+    """Input records (:func:`iter_records`), all of them."""
+    return list(iter_records(path, task))
+
+
+def chunks(records: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """``records`` in lists of ``size`` (the last one shorter), read as each list is asked for."""
+    it = iter(records)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
 
 
 def predict_records(p: Predictor, records: list[dict[str, Any]], dim: int | None = None) -> list[dict[str, Any]]:
     """One result dict per input record (the record's ``id`` is copied when present): the task's ``predict``."""
     results = get_task(p.task).predict(p, records, dim=dim)
     return [({"id": r["id"]} if "id" in r else {}) | res for r, res in zip(records, results, strict=True)]
+
+
+def _predict_shipped(dim: int | None, p: Predictor, rows: list[tuple[bool, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A ``--ray`` actor's call on one group of a chunk: records tagged True are one engine call of the local run
+    (:func:`as_one_call`), False a run of records whose rows the task batches itself (windows, rankings)."""
+    records = [r for _, r in rows]
+    if rows and rows[0][0]:
+        return as_one_call(partial(predict_records, dim=dim), p, records)
+    return predict_records(p, records, dim)
 
 
 def run(cfg: PredictConfig) -> PredictResult:
@@ -289,18 +323,30 @@ def run(cfg: PredictConfig) -> PredictResult:
     check_writable(out, "--output")  # before the model is loaded and run, as every stage checks its --out
     ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before the model is loaded
     p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.max_batch)
-    records = read_records(Path(cfg.input), p.task)
     start = time.perf_counter()
+    done = 0
+    parts = chunks(iter_records(Path(cfg.input), p.task), CHUNK)
     if ray is not None:  # one Predictor per actor; the one above checked the folder and exported its graph once
         load = partial(Predictor.load, cfg.model, backend=cfg.backend, threads=ray.threads, max_batch=cfg.max_batch)
-        lengths = record_lengths(p, records, cfg.dim)  # the local run's engine calls, each shipped whole
-        if lengths is None:  # records whose rows are batched across records (windows), or ranked one by one
-            results = ray.map(records, load, partial(predict_records, dim=cfg.dim), "predict")
-        else:
-            results = ray.map(records, load, partial(as_one_call, partial(predict_records, dim=cfg.dim)), "predict",
-                              groups=engine_batches(p, lengths))
+
+        def planned(part: list[dict[str, Any]]) -> tuple[list[tuple[bool, dict[str, Any]]], list[list[int]] | None]:
+            lengths = record_lengths(p, part, cfg.dim)  # the local run's engine calls of this chunk, each shipped whole
+            if lengths is None:  # records whose rows are batched across records (windows), or ranked one by one
+                return [(False, r) for r in part], None
+            return [(True, r) for r in part], engine_batches(p, lengths)
+
+        results_of = ray.map_chunks((planned(part) for part in parts), load, partial(_predict_shipped, cfg.dim))
     else:
-        results = predict_records(p, records, cfg.dim)
+        results_of = (predict_records(p, part, cfg.dim) for part in parts)
+    bar = progress(desc="predict", unit="record")
+    try:
+        with open_text_atomic(out) as f:
+            for results in results_of:
+                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
+                f.flush()  # a chunk's results leave the driver as they are written
+                done += len(results)
+                bar.update(len(results))
+    finally:
+        bar.close()
     seconds = time.perf_counter() - start
-    write_text_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
-    return PredictResult(out, len(results), p.task, p.backend, seconds)
+    return PredictResult(out, done, p.task, p.backend, seconds)

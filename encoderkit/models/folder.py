@@ -21,7 +21,9 @@ Facts, each with one rule:
   tokenizer's ``model_max_length``, each capped at the usable ``positions``
   (``max_position_embeddings``, less RoBERTa's padding offset).
 - which backends exist: torch weights (``model.safetensors``, ``pytorch_model.bin``, or the
-  quantized ``model.quantized.safetensors``), ``model.onnx``, ``model.int8.onnx``.
+  quantized ``model.quantized.safetensors``), ``model.onnx``, ``model.int8.onnx``; or, for a static
+  embedding folder (``config.json``'s ``model_type: model2vec``, :mod:`encoderkit.models.static`), its
+  token table (``static_weights``): an ``embed`` model with no transformer, mean-pooled, whole texts read.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.models.card import CARD
 from encoderkit.models.pooling import apply_pooling
 from encoderkit.models.rebuild import HEADS_KEY, QUANT_FILE, QUANT_KEY, rebuild_model
+from encoderkit.models.static import WEIGHTS_FILE as STATIC_WEIGHTS
+from encoderkit.models.static import is_static_config
 from encoderkit.progress import note
 from encoderkit.tasks.registry import HEADS, TASKS
 from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -133,6 +137,7 @@ class ModelFolder:
     onnx_fp32: Path | None
     onnx_int8: Path | None
     tokenizer_files: tuple[str, ...]
+    static_weights: Path | None = None
 
     @classmethod
     def open(cls, path: str | Path, *, weights: bool = True, tokenizer: bool = True) -> ModelFolder:
@@ -186,7 +191,12 @@ class ModelFolder:
         if card.get("max_length"):
             max_length = min(positions or int(card["max_length"]), int(card["max_length"]))
 
-        existing = [path / name for name in TORCH_WEIGHTS if (path / name).is_file()]
+        static = is_static_config(config)
+        if static:  # token vectors, no transformer: mean of whole texts (model2vec's config says whether normalised)
+            pooling, max_length = "mean", int(config.get("seq_length") or 1_000_000)
+            if not is_st:
+                normalize = bool(config.get("normalize", True))
+        existing = [] if static else [path / name for name in TORCH_WEIGHTS if (path / name).is_file()]
         for p in sorted(path.glob("*.safetensors")):
             check_safetensors(p)
         quant = config.get(QUANT_KEY)
@@ -198,8 +208,13 @@ class ModelFolder:
             onnx_fp32=path / ONNX_FP32 if (path / ONNX_FP32).is_file() else None,
             onnx_int8=path / ONNX_INT8 if (path / ONNX_INT8).is_file() else None,
             tokenizer_files=tuple(n for n in TOKENIZER_FILES if (path / n).is_file()),
+            static_weights=path / STATIC_WEIGHTS if static and (path / STATIC_WEIGHTS).is_file() else None,
         )
-        if weights and folder.torch_weights is None and folder.onnx_fp32 is None and folder.onnx_int8 is None:
+        if static and weights and folder.static_weights is None:
+            raise EncoderkitError(f"{path} is a static embedding folder without its {STATIC_WEIGHTS}; "
+                                  "copy it again or re-create it with encoderkit distill --to static")
+        if (weights and not static and folder.torch_weights is None and folder.onnx_fp32 is None
+                and folder.onnx_int8 is None):
             want = QUANT_FILE if quant is not None else "model.safetensors"
             raise EncoderkitError(f"{path} holds no weights ({want} is missing, and there is no model.onnx); "
                                   "the folder is incomplete: copy the weights or re-run the stage that wrote it")
@@ -211,7 +226,8 @@ class ModelFolder:
     @property
     def backends(self) -> dict[str, Path]:
         """Backend -> file: ``torch`` (safetensors/bin, or quantized), ``onnx-fp32``, ``onnx-int8``."""
-        found = {"torch": self.torch_weights, "onnx-fp32": self.onnx_fp32, "onnx-int8": self.onnx_int8}
+        found = {"torch": self.torch_weights, "onnx-fp32": self.onnx_fp32, "onnx-int8": self.onnx_int8,
+                 "static": self.static_weights}
         return {k: v for k, v in found.items() if v is not None}
 
     def onnx(self, int8: bool) -> Path | None:
@@ -230,7 +246,16 @@ class ModelFolder:
         if override:
             return load_tokenizer(override)
         self.require_tokenizer()
-        return load_tokenizer(self.path)
+        if self.static_weights is None:
+            return load_tokenizer(self.path)
+        # transformers reads config.json beside the tokenizer and warns that model2vec is no model type it knows
+        log = logging.getLogger("transformers.configuration_utils")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            return load_tokenizer(self.path)
+        finally:
+            log.setLevel(level)
 
     def require_task(self, *tasks: str) -> str:
         """The folder's task when it is one of ``tasks`` and its weights hold that task's head."""
@@ -272,6 +297,10 @@ class ModelFolder:
         lacks are named in one line instead of transformers' load report. ``int8_runtime`` swaps the
         Linear layers for dynamically quantized INT8 ones; ``attn`` picks the attention kernel
         (``"eager"`` traces cleanly for ONNX); ``frozen`` turns gradients off."""
+        if self.static_weights is not None:
+            raise EncoderkitError(f"{self.path} is a static embedding model (a table of token vectors, no transformer): "
+                                  "it embeds through predict, index, search and serve, but cannot be loaded as a "
+                                  "torch model, so it cannot be fine-tuned, compressed, distilled from or exported")
         if self.torch_weights is None:
             raise EncoderkitError(f"{self.path} has no torch weights (model.safetensors); only its ONNX graph can run")
         cls = model_cls or self.model_class(task)

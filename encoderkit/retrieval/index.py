@@ -52,10 +52,16 @@ EMBED_CHUNK = 256  # texts per Predictor call (it batches inside)
 def embed_texts(p: Predictor, texts: list[str], desc: str = "embed", ray: RayJob | None = None) -> np.ndarray:
     """Pooled, un-normalised embeddings (N, H) float32 of ``texts``, with a progress bar (on ``ray``'s actors when
     given: one Predictor of the same folder and settings each)."""
-    if ray is not None and texts:  # the engine calls of the loop below, each shipped whole
+    if ray is not None and texts:  # the engine calls of the loop below, each shipped whole, a chunk at a time
         load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
-        groups = engine_batches(p, text_lengths(p, texts), EMBED_CHUNK)
-        return np.stack(ray.map(texts, load, partial(as_one_call, Predictor.embed_raw), desc, groups=groups))
+        parts = ((part, engine_batches(p, text_lengths(p, part)))  # tokenised as sent: ray_jobs.IN_FLIGHT chunks out
+                 for part in (texts[i : i + EMBED_CHUNK] for i in range(0, len(texts), EMBED_CHUNK)))
+        out = []
+        with progress(total=len(texts), desc=desc, unit="text") as bar:
+            for vecs in ray.map_chunks(parts, load, partial(as_one_call, Predictor.embed_raw)):
+                out.append(np.stack(vecs))
+                bar.update(len(vecs))
+        return np.concatenate(out)
     chunks = [p.embed_raw(texts[i : i + EMBED_CHUNK]) for i in progress(range(0, len(texts), EMBED_CHUNK),
                                                                       total=-(-len(texts) // EMBED_CHUNK), desc=desc, unit="chunk")]
     return np.concatenate(chunks) if chunks else np.zeros((0, 0), np.float32)

@@ -7,7 +7,8 @@ The engine is anything with ``run(inputs: dict[str, int64 array (B, T)]) -> [tok
 ONNX Runtime on an export, or a torch encoder (:class:`~encoderkit.tasks.inference.ModuleEngine`); or one that
 pools itself (``pools = True``: ``[pooled (B, H)]``), as :class:`BiEncoderEngine` runs a training-time
 :class:`~encoderkit.tasks.embed.features.BiEncoder` so the pooling stays on its device and one vector per text
-comes back, not its token states. Texts are cut to ``max_length`` sub-tokens and run in length-sorted batches
+comes back, not its token states; or one that reads whole texts itself (``pool_texts(texts) -> (N, H)``: a static
+model's :class:`~encoderkit.inference.engines.StaticEngine`, which has no length limit). Texts are cut to ``max_length`` sub-tokens and run in length-sorted batches
 (:func:`~encoderkit.tasks.inference.run_rows`); the token states are pooled by
 :func:`encoderkit.models.pooling.pool` (``mean`` over the real tokens or the ``first`` token: the one pooling,
 what the BiEncoder computes in training and sentence-transformers at inference); :meth:`Embedder.finish`
@@ -104,7 +105,14 @@ class Embedder:
         texts. ``progress``: a progress bar (a corpus)."""
         if len(texts) == 0:
             return np.zeros((0, 0), dtype=np.float32)
-        rows = tokenize(self.tokenizer, list(texts), max_length or self.max_length)
+        if getattr(self.engine, "pool_texts", None) is not None:  # reads whole texts itself (a static model)
+            return self.engine.pool_texts(list(texts))
+        return self.pooled_rows(tokenize(self.tokenizer, list(texts), max_length or self.max_length), progress, max_batch)
+
+    def pooled_rows(self, rows: list[dict[str, np.ndarray]], progress: bool = False,
+                    max_batch: int | None = None) -> np.ndarray:
+        """Pooled, un-normalised embeddings (N, H) float32 of token rows already made (``input_ids`` and
+        ``token_type_ids`` 1-D int64, as :func:`tokenize` gives): e.g. one token between [CLS] and [SEP]."""
         engine = self.engine if getattr(self.engine, "pools", False) else PooledEngine(self.engine, self.pooling, False)
         out = run_rows(engine, rows, self.tokenizer.pad_token_id or 0, max_batch or self.max_batch,
                        desc="encode" if progress else "")

@@ -1,0 +1,194 @@
+"""`distill --to static`: a tiny embed teacher becomes a static embedding folder that sentence-transformers and every
+encoderkit stage that embeds load, with the same vectors; its vocabulary is the corpus's tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import WORDS
+from deploy_models import make_task_model, tiny_root
+
+from encoderkit.compress.distill import DistillConfig
+from encoderkit.compress.distill import run as distill
+from encoderkit.compress.distill_static import fit_table, frequency_weights, token_vectors
+from encoderkit.compress.levers import run_distill
+from encoderkit.errors import EncoderkitError
+from encoderkit.inference.predictor import Predictor
+
+CORPUS_WORDS = WORDS[40:70]  # the corpus uses these words only; the tokenizer knows more
+TEXTS = ["the movie was great fun", "what time is it", "a dull story", "zzzz python code", "movie"]
+
+
+def _docs() -> list[str]:
+    return [" ".join(CORPUS_WORDS[(i * 7 + j * 3) % len(CORPUS_WORDS)] for j in range(4 + i % 9)) for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("static_corpus") / "corpus.txt"
+    path.write_text("\n\n".join(_docs()) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def static_dir(teacher, corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("static") / "s"
+    res = run_distill(DistillConfig(teacher=str(teacher), out=str(out), to="static", train=str(corpus), dims=16, epochs=20,
+                                batch_size=8))
+    assert res.dims == 16 and res.documents == 40
+    return out
+
+
+def test_vocabulary_is_the_corpus_tokens(static_dir, teacher):
+    from safetensors.numpy import load_file
+
+    tok = Predictor.load(teacher, backend="torch-fp32").tokenizer
+    seen = {i for d in _docs() for i in tok(d, add_special_tokens=False)["input_ids"]} - set(tok.all_special_ids)
+    t = load_file(str(static_dir / "model.safetensors"))
+    kept = set(np.flatnonzero(t["mapping"] != len(t["embeddings"]) - 1).tolist())
+    assert kept == seen and len(t["embeddings"]) == len(seen) + 1
+    assert not t["embeddings"][-1].any()  # unseen tokens share the zero row
+    assert set(np.flatnonzero(t["weights"]).tolist()) == seen
+    card = json.loads((static_dir / "encoderkit.json").read_text())
+    assert card["task"] == "embed" and card["kind"] == "static" and card["metrics"]["kept_tokens"] == len(seen)
+
+
+def test_token_vectors_are_the_teachers_embedding_of_each_token_alone(teacher):
+    p = Predictor.load(teacher, backend="torch-fp32")
+    words = ["movie", "python", "story"]
+    ids = np.asarray([p.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in words])
+    np.testing.assert_allclose(token_vectors(p, ids), p.embed_raw(words), atol=1e-5)
+
+
+def test_the_fit_brings_the_static_vectors_closer_to_the_teacher(static_dir, teacher, corpus, tmp_path):
+    unfitted = tmp_path / "unfitted"
+    distill(DistillConfig(teacher=str(teacher), out=str(unfitted), to="static", train=str(corpus), dims=16, fit_texts=0))
+    want = Predictor.load(teacher, backend="torch-fp32").embed(_docs())
+
+    def agreement(folder: Path) -> float:  # how well the static model's similarities follow the teacher's
+        got = Predictor.load(folder).embed(_docs())
+        return float(np.corrcoef((got @ got.T).ravel(), (want @ want.T).ravel())[0, 1])
+
+    # a random tiny teacher's embeddings are nearly parallel (similarities spread by 0.04), so the gain is small
+    assert agreement(static_dir) > agreement(unfitted) + 0.01
+
+
+def test_fit_table_points_each_texts_mean_at_its_target():
+    rng = np.random.default_rng(0)
+    table = np.concatenate([rng.normal(size=(20, 8)), np.zeros((1, 8))]).astype(np.float32)
+    ids = [np.append(rng.choice(21, size=int(rng.integers(0, 5))), rng.integers(20)) for _ in range(64)]  # row 20: unseen
+    truth = np.concatenate([rng.normal(size=(20, 8)), np.zeros((1, 8))])
+    targets = np.stack([truth[r].mean(0) for r in ids]).astype(np.float32)  # reachable: the means of another table
+
+    def mean_cos(t: np.ndarray) -> float:
+        means = np.stack([t[r].mean(0) for r in ids])
+        return float(np.mean(np.sum(means * targets, 1) / np.linalg.norm(means, axis=1) / np.linalg.norm(targets, axis=1)))
+
+    fitted = fit_table(table, ids, targets, epochs=200, lr=0.05, batch_size=16, seed=0)
+    assert mean_cos(table) < 0.2 and mean_cos(fitted) > 0.8
+    assert not fitted[-1].any()  # the unseen tokens' row stays zero
+
+
+def test_frequency_weights_fall_with_frequency():
+    counts = np.array([1000, 10, 1, 100])
+    sif, zipf = frequency_weights(counts, "sif"), frequency_weights(counts, "zipf")
+    assert list(np.argsort(sif)) == [0, 3, 1, 2] and list(np.argsort(zipf)) == [0, 3, 1, 2]
+    assert (frequency_weights(counts, "none") == 1).all()
+
+
+def test_sentence_transformers_gives_encoderkits_vectors(static_dir):
+    from sentence_transformers import SentenceTransformer
+
+    p = Predictor.load(static_dir)
+    assert p.backend == "static"
+    ours = p.embed(TEXTS)
+    st = SentenceTransformer(str(static_dir), device="cpu").encode(TEXTS, normalize_embeddings=False)
+    assert ours.shape == st.shape == (len(TEXTS), 16)
+    np.testing.assert_allclose(ours, st, atol=1e-5)
+    assert not ours[3].any()  # a text of tokens the corpus never showed: the zero vector, in both
+    assert np.allclose(np.linalg.norm(ours[[0, 1, 2, 4]], axis=1), 1.0, atol=1e-5)
+    # the padded-batch path (run over token rows with [CLS]/[SEP]) pools as the whole-text path does
+    from encoderkit.tasks.embed.embedder import Embedder, tokenize
+
+    embedder = Embedder.of_runner(p)
+    np.testing.assert_allclose(embedder.pooled_rows(tokenize(p.tokenizer, TEXTS, 64)), p.embed_raw(TEXTS), atol=1e-6)
+    # the raw mean equals the EmbeddingBag mean of the same text without [CLS]/[SEP]
+    raw = p.embed_raw(["movie"])[0]
+    model = SentenceTransformer(str(static_dir), device="cpu")
+    features = model[0].preprocess(["movie"])
+    np.testing.assert_allclose(raw, model[0](features)["sentence_embedding"][0].detach().numpy(), atol=1e-6)
+
+
+def test_index_search_and_predict_run_on_the_static_folder(static_dir, tmp_path):
+    from encoderkit.inference.predictor import PredictConfig
+    from encoderkit.inference.predictor import run as predict
+    from encoderkit.retrieval.index import IndexConfig
+    from encoderkit.retrieval.index import run as index
+    from encoderkit.retrieval.search import Searcher, SearchSettings
+
+    docs = {f"d{i}": d for i, d in enumerate(_docs())}
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items()))
+    index(IndexConfig(model=str(static_dir), corpus=[str(corpus)], out=str(tmp_path / "idx"), float16=True))
+    s = Searcher.open(tmp_path / "idx")
+    hits = s.search([docs["d5"]], SearchSettings(first_stage="float", rescore="none"))[0].hits
+    assert hits[0].doc_id == "d5"
+
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS[:3]) + "\n")
+    predict(PredictConfig(model=str(static_dir), input=str(tmp_path / "in.txt"), output=str(tmp_path / "out.jsonl")))
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(np.array([r["embedding"] for r in rows]), Predictor.load(static_dir).embed(TEXTS[:3]),
+                               atol=1e-6)
+
+
+def test_serve_embeds_with_the_static_folder(static_dir):
+    import httpx
+
+    from encoderkit.deploy.serve import BackgroundServer, Limits, create_app
+
+    p = Predictor.load(static_dir)
+    app = create_app({"static": p}, Limits(max_texts=8, max_chars=300), max_batch=8, max_wait_ms=5)
+    with BackgroundServer(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        own = http.post("/v1/embed", json={"texts": TEXTS[:3]}).json()
+        openai = http.post("/v1/embeddings", json={"model": "static", "input": TEXTS[:3]}).json()
+    np.testing.assert_allclose(np.array(own["embeddings"]), p.embed(TEXTS[:3]), atol=1e-5)
+    np.testing.assert_allclose(np.array([d["embedding"] for d in openai["data"]]), p.embed(TEXTS[:3]), atol=1e-5)
+
+
+def test_bad_input_is_refused_with_a_clear_message(teacher, static_dir, tmp_path, tmp_path_factory, tiny_tokenizer_dir):
+    from encoderkit.deploy.export import ExportConfig
+    from encoderkit.deploy.export import run as export
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(EncoderkitError, match="holds no non-empty document"):  # the corpus reader's refusal
+        distill(DistillConfig(teacher=str(teacher), out=str(tmp_path / "a"), to="static", train=str(empty)))
+    unknown = tmp_path / "unknown.txt"  # text, but no token the tokenizer knows: nothing to take vectors of
+    unknown.write_text("\u2603\u2603 \u2603\n")
+    with pytest.raises(EncoderkitError, match="1 passages with 2 tokens.*needs a corpus of text"):
+        distill(DistillConfig(teacher=str(teacher), out=str(tmp_path / "a"), to="static", train=str(unknown)))
+    classifier = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")
+    with pytest.raises(EncoderkitError, match="'classify' model; it needs a sentence-embedding"):
+        distill(DistillConfig(teacher=str(classifier), out=str(tmp_path / "b"), to="static", train=str(empty)))
+    with pytest.raises(EncoderkitError, match="static embedding model; it needs a sentence-embedding"):
+        distill(DistillConfig(teacher=str(static_dir), out=str(tmp_path / "c"), to="static", train=str(empty)))
+    with pytest.raises(EncoderkitError, match="cannot be loaded as a torch model"):
+        export(ExportConfig(model=str(static_dir), out=str(tmp_path / "onnx")))
+    with pytest.raises(EncoderkitError, match="use --backend auto"):
+        Predictor.load(static_dir, backend="onnx-int8")
+    assert not any(tmp_path.glob("[abc]")) and not (tmp_path / "onnx").exists()
+
+
+def test_model2vec_loads_the_folder_with_the_same_vectors(static_dir):
+    model2vec = pytest.importorskip("model2vec", reason="optional: pip install model2vec")
+    got = model2vec.StaticModel.from_pretrained(str(static_dir)).encode(TEXTS[:3])
+    got = got / np.linalg.norm(got, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, Predictor.load(static_dir).embed(TEXTS[:3]), atol=1e-5)
