@@ -304,21 +304,11 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write ``path`` through a temporary sibling and a rename, with a normal new file's permissions (0644 under
     umask 022). A failed write is an EncoderkitError naming ``path``."""
     path = Path(path)
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fds: list[int] = []
-        tmp = _new_sibling(path, "tmp", lambda p: fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
-        with os.fdopen(fds[0], "wb") as f:
+        with _sibling_file(path, binary=True) as (f, _):
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        reason = write_failure(e, path.parent) if isinstance(e, OSError) else None
+    except OSError as e:
+        reason = write_failure(e, path.parent)
         if reason is None:
             raise
         raise EncoderkitError(f"could not write {path} ({reason}); free disk space (or fix permissions) and rerun") from e
@@ -330,25 +320,37 @@ def open_text_atomic(path: Path) -> Iterator[Any]:
     block ends without an exception and removed when it raises, so a failure leaves no (and no half) ``path``.
     For outputs too large to build in memory first; a failed write is an EncoderkitError naming ``path``."""
     path = Path(path)
-    tmp = None
+    tmp: list[Path] = []
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fds: list[int] = []
-        tmp = _new_sibling(path, "tmp", lambda p: fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
-        with os.fdopen(fds[0], "w", encoding="utf-8", newline="") as f:
+        with _sibling_file(path, binary=False) as (f, tmp):
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        reason = write_failure(e, tmp if tmp is not None else path.parent)  # not a read error of an input nearby
+    except OSError as e:
+        reason = write_failure(e, tmp[0] if tmp else path.parent)  # not a read error of an input nearby
         if reason is None:
             raise
         raise EncoderkitError(f"could not write {path} ({reason}); nothing was written there. Free disk space (or "
                               "fix permissions) and rerun") from e
+
+
+@contextlib.contextmanager
+def _sibling_file(path: Path, binary: bool) -> Iterator[tuple[Any, list[Path]]]:
+    """(the open temporary sibling of ``path``, [its path]): flushed, synced and renamed onto ``path`` when the
+    block ends, removed when it raises (0644 under umask 022, as a normal new file)."""
+    tmp: list[Path] = []
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fds: list[int] = []
+        tmp.append(_new_sibling(path, "tmp", lambda p: fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))))
+        with os.fdopen(fds[0], "wb") if binary else os.fdopen(fds[0], "w", encoding="utf-8", newline="") as f:
+            yield f, tmp
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp[0], path)
+    except BaseException:
+        if tmp:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp[0])
+        raise
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
