@@ -302,3 +302,18 @@ def test_a_multilabel_model_is_neither_an_audit_encoder_nor_a_cross_encoder(trai
         report(ReportConfig(input=str(tmp_path / "labeled.jsonl"), sheet=str(tmp_path / "sheet.csv"),
                             encoder=str(trained[0].out)))
     assert [t for t in ("classify", "rerank", "multilabel") if get_task(t).scores_pairs] == ["classify", "rerank"]
+
+
+def test_predictor_classify_gives_a_multilabel_models_label_sets(trained):
+    """The Python API's classify call on a multilabel folder answers as /v1/classify does: each text's labels
+    are those whose probability reaches the threshold its card records."""
+    import json
+
+    from encoderkit.inference.predictor import Predictor
+
+    thresholds = json.loads((trained[0].out / "encoderkit.json").read_text())["thresholds"]
+    p = Predictor.load(trained[0].out, backend="torch-fp32")
+    results = p.classify(["a film to love", "nothing at all", "love and film and more"])
+    for r in results:
+        assert set(r["scores"]) == set(thresholds)
+        assert set(r["labels"]) == {name for name, prob in r["scores"].items() if prob >= thresholds[name]}

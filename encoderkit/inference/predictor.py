@@ -91,7 +91,11 @@ class Predictor:
 
     # -- tasks: each the task object's own method, on this predictor ----------------------
     def classify(self, inputs: Sequence[str | tuple[str, str] | list[str]]) -> list[dict[str, Any]]:
-        """Label, its probability and every label's probability for each text or (text, text_pair)."""
+        """Label, its probability and every label's probability for each text or (text, text_pair); a
+        multilabel model: ``{"labels": [over their thresholds], "scores": {...}}`` per text, as /v1/classify."""
+        task = get_task(self.task)
+        if task.endpoint == "classify":  # what the service's /v1/classify returns for this model
+            return task.serve(self, list(inputs))
         self._need("classify", "rerank")
         return get_task("classify").classify(self, inputs)
 
