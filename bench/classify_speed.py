@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import pipeline
 
-    from encoderkit.deploy.runtime import Predictor
     from encoderkit.hardware import describe, result_field
+    from encoderkit.inference.predictor import Predictor
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from encoderkit.deploy.runtime import Predictor
+    from encoderkit.inference.predictor import Predictor
 
     if args.threads:
         torch.set_num_threads(args.threads)

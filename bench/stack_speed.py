@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"hardware: {describe()}", flush=True)
 
-    from encoderkit.deploy.runtime import Predictor
+    from encoderkit.inference.predictor import Predictor
 
     teacher, student = Path(args.teacher), Path(args.student)
     preds = {"teacher": Predictor.load(teacher, backend="onnx-fp32", threads=args.threads),

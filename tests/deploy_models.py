@@ -64,7 +64,7 @@ def tiny_root(tmp_path_factory) -> Path:
 
 def served_predictors(tmp_path_factory, tokenizer_dir: Path, max_batch: int) -> dict:
     """One ONNX fp32 Predictor per task (named after the task), over the session's exported tiny models."""
-    from encoderkit.deploy.runtime import Predictor
+    from encoderkit.inference.predictor import Predictor
 
     root = tiny_root(tmp_path_factory)
     return {t: Predictor.load(export_task_model(root, tokenizer_dir, t), backend="onnx-fp32", max_batch=max_batch)

@@ -205,8 +205,8 @@ def strings(record: dict) -> list:
 
 
 def predict_records(folder: Path, inputs: Path, backend: str, out: Path) -> list[dict]:
-    from encoderkit.deploy.runtime import PredictConfig
-    from encoderkit.deploy.runtime import run as predict
+    from encoderkit.inference.predictor import PredictConfig
+    from encoderkit.inference.predictor import run as predict
 
     predict(PredictConfig(model=str(folder), input=str(inputs), output=str(out), backend=backend))
     return [json.loads(line) for line in out.read_text().splitlines()]

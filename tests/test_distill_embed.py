@@ -91,7 +91,7 @@ def test_distilled_student_matches_teacher_better_than_undistilled(tmp_path, emb
 
     card = json.loads((out / "encoderkit.json").read_text())
     assert card["task"] == "embed" and card["pooling"] == "mean" and card["matryoshka_dims"] == [16]
-    from encoderkit.deploy.runtime import Predictor  # the student serves like any embed folder (ONNX export)
+    from encoderkit.inference.predictor import Predictor  # the student serves like any embed folder (ONNX export)
 
     served = Predictor.load(out, backend="onnx-fp32", threads=1).embed(held_out[:8])
     assert (served * st_student.encode(held_out[:8], normalize_embeddings=True)).sum(1).min() > 0.999

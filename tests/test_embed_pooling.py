@@ -12,8 +12,8 @@ import pytest
 from test_finetune import _jsonl, _pairs, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 from encoderkit.cli import main
-from encoderkit.deploy.runtime import Predictor
 from encoderkit.deploy.serve import BackgroundServer, create_app
+from encoderkit.inference.predictor import Predictor
 from encoderkit.tasks.common import load_tokenizer
 from encoderkit.tasks.embed.features import encode, load_bi_encoder
 

@@ -78,7 +78,7 @@ def test_cli_refuses_wrong_task_and_mlm_folders(tmp_path_factory, tiny_tokenizer
 
 
 def test_corrupt_onnx_is_refused(tmp_path_factory, tiny_tokenizer_dir, tmp_path, capsys):
-    from encoderkit.deploy.runtime import Predictor
+    from encoderkit.inference.predictor import Predictor
 
     out = export_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")
     broken = tmp_path / "broken"

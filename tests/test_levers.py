@@ -72,7 +72,7 @@ def train_files(tmp_path_factory) -> dict[str, Path]:
 
 def predict(folder: Path, backend: str = "torch-fp32") -> np.ndarray:
     """The folder's task predictions through the deploy Predictor, as numbers (all finite)."""
-    from encoderkit.deploy.runtime import Predictor
+    from encoderkit.inference.predictor import Predictor
 
     p = Predictor.load(folder, backend=backend, max_batch=8)
     texts = ["the movie was good", "she was in the city"]

@@ -204,8 +204,8 @@ def test_finetune_then_evaluate_at_the_saved_thresholds(trained, tmp_path):
 
 
 def test_predict_gives_labels_over_their_thresholds(trained, tmp_path):
-    from encoderkit.deploy.runtime import PredictConfig
-    from encoderkit.deploy.runtime import run as predict
+    from encoderkit.inference.predictor import PredictConfig
+    from encoderkit.inference.predictor import run as predict
 
     res, _ = trained
     inp = _write(tmp_path / "in.jsonl", '{"id": 7, "text": "the movie was python"}\n{"text": "the man"}\n')
@@ -224,8 +224,8 @@ def test_export_onnx_matches_torch_and_serves_classify(trained, tmp_path):
 
     from encoderkit.deploy.export import ExportConfig
     from encoderkit.deploy.export import run as export
-    from encoderkit.deploy.runtime import Predictor
     from encoderkit.deploy.serve import BackgroundServer, create_app
+    from encoderkit.inference.predictor import Predictor
     from encoderkit.tasks import get_task
 
     res, _ = trained

@@ -9,8 +9,8 @@ import pytest
 from deploy_models import export_task_model, make_task_model, tiny_root
 
 from encoderkit.cli import main
-from encoderkit.deploy.runtime import Predictor, finish_embeddings
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.predictor import Predictor, finish_embeddings
 from encoderkit.tasks.batching import length_batches
 
 TEXTS = ["the movie was great fun", "dull", "a boring story that never ends , and the worst film of all time",
@@ -181,7 +181,7 @@ def test_auto_runs_a_folder_holding_only_the_int8_graph_on_it(folders, tmp_path,
 
 
 def test_predict_refuses_an_output_it_cannot_write_before_loading_the_model(folders, tmp_path, monkeypatch, capsys):
-    from encoderkit.deploy import runtime
+    from encoderkit.inference import predictor as runtime
     from tests.test_write_failures import read_only
 
     loaded = []
@@ -294,3 +294,12 @@ def test_predict_reads_runs_and_writes_its_input_a_chunk_at_a_time(folders, tmp_
     with pytest.raises(EncoderkitError, match=rf"^{tmp_path / 'in.jsonl'}:26: "):
         predictor.run(predictor.PredictConfig(model=str(folders["embed"]), input=str(src), output=str(out)))
     assert sorted(x.name for x in tmp_path.iterdir()) == ["in.jsonl"]  # no output, no temporary file
+
+
+def test_the_old_runtime_module_still_gives_the_predictor_for_one_release():
+    """deploy/runtime.py moved to inference/predictor.py; old imports keep working (the same objects) for a release."""
+    from encoderkit.deploy import runtime as old
+    from encoderkit.inference import engines, predictor
+
+    assert old.Predictor is predictor.Predictor and old.run is predictor.run and old.PredictConfig is predictor.PredictConfig
+    assert old.finish_embeddings is predictor.finish_embeddings and old.cached_export is engines.cached_export

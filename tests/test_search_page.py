@@ -23,8 +23,8 @@ def search_app(tmp_path, embed_dir, token: str | None = TOKEN, names: tuple[str,
                docs: dict[str, str] | None = None):
     """``serve``'s app over a tiny embed model and one index (by default of 20 documents, d3 holding HTML),
     served under each of ``names``."""
-    from encoderkit.deploy.runtime import Predictor
     from encoderkit.deploy.serve import Limits, create_app
+    from encoderkit.inference.predictor import Predictor
     from encoderkit.retrieval.http import search_routes
 
     out = tmp_path / "idx"

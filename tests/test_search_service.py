@@ -64,8 +64,8 @@ def test_milvus_uri_that_does_not_answer_is_a_clear_error_and_nothing_is_lost(em
 def test_v1_search_over_real_http(embed_dir, tmp_path, tmp_path_factory, tiny_tokenizer_dir):
     import httpx
 
-    from encoderkit.deploy.runtime import Predictor
     from encoderkit.deploy.serve import BackgroundServer, Limits, create_app
+    from encoderkit.inference.predictor import Predictor
     from encoderkit.retrieval.http import search_routes
 
     out = tmp_path / "idx"

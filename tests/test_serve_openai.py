@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from deploy_models import export_task_model, tiny_root
 
-from encoderkit.deploy.runtime import Predictor
 from encoderkit.deploy.serve import BackgroundServer, Limits, create_app
+from encoderkit.inference.predictor import Predictor
 
 openai = pytest.importorskip("openai")
 TOKEN = "s3cret"

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-from encoderkit.inference.engines import OnnxEngine as _OnnxEngine
 from encoderkit.inference.engines import cached_export
-from encoderkit.inference.engines import torch_engine as _torch_engine
 from encoderkit.inference.predictor import (
     BACKENDS,
     OUTPUTS,
@@ -19,5 +17,5 @@ from encoderkit.inference.predictor import (
     run,
 )
 
-__all__ = ["BACKENDS", "OUTPUTS", "PredictConfig", "PredictResult", "Predictor", "_OnnxEngine", "_torch_engine",
-           "cached_export", "describe", "finish_embeddings", "predict_records", "read_records", "run"]
+__all__ = ["BACKENDS", "OUTPUTS", "PredictConfig", "PredictResult", "Predictor", "cached_export",
+           "describe", "finish_embeddings", "predict_records", "read_records", "run"]
