@@ -1,24 +1,19 @@
 """Corpus jobs on a Ray cluster: one model per actor, results in input order.
 
     results = map_rows(texts, partial(Predictor.load, folder), Predictor.embed_raw, address="auto", actors=4, batch=256)
+    for results in map_chunks(chunks, make, call, address="auto"): ...   # chunks: (rows, groups) pairs
 
-:func:`map_rows` is what ``--ray ADDRESS`` runs in ``predict``, ``index``, ``label --labeller embed|cloze`` and
-``audit suspect``: Ray Data ``map_batches`` over the rows with an actor pool of ``actors`` actors, each of which
-builds its model once (``make()``) and then runs ``call(model, rows)`` once per group of rows: the stage passes
+:func:`map_chunks` is what ``--ray ADDRESS`` runs: a stream of chunks of rows, each with its groups, in; each
+chunk's results out, in input order, from one pool of ``actors`` actors (``ray.util.ActorPool``), each of which
+builds its model once (``make()``) and then runs ``call(model, rows)`` once per group of rows. The stage passes
 the model calls its single-process run makes (``groups``, see :func:`encoderkit.inference.predictor.engine_batches`),
-and a Ray block of about ``batch`` rows holds whole groups, never part of one, so each row is batched with the
-rows it has in one process (the same values under dynamic INT8 too, whose activation scale is one per call).
-Every row carries its index; the driver puts the results back in input order, so the output is the one the
-single-process run writes. A worker that dies mid-batch is restarted by Ray and its batch run again (Ray Data's
-actor pools retry without limit); a row answered twice is kept once, and a row never answered is an error.
-
-What the driver holds: the rows (the stage read them, as the single-process run does) and the results. Rows go
-to the object store one block at a time, pickled (rows are arbitrary records: Arrow would turn
-a key missing from some rows into nulls); the progress bar is the driver's, counted as result blocks arrive.
-
-:func:`map_chunks` is the streaming form (``predict``, ``index``): a stream of chunks of rows, each with its
-groups, in; each chunk's results out, in order, while the driver reads at most :data:`IN_FLIGHT` chunks ahead of
-the one it hands back; one pool of actors (``ray.util.ActorPool``) for the whole stream.
+and a block of about ``batch`` rows holds whole groups, never part of one, so each row is batched with the rows
+it has in one process (the same values under dynamic INT8 too, whose activation scale is one per call). The
+driver sends at most :data:`IN_FLIGHT` chunks ahead of the one it hands back and puts each chunk's results back
+in input order; an actor whose process dies is restarted and its block run again (:data:`RETRIES` times).
+``predict`` and ``index`` stream their input through it; :func:`map_rows` is the same on one chunk (``label
+--labeller embed|cloze``, ``audit suspect``: their rows are already read), with the driver's progress bar
+advanced as blocks come back. Rows travel pickled (arbitrary records).
 
 Addresses: ``auto`` (the cluster this machine is part of, as ``ray start`` left it), ``local`` (start Ray on
 this machine for the job), ``HOST:PORT`` (a head node's GCS port, 6379 by default) or ``ray://HOST:10001``
@@ -71,9 +66,8 @@ def require_ray() -> Any:
     """The ``ray`` module, or an error that names the install command."""
     try:
         import ray
-        import ray.data
     except ImportError as e:
-        raise EncoderkitError(f"--ray needs Ray Data, which is not installed ({e}); install it with: {INSTALL}") from e
+        raise EncoderkitError(f"--ray needs Ray, which is not installed ({e}); install it with: {INSTALL}") from e
     return ray
 
 
@@ -163,8 +157,7 @@ class RayJob:
 
 
 class _Worker:
-    """One per actor: the model, built once, run on blocks of groups (``i``: the group's row indices, ``rows``:
-    its rows, both pickled); one ``call`` per group."""
+    """One per actor: the model, built once, run on blocks of groups; one ``call`` per group."""
 
     def __init__(self, make: Callable[[], Any], call: Callable[[Any, list[Any]], Sequence[Any]]) -> None:
         self.call, self.model, self.error = call, None, None
@@ -173,22 +166,8 @@ class _Worker:
         except EncoderkitError as e:  # raised by the first batch: an actor that fails to start reaches the driver
             self.error = e            # as text only, a batch's exception as itself
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        import numpy as np
-
-        if self.error is not None:
-            raise self.error
-        outs = []
-        for blob in batch["rows"]:
-            rows = pickle.loads(blob)
-            out = list(self.call(self.model, rows))
-            if len(out) != len(rows):
-                raise RuntimeError(f"{self.call!r} gave {len(out)} results for {len(rows)} rows")
-            outs.append(pickle.dumps(out))
-        return {"i": np.asarray(batch["i"]), "out": np.array(outs, dtype=object)}
-
     def run(self, blob: bytes) -> bytes:
-        """:func:`map_chunks`' call: pickled lists of rows (one per group) in, pickled lists of results out."""
+        """A block: pickled lists of rows (one per group) in, pickled lists of results out."""
         if self.error is not None:
             raise self.error
         outs = []
@@ -220,14 +199,16 @@ RETRIES = 4  # map_chunks: restarts of an actor whose process died, and reruns o
 
 def map_chunks(chunks: Iterable[tuple[Sequence[Any], Sequence[Sequence[int]] | None]], make: Callable[[], Any],
                call: Callable[[Any, list[Any]], Sequence[Any]], *, address: str, actors: int = 2, batch: int = 256,
-               cpus: float = 1, in_flight: int = IN_FLIGHT) -> Iterator[list[Any]]:
+               cpus: float = 1, in_flight: int = IN_FLIGHT,
+               on_block: Callable[[int], Any] | None = None) -> Iterator[list[Any]]:
     """:func:`map_rows` over a stream: for each ``(rows, groups)`` of ``chunks``, in order, the list of
     ``call(model, ...)`` results of its rows in their order (``groups`` as in :func:`map_rows`, indices into that
     chunk's rows; None: runs of ``batch`` rows). ``actors`` Ray actors build their model once for the whole stream;
     each chunk goes out as blocks of whole groups (about ``batch`` rows), and the driver reads a chunk ahead only
     while fewer than ``in_flight`` chunks are out, so it holds at most ``in_flight`` chunks of rows (plus the one
     whose results the caller is writing), whatever the length of the stream. An actor whose process dies is
-    restarted and its block run again (:data:`RETRIES` times). Progress is the caller's (one list per chunk)."""
+    restarted and its block run again (:data:`RETRIES` times). Progress is the caller's (one list per chunk;
+    ``on_block(rows)`` as each block's results arrive)."""
     with connected(address) as ray:
         from ray.util import ActorPool
 
@@ -249,6 +230,8 @@ def map_chunks(chunks: Iterable[tuple[Sequence[Any], Sequence[Sequence[int]] | N
                 for g, ys in zip(block, results, strict=True):
                     for i, y in zip(g, ys, strict=True):
                         out[i] = y
+                if on_block is not None:
+                    on_block(sum(len(g) for g in block))
             return out
 
         for rows, groups in chunks:
@@ -256,7 +239,7 @@ def map_chunks(chunks: Iterable[tuple[Sequence[Any], Sequence[Sequence[int]] | N
                 groups = [range(a, min(a + batch, len(rows))) for a in range(0, len(rows), batch)]
             groups = [[int(i) for i in g] for g in groups if len(g)]
             if sorted(i for g in groups for i in g) != list(range(len(rows))):
-                raise ValueError(f"map_chunks: groups must hold each of the chunk's {len(rows)} rows once")
+                raise ValueError(f"map_chunks: groups must hold each of the {len(rows)} rows once (of a chunk)")
             blocks = pack(groups, batch)
             for block in blocks:  # submitted in order, handed back in order (ActorPool.get_next)
                 pool.submit(lambda a, blob: a.run.remote(blob), pickle.dumps([[rows[i] for i in g] for g in block]))
@@ -271,63 +254,21 @@ def map_rows(rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, 
              address: str, actors: int = 2, batch: int = 256, groups: Sequence[Sequence[int]] | None = None,
              cpus: float = 1, desc: str = "ray", bar: Any = None) -> list[Any]:
     """``call(model, [rows[i] for i in group])`` for every group on ``actors`` Ray actors, each with its own
-    ``model = make()``; one result per row, in input order (see the module docstring). ``groups``: row indices,
-    each row in one group, each group one call (the engine batches the single-process run makes); default:
-    consecutive runs of ``batch`` rows. A Ray block is whole groups, about ``batch`` rows. ``make`` and ``call``
-    must be importable functions (or partials of them): they travel to the workers by reference. ``bar``: the
-    stage's own progress bar to advance (one of ``desc`` is made, and closed, otherwise)."""
+    ``model = make()``; one result per row, in input order (see the module docstring): :func:`map_chunks` on one
+    chunk. ``groups``: row indices, each row in one group, each group one call (the engine batches the
+    single-process run makes); default: consecutive runs of ``batch`` rows. ``make`` and ``call`` must be
+    importable functions (or partials of them): they travel to the workers by reference. ``bar``: the stage's own
+    progress bar to advance, by blocks (one of ``desc`` is made, and closed, otherwise)."""
     if not rows:
         return []
-    if groups is None:
-        groups = [range(a, min(a + batch, len(rows))) for a in range(0, len(rows), batch)]
-    groups = [[int(i) for i in g] for g in groups if len(g)]
-    if sorted(i for g in groups for i in g) != list(range(len(rows))):
-        raise ValueError(f"map_rows: groups must hold each of the {len(rows)} rows once")
-    with connected(address) as ray:
-        import pyarrow as pa
-
-        ctx = ray.data.DataContext.get_current()
-        # the driver's own bar below; a worker's exception as itself (a wrong model folder, say), not a wrapper
-        quiet = {"enable_progress_bars": False, "print_on_execution_start": False, "raise_original_map_exception": True}
-        saved = {k: getattr(ctx, k) for k in quiet if hasattr(ctx, k)}
-        for k in saved:
-            setattr(ctx, k, quiet[k])
-        try:
-            blocks = []
-            for block in pack(groups, batch):  # one block at a time into the object store, one group an item
-                blocks.append(ray.put(pa.table({
-                    "i": pa.array([pickle.dumps(g) for g in block], pa.binary()),
-                    "rows": pa.array([pickle.dumps([rows[i] for i in g]) for g in block], pa.binary())})))
-            ds = ray.data.from_arrow_refs(blocks).map_batches(
-                _Worker, fn_constructor_args=(make, call), batch_size=None, batch_format="numpy",
-                compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus)
-            found: dict[int, Any] = {}
-            own = bar is None
-            bar = progress(total=len(rows), desc=desc, unit="row") if own else bar
-            try:
-                for out in ds.iter_batches(batch_size=None, batch_format="numpy"):
-                    fresh = 0
-                    for g, ys in zip(out["i"], out["out"], strict=True):
-                        for i, y in zip(pickle.loads(g), pickle.loads(ys), strict=True):
-                            if i not in found:  # a batch retried after a worker died may come back twice
-                                found[i] = y
-                                fresh += 1
-                    bar.update(fresh)
-            except Exception as e:
-                user = _user_error(e)
-                if user is None:
-                    raise
-                raise user from e
-            finally:
-                if own:
-                    bar.close()
-        finally:
-            for k, v in saved.items():
-                setattr(ctx, k, v)
-    missing = [i for i in range(len(rows)) if i not in found]
-    if missing:
-        raise EncoderkitError(f"--ray: {len(missing)} rows came back without a result (first: row {missing[0]}); rerun")
-    return [found[i] for i in range(len(rows))]
+    own = bar is None
+    bar = progress(total=len(rows), desc=desc, unit="row") if own else bar
+    try:
+        return next(iter(map_chunks([(rows, groups)], make, call, address=address, actors=actors, batch=batch,
+                                    cpus=cpus, on_block=bar.update)))
+    finally:
+        if own:
+            bar.close()
 
 
 def _user_error(e: BaseException) -> EncoderkitError | None:
