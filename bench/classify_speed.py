@@ -1,24 +1,33 @@
-"""Classification speed: encoderkit's Predictor vs the transformers pipeline, same SST-2 model, same texts.
+"""Classification speed: encoderkit's Predictor vs the transformers pipeline and optimum, same SST-2 model, same texts.
 
 Reference: ``transformers.pipeline("text-classification")`` in fp32 (``--batch`` texts per call).
-Ours: ``Predictor.load(model)`` on its default backend (``auto``: ONNX Runtime FP32, fused graph,
-length-sorted batches), and the other ONNX backend (INT8 per-channel) for comparison. Reported:
-texts/s of each on the SST-2 dev sentences, the ratio, and how often each predicts the same label
-as the pipeline (plus each one's accuracy).
+Peer: optimum's ``ORTModelForSequenceClassification`` (its own ONNX export on ONNX Runtime, FP32, and the same
+graph through its ``ORTQuantizer`` dynamic INT8 for this CPU's instruction set), in its own virtual environment
+(``--optimum-venv``, made on the first run: optimum[onnxruntime] pins an older transformers than encoderkit's), run
+by bench/peers/optimum_classify.py in a subprocess on the same folder and texts, batches in the given order.
+Ours: the folder exported as a user would (``encoderkit export --optimize --quantize int8-dynamic --dev``
+SST-2 dev, which records the INT8 graph's label agreement with FP32 in the card), then ``Predictor.load`` on its
+default backend (``auto``: the folder's INT8 graph where the CPU has VNNI/AMX int8 and that agreement is >= 99.5%,
+else ONNX FP32; the bench prints which and why), length-sorted batches, and the other ONNX backend for
+comparison. Reported: texts/s of each on the SST-2 dev sentences, ours over the pipeline and over optimum, and
+how often each predicts the same label as the pipeline (plus each one's accuracy).
 
 Without ``--model``, a classifier is made in-process so the bench runs standalone: all-MiniLM-L6-v2
 as a ``BertForSequenceClassification`` whose head (pooler + classifier) is trained on the frozen
 encoder's [CLS] states of ``--train`` SST-2 train sentences (not a full fine-tune; the
 output says so).
 
-    nice -n 10 python bench/classify_speed.py
+    nice -n 5 python bench/classify_speed.py
     python bench/classify_speed.py --model runs/sst2   # a fine-tuned SST-2 folder
+    python bench/classify_speed.py --no-optimum        # without the optimum peer
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +37,52 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ENCODERKIT_SHARED_DATA", REPO.parent / "shared" / "data"))
+OPTIMUM_VENV = Path("/work/venvs/optimum")
+OPTIMUM_WORKER = Path(__file__).resolve().parent / "peers" / "optimum_classify.py"
+
+
+def optimum_python(venv: Path, make: bool) -> Path | None:
+    """The venv's python with optimum[onnxruntime], made on the first run (``make``): torch 2.13 first (the
+    local CPU wheel; an unpinned torch pulls a CUDA build), then optimum. None (with the command) when absent."""
+    py = venv / "bin" / "python"
+    recipe = (f"python3 -m venv {venv} && {venv}/bin/pip install torch==2.13.0 && "
+              f"{venv}/bin/pip install 'optimum[onnxruntime]'")
+
+    def ready() -> bool:
+        probe = [str(py), "-c", "import optimum.onnxruntime"]
+        return py.is_file() and subprocess.run(probe, check=False, capture_output=True).returncode == 0
+
+    if ready():
+        return py
+    if not make:
+        print(f"optimum skipped: {venv} has no optimum (make it: {recipe})", flush=True)
+        return None
+    print(f"optimum: making its virtual environment (first run): {recipe}", flush=True)
+    steps = [["python3", "-m", "venv", str(venv)], [str(py), "-m", "pip", "install", "-q", "torch==2.13.0"],
+             [str(py), "-m", "pip", "install", "-q", "optimum[onnxruntime]"]]
+    for cmd in steps:
+        if subprocess.run(cmd, check=False).returncode != 0:
+            print(f"optimum skipped: `{' '.join(cmd)}` failed (make it by hand: {recipe})", flush=True)
+            return None
+    return py if ready() else None
+
+
+def run_optimum(py: Path, model: Path, texts: list[str], work: Path, threads: int | None, batch: int,
+                max_length: int) -> dict | None:
+    """The optimum worker's JSON (bench/peers/optimum_classify.py) on ``texts``, or None when it fails."""
+    from encoderkit.hardware import detect
+
+    (work / "texts.json").write_text(json.dumps(texts), encoding="utf-8")
+    isa = "avx512_vnni" if "avx512_vnni" in detect().isa else "avx2"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
+    cmd = [str(py), str(OPTIMUM_WORKER), "--model", str(model), "--texts", str(work / "texts.json"), "--work",
+           str(work / "optimum"), "--threads", str(threads or 0), "--batch", str(batch), "--max-length", str(max_length),
+           "--int8", isa]
+    done = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, env=env, text=True)
+    if done.returncode != 0 or not done.stdout.strip():
+        print(f"optimum failed (exit {done.returncode}): {' '.join(cmd)}", flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def read_sst2(split: str) -> tuple[list[str], list[int]]:
@@ -94,11 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="threads for both (default: each library's choice)")
     ap.add_argument("--batch", type=int, default=32, help="texts per call, both paths")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--optimum-venv", default=str(OPTIMUM_VENV), help="virtual environment with optimum[onnxruntime] "
+                    "(made on the first run unless --no-install)")
+    ap.add_argument("--no-optimum", action="store_true", help="skip the optimum peer")
+    ap.add_argument("--no-install", action="store_true", help="do not make the optimum venv when it is missing")
     args = ap.parse_args(argv)
 
     import torch
     from transformers import pipeline
 
+    from encoderkit.deploy.export import ExportConfig
+    from encoderkit.deploy.export import run as export
     from encoderkit.hardware import describe, result_field
     from encoderkit.inference.predictor import Predictor
 
@@ -119,10 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {how}", flush=True)
         ref = pipeline("text-classification", model=str(model_dir), device=-1)
         t0 = time.perf_counter()
-        ours = Predictor.load(model_dir, backend=args.backend, threads=args.threads, max_batch=args.batch)
-        print(f"ours: backend={ours.backend} (load incl. one-time export {time.perf_counter() - t0:.1f}s)", flush=True)
+        exported = Path(tmp) / "export"  # what a user deploys: fused FP32 + INT8 graphs, INT8 agreement on dev rows
+        card = export(ExportConfig(model=str(model_dir), out=str(exported), optimize=True, quantize="int8-dynamic",
+                                   dev=str(DATA / "glue_sst2" / "dev.tsv"))).int8_agreement
+        print(f"export --dev glue_sst2/dev.tsv: {time.perf_counter() - t0:.1f}s; card int8_agreement {card}", flush=True)
+        ours = Predictor.load(exported, backend=args.backend, threads=args.threads, max_batch=args.batch)
+        print(f"ours: backend={ours.backend} ({ours.backend_reason})", flush=True)
         other_backend = "onnx-int8" if ours.backend == "onnx-fp32" else "onnx-fp32"
-        other = Predictor.load(model_dir, backend=other_backend, threads=args.threads, max_batch=args.batch)
+        other = Predictor.load(exported, backend=other_backend, threads=args.threads, max_batch=args.batch)
         print(f"threads: torch={torch.get_num_threads()} onnxruntime={args.threads or 'ort-default'}; "
               f"cpu count={os.cpu_count()}; machine shared with other jobs; batch {args.batch} for both", flush=True)
         ref(texts[:8], batch_size=args.batch), ours.classify(texts[:8])  # warm-up
@@ -135,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             labels = [r["label"] for r in p.classify(texts)]
             runs[p.backend] = (labels, time.perf_counter() - t0)
+        peer = None
+        py = None if args.no_optimum else optimum_python(Path(args.optimum_venv), make=not args.no_install)
+        if py is not None:
+            peer = run_optimum(py, model_dir, texts, Path(tmp), args.threads, args.batch, ours.max_length)
     names = ours.info.labels
 
     def acc(labels):
@@ -150,6 +219,26 @@ def main(argv: list[str] | None = None) -> int:
     o_agree = float(np.mean([a == b for a, b in zip(ref_labels, o_labels, strict=True)]))
     tag = other.backend.split("-")[1]
     extra = f" {tag}_speedup={t_ref / o_t:.2f} {tag}_agreement={o_agree:.4f}"
+    ours_per_s = len(texts) / t
+    if peer is not None:
+        for kind in ("fp32", "int8"):
+            if kind not in peer:
+                continue
+            run = peer[kind]
+            p_agree = float(np.mean([a == b for a, b in zip(ref_labels, run["labels"], strict=True)]))
+            print(f"optimum {kind}{' (' + run['isa'] + ')' if 'isa' in run else ''}: {run['per_s']:.1f} texts/s, "
+                  f"agreement {p_agree:.4f}, acc {acc(run['labels']):.4f}; ours ({ours.backend}) / optimum {kind}: "
+                  f"{ours_per_s / run['per_s']:.2f}x")
+            extra += (f" optimum_{kind}_per_s={run['per_s']:.1f} optimum_{kind}_agreement={p_agree:.4f}"
+                      f" ratio_vs_optimum_{kind}={ours_per_s / run['per_s']:.2f}")
+        best = max(peer[k]["per_s"] for k in ("fp32", "int8") if k in peer)
+        print(f"versions (optimum venv): {peer.get('versions')}")
+        extra += f" ratio_vs_best_optimum={ours_per_s / best:.2f}"
+    else:
+        extra += " optimum=skipped"
+    extra += f" auto_reason={json.dumps(ours.backend_reason)}"
+    if card and card.get("value") is not None:
+        extra += f" card_int8_agreement={card['value']:.4f}"
     print(f"RESULT backend={ours.backend} texts={len(texts)} pipeline_per_s={len(texts) / t_ref:.1f} "
           f"ours_per_s={len(texts) / t:.1f} speedup={t_ref / t:.2f} agreement={agree:.4f} "
           f"acc_pipeline={acc(ref_labels):.4f} acc_ours={acc(labels):.4f}{extra} {result_field()}")

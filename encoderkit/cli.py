@@ -48,6 +48,7 @@ STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("audit", "report"): ("encoderkit.label.report:ReportConfig:run", "accuracy with Wilson intervals, confusion, cost per 1M requests"),
     ("index",): ("encoderkit.retrieval.index:IndexConfig:run", "build or update a local semantic-search index (binary/int8/float16)"),
     ("search",): ("encoderkit.retrieval.search:SearchConfig:run", "tiered search: binary -> int8/float rescoring -> BM25 fusion -> rerank"),
+    ("adapt",): ("encoderkit.adapt.run:AdaptConfig:run", "adapt an embedding model to a corpus without labels: generated queries, mined negatives"),
 }
 
 

@@ -124,13 +124,13 @@ def backend_choices(hw: Hardware) -> dict[str, Choice]:
     bf16 = hardware.bf16_choice(hw, device)
     train = Choice(f"bf16 autocast {'on' if bf16.value else 'off'} ({device})", bf16.why)
 
-    fp32_tasks, int8_tasks = serve_rule()  # the engines' ``serve`` policy: what ``--backend auto`` runs
     int8_why = ("INT8 matrix multiplies run on the CPU's VNNI/AMX int8 dot products here" if hw.vnni else
                 "this CPU has no VNNI/AMX: ONNX Runtime's u8 x s8 INT8 runs on AVX2 multiply-adds, gains less and "
                 "can saturate (quantizing with reduce_range is ONNX Runtime's advice for such CPUs)")
-    serve = Choice(f"ONNX FP32 for {', '.join(fp32_tasks)}; ONNX INT8 for {', '.join(int8_tasks)}",
-                   f"the runtime's task rule (INT8 for embeddings, where it was measured to keep quality; opt-in "
-                   f"--backend onnx-int8 elsewhere); {int8_why}")
+    serve = Choice(serve_rule(hw),  # the engines' ``serve`` policy: what ``--backend auto`` runs
+                   "INT8 for embeddings, where it was measured to keep quality; for the other tasks where the "
+                   "folder's own dev rows say INT8 and FP32 agree (each folder's reason: Predictor.backend_reason, "
+                   f"serve's startup line; --backend onnx-int8 forces it); {int8_why}")
 
     kind = hardware.planner_hardware(hw)
     plans = []

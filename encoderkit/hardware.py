@@ -91,6 +91,11 @@ class Hardware:
     def amx(self) -> bool:
         return "amx_tile" in self.isa
 
+    def vnni_names(self) -> list[str]:
+        """The INT8 dot-product instruction sets this CPU has, by name (AVX512-VNNI, AVX-VNNI, AMX-INT8)."""
+        return [n for n, f in (("AVX512-VNNI", "avx512_vnni"), ("AVX-VNNI", "avx_vnni"), ("AMX-INT8", "amx_int8"))
+                if f in self.isa]
+
     @property
     def bf16(self) -> bool:
         """Native bf16 matmuls on the CPU: AVX512-BF16 or AMX-BF16 (elsewhere bf16 is emulated)."""
@@ -259,8 +264,7 @@ def planner_hardware(hw: Hardware) -> Choice:
         names = ", ".join(d.describe() for d in hw.cuda)
         no_sparse = f"{names} has no 2:4 sparse tensor cores (compute < 8.0), so the plan is for the CPU; "
     if hw.vnni:
-        which = ", ".join(n for n, f in (("AVX512-VNNI", "avx512_vnni"), ("AVX-VNNI", "avx_vnni"),
-                                          ("AMX-INT8", "amx_int8")) if f in hw.isa)
+        which = ", ".join(hw.vnni_names())
         return Choice("cpu-vnni", f"{no_sparse}the CPU has {which}: INT8 matrix multiplies run on int8 dot-product "
                                   "instructions")
     return Choice("cpu", f"{no_sparse}the CPU has no VNNI/AMX int8 dot products "

@@ -11,9 +11,9 @@ and a block of about ``batch`` rows holds whole groups, never part of one, so ea
 it has in one process (the same values under dynamic INT8 too, whose activation scale is one per call). The
 driver sends at most :data:`IN_FLIGHT` chunks ahead of the one it hands back and puts each chunk's results back
 in input order; an actor whose process dies is restarted and its block run again (:data:`RETRIES` times).
-``predict`` and ``index`` stream their input through it; :func:`map_rows` is the same on one chunk (``label
---labeller embed|cloze``, ``audit suspect``: their rows are already read), with the driver's progress bar
-advanced as blocks come back. Rows travel pickled (arbitrary records).
+``predict``, ``index``, ``label --labeller embed|cloze`` and ``audit suspect`` stream their input through it, a
+block of rows read when an earlier one is handed back; :func:`map_rows` is the same on one chunk of rows already
+read, with a progress bar advanced as blocks come back. Rows travel pickled (arbitrary records).
 
 Addresses: ``auto`` (the cluster this machine is part of, as ``ray start`` left it), ``local`` (start Ray on
 this machine for the job), ``HOST:PORT`` (a head node's GCS port, 6379 by default) or ``ray://HOST:10001``

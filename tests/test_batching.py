@@ -141,6 +141,7 @@ class _PoisonClassifier:
     call (30 ms) raises when a batch holds the text 'poison' (token id 9; every other text is one token, id 1)."""
 
     task, backend, max_batch, max_length = "classify", "stub", 64, 16
+    backend_reason = "a stand-in"
     info = __import__("types").SimpleNamespace(task="classify", labels=["no", "yes"], normalize=True, card={})
     folder = __import__("pathlib").Path("/nonexistent")
 

@@ -46,6 +46,20 @@ def test_export_matches_pytorch_on_new_shapes(task, tmp_path_factory, tiny_token
     assert quality > 0.9
 
 
+def test_fused_graph_is_quantized_with_int8_attention(tmp_path_factory, tiny_tokenizer_dir):
+    """With --optimize, INT8 quantises the fused graph: its Attention becomes QAttention (Q, K, V in int8), the
+    faster route (bench/embed_peers.py); the card says which route the graph took."""
+    import onnx
+
+    out = export_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")  # exported with --optimize
+    card = read_card(out)
+    ops = {n.op_type for n in onnx.load(str(out / "model.int8.onnx")).graph.node}
+    fp32_ops = {n.op_type for n in onnx.load(str(out / "model.onnx")).graph.node}
+    assert "Attention" in fp32_ops  # the optimizer fused it
+    assert card["metrics"]["int8_graph"] == "fused-then-quantized"
+    assert "QAttention" in ops and "Attention" not in ops
+
+
 def test_export_fails_beyond_tolerance(tmp_path_factory, tiny_tokenizer_dir, tmp_path):
     src = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")
     with pytest.raises(EncoderkitError, match="differs from PyTorch"):

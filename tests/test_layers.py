@@ -11,7 +11,7 @@ import cycles between modules.
       tasks.registry (the task names and heads the folder reader checks)
     < tasks
     < train, inference (engines, the Predictor), deploy (export, batching; runtime: the Predictor's old home), evaluate
-    < compress (and its report), retrieval, label
+    < compress (and its report), retrieval, label, adapt (generated queries: the labeller's client, finetune)
     < deploy.serve (it serves /v1/search, so it sits above retrieval)
     < quickstart, cli
 """
@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
      "encoderkit.evaluate.ranking", "encoderkit.tasks.registry"),
     ("encoderkit.tasks",),
     ("encoderkit.train", "encoderkit.inference", "encoderkit.deploy", "encoderkit.evaluate"),
-    ("encoderkit.compress", "encoderkit.report", "encoderkit.retrieval", "encoderkit.label"),
+    ("encoderkit.compress", "encoderkit.report", "encoderkit.retrieval", "encoderkit.label", "encoderkit.adapt"),
     ("encoderkit.deploy.serve",),
     ("encoderkit.quickstart", "encoderkit.doctor", "encoderkit.cli"),
 ]

@@ -339,3 +339,31 @@ def test_plan_run_measures_a_reranker_over_the_miners_candidates(tmp_path, tiny_
     steps = json.loads((tmp_path / "out" / "try0" / "report.json").read_text())["steps"]
     assert {r["metric"] for r in steps} == {"ndcg@10"} and {r["latency_unit"] for r in steps} == {"query (top 100)"}
     assert {r["dev_examples"] for r in steps} == {12}
+
+
+# -- the static tier ----------------------------------------------------------------------------------
+
+def test_an_embed_model_with_a_speed_goal_beyond_quantization_gets_the_static_tier_when_the_floor_allows():
+    plan = _plan(task="embed", budget="some", hardware="cpu", speedup=30, max_quality_drop=0.05)
+    assert plan.levers() == ["distill"] and plan.steps[0].params["to"] == "static"
+    assert plan.steps[0].params["fit_texts"] > 0 and "96%" in plan.steps[0].reason
+    assert "re-measures it on --dev" in plan.notes[0] and "no transformer lever" in _left_out(plan)["quantize"]
+    (step,) = validate_recipe(plan.recipe())  # a recipe the runner takes, for embed models
+    assert step.params["to"] == "static" and plan.recipe()["task"] == "embed"
+    # without a training budget: no fit, and the floor must allow what that kept (61%)
+    assert "61%" in _left_out(_plan(task="embed", budget="none", hardware="cpu", speedup=30, max_quality_drop=0.05))["static tier"]
+    cheap = _plan(task="embed", budget="none", hardware="cpu", speedup=30, max_quality_drop=0.4)
+    assert cheap.levers() == ["distill"] and cheap.steps[0].params["fit_texts"] == 0
+
+
+@pytest.mark.parametrize(("kw", "why"), [
+    ({"task": "embed", "speedup": 30, "max_quality_drop": 0.03}, "below the floor of 97%: relax --max-quality-drop to 0.045"),
+    ({"task": "embed", "speedup": 5, "max_quality_drop": 0.05}, "within what quantization"),
+    ({"task": "classify", "speedup": 50, "max_quality_drop": 0.5}, "sentence-embedding model only"),
+    ({"task": "embed", "speedup": 30, "max_quality_drop": 0.05, "has_calibration_data": False}, "from in-domain text (--train), and there is none"),
+])
+def test_the_static_tier_is_left_out_with_the_reason(kw, why):
+    plan = _plan(budget="some", teacher=True, hardware="cpu", **kw)
+    assert "static tier" in _left_out(plan) and why in _left_out(plan)["static tier"]
+    assert all(s.params.get("to") != "static" for s in plan.steps) and plan.steps
+    assert "static tier" not in _left_out(_plan(task="embed", budget="some", hardware="cpu"))  # no speed goal: not mentioned

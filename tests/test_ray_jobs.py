@@ -229,6 +229,8 @@ def test_index_on_ray_equals_the_local_run(cluster, models, tmp_path, monkeypatc
     from encoderkit.retrieval.store import open_generation
 
     monkeypatch.setattr(index, "EMBED_CHUNK", 16)  # several chunks, streamed to the actors a few at a time
+    monkeypatch.setattr(index, "BLOCK_TEXTS", 32)  # and several blocks of documents read, embedded and written
+    monkeypatch.setattr(index, "BLOCK_ROWS", 32)
 
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n"
                                               for i, t in enumerate(_texts(60))))
@@ -237,10 +239,36 @@ def test_index_on_ray_equals_the_local_run(cluster, models, tmp_path, monkeypatc
     run(IndexConfig(**common, out=str(tmp_path / "local")))
     run(IndexConfig(**common, out=str(tmp_path / "ray"), ray="auto", ray_actors=2, ray_batch=16))
     a, b = open_generation(tmp_path / "local"), open_generation(tmp_path / "ray")
-    assert len(a.passages) > 60 and a.passages == b.passages  # long texts were split: more rows than documents
+    assert len(a.passages) > 3 * 32 and a.passages == b.passages  # long texts were split: more rows than documents
     assert np.abs(np.asarray(a.arrays["float16"], np.float32) - np.asarray(b.arrays["float16"], np.float32)).max() <= 1e-6
     np.testing.assert_allclose(a.arrays["int8_calibration"], b.arrays["int8_calibration"], atol=1e-6)
     assert np.array_equal(np.asarray(a.arrays["binary"]), np.asarray(b.arrays["binary"]))
+
+
+def test_index_on_ray_reads_its_corpus_in_flight_blocks_only(cluster, models, tmp_path, monkeypatch):
+    """20 blocks of documents: the --ray driver reads at most IN_FLIGHT blocks ahead of the rows it has written, and
+    writes the local run's files, byte for byte."""
+    from test_search_index import documents_read_ahead
+
+    from encoderkit import ray_jobs
+    from encoderkit.retrieval import index
+
+    monkeypatch.setattr(index, "EMBED_CHUNK", 8)
+    monkeypatch.setattr(index, "BLOCK_TEXTS", 16)
+    monkeypatch.setattr(index, "BLOCK_ROWS", 16)
+    ahead = documents_read_ahead(monkeypatch)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n"
+                                              for i, t in enumerate(_texts(320))))
+    common = {"model": str(models["embed_int8"]), "corpus": [str(tmp_path / "c.jsonl")], "batch_size": 4,
+              "passage_tokens": -1}  # one passage per document; backend auto: INT8
+    index.run(index.IndexConfig(**common, out=str(tmp_path / "local")))
+    assert max(ahead) == 16
+    ahead.clear()
+    st = index.run(index.IndexConfig(**common, out=str(tmp_path / "ray"), ray="auto", ray_actors=2, ray_batch=8)).stats
+    assert st["passages"] == 320 and max(ahead) == ray_jobs.IN_FLIGHT * 16 < 320  # blocks in flight, never the corpus
+    files = [json.loads((tmp_path / x / (tmp_path / x / "CURRENT").read_text().strip() / "manifest.json").read_text())
+             ["files"] for x in ("local", "ray")]
+    assert files[0] == files[1]  # every file's size and sha256
 
 
 @pytest.mark.parametrize("labeller", ["embed", "cloze"])
@@ -256,6 +284,56 @@ def test_label_on_ray_equals_the_local_run(cluster, models, tmp_path, labeller):
     local, remote = _jsonl(tmp_path / "local.jsonl"), _jsonl(tmp_path / "ray.jsonl")
     assert [r["text"] for r in remote] == _texts(37)
     _same_records(local, remote, floats=("confidence",), atol=1e-6)
+
+
+def _reading_ahead(monkeypatch, module, out: Path) -> list[int]:
+    """Wraps ``module.iter_texts``: for each row read, how many rows were read and not yet in the (temporary)
+    output file then; the list it fills."""
+    real, ahead = module.iter_texts, []
+
+    def counting(*a):
+        for n, row in enumerate(real(*a), 1):
+            tmp = list(out.parent.glob(f".{out.name}.tmp-*"))
+            ahead.append(n - (len(tmp[0].read_text().splitlines()) if tmp else 0))
+            yield row
+
+    monkeypatch.setattr(module, "iter_texts", counting)
+    return ahead
+
+
+@pytest.mark.parametrize("labeller", ["embed", "cloze"])
+def test_label_reads_labels_and_writes_a_block_at_a_time(cluster, models, tmp_path, monkeypatch, labeller):
+    """Blocks of 2 calls of 8 rows over 150 rows: the local run reads one block ahead of the lines it has written,
+    --ray at most IN_FLIGHT blocks, and both write the lines of a run that read every row first (the calls of 8
+    rows are the same), in order."""
+    from encoderkit import ray_jobs
+    from encoderkit.label import run as label
+
+    monkeypatch.setattr(label, "LABEL_CHUNK", 8)
+    monkeypatch.setattr(label, "LABEL_BLOCK", 2)
+    texts = _texts(150)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"review": t, "n": i}) + "\n" for i, t in enumerate(texts)))
+    kw = ({"model": str(models["embed_int8"])} if labeller == "embed" else
+          {"model": str(models["mlm"]), "verbalizer": ["neg=bad", "pos=good"], "pattern": "{text} . it was {mask} ."})
+    common = {"input": str(tmp_path / "in.jsonl"), "labels": "neg,pos", "labeller": labeller, "batch_size": 4, **kw}
+    from encoderkit.label.offline import ClozeLabeller, EmbedLabeller
+    from encoderkit.label.records import dumps, output_record, parse_pairs
+
+    if labeller == "embed":
+        model = EmbedLabeller(str(models["embed_int8"]), ["neg", "pos"], {}, None, 0.05, "auto", 4)
+    else:
+        model = ClozeLabeller(str(models["mlm"]), ["neg", "pos"], parse_pairs(kw["verbalizer"], ["neg", "pos"], "v"),
+                              kw["pattern"], batch_size=4)
+    results = [r for a in range(0, 150, 8) for r in model.label(texts[a : a + 8])]  # every row read first
+    name = f"{labeller}:{Path(kw['model']).name}"
+    want = [json.loads(dumps(output_record(t, r.label, r.confidence, name, {"review": t, "n": i})))
+            for i, (t, r) in enumerate(zip(texts, results, strict=True))]
+    for ray, bound in ((None, 16), ("auto", ray_jobs.IN_FLIGHT * 16)):
+        out = tmp_path / f"{ray}.jsonl"
+        ahead = _reading_ahead(monkeypatch, label, out)
+        label.run(label.LabelConfig(**common, output=str(out), ray=ray, ray_actors=2, ray_batch=8))
+        assert max(ahead) == bound < 150
+        _same_records(want, _jsonl(out), floats=("confidence",), atol=1e-6)
 
 
 def test_audit_suspect_on_ray_equals_the_local_run(cluster, models, tmp_path):
@@ -319,3 +397,57 @@ def test_ray_flags_that_would_run_no_model_are_refused():
         SuspectConfig(input="x.jsonl", output="o.jsonl", ray="auto")
     with pytest.raises(EncoderkitError, match="--ray-actors must be at least 1"):
         SuspectConfig(input="x.jsonl", output="o.jsonl", features="embed", ray="auto", ray_actors=0)
+
+
+def test_audit_suspect_embeds_blocks_of_the_whole_files_calls_and_holds_no_text(cluster, models, tmp_path, monkeypatch):
+    """The texts go to a temporary file as they are read; blocks of at most 40 rows of the engine calls of one
+    `p.embed` over all 200 texts are fetched from it (here at most one block ahead of the vectors stored, on --ray
+    IN_FLIGHT blocks): the vectors of that whole-input call under INT8, and the output of the local run."""
+    pytest.importorskip("cleanlab")
+    from encoderkit import ray_jobs
+    from encoderkit.inference.predictor import Predictor
+    from encoderkit.label import suspicion
+
+    monkeypatch.setattr(suspicion, "SUSPECT_BLOCK", 40)
+    texts = _texts(200)
+    p = Predictor.load(models["embed_int8"])
+    assert p.backend == "onnx-int8" and p.max_batch < 40
+    fetched, stored = [0], [0]
+    real_get, real_progress = suspicion.SpilledTexts.__getitem__, suspicion.progress
+
+    def get(self, i):
+        fetched[0] += 1
+        ahead.append(fetched[0] - stored[0])
+        return real_get(self, i)
+
+    def bar(*a, **kw):
+        b = real_progress(*a, **kw)
+        real_update = b.update
+        b.update = lambda n: stored.__setitem__(0, stored[0] + n) or real_update(n)
+        return b
+
+    monkeypatch.setattr(suspicion.SpilledTexts, "__getitem__", get)
+    monkeypatch.setattr(suspicion, "progress", bar)
+    spill = suspicion.SpilledTexts(tmp_path)
+    for t in texts:
+        spill.append(t)
+    ahead: list[int] = []
+    got = suspicion._embeddings(p, spill, None)
+    assert np.abs(got - p.embed(texts, normalize=True)).max() <= 1e-6 and len(ahead) == 200  # each row read back once
+    assert max(ahead) <= 40
+    spill.close()
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps({"text": t, "label": None if i % 9 == 0 else
+                                                          ("pos" if "fun" in t or i % 3 else "neg")}) + "\n"
+                                              for i, t in enumerate(texts)))
+    common = {"input": str(tmp_path / "l.jsonl"), "features": "both", "model": str(models["embed_int8"]), "folds": 3}
+    fetched[0] = stored[0] = 0
+    ahead.clear()
+    suspicion.run(suspicion.SuspectConfig(**common, output=str(tmp_path / "local.jsonl")))
+    fetched[0] = stored[0] = 0
+    ahead.clear()
+    suspicion.run(suspicion.SuspectConfig(**common, output=str(tmp_path / "ray.jsonl"), ray="auto", ray_batch=16))
+    assert 40 < max(ahead) <= ray_jobs.IN_FLIGHT * 40 < 200
+    assert (tmp_path / "ray.jsonl").read_bytes() == (tmp_path / "local.jsonl").read_bytes()
+    rows = _jsonl(tmp_path / "local.jsonl")
+    assert [r["text"] for r in rows] == texts and sum(r["suspicion"] is None for r in rows) == 23
+    assert not list(tmp_path.glob(".suspect-texts-*"))  # the spilled texts are gone

@@ -104,8 +104,9 @@ def test_updates_keep_ids_reembed_only_changed_and_really_delete(embed_dir, tmp_
     from encoderkit.retrieval import index as index_mod
 
     embedded: list[str] = []
-    real = index_mod.embed_texts
-    monkeypatch.setattr(index_mod, "embed_texts", lambda p, texts, *a: embedded.extend(texts) or real(p, texts, *a))
+    real = index_mod.embed_blocks
+    monkeypatch.setattr(index_mod, "embed_blocks",
+                        lambda p, blocks, *a: real(p, (embedded.extend(texts) or texts for texts in blocks), *a))
     docs = {f"d{i}": _doc(i) for i in range(40)}
     out = tmp_path / "idx"
     first = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out)).stats
@@ -378,3 +379,174 @@ def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path, mo
     with pytest.raises(EncoderkitError, match="dims=16, this run asks 32"):
         index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32))
     assert index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=32, rebuild=True)).stats["dims"] == 32
+
+
+# -- streaming: blocks of documents in, blocks of rows out ---------------------------------------------------------
+def _files(out: Path) -> dict[str, str]:
+    gen = out / (out / "CURRENT").read_text().strip()
+    return {k: v["sha256"] for k, v in json.loads((gen / "manifest.json").read_text())["files"].items()}
+
+
+def _blocks(monkeypatch, texts: int, rows: int) -> None:
+    from encoderkit.retrieval import index as index_mod
+
+    monkeypatch.setattr(index_mod, "EMBED_CHUNK", 8)  # the Predictor calls: the same in every run of a test
+    monkeypatch.setattr(index_mod, "BLOCK_TEXTS", texts)
+    monkeypatch.setattr(index_mod, "BLOCK_ROWS", rows)
+
+
+def test_a_streamed_build_and_update_write_the_files_of_the_whole_corpus_run(embed_dir, tmp_path, monkeypatch):
+    """Blocks of 16 new passages (24 rows in an update) write, byte for byte, the files of one block holding the
+    whole corpus (the run before streaming): a build, and an update that reorders, changes, deletes and adds
+    documents (kept rows copied in runs that are not contiguous in the old generation); and those files hold the
+    whole-corpus codes: each passage embedded 8 at a time, the int8 calibration fit on every vector."""
+    from encoderkit.inference.predictor import Predictor, finish_embeddings
+    from encoderkit.retrieval.store import open_generation
+
+    docs = {f"d{i}": _doc(i) for i in range(90)}
+    docs2 = dict(reversed(list(docs.items())))
+    docs2["d3"] += " changed"
+    del docs2["d5"], docs2["d60"]
+    docs2["new"] = _doc(99)
+    got = {}
+    for name, texts, rows in (("whole", 10**6, 10**6), ("blocks", 16, 24)):
+        _blocks(monkeypatch, texts, rows)
+        out = tmp_path / name
+        st = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, float16=True)).stats
+        got[name] = [_files(out), {k: v for k, v in st.items() if k != "seconds"}]
+        st = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs2), out, float16=True)).stats
+        got[name] += [_files(out), {k: v for k, v in st.items() if k != "seconds"}]
+    assert got["blocks"][1]["passages"] > 3 * 16 and got["blocks"][3]["unchanged"] == 87  # several blocks each time
+    assert got["blocks"] == got["whole"]
+    # the first build's codes are the whole corpus's, computed here apart from the index
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), tmp_path / "again", float16=True))
+    gen = open_generation(tmp_path / "again")
+    p = Predictor.load(embed_dir, backend="torch-fp32")
+    texts = [x["text"] for x in gen.passages]
+    raw = np.concatenate([p.embed_raw(texts[i : i + 8]) for i in range(0, len(texts), 8)])
+    vecs = finish_embeddings(raw, None, True)
+    cal = int8_calibration(vecs)
+    assert np.array_equal(gen.arrays["int8_calibration"], cal)
+    assert np.array_equal(gen.arrays["int8"], int8_codes(vecs, cal))
+    assert np.array_equal(gen.arrays["binary"], binary_codes(vecs))
+    assert np.array_equal(gen.arrays["float16"], vecs.astype(np.float16))
+
+
+def test_a_build_past_the_calibration_bound_fits_int8_on_its_first_vectors(embed_dir, tmp_path, monkeypatch):
+    from encoderkit.retrieval import index as index_mod
+    from encoderkit.retrieval.store import open_generation
+
+    _blocks(monkeypatch, 16, 16)
+    monkeypatch.setattr(index_mod, "CALIBRATION_ROWS", 20)  # fit on the first 20 of ~100 vectors (two blocks held)
+    out = tmp_path / "idx"
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(40)}), out, float16=True))
+    gen = open_generation(out)
+    vecs = np.asarray(gen.arrays["float16"], np.float32)  # the unit vectors, to float16 rounding
+    cal = np.asarray(gen.arrays["int8_calibration"])
+    assert len(vecs) > 60 and np.abs(cal - int8_calibration(vecs[:20])).max() < 1e-3
+    assert np.abs(cal - int8_calibration(vecs)).max() > 1e-3  # later vectors reach further: not the whole corpus's
+    assert np.abs(gen.arrays["int8"].astype(int) - int8_codes(vecs, cal).astype(int)).max() <= 1  # clipped, same ranges
+
+
+def documents_read_ahead(monkeypatch) -> list[int]:
+    """Wraps the index's corpus reader and block writer: for each document read, how many documents were read and
+    not yet written then (one passage each); the list it fills (cleared by each run's first document)."""
+    from encoderkit.retrieval import index as index_mod
+
+    written, ahead = [0], []
+    real_write, real_iter = index_mod._write_block, index_mod.iter_corpus
+
+    def write(w, codes, block, vecs, old):
+        real_write(w, codes, block, vecs, old)
+        written[0] += block.rows
+
+    def reading(*a, **kw):
+        written[0] = 0
+        for n, d in enumerate(real_iter(*a, **kw), 1):
+            ahead.append(n - written[0])
+            yield d
+
+    monkeypatch.setattr(index_mod, "_write_block", write)
+    monkeypatch.setattr(index_mod, "iter_corpus", reading)
+    return ahead
+
+
+def test_the_index_reads_its_corpus_a_block_at_a_time(embed_dir, tmp_path, monkeypatch):
+    """Bounded memory by construction: 20 blocks of documents, and the driver never reads more than one block
+    of documents ahead of the rows it has written (texts and vectors of the corpus are never held whole); a bad
+    record late in the corpus is its file:line, and nothing is left behind."""
+    from encoderkit.retrieval import store
+
+    _blocks(monkeypatch, 16, 16)
+    ahead = documents_read_ahead(monkeypatch)
+    docs = {f"d{i}": f"document {i} " + WORDS[i % len(WORDS)] for i in range(320)}  # one passage each
+    st = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), tmp_path / "idx", passage_tokens=-1)).stats
+    assert st["passages"] == 320 and max(ahead) == 16  # one block read ahead of what is written: 16 of 320
+    lines = (tmp_path / "c.jsonl").read_text().splitlines()
+    lines[300] = "{not json"
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(EncoderkitError, match=r"bad\.jsonl:301: not valid JSON"):
+        index(_cfg(embed_dir, tmp_path / "bad.jsonl", tmp_path / "bad", passage_tokens=-1))
+    assert not (tmp_path / "bad").exists()  # its temporary generation (and the folder it made) removed
+
+    real_append = store.NpyRows.append  # a crash mid-array leaves the live generation readable
+
+    def dying(self, block):
+        if self.rows > 100:
+            raise KeyboardInterrupt
+        real_append(self, block)
+
+    monkeypatch.setattr(store.NpyRows, "append", dying)
+    before = _files(tmp_path / "idx")
+    with pytest.raises(KeyboardInterrupt):
+        index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {**docs, "x": "new"}), tmp_path / "idx", rebuild=True,
+                   passage_tokens=-1))
+    assert _files(tmp_path / "idx") == before and not list((tmp_path / "idx").glob(".gen-*"))
+
+
+def test_rows_written_a_block_at_a_time_are_what_np_save_writes(tmp_path):
+    from encoderkit.retrieval.store import NpyRows
+
+    x = np.random.default_rng(0).standard_normal((37, 5)).astype(np.float16)
+    w = NpyRows(tmp_path / "a.npy")
+    for a in range(0, 37, 8):
+        w.append(x[a : a + 8])
+    w.close()
+    np.save(tmp_path / "b.npy", x)
+    assert (tmp_path / "a.npy").read_bytes() == (tmp_path / "b.npy").read_bytes()
+
+
+def test_the_corpus_reader_streams_with_the_errors_and_skips_of_a_whole_read(tmp_path):
+    from encoderkit.retrieval.corpus import first_bad_utf8, iter_corpus, read_corpus
+
+    bad = b"id,text\n1,caf\xc3\xa9\n2,ok\n" + b"3," + b"x" * 5000 + b"\xe9\n"
+    (tmp_path / "a.csv").write_bytes(bad)
+    at = bad.index(b"\xe9")
+    assert first_bad_utf8(tmp_path / "a.csv") == at
+    with pytest.MonkeyPatch.context() as mp:  # a multi-byte character cut by a read
+        from encoderkit.retrieval import corpus as corpus_mod
+
+        mp.setattr(corpus_mod, "READ_BYTES", 13)
+        assert first_bad_utf8(tmp_path / "a.csv") == at
+        (tmp_path / "ok.csv").write_bytes(b"id,text\n1,caf\xc3\xa9 \xe2\x82\xac\n")
+        assert first_bad_utf8(tmp_path / "ok.csv") is None
+    (tmp_path / "b.jsonl").write_bytes(b'{"id": "x", "text": "a\xe2\x80\xa8b"}\n\n{"id": "y", "text": " "}\n')
+    read = read_corpus([str(tmp_path / "a.csv"), str(tmp_path / "b.jsonl"), str(tmp_path / "ok.csv")])
+    assert [d.id for d in read.docs] == ["x", "1"] and read.docs[0].text == "a\u2028b"  # U+2028 ends no line
+    assert read.skipped == [f"{tmp_path / 'a.csv'}: not UTF-8 (first bad byte at offset {at})",
+                            f"{tmp_path / 'b.jsonl'}:3: empty text"]
+    docs = iter_corpus([str(tmp_path / "b.jsonl"), str(tmp_path / "b.jsonl")])
+    assert next(docs).id == "x"  # read lazily: the repeated id is an error only when reached
+    with pytest.raises(EncoderkitError, match=r"'x' appears twice \(.*b\.jsonl:1 and .*b\.jsonl:1\)"):
+        next(docs)
+
+
+def test_a_text_with_a_unicode_line_separator_is_one_passage_read_either_way(embed_dir, tmp_path):
+    from encoderkit.retrieval.store import open_generation
+
+    out = tmp_path / "idx"
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {"a": "python\u2028data movie", "b": "dull\u0085story"}), out))
+    whole, lazy = open_generation(out), open_generation(out, lazy_passages=True)
+    assert [x["text"] for x in whole.passages] == ["python\u2028data movie", "dull\u0085story"]
+    assert list(lazy.passages) == whole.passages and lazy.passages[1] == whole.passages[1] and len(lazy.passages) == 2
+    lazy.passages.close()

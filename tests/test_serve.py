@@ -162,6 +162,7 @@ class _SlowClassifier:
     model call takes a while (to test shutdown)."""
 
     task, backend, max_batch, max_length = "classify", "stub", 8, 16
+    backend_reason = "a stand-in"
     info = __import__("types").SimpleNamespace(task="classify", labels=["no", "yes"], normalize=True, card={})
     folder = __import__("pathlib").Path("/nonexistent")
     started = threading.Event()

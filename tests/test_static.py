@@ -192,3 +192,174 @@ def test_model2vec_loads_the_folder_with_the_same_vectors(static_dir):
     got = model2vec.StaticModel.from_pretrained(str(static_dir)).encode(TEXTS[:3])
     got = got / np.linalg.norm(got, axis=1, keepdims=True)
     np.testing.assert_allclose(got, Predictor.load(static_dir).embed(TEXTS[:3]), atol=1e-5)
+
+
+# -- the static tier as the first stage of the index (encoderkit.retrieval.first_stage) --------------------------
+
+def _corpus_jsonl(path: Path) -> dict[str, str]:
+    docs = {f"d{i}": d for i, d in enumerate(_docs())}
+    path.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items()))
+    return docs
+
+
+def test_tiered_index_lazy_codes_rescore_as_the_full_encoder_does(static_dir, teacher, tmp_path, monkeypatch):
+    from encoderkit.retrieval import first_stage
+    from encoderkit.retrieval.codes import int8_codes, int8_dequantize
+    from encoderkit.retrieval.first_stage import CODES_DIR, FullCodes
+    from encoderkit.retrieval.index import IndexConfig
+    from encoderkit.retrieval.index import run as index
+    from encoderkit.retrieval.search import Searcher, SearchSettings
+
+    docs = _corpus_jsonl(tmp_path / "c.jsonl")
+    idx = tmp_path / "idx"
+    monkeypatch.setattr(first_stage, "CALIBRATION_SAMPLE", 8)  # of 40 passages
+    stats = index(IndexConfig(model=str(teacher), corpus=[str(tmp_path / "c.jsonl")], out=str(idx),
+                              first_stage_model=str(static_dir))).stats
+    assert stats["passages"] == 40 and stats["full_codes"] == "lazy" and stats["first_stage_dims"] == 16
+    assert stats["full_codes_kept"] == 8  # only the calibration sample was embedded by the full encoder
+    s = Searcher.open(idx)
+    assert s.tier is not None and "int8" not in s.gen.arrays  # no full-encoder codes in the generation
+    queries = [docs["d3"], docs["d17"], "movie story"]
+    got = s.search(queries, SearchSettings(k=5, first_stage="int8", rescore="int8", rescore_multiplier=8))
+    # the static int8 stage's 40 candidates are the whole corpus here: the order and scores are the full encoder's,
+    # through its int8 codes (calibrated on the 8-passage sample)
+    kept = FullCodes.open(idx, s.fingerprint, s.gen.dims)
+    full = Predictor.load(teacher, backend=s.predictor.backend)
+    d_vec = int8_dequantize(int8_codes(full.embed(list(docs.values())), kept.calibration), kept.calibration)
+    for res, q in zip(got, full.embed(queries), strict=True):
+        want = np.sort(d_vec @ q)[::-1][:5]
+        np.testing.assert_allclose([h.score for h in res.hits], want, atol=1e-3)  # ONNX INT8: scales per batch
+    assert len(kept.row) == 40 and len(list((idx / CODES_DIR).glob("part-*.npz"))) >= 2  # the search kept its codes
+    # without rescoring the scores are the static stage's: the static query against the dequantized static codes
+    static_order = s.search(queries, SearchSettings(k=5, first_stage="int8", rescore="none"))
+    a = s.gen.arrays
+    static_docs = int8_dequantize(np.asarray(a["static_int8"]), a["static_int8_calibration"])
+    for res, q in zip(static_order, Predictor.load(static_dir).embed(queries), strict=True):
+        np.testing.assert_allclose([h.score for h in res.hits], np.sort(static_docs @ q)[::-1][:5], atol=1e-4)
+    # an update keeps the codes of unchanged passages and drops the changed one's; parts are merged into one
+    docs["d5"] = "python code data model"
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items()))
+    again = index(IndexConfig(model=str(teacher), corpus=[str(tmp_path / "c.jsonl")], out=str(idx),
+                              first_stage_model=str(static_dir))).stats
+    assert again["full_codes_kept"] == 39 and again["full_codes_stale"] == 1
+    assert len(list((idx / CODES_DIR).glob("part-*.npz"))) == 1
+
+
+def test_tiered_index_eager_codes_and_what_it_refuses(static_dir, teacher, tmp_path):
+    from encoderkit.retrieval.index import IndexConfig
+    from encoderkit.retrieval.index import run as index
+    from encoderkit.retrieval.search import Searcher, SearchSettings
+
+    docs = _corpus_jsonl(tmp_path / "c.jsonl")
+    corpus = [str(tmp_path / "c.jsonl")]
+    stats = index(IndexConfig(model=str(teacher), corpus=corpus, out=str(tmp_path / "idx"), first_stage_model=str(static_dir),
+                              full_codes="eager")).stats
+    assert stats["full_codes_kept"] == 40
+    s = Searcher.open(tmp_path / "idx")
+    assert s.search([docs["d9"]], SearchSettings(first_stage="binary"))[0].hits[0].doc_id == "d9"
+    with pytest.raises(EncoderkitError, match="static first stage searches --first-stage binary or int8"):
+        s.search(["movie"], SearchSettings(first_stage="float", rescore="int8"))
+    with pytest.raises(EncoderkitError, match="pass --first-stage-model"):  # an update must keep the first stage
+        index(IndexConfig(model=str(teacher), corpus=corpus, out=str(tmp_path / "idx")))
+    with pytest.raises(EncoderkitError, match="is not a static embedding model"):
+        index(IndexConfig(model=str(teacher), corpus=corpus, out=str(tmp_path / "b"), first_stage_model=str(teacher)))
+    with pytest.raises(EncoderkitError, match="is a static embedding model; with --first-stage-model it is the full"):
+        index(IndexConfig(model=str(static_dir), corpus=corpus, out=str(tmp_path / "c"), first_stage_model=str(static_dir)))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_distill_to_static_refuses_bad_input_naming_the_file_and_the_fix(teacher, tmp_path, monkeypatch):
+    import builtins
+
+    from encoderkit.data import files
+
+    good = tmp_path / "good.txt"
+    good.write_text("\n\n".join(_docs()) + "\n")
+
+    def refused(match: str, **kw) -> None:
+        out = tmp_path / "out"
+        with pytest.raises(EncoderkitError, match=match):
+            distill(DistillConfig(**{"teacher": str(teacher), "train": str(good), "to": "static", "out": str(out), **kw}))
+        assert not out.exists() and not list(tmp_path.glob(".out*"))  # nothing half-written
+
+    (tmp_path / "empty").mkdir()
+    refused("corpus folder .*empty holds no", train=str(tmp_path / "empty"))  # zero passages
+    random = tmp_path / "random"
+    random.mkdir()
+    (random / "notes.txt").write_text("not a model")
+    refused(f"--teacher {random}: .*has no config.json.*sentence-embedding model folder", teacher=str(random))
+    refused(r"--dims 64 is more than the teacher .*'s 32 dimensions; pass --dims 32 or fewer", dims=64, fit_texts=0)
+    short = tmp_path / "short.txt"
+    short.write_text("movie\n")
+    refused("no text of at least 20 characters.*pass --fit-texts 0", train=str(short))
+    # a file the process may not read (as root chmod is not enough: the reader's open is refused as the OS would)
+    locked = tmp_path / "locked.txt"
+    locked.write_text("the movie was great fun\n")
+
+    def denied(path, *args, **kw):
+        if str(path) == str(locked):
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *args, **kw)
+
+    monkeypatch.setattr(files, "open", denied, raising=False)
+    refused(f"--train {locked}: cannot read {locked}.*Permission denied.*; fix its permissions", train=str(locked))
+    # the default --dims of a teacher narrower than 256 is the teacher's width (PCA: at most the kept tokens' count)
+    res = distill(DistillConfig(teacher=str(teacher), train=str(good), to="static", out=str(tmp_path / "ok"), fit_texts=0))
+    assert res.dims == min(32, res.kept) and res.kept == 30
+
+
+def _beir(tmp_path: Path) -> Path:
+    """A BEIR folder of the corpus documents, 8 test queries each judging the document it was cut from."""
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    docs = _docs()
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": f"d{i}", "title": "", "text": d}) + "\n"
+                                               for i, d in enumerate(docs)))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": " ".join(docs[i].split()[:3])}) + "\n"
+                                                for i in range(8)))
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(8)))
+    return beir
+
+
+def test_a_compress_recipe_step_distils_the_static_tier_and_the_runner_measures_it(teacher, tmp_path):
+    from encoderkit.compress.stack import CompressConfig, load_recipe
+    from encoderkit.compress.stack import run as compress
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "static-tier.yaml"
+    (step,) = load_recipe(recipe)
+    assert step.lever == "distill" and step.params["to"] == "static"
+    small = tmp_path / "r.yaml"  # the shipped recipe at this tiny teacher's size
+    small.write_text("task: embed\nsteps:\n  - {lever: distill, to: static, dims: 16, fit_texts: 40, epochs: 5}\n")
+    beir = _beir(tmp_path)
+    res = compress(CompressConfig(recipe=str(small), model=str(teacher), dev=f"{beir}#test", train=str(beir),
+                                  out=str(tmp_path / "out"), repeats=1))
+    start, static = res.rows
+    assert static["lever"] == "distill" and static["metric"] == start["metric"] == "ndcg@10"
+    folder = tmp_path / "out" / "01-distill"
+    assert json.loads((folder / "encoderkit.json").read_text())["kind"] == "static"
+    # the row is the static folder's own measurement: its nDCG@10 as evaluate computes it, its table's bytes
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+
+    own = evaluate(EvaluateConfig(model=str(folder), data=f"{beir}#test")).metrics["ndcg@10"]
+    assert static["quality"] == pytest.approx(own, abs=1e-6)
+    assert static["bytes"] == (folder / "model.safetensors").stat().st_size
+    assert static["runtime"].endswith("static") and static["latency_ms"] > 0
+
+
+def test_plan_run_measures_the_static_tier_it_proposes(teacher, tmp_path):
+    from encoderkit.compress.plan import PlanConfig, make_plan, run_recipe_for_plan
+    from encoderkit.evaluate.run import EvaluateConfig
+    from encoderkit.evaluate.run import run as evaluate
+
+    beir = _beir(tmp_path)
+    cfg = PlanConfig(budget="some", hardware="cpu", speedup=50, max_quality_drop=0.5, run=True, model=str(teacher),
+                     dev=f"{beir}#test", train=str(beir), out=str(tmp_path / "plan"))
+    plan = make_plan(cfg)  # the task comes from the folder: embed
+    assert plan.task == "embed" and plan.levers() == ["distill"] and plan.steps[0].params["to"] == "static"
+    res = run_recipe_for_plan(plan.recipe(), cfg)
+    folder = tmp_path / "plan" / "try0" / "01-distill"
+    start = evaluate(EvaluateConfig(model=str(teacher), data=f"{beir}#test")).metrics["ndcg@10"]
+    measured = evaluate(EvaluateConfig(model=str(folder), data=f"{beir}#test")).metrics["ndcg@10"]
+    assert res.tried[0]["quality"] == pytest.approx(measured, abs=1e-6)  # measured on --dev, not the planner's 96%
+    assert res.floor == pytest.approx(0.5 * start) and res.ok == (measured >= 0.5 * start)

@@ -253,7 +253,8 @@ class DistillConfig(StageConfig):
                   "(a vector per token of the --train corpus, PCA to --dims, frequency-weighted; a text is the mean of its "
                   "tokens): texts/s of a table lookup, loads in sentence-transformers, model2vec and every encoderkit stage "
                   "that embeds. Empty: a transformer student.")
-    dims: int = arg(256, help="--to static: dimensions of the token vectors (PCA of the teacher's; at most its width).")
+    dims: int = arg(0, help="--to static: dimensions of the token vectors (PCA of the teacher's; at most its width). 0: "
+                    "256, or the teacher's width if it is narrower.")
     fit_texts: int = arg(20000, help="--to static: then fit the token vectors to the teacher's embeddings of N corpus "
                          "pieces (1, 2 or 4 sentences, a seeded sample): loss 1 - cosine, --epochs passes at --lr "
                          "(0: 1e-2), --batch-size texts a step. On SciFact nDCG@10 0.39 -> about 0.6 (MiniLM: 0.645); the "
@@ -284,7 +285,7 @@ class DistillConfig(StageConfig):
         check(self.hidden_size is None or self.student is None, "give either --student or --hidden-size, not both")
         if self.to == "static":
             check(self.mode == "task", "distill --to static reads a corpus (--train), not prepared MLM blocks: drop --mode agnostic")
-            check(self.dims >= 1, f"--dims must be at least 1, got {self.dims}")
+            check(self.dims >= 0, f"--dims must be at least 1 (0: 256 or the teacher's width), got {self.dims}")
             check(self.fit_texts >= 0, f"--fit-texts must be >= 0 (0: no fit), got {self.fit_texts}")
 
 

@@ -37,6 +37,7 @@ from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
 
 SIF_A = 1e-3
+DEFAULT_DIMS = 256  # --dims 0: this, or the teacher's width if it is narrower
 FIT_LR = 1e-2  # Adam on the token table when --lr is 0
 WEIGHTINGS = ("sif", "zipf", "none")
 DOCS_PER_CALL = 512  # documents tokenised per tokenizer call while counting
@@ -178,13 +179,43 @@ def open_teacher(name: str) -> Any:
     from encoderkit.tasks.common import resolve_model
 
     folder = resolve_model(name)
-    info = ModelFolder.open(folder, tokenizer=False)
+    try:
+        info = ModelFolder.open(folder, tokenizer=False)
+    except EncoderkitError as e:
+        raise EncoderkitError(f"distill --to static: --teacher {folder}: {e}; the teacher is a sentence-embedding model "
+                              "folder (e.g. minilm, or one made by finetune --task embed)") from e
     task = get_task(info.task) if info.task in TASKS else None
     if task is None or task.distill_kind != "embedding" or info.static_weights is not None:  # a sentence embedder
         what = "a static embedding model" if info.static_weights is not None else f"a {info.task!r} model"
         raise EncoderkitError(f"distill --to static: the teacher {folder} is {what}; it needs a sentence-embedding "
                               "model folder (task embed, e.g. MiniLM or one made by finetune --task embed)")
     return Predictor.load(folder, backend="torch-fp32", max_batch=256)
+
+
+def readable(source: str, read: Any) -> Any:
+    """``read()``, with a file of ``source`` that cannot be read (permissions, a device error) named."""
+    try:
+        return read()
+    except OSError as e:
+        raise EncoderkitError(f"--train {source}: cannot read {e.filename or source} ({e.strerror or e}); fix its "
+                              "permissions or leave it out of --train") from e
+    except EncoderkitError as e:  # the reader's own message names the file
+        if not isinstance(e.__cause__, OSError):
+            raise
+        raise EncoderkitError(f"--train {source}: {e}; fix its permissions or leave it out of --train") from e
+
+
+def fit_pieces(cfg: Any) -> list[str]:
+    """The corpus pieces the fit trains on; refused, saying what to do, when the corpus has none."""
+    from encoderkit.tasks.embed.texts import training_texts
+
+    try:
+        return readable(cfg.train, lambda: training_texts(cfg.train, cfg.fit_texts, seed=cfg.seed))
+    except EncoderkitError as e:
+        if "no text of at least" not in str(e):
+            raise
+        raise EncoderkitError(f"{e}: the fit (--fit-texts {cfg.fit_texts}) needs corpus sentences to learn from; pass "
+                              "--fit-texts 0 for a model from the token vectors alone, or a larger corpus") from e
 
 
 def run_static(cfg: Any) -> StaticResult:
@@ -197,10 +228,15 @@ def run_static(cfg: Any) -> StaticResult:
     from encoderkit.tasks.embed.embedder import Embedder
 
     start = time.perf_counter()
-    check(cfg.dims >= 1, f"--dims must be at least 1, got {cfg.dims}")
+    check(cfg.dims >= 0, f"--dims must be at least 1 (0: {DEFAULT_DIMS} or the teacher's width), got {cfg.dims}")
     teacher = open_teacher(cfg.teacher)
+    width = int(teacher.embed_raw(["a"]).shape[1])
+    if cfg.dims > width:
+        raise EncoderkitError(f"--dims {cfg.dims} is more than the teacher {teacher.folder}'s {width} dimensions; pass "
+                              f"--dims {width} or fewer (the token vectors are the teacher's, cut by PCA)")
+    dims = cfg.dims or min(DEFAULT_DIMS, width)
     tokenizer = teacher.tokenizer
-    counts, n_docs = count_tokens(tokenizer, cfg.train)
+    counts, n_docs = readable(cfg.train, lambda: count_tokens(tokenizer, cfg.train))
     ids = kept_tokens(tokenizer, counts)
     if n_docs == 0 or len(ids) == 0:
         raise EncoderkitError(f"--train {cfg.train}: {n_docs} passages with {int(counts.sum())} tokens; a static model "
@@ -211,11 +247,9 @@ def run_static(cfg: Any) -> StaticResult:
     mapping[ids] = np.arange(len(ids))
     weights = np.zeros(len(counts), dtype=np.float32)
     weights[ids] = frequency_weights(counts[ids], cfg.weighting)
+    texts = fit_pieces(cfg) if cfg.fit_texts else []  # read (and refused) before the teacher's passes
     vectors = token_vectors(teacher, ids)  # (K, H)
     if cfg.fit_texts:
-        from encoderkit.tasks.embed.texts import training_texts
-
-        texts = training_texts(cfg.train, cfg.fit_texts, seed=cfg.seed)
         note(f"distill --to static: fitting the token vectors to {cfg.teacher}'s embeddings of {len(texts)} corpus pieces")
         targets = Embedder.of_runner(teacher).embed(texts, progress=True)  # (N, H) unit vectors
         rows = [mapping[np.asarray(r, dtype=np.int64)]
@@ -223,9 +257,9 @@ def run_static(cfg: Any) -> StaticResult:
         weighted = np.concatenate([vectors * weights[ids][:, None], np.zeros((1, vectors.shape[1]), np.float32)])
         fitted = fit_table(weighted, rows, targets, max(1, round(cfg.epochs)), cfg.lr or FIT_LR, cfg.batch_size,
                            cfg.seed)[:-1]
-        vectors = truncate(fitted, cfg.dims) / np.maximum(weights[ids], 1e-12)[:, None]  # stored unweighted
+        vectors = truncate(fitted, dims) / np.maximum(weights[ids], 1e-12)[:, None]  # stored unweighted
     else:
-        vectors = pca(vectors, cfg.dims)  # (K, D)
+        vectors = pca(vectors, dims)  # (K, D)
     table = np.concatenate([vectors, np.zeros((1, vectors.shape[1]), dtype=np.float32)])
     extra = {"tokenizer_name": str(teacher.folder.resolve()), "apply_pca": int(vectors.shape[1]),
              "apply_zipf": cfg.weighting == "zipf", "sif_coefficient": SIF_A if cfg.weighting == "sif" else None}

@@ -161,6 +161,10 @@ def folder_parameters(folder: str | Path | ModelFolder, model: torch.nn.Module |
     for a folder that holds only an ONNX graph, :func:`onnx_parameters` of it (INT8 before FP32) -- the
     same number for a model and its export."""
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder, tokenizer=False)
+    if mf.static_weights is not None:  # a static embedding model: its token table and weights
+        from encoderkit.models.static import static_parameters
+
+        return static_parameters(mf.path)
     if model is None and mf.torch_weights is not None:
         model = mf.load()
     if model is not None:
@@ -423,11 +427,33 @@ def _sig(x: float) -> float:
 def weight_file_bytes(mf: ModelFolder) -> int:
     """Bytes of the weight file the runtime loads: the INT8 graph (and its external data), else the
     torch weights, else the FP32 graph."""
+    if mf.static_weights is not None:  # a static embedding model's table
+        return mf.static_weights.stat().st_size
     if mf.onnx_int8 is not None:
         return sum(p.stat().st_size for p in mf.path.glob(mf.onnx_int8.name + "*"))
     if mf.torch_weights is not None:
         return mf.torch_weights.stat().st_size
     return sum(p.stat().st_size for p in mf.path.glob(mf.onnx_fp32.name + "*")) if mf.onnx_fp32 else 0
+
+
+def step_int8_agreement(src: Path, dst: Path, cfg: Any) -> dict[str, Any] | None:
+    """The card's ``int8_agreement`` (:mod:`encoderkit.deploy.agreement`) of the INT8 graph a recipe step wrote in
+    ``dst`` against the FP32 graph of the folder it was made from (``src``: its own, else exported once from its
+    weights), on the recipe's dev data (``cfg``: the CompressConfig's ``dev``, ``dev_limit``, ``miner``,
+    ``candidates``, ``qa_split``); None when ``dst`` has no INT8 graph or its task is not measured so (embed)."""
+    from encoderkit.deploy.agreement import int8_agreement, not_measured
+    from encoderkit.deploy.export import GraphEngine
+    from encoderkit.inference.engines import cached_export
+
+    made = ModelFolder.open(dst, tokenizer=False)
+    if made.onnx_int8 is None or made.task not in SERVABLE or get_task(made.task).agreement_measure is None:
+        return None
+    parent = ModelFolder.open(src, tokenizer=False)
+    if parent.onnx_fp32 is None and parent.torch_weights is None:
+        return not_measured(f"{src} has no FP32 graph or weights to compare the INT8 graph with")
+    fp32 = GraphEngine(cached_export(parent, int8=False), made.task)
+    return int8_agreement(made, fp32, GraphEngine(made.onnx_int8, made.task), cfg.dev, limit=cfg.dev_limit,
+                          miner=cfg.miner, candidates=cfg.candidates, qa_split=cfg.qa_split)
 
 
 def make_measure(cfg: Any) -> StepMeasurer:

@@ -12,6 +12,9 @@ The planner is a short list of rules that encode what is known to work for encod
 - VNNI CPUs: INT8 with per-channel weight scales runs on the VNNI dot-product instructions.
 - one quantization step at most: a quantized model is never quantized again, so GPTQ / RTN
   (bytes), dynamic INT8 (CPU speed) and QAT (quality under a tight floor) are alternatives.
+- a speed goal far beyond all of these (``--speedup`` 20 and more) for an embedding model: the static tier
+  (``distill --to static``: a table of token vectors, about 100x faster), when the quality floor allows what it
+  was measured to keep (:data:`STATIC_SHARE`); ``--run`` re-measures it on ``--dev`` like any recipe.
 
 The planner knows the task (``--task``, else the ``--model`` folder's): latency is planned in the
 unit the task is served in (:func:`served_unit`): a reranker per query's top 100 candidates (100
@@ -47,6 +50,13 @@ from encoderkit.hardware import PLANNER_HARDWARE, Hardware, describe, detect, pl
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.protocol import Task
 
+# The static tier (`distill --to static`, recipes/static-tier.yaml): a table of token vectors, no transformer. Measured
+# on SciFact with all-MiniLM-L6-v2 (bench/static_tier.py, docs/search.md): ~100x the teacher's texts/s; nDCG@10 96% of
+# the teacher's with the fit on corpus pieces (a few minutes of training), 61% without it. Quantization, distillation
+# and pruning give ~3-5x at most, so a goal of STATIC_SPEEDUP x or more is out of their reach.
+STATIC_SPEEDUP = 20.0
+STATIC_SHARE = {"some": 0.96, "none": 0.61}  # of the teacher's quality, by training budget (with / without the fit)
+
 
 def task_object(task: str | None) -> Task | None:
     """The task object planned for; None when the task is unknown."""
@@ -70,6 +80,9 @@ class PlanConfig(StageConfig):
     hardware: str = arg("auto", choices=("auto", *PLANNER_HARDWARE), help="Where the model will run: auto (this machine, as `encoderkit doctor` finds it), plain CPU, CPU with VNNI/AMX int8 dot products, or a GPU with 2:4 sparse tensor cores.")
     goal: str = arg("latency", choices=("latency", "memory"), help="What to minimise: latency (time per request) or memory (bytes on disk and in RAM).")
     max_quality_drop: float = arg(0.03, help="Largest allowed relative drop of the dev metric (0.03 = keep at least 97% of the starting quality).")
+    speedup: float = arg(0.0, help="The speed-up over the starting model the latency goal needs (texts/s), e.g. 20; 0: as much as "
+                         f"the levers give. An embed model asked for {STATIC_SPEEDUP:g}x or more, with a --max-quality-drop a "
+                         "static model's measured quality allows, is planned as the static tier (recipes/static-tier.yaml).")
     has_calibration_data: bool = arg(True, help="Unlabelled in-domain text is available for calibration (GPTQ, static INT8, vocabulary pruning).")
     write: str | None = arg(None, help="Write the planned recipe to this YAML file.")
     run: bool = arg(False, help="Execute the plan on --model with --dev and back off until the quality floor holds.")
@@ -86,6 +99,7 @@ class PlanConfig(StageConfig):
 
     def validate(self) -> None:
         check(0.0 <= self.max_quality_drop < 1.0, f"max_quality_drop must be in [0, 1), got {self.max_quality_drop}")
+        check(self.speedup >= 0, f"--speedup must be >= 0 (0: no speed goal), got {self.speedup}")
         if self.run:
             for name in ("model", "dev", "out"):
                 check(bool(getattr(self, name)), f"plan --run needs --{name}")
@@ -177,6 +191,17 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
     steps: list[PlannedStep] = []
     out: list[tuple[str, str]] = []
     tight = cfg.max_quality_drop < 0.01
+    static = static_tier(cfg, spec)
+    if isinstance(static, PlannedStep):
+        return Plan(steps=[static], left_out=[(lever, ("the static tier replaces the transformer, so no transformer "
+                                                      "lever applies")) for lever in ("prune", "vocab", "quantize", "qat")],
+                    hardware=kind, hardware_why=kind_why, task=task, notes=[
+                        ("the static tier's quality is measured, not assumed: `plan --run` (or compress) re-measures it "
+                        "on --dev and says when it is below the floor; then `encoderkit plan` without --speedup gives the "
+                        "transformer levers, or serve it as the first stage of the tiered index (`encoderkit index "
+                        "--first-stage-model`), where the full encoder rescores its candidates")])
+    if static:
+        out.append(("static tier", static))
 
     # 1. distillation: fewer layers is the biggest win on every hardware, if we may train. A reranker on a CPU
     # keeps its depth instead: half the heads and 3/4 of the FFN neurons go, and the unpruned model teaches the
@@ -306,6 +331,37 @@ def make_plan(cfg: PlanConfig, hw: Hardware | None = None) -> Plan:
             notes.append("this machine has no CUDA GPU with 2:4 sparse tensor cores: here 2:4 sparsity buys no time "
                          "(dense kernels); the speed-up needs the planned GPU, and the compression report says so")
     return Plan(steps=steps, left_out=out, hardware=kind, hardware_why=kind_why, task=task, notes=notes)
+
+
+def static_tier(cfg: PlanConfig, spec: Task | None) -> PlannedStep | str:
+    """The static tier's distill step when ``cfg`` asks for it (an embedding model, a speed goal of
+    :data:`STATIC_SPEEDUP` x or more, a quality floor that its measured share allows, corpus text to learn from), else
+    why it is left out ("" when no speed goal was set)."""
+    if not cfg.speedup:
+        return ""
+    if spec is None or spec.distill_kind != "embedding":
+        return "a static model replaces a sentence-embedding model only (embed); this task's model needs its transformer"
+    if cfg.goal != "latency" or cfg.speedup < STATIC_SPEEDUP:
+        return (f"the speed goal ({cfg.speedup:g}x) is within what quantization, distillation and pruning give; the static "
+                f"tier is for goals of {STATIC_SPEEDUP:g}x and more (about 100x, at a larger quality cost)")
+    share = STATIC_SHARE[cfg.budget]
+    if 1.0 - cfg.max_quality_drop > share:
+        how = ("with the fit on corpus pieces" if cfg.budget == "some" else
+               "without training (--budget none: no fit; with the fit, a few minutes of training, 96%)")
+        return (f"the speed goal ({cfg.speedup:g}x) needs the static tier, but a static model kept {share:.0%} of MiniLM's "
+                f"nDCG@10 on SciFact {how}, below the floor of {1.0 - cfg.max_quality_drop:.0%}: relax --max-quality-drop "
+                f"to {1.0 - share + 0.005:.3f}, or serve it as the first stage of the tiered index (index "
+                "--first-stage-model), where the full encoder rescores its candidates")
+    if not cfg.has_calibration_data:
+        return "the static tier takes its vocabulary and fit from in-domain text (--train), and there is none"
+    fit = cfg.budget == "some"
+    return PlannedStep("distill", {"to": "static", "fit_texts": 20000 if fit else 0, "weighting": "sif"},
+                       f"an embedding model with a speed goal of {cfg.speedup:g}x, beyond the ~3-5x of quantization, "
+                       "distillation and pruning: a static model (one vector per token of the corpus, a text the mean of "
+                       "its tokens' vectors, no transformer) encodes about 100x faster; on SciFact it kept "
+                       f"{share:.0%} of MiniLM's nDCG@10 " + ("with the fit on 20,000 corpus pieces (a few minutes)"
+                                                             if fit else "without training (no fit: --budget none)")
+                       + f", within the floor of {1.0 - cfg.max_quality_drop:.0%}; re-measured on --dev by the recipe")
 
 
 # -- backoff ------------------------------------------------------------------------------------

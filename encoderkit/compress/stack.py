@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.compress.levers import LEVERS, QUANT_LEVERS, check_task
-from encoderkit.compress.measure import latency_meta, make_measure
+from encoderkit.compress.measure import latency_meta, make_measure, step_int8_agreement
 from encoderkit.compress.task_data import LeverData
 from encoderkit.config import StageConfig, arg, check, load_mapping
 from encoderkit.errors import EncoderkitError
@@ -241,6 +241,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
     ``task`` is the recipe's task, if it names one. ``done``: the rows of a resumed run (the start and
     the steps it finished, whose folders are in ``work``), not run again; ``on_row(rows)`` is called
     after every measurement."""
+    from encoderkit.deploy.agreement import verdict
     from encoderkit.models.card import card_facts, read_card, write_card
     from encoderkit.progress import note, progress
 
@@ -282,6 +283,9 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
             shutil.rmtree(work / f".{step.name}-part{j}", ignore_errors=True)
         card = read_card(dst)
         extra = card_facts(card)  # this step's own facts (its distillation's steps and layers...)
+        if "int8_agreement" not in extra and (agreement := step_int8_agreement(cur, dst, cfg)):  # an INT8 graph's
+            extra["int8_agreement"] = agreement  # agreement with FP32 on the dev rows, which --backend auto reads
+            note(f"step {step.index} ({step.lever}): {verdict(agreement)[1]}")
         row = {"step": step.index, "lever": step.lever, "folder": str(final / step.name), **measure(dst)}
         if any(notes):
             row["note"] = "; ".join(n for n in notes if n)

@@ -1,6 +1,6 @@
 """The Predictor: one task model behind one backend, with length-sorted batches.
 
-    p = Predictor.load("runs/sst2")                     # backend="auto": ONNX FP32 (INT8 for embed)
+    p = Predictor.load("runs/sst2")                     # backend="auto": see below (p.backend_reason says why)
     p.classify(["a great movie", "dull"])               # [{"label": "positive", "score": 0.97, "scores": {...}}, ...]
     p.embed(["a query"], dim=256)                        # (1, 256) float32, Matryoshka-truncated and renormalised
 
@@ -8,10 +8,12 @@ Backends: ``torch-fp32``, ``torch-bf16`` (eager transformers), ``onnx-fp32``, ``
 (onnxruntime on ``model.onnx`` / ``model.int8.onnx``). A folder without ONNX files is exported once
 into a cache folder (``ENCODERKIT_CACHE``, default ``~/.cache/encoderkit/onnx``). ``auto`` picks
 ONNX INT8 (per-channel weights) for ``embed`` (measured: mean cosine 0.992 to FP32 on MiniLM,
-SciFact nDCG@10 within 0.4%, see bench/encode_speed.py) and ONNX FP32 for the other tasks: on an
-SST-2 classifier INT8 changed 6% of the labels (bench/classify_speed.py), so it stays opt-in
-(``backend="onnx-int8"``) until measured on your model; a folder that holds only ``model.int8.onnx``
-(an INT8 export, without the FP32 graph or the weights) runs on it.
+SciFact nDCG@10 within 0.4%, see bench/encode_speed.py). For the other tasks INT8 can change answers
+(on an SST-2 classifier it changed 6% of the labels, bench/classify_speed.py), so ``auto`` runs the
+folder's own INT8 graph only where the CPU has VNNI/AMX int8 and the folder's card says INT8 agrees
+with FP32 on at least 99.5% of its dev rows (``encoderkit export --quantize int8-dynamic --dev FILE``
+measures it), else ONNX FP32; ``Predictor.backend_reason`` says which and why. A folder that holds
+only ``model.int8.onnx`` (an INT8 export, without the FP32 graph or the weights) runs on it.
 
 Long inputs: ``classify``, ``rerank`` and ``embed`` truncate to the model's maximum length (stated
 in ``Predictor.max_length``); ``extract`` and ``answer`` cut long texts into overlapping windows.
@@ -36,7 +38,7 @@ from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.export import OUTPUT_NAMES
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.engines import BACKENDS as ENGINE_BACKENDS
-from encoderkit.inference.engines import STATIC, open_engine, run_rows
+from encoderkit.inference.engines import STATIC, open_engine, run_rows, serve_choice
 from encoderkit.io import check_writable, open_text_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import progress
@@ -56,9 +58,10 @@ class Predictor:
     """A task model ready for inference; see the module docstring."""
 
     def __init__(self, folder: Path, info: ModelFolder, tokenizer, engine, backend: str, max_batch: int,
-                 max_length: int) -> None:
+                 max_length: int, backend_reason: str = "") -> None:
         self.folder, self.info, self.tokenizer, self.engine = folder, info, tokenizer, engine
         self.task, self.backend, self.max_batch, self.max_length = info.task, backend, max_batch, max_length
+        self.backend_reason = backend_reason or f"--backend {backend}"  # why this backend (``auto``: the serve rule's why)
 
     @classmethod
     def load(cls, folder: str | Path, backend: str = "auto", threads: int | None = None, max_batch: int = 32,
@@ -72,9 +75,10 @@ class Predictor:
         info = ModelFolder.open(folder, tokenizer=False)
         info.require_task(*TASKS)
         tokenizer = info.tokenizer()
+        reason = serve_choice(info).why if backend == "auto" else f"--backend {backend} asked for"
         engine, backend = open_engine(info, "serve" if backend == "auto" else backend, threads=threads, spin=spin)
         limit = info.max_length if max_length is None else min(max_length, info.max_length)
-        return cls(info.path, info, tokenizer, engine, backend, max_batch, limit)
+        return cls(info.path, info, tokenizer, engine, backend, max_batch, limit, reason)
 
     # -- batching -------------------------------------------------------------------------
     def run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
@@ -143,7 +147,8 @@ def finish_embeddings(vectors: np.ndarray, dim: int | None, normalize: bool) -> 
 
 def describe(p: Predictor) -> dict[str, Any]:
     """What a loaded predictor is: task, backend, labels, limits (for /health and logs)."""
-    return {"folder": str(p.folder), "task": p.task, "backend": p.backend, "labels": p.info.labels,
+    return {"folder": str(p.folder), "task": p.task, "backend": p.backend, "backend_reason": p.backend_reason,
+            "labels": p.info.labels,
             "max_length": p.max_length, "max_batch": p.max_batch, "stage": p.info.card.get("stage")}
 
 

@@ -54,23 +54,32 @@ class EndpointLabeller:
     def label(self, prompts: list[str], texts: list[str], done: Callable[[int, Labelled], None] | None = None) -> list[Labelled]:
         """Label every text (``prompts[i]`` is the rendered prompt of ``texts[i]``); ``done(i, result)``
         is called from the calling thread as each text completes."""
-        results: list[Labelled | None] = [None] * len(texts)
+        return self._each(self._one, prompts, texts, done)
+
+    def ask(self, prompts: list[str], texts: list[str], done: Callable[[int, str], None] | None = None) -> list[str]:
+        """The first model's raw answer to each prompt (cached, retried and counted as labelling requests are),
+        for a caller that parses answers itself (``adapt``'s generated queries); ``done`` as in :meth:`label`."""
+        return self._each(lambda p, t: self._answer(p, t, self.models[0], 0, 0), prompts, texts, done)
+
+    def _each(self, one: Callable[[str, str], Any], prompts: list[str], texts: list[str],
+              done: Callable[[int, Any], None] | None) -> list[Any]:
+        results: list[Any] = [None] * len(texts)
         pool = ThreadPoolExecutor(max_workers=self.concurrency)
         try:
-            futures = {pool.submit(self._one, p, t): i for i, (p, t) in enumerate(zip(prompts, texts, strict=True))}
+            futures = {pool.submit(one, p, t): i for i, (p, t) in enumerate(zip(prompts, texts, strict=True))}
             pending = set(futures)
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
                 for f in finished:
                     results[futures[f]] = f.result()  # re-raises a fatal error at once
                     if done:
-                        done(futures[f], results[futures[f]])  # type: ignore[arg-type]
+                        done(futures[f], results[futures[f]])
         except BaseException:
             self._stop.set()
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        return results  # type: ignore[return-value]
+        return results
 
     def _one(self, prompt: str, text: str) -> Labelled:
         votes: list[str | None] = []

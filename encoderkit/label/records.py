@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.tasks.tabular import Row, find_text_column, read_rows
+from encoderkit.tasks.tabular import Row, find_text_column, iter_rows
 
 OUTPUT_KEYS = ("text", "label", "confidence", "labeller")
 
@@ -59,26 +61,42 @@ def find_text_field(rows: list[Row], given: str, path: str | Path) -> str:
 
 def read_texts(path: str | Path, text_field: str) -> tuple[list[str], list[dict[str, Any]]]:
     """Texts to label and each row's own fields; a ``.txt`` file is one text per line."""
+    pairs = list(iter_texts(path, text_field))
+    return [t for t, _ in pairs], [o for _, o in pairs]
+
+
+TEXT_FIELD_ROWS = 100  # rows that decide the text field (what find_text_column reads of a whole table)
+
+
+def iter_texts(path: str | Path, text_field: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(text, the row's own fields) of each input row, read as they are asked for (:func:`read_texts`' rows, errors
+    and order; the text field is found on the first :data:`TEXT_FIELD_ROWS` rows, as on a whole file)."""
     path = Path(path)
     if path.suffix == ".txt":
         if not path.is_file():
             raise EncoderkitError(f"input file {path} does not exist")
-        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
-        texts = [ln for ln in lines if ln]
-        if not texts:
+        found = False
+        with open(path, encoding="utf-8") as f:
+            for physical in f:
+                for ln in physical.splitlines():  # str.splitlines' line breaks, as a whole-file read splits them
+                    if ln.strip():
+                        found = True
+                        yield ln.strip(), {}
+        if not found:
             raise EncoderkitError(f"{path} holds no text")
-        return texts, [{} for _ in texts]
-    rows = read_rows(path)
-    name = find_text_field(rows, text_field, path)
-    texts = []
-    for r in rows:
+        return
+    rows = iter_rows(path)
+    head = list(itertools.islice(rows, TEXT_FIELD_ROWS))
+    if not head:
+        raise EncoderkitError(f"{path} holds no rows")
+    name = find_text_field(head, text_field, path)
+    for r in itertools.chain(head, rows):
         v = r.fields.get(name)
         if not isinstance(v, str) or not v.strip():
             raise EncoderkitError(f"{r.where}: field {name!r} is missing, empty or not text ({v!r}); fill or drop the row")
-        texts.append(v)
-    # the text's own field is kept too (unless it is 'text'), so `finetune --text-column` names the same
-    # column in labeled.jsonl and in a dev file of the input's format
-    return texts, [{k: v for k, v in r.fields.items() if k != "text"} for r in rows]
+        # the text's own field is kept too (unless it is 'text'), so `finetune --text-column` names the same
+        # column in labeled.jsonl and in a dev file of the input's format
+        yield v, {k: x for k, x in r.fields.items() if k != "text"}
 
 
 def output_record(text: str, label: str | None, confidence: float | None, labeller: str,
@@ -94,12 +112,16 @@ def output_record(text: str, label: str | None, confidence: float | None, labell
 
 def read_labeled(path: str | Path) -> list[dict[str, Any]]:
     """The lines of a ``labeled.jsonl`` written by ``encoderkit label``."""
-    rows = read_rows(path)
-    for r in rows:
+    return list(iter_labeled(path))
+
+
+def iter_labeled(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The lines of :func:`read_labeled`, read as they are asked for."""
+    for r in iter_rows(path):
         if "label" not in r.fields or "text" not in r.fields:
             raise EncoderkitError(f"{r.where}: not a labelled line (needs 'text' and 'label'); give the output of "
                                   "`encoderkit label`")
-    return [r.fields for r in rows]
+        yield r.fields
 
 
 def dumps(rec: dict[str, Any]) -> str:

@@ -10,9 +10,11 @@ the same command after a kill or an error resumes without repeating an answered 
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,8 +22,8 @@ from typing import Any
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import write_json_atomic, write_text_atomic
-from encoderkit.label.records import dumps, output_record, parse_labels, parse_pairs, read_texts
+from encoderkit.io import open_text_atomic, write_json_atomic
+from encoderkit.label.records import dumps, iter_texts, output_record, parse_labels, parse_pairs
 from encoderkit.progress import note, progress
 from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
 from encoderkit.tasks.common import seeded_subset
@@ -75,7 +77,7 @@ class LabelConfig(StageConfig):
     timeout: float = arg(60.0, help="endpoint: seconds to wait for one answer.", speed=True)
     backoff: float = arg(1.0, help="endpoint: first retry delay in seconds (doubles each retry, at most 30).", speed=True)
     backend: str = arg("auto", help="embed: Predictor backend.", speed=True,
-                       choices=("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8"))
+                       choices=("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8", "openvino"))
     batch_size: int = arg(32, help="embed/cloze: texts per forward pass.", speed=True)
     ray: str | None = ray_address_arg()
     ray_actors: int = ray_actors_arg()
@@ -129,6 +131,7 @@ def labelled_pairs(path: str, labels: list[str], flag: str) -> list[tuple[str, s
 
 
 LABEL_CHUNK = 256  # texts per labeller call
+LABEL_BLOCK = 16  # labeller calls per block of rows the driver reads, labels and writes (one --ray chunk)
 
 
 def _ray_calls(lab: Any, texts: list[str]) -> tuple[Any, list[list[int]]]:
@@ -155,7 +158,9 @@ def _label_in_one_call(label: Any, lab: Any, texts: list[str]) -> Any:
 
 
 def run(cfg: LabelConfig) -> LabelResult:
-    """Label every input row; write the JSONL output and its ledger."""
+    """Label every input row; write the JSONL output and its ledger. The embed and cloze labellers read, label and
+    write :data:`LABEL_BLOCK` calls of :data:`LABEL_CHUNK` rows at a time (``ray_jobs.IN_FLIGHT`` blocks out with
+    ``--ray``); the endpoint labeller reads every row first (its requests go out ``--concurrency`` at a time)."""
     labels = parse_labels(cfg.labels)
     out = Path(cfg.output)
     if out.exists() and not cfg.overwrite:
@@ -163,53 +168,94 @@ def run(cfg: LabelConfig) -> LabelResult:
                               "sends nothing already answered)")
     descriptions = parse_pairs(cfg.descriptions, labels, "--descriptions")
     ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before any model is loaded
-    texts, own = read_texts(cfg.input, cfg.text_field)
-    keep = seeded_subset(list(range(len(texts))), cfg.max_examples, cfg.seed)
-    texts, own = [texts[i] for i in keep], [own[i] for i in keep]
+    rows, total = _input_rows(cfg)
     t0, c0 = time.perf_counter(), time.process_time()
-    bar = progress(total=len(texts), desc="label", unit="text")
-    extra: list[dict[str, Any]] = [{} for _ in texts]
-    if cfg.labeller == "endpoint":
-        results, ledger = _run_endpoint(cfg, labels, descriptions, texts, bar)
-        for e, r in zip(extra, results, strict=True):
-            if r.label is None:
-                e["raw"] = r.raw
-        name = "endpoint:" + "+".join(cfg.llm)
-    else:
-        from encoderkit.label.offline import ClozeLabeller, EmbedLabeller
-        from encoderkit.tasks.common import resolve_model
-
-        model = resolve_model(cfg.model)
-        if cfg.labeller == "embed":
-            seeds = labelled_pairs(cfg.seeds, labels, "--seeds") if cfg.seeds else None
-            make: Any = partial(EmbedLabeller, model, labels, descriptions, seeds, cfg.embed_temperature, cfg.backend,
-                                cfg.batch_size, threads=None if ray is None else ray.threads)
-        else:
-            make = partial(ClozeLabeller, model, labels, parse_pairs(cfg.verbalizer, labels, "--verbalizer"),
-                           cfg.pattern, batch_size=cfg.batch_size)
-        lab = make()  # with --ray too: it checks the model here, before any actor starts
-        if ray is not None:  # one labeller per actor (a cloze one's torch threads: Ray's OMP_NUM_THREADS), each
-            call, groups = _ray_calls(lab, texts)  # call the loop below makes
-            results = ray.map(texts, make, call, bar=bar, groups=groups)
-        else:
-            results = []
-            for start in range(0, len(texts), LABEL_CHUNK):
-                results += lab.label(texts[start:start + LABEL_CHUNK])
-                bar.update(len(texts[start:start + LABEL_CHUNK]))
-        name = f"{cfg.labeller}:{Path(cfg.model).name}"
-        ledger = {"requests": len(texts), "tokens": 0}
-    bar.close()
-    ledger.update(texts=len(texts), wall_seconds=round(time.perf_counter() - t0, 3),
-                  cpu_seconds=round(time.process_time() - c0, 3), labeller=name)
-    lines = [dumps(output_record(t, r.label, r.confidence, name, o, e))
-             for t, r, o, e in zip(texts, results, own, extra, strict=True)]
-    write_text_atomic(out, "\n".join(lines) + "\n")
-    write_json_atomic(ledger_path(out), ledger)
+    bar = progress(total=total, desc="label", unit="text")
     counts: dict[str, int] = {name_: 0 for name_ in labels}
     counts["unlabeled"] = 0
-    for r in results:
-        counts[r.label or "unlabeled"] += 1
+    n = 0
+    try:
+        if cfg.labeller == "endpoint":
+            pairs = list(rows)
+            results, ledger = _run_endpoint(cfg, labels, descriptions, [t for t, _ in pairs], bar)
+            extra = [{"raw": r.raw} if r.label is None else {} for r in results]
+            name = "endpoint:" + "+".join(cfg.llm)
+            blocks: Any = [(pairs, results, extra)]
+        else:
+            name = f"{cfg.labeller}:{Path(cfg.model).name}"
+            blocks = ((pairs, results, [{}] * len(pairs)) for pairs, results in _offline_blocks(cfg, labels, descriptions,
+                                                                                                  rows, ray, bar))
+        with open_text_atomic(out) as f:
+            for pairs, results, extra in blocks:
+                f.write("".join(dumps(output_record(t, r.label, r.confidence, name, o, e)) + "\n"
+                                for (t, o), r, e in zip(pairs, results, extra, strict=True)))
+                f.flush()  # a block's lines leave the driver as they are written
+                for r in results:
+                    counts[r.label or "unlabeled"] += 1
+                n += len(pairs)
+    finally:
+        bar.close()
+    if cfg.labeller != "endpoint":
+        ledger = {"requests": n, "tokens": 0}
+    ledger.update(texts=n, wall_seconds=round(time.perf_counter() - t0, 3),
+                  cpu_seconds=round(time.process_time() - c0, 3), labeller=name)
+    write_json_atomic(ledger_path(out), ledger)
     return LabelResult(out, counts, ledger)
+
+
+def _input_rows(cfg: LabelConfig) -> tuple[Iterator[tuple[str, dict[str, Any]]], int | None]:
+    """(text, own fields) of the rows to label, read as asked for, and how many when known: ``--max-examples``
+    counts the rows in a first pass and keeps its seeded subset's row numbers (the rows themselves are read in the
+    second)."""
+    rows = iter_texts(cfg.input, cfg.text_field)
+    if not cfg.max_examples:
+        return rows, None
+    n = sum(1 for _ in iter_texts(cfg.input, cfg.text_field))
+    keep = seeded_subset(range(n), cfg.max_examples, cfg.seed)
+    if len(keep) == n:
+        return rows, n
+    wanted = set(keep)
+    return (pair for i, pair in enumerate(rows) if i in wanted), len(keep)
+
+
+def _offline_blocks(cfg: LabelConfig, labels: list[str], descriptions: dict[str, str],
+                    rows: Iterator[tuple[str, dict[str, Any]]], ray: RayJob | None,
+                    bar: Any) -> Iterator[tuple[list[tuple[str, dict[str, Any]]], list[Any]]]:
+    """(rows, their results) a block at a time, in input order: the embed or cloze labeller on
+    :data:`LABEL_CHUNK` texts per call, here or on ``ray``'s actors (one labeller each, the same calls)."""
+    from encoderkit.inference.predictor import chunks
+    from encoderkit.label.offline import ClozeLabeller, EmbedLabeller
+    from encoderkit.tasks.common import resolve_model
+
+    model = resolve_model(cfg.model)
+    if cfg.labeller == "embed":
+        seeds = labelled_pairs(cfg.seeds, labels, "--seeds") if cfg.seeds else None
+        make: Any = partial(EmbedLabeller, model, labels, descriptions, seeds, cfg.embed_temperature, cfg.backend,
+                            cfg.batch_size, threads=None if ray is None else ray.threads)
+    else:
+        make = partial(ClozeLabeller, model, labels, parse_pairs(cfg.verbalizer, labels, "--verbalizer"),
+                       cfg.pattern, batch_size=cfg.batch_size)
+    lab = make()  # with --ray too: it checks the model here, before any actor starts
+    blocks = chunks(rows, LABEL_BLOCK * LABEL_CHUNK)
+    if ray is None:
+        for pairs in blocks:
+            texts = [t for t, _ in pairs]
+            results = [r for a in range(0, len(texts), LABEL_CHUNK) for r in lab.label(texts[a : a + LABEL_CHUNK])]
+            bar.update(len(pairs))
+            yield pairs, results
+        return
+    held: collections.deque[list[tuple[str, dict[str, Any]]]] = collections.deque()  # read, not yet written
+
+    def shipped() -> Iterator[tuple[list[str], list[list[int]]]]:
+        for pairs in blocks:  # one labeller per actor (a cloze one's torch threads: Ray's OMP_NUM_THREADS), each
+            held.append(pairs)  # call the local loop makes
+            texts = [t for t, _ in pairs]
+            yield texts, _ray_calls(lab, texts)[1]
+
+    for results in ray.map_chunks(shipped(), make, _ray_calls(lab, [])[0]):
+        pairs = held.popleft()
+        bar.update(len(pairs))
+        yield pairs, results
 
 
 def _run_endpoint(cfg: LabelConfig, labels: list[str], descriptions: dict[str, str], texts: list[str],

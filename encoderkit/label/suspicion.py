@@ -10,6 +10,9 @@ TF-IDF features are the default: a labeller that is itself a function of the emb
 
 from __future__ import annotations
 
+import array
+import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -19,9 +22,10 @@ import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import write_text_atomic
-from encoderkit.label.records import dumps, read_labeled
-from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
+from encoderkit.io import open_text_atomic
+from encoderkit.label.records import dumps, iter_labeled
+from encoderkit.progress import progress
+from encoderkit.ray_jobs import RayJob, check_ray_args, pack, ray_actors_arg, ray_address_arg, ray_batch_arg
 
 
 @dataclass
@@ -59,29 +63,110 @@ class SuspectResult:
         return {"output": str(self.output), "labelled": self.labelled, "suspects": self.suspects}
 
 
-def features(texts: list[str], kind: str, model: str, ray: RayJob | None = None):
-    """(N, F) feature matrix (sparse for TF-IDF) of ``texts`` (embeddings on ``ray``'s actors when given)."""
+SUSPECT_BLOCK = 4096  # rows per block of model calls the driver ships (one --ray chunk) or runs
+
+
+class SpilledTexts:
+    """Texts written to a temporary file as they are read (gone when closed, or when the process ends) and read
+    back by row: what ``audit suspect`` holds instead of every text of its input. A list of texts works
+    wherever this does (``len``, iteration in order, ``texts[i]``)."""
+
+    def __init__(self, folder: Path | None) -> None:
+        try:
+            self._f = tempfile.TemporaryFile(dir=folder, prefix=".suspect-texts-")  # noqa: SIM115 (closed by close())
+        except OSError as e:
+            raise EncoderkitError(f"could not write a temporary file of the texts in {folder} ({e}); the output's "
+                                  "folder must be writable") from e
+        self._ends = array.array("q", [0])
+
+    def append(self, text: str) -> None:
+        data = text.encode("utf-8")
+        self._f.seek(self._ends[-1])
+        self._f.write(data)
+        self._ends.append(self._ends[-1] + len(data))
+
+    def __len__(self) -> int:
+        return len(self._ends) - 1
+
+    def _read(self, i: int) -> str:
+        self._f.seek(self._ends[i])
+        return self._f.read(self._ends[i + 1] - self._ends[i]).decode("utf-8")
+
+    def __getitem__(self, i: int) -> str:
+        return self._read(i)
+
+    def __iter__(self) -> Iterator[str]:
+        for i in range(len(self)):
+            yield self._read(i)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def features(texts: Sequence[str], kind: str, model: str, ray: RayJob | None = None):
+    """(N, F) feature matrix (sparse for TF-IDF) of ``texts`` (a list or :class:`SpilledTexts`, read in order and
+    by row; embeddings on ``ray``'s actors when given)."""
     from scipy import sparse
     from sklearn.feature_extraction.text import TfidfVectorizer
 
     parts = []
-    if kind in ("tfidf", "both"):
-        parts.append(TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True).fit_transform(texts))
+    if kind in ("tfidf", "both"):  # one pass over the texts; what it holds is the count matrix and its vocabulary
+        parts.append(TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True).fit_transform(iter(texts)))
     if kind in ("embed", "both"):
         from encoderkit.inference.predictor import Predictor
         from encoderkit.tasks.common import resolve_model
 
         p = Predictor.load(resolve_model(model))  # with --ray too: it checks the model before any actor starts
-        if ray is None:
-            parts.append(sparse.csr_matrix(p.embed(texts, normalize=True)))
-        else:  # the local run's engine calls, each shipped whole
-            from encoderkit.inference.predictor import as_one_call, engine_batches, text_lengths
-
-            load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
-            call = partial(as_one_call, partial(Predictor.embed, normalize=True))
-            parts.append(sparse.csr_matrix(np.stack(ray.map(texts, load, call, "embed",
-                                                            groups=engine_batches(p, text_lengths(p, texts))))))
+        parts.append(sparse.csr_matrix(_embeddings(p, texts, ray)))
     return parts[0] if len(parts) == 1 else sparse.hstack(parts).tocsr()
+
+
+def _embeddings(p: Any, texts: Sequence[str], ray: RayJob | None) -> np.ndarray:
+    """Unit embeddings (N, H) of ``texts`` from the engine calls of ``p.embed(texts)`` on all of them (its
+    length-sorted batches over the whole input: the token lengths are counted a block at a time first), each run
+    as one call, a block of calls at a time; on ``ray``'s actors when given. Held: the (N, H) result, the lengths,
+    and the texts of the blocks in flight."""
+    from encoderkit.inference.predictor import Predictor, as_one_call, chunks, engine_batches, text_lengths
+
+    lengths = [n for block in chunks(iter(texts), SUSPECT_BLOCK) for n in text_lengths(p, block)]
+    call = partial(as_one_call, partial(Predictor.embed, normalize=True))
+    out: np.ndarray | None = None
+    blocks = pack(engine_batches(p, lengths), SUSPECT_BLOCK)
+
+    def shipped() -> Iterator[tuple[list[str], list[list[int]]]]:
+        for block in blocks:
+            rows = [i for g in block for i in g]
+            local, at = [], 0
+            for g in block:
+                local.append(list(range(at, at + len(g))))
+                at += len(g)
+            yield [texts[i] for i in rows], local
+
+    if ray is None:
+        results: Iterator[Any] = (_local_calls(p, call, rows, groups) for rows, groups in shipped())
+    else:
+        load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
+        results = ray.map_chunks(shipped(), load, call)
+    with progress(total=len(lengths), desc="embed", unit="text") as bar:
+        for block, vecs in zip(blocks, results, strict=True):
+            rows = [i for g in block for i in g]
+            if out is None:
+                out = np.zeros((len(lengths), len(vecs[0])), np.float32)
+            out[rows] = np.stack(vecs)
+            bar.update(len(rows))
+    return out if out is not None else np.zeros((0, 0), np.float32)
+
+
+def _local_calls(p: Any, call: Any, texts: list[str], groups: list[list[int]]) -> list[np.ndarray]:
+    """``call(p, [texts[i] for i in g])`` for each group, in order, with the block's texts tokenised in one call
+    (a token row does not depend on the rows tokenised with it; many small calls cost twice the time here)."""
+    from encoderkit.tasks.embed.embedder import Embedder, tokenize
+
+    emb = Embedder.of_runner(p)
+    if getattr(emb.engine, "pool_texts", None) is not None:  # a static model reads whole texts
+        return [y for g in groups for y in call(p, [texts[i] for i in g])]
+    rows = tokenize(p.tokenizer, texts, p.max_length)
+    return [y for g in groups for y in emb.finish(emb.pooled_rows([rows[i] for i in g], max_batch=len(g)), None, True)]
 
 
 def out_of_fold(x, y: np.ndarray, n_classes: int, folds: int, seed: int, c: float = 1.0) -> np.ndarray:
@@ -100,26 +185,42 @@ def out_of_fold(x, y: np.ndarray, n_classes: int, folds: int, seed: int, c: floa
 
 
 def run(cfg: SuspectConfig) -> SuspectResult:
-    """Add ``suspicion`` and ``suspect`` to every labelled line (unlabelled lines get null and false)."""
+    """Add ``suspicion`` and ``suspect`` to every labelled line (unlabelled lines get null and false). The input is
+    read twice, line by line: first for the labels (held: one label number per labelled line) and the texts, which
+    go to a temporary file beside the output (:class:`SpilledTexts`); then to write each line with its scores. The
+    driver holds the features of the out-of-fold model (TF-IDF counts, (N, H) embeddings) and its probabilities."""
     from cleanlab.filter import find_label_issues
 
     out = Path(cfg.output)
     if out.exists() and not cfg.overwrite:
         raise EncoderkitError(f"{out} exists; pass --overwrite to replace it")
     ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before the model is loaded
-    recs = read_labeled(cfg.input)
-    idx = [i for i, r in enumerate(recs) if r["label"] not in (None, "")]
-    names = sorted({str(recs[i]["label"]) for i in idx})
-    if len(names) < 2:
-        raise EncoderkitError(f"{cfg.input}: only {len(names)} distinct label(s) among labelled lines; suspicion needs two or more")
-    y = np.asarray([names.index(str(recs[i]["label"])) for i in idx])
-    x = features([str(recs[i]["text"]) for i in idx], cfg.features, cfg.model, ray)
+    texts = SpilledTexts(out.parent if out.parent.is_dir() else None)  # else the system's temporary folder
+    try:
+        seen: dict[str, int] = {}  # label -> its number in the order met
+        met = array.array("q")  # per labelled line: its label's number
+        labelled = array.array("b")  # per line: 1 when it has a label
+        for r in iter_labeled(cfg.input):
+            has = r["label"] not in (None, "")
+            labelled.append(has)
+            if has:
+                met.append(seen.setdefault(str(r["label"]), len(seen)))
+                texts.append(str(r["text"]))
+        names = sorted(seen)
+        if len(names) < 2:
+            raise EncoderkitError(f"{cfg.input}: only {len(names)} distinct label(s) among labelled lines; suspicion needs two or more")
+        y = np.asarray([names.index(x) for x in seen], dtype=np.int64)[np.asarray(met, dtype=np.int64)]
+        x = features(texts, cfg.features, cfg.model, ray)
+    finally:
+        texts.close()
     probs = out_of_fold(x, y, len(names), cfg.folds, cfg.seed, cfg.c)
     issues = find_label_issues(labels=y, pred_probs=probs, n_jobs=1)
-    for r in recs:
-        r["suspicion"], r["suspect"] = None, False
-    for j, i in enumerate(idx):
-        recs[i]["suspicion"] = round(float(1 - probs[j, y[j]]), 4)
-        recs[i]["suspect"] = bool(issues[j])
-    write_text_atomic(out, "".join(dumps(r) + "\n" for r in recs))
-    return SuspectResult(out, len(idx), int(issues.sum()))
+    j = 0
+    with open_text_atomic(out) as f:
+        for r, has in zip(iter_labeled(cfg.input), labelled, strict=True):
+            r["suspicion"], r["suspect"] = None, False
+            if has:
+                r["suspicion"], r["suspect"] = round(float(1 - probs[j, y[j]]), 4), bool(issues[j])
+                j += 1
+            f.write(dumps(r) + "\n")
+    return SuspectResult(out, len(y), int(issues.sum()))

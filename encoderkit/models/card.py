@@ -19,7 +19,8 @@ CARD = "encoderkit.json"
 CARD_FIELDS = ("stage", "parent", "config", "metrics", "created")  # what write_card itself writes
 # facts of the run that made a folder, true of that folder only (its lineage keeps them for the children)
 RUN_FACTS = ("steps", "train_examples", "stopped_early", "loss", "layers_from_teacher", "recipe_step", "recipe_params",
-             "dev_at_thresholds")  # a multilabel run's dev figure at its thresholds (the thresholds are inherited)
+             "dev_at_thresholds",  # a multilabel run's dev figure at its thresholds (the thresholds are inherited)
+             "int8_agreement")  # of the folder's own INT8 graph (export/compress --dev): a child's graph is another
 
 
 def write_card(folder: Path, stage: str, parent: str | Path | None, config: dict[str, Any], metrics: dict[str, Any] | None = None, **extra: Any) -> None:

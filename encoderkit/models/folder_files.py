@@ -27,7 +27,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", QUANT_FILE, "config.js
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 _NEVER_FILES = (CARD, "report.json")
 _NEVER_SUFFIXES = (".onnx", ".data")
-_NEVER_FOLDERS = ("onnx", "openvino", "checkpoints")
+_NEVER_FOLDERS = ("onnx", "openvino", "checkpoints", "adapt")  # adapt/: the queries and negatives of an adapt run
 _MODULE_FOLDER = re.compile(r"\d+_")  # a sentence-transformers module: 1_Pooling, 2_Normalize
 
 

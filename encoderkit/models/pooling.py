@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -31,6 +32,16 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor
         return hidden[:, 0]
     m = mask.unsqueeze(-1).to(hidden.dtype)
     return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+
+
+def pool_array(hidden: np.ndarray, mask: np.ndarray, pooling: str) -> np.ndarray:
+    """:func:`pool` in numpy on one thread, for an engine's float32 outputs: torch's reduction wakes its thread
+    pool, which then fights ONNX Runtime's spinning threads for the cores (on 2 cores that made pooling a quarter
+    of a short-sentence run: bench/embed_peers.py)."""
+    if pooling == "first":
+        return np.ascontiguousarray(hidden[:, 0])
+    m = mask.astype(np.float32)
+    return np.einsum("bt,bth->bh", m, hidden) / np.maximum(m.sum(1, keepdims=True), 1e-9)
 
 
 class MaskedMeanPooler(nn.Module):

@@ -89,3 +89,13 @@ def read_static_table(folder: Path) -> np.ndarray:
     if "weights" in tensors:
         table = table * tensors["weights"].astype(np.float32)[:, None]
     return np.ascontiguousarray(table)
+
+
+def static_parameters(folder: Path) -> int:
+    """The float parameters of a static folder: its token table (K + 1, D) and per-token weights (V,), read from the
+    safetensors header."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(folder) / WEIGHTS_FILE), "np") as f:
+        names = set(f.keys())
+        return sum(int(np.prod(f.get_slice(k).get_shape())) for k in ("embeddings", "weights") if k in names)

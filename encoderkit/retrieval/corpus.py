@@ -23,12 +23,14 @@ scores as its best passage).
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
-import io
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from encoderkit.errors import EncoderkitError
 
@@ -50,41 +52,71 @@ class CorpusRead:
     skipped: list[str]  # "where: why" of each document left out
 
 
+class Skipped:
+    """The documents a read left out: how many, the first ``keep`` "where: why" (all of them: None), each of those
+    also passed to ``note`` as it happens (a stage's stderr line)."""
+
+    def __init__(self, keep: int | None = None, note: Callable[[str], Any] | None = None) -> None:
+        self.count, self.first, self.keep, self.note = 0, [], keep, note
+
+    def append(self, why: str) -> None:
+        self.count += 1
+        if self.keep is None or len(self.first) < self.keep:
+            self.first.append(why)
+            if self.note is not None:
+                self.note(f"skipped {why}")
+
+
 def read_corpus(sources: list[str], id_field: str = "id", text_field: str = "text", title_field: str = "title") -> CorpusRead:
     """Every document of ``sources`` (see the module docstring) in a deterministic order."""
-    docs: list[SourceDoc] = []
-    skipped: list[str] = []
-    for spec in sources:
-        path = Path(spec.partition("#")[0])
-        if not path.exists():
-            raise EncoderkitError(f"corpus {spec} does not exist")
-        if path.suffix == ".zip" or (path.is_dir() and (path / "corpus.jsonl").is_file()):
-            from encoderkit.data.beir import load_retrieval
+    skipped = Skipped()
+    docs = list(iter_corpus(sources, id_field, text_field, title_field, skipped))
+    return CorpusRead(docs, skipped.first)
 
-            data = load_retrieval(spec)
-            docs += [SourceDoc(d, data.doc_text(d), f"{spec}: doc {d}") for d in data.corpus]
-        elif path.is_dir():
-            for f in sorted(p for p in path.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(path).parts)):
-                _read_file(f, str(f.relative_to(path)), docs, skipped, id_field, text_field, title_field)
-        else:
-            _read_file(path, str(path), docs, skipped, id_field, text_field, title_field)
+
+def iter_corpus(sources: list[str], id_field: str = "id", text_field: str = "text", title_field: str = "title",
+                skipped: Skipped | None = None) -> Iterator[SourceDoc]:
+    """The documents of :func:`read_corpus`, in its order, read as they are asked for: a JSONL file line by line, a
+    CSV record by record (after a first pass that checks it is UTF-8, since a CSV that is not is skipped whole), a
+    folder file by file; a BEIR folder or the SciFact zip is read whole by :mod:`encoderkit.data.beir` (an
+    evaluation format, its queries and judgments checked with its corpus). What stays in memory is each id and where
+    it came from (to name both places of a repeated id). The same errors, raised when reached: a repeated id at its
+    second place, a corpus with no document at the end."""
+    skipped = Skipped() if skipped is None else skipped
     seen: dict[str, str] = {}
-    for d in docs:
-        if d.id in seen:
-            raise EncoderkitError(f"document id {d.id!r} appears twice ({seen[d.id]} and {d.where}); ids must be "
-                                  "unique: fix the source or give --id-field a unique field")
-        seen[d.id] = d.where
-    if not docs:
-        why = f" ({len(skipped)} skipped: {'; '.join(skipped[:3])})" if skipped else ""
+    for spec in sources:
+        for d in _source_docs(spec, skipped, id_field, text_field, title_field):
+            if d.id in seen:
+                raise EncoderkitError(f"document id {d.id!r} appears twice ({seen[d.id]} and {d.where}); ids must be "
+                                      "unique: fix the source or give --id-field a unique field")
+            seen[d.id] = d.where
+            yield d
+    if not seen:
+        why = f" ({skipped.count} skipped: {'; '.join(skipped.first[:3])})" if skipped.count else ""
         raise EncoderkitError(f"corpus {', '.join(sources)} holds no document with text{why}; nothing to index")
-    return CorpusRead(docs, skipped)
 
 
-def _read_file(path: Path, doc_id: str, docs: list[SourceDoc], skipped: list[str], id_field: str, text_field: str,
-               title_field: str) -> None:
-    raw = path.read_bytes()
+def _source_docs(spec: str, skipped: Skipped, id_field: str, text_field: str, title_field: str) -> Iterator[SourceDoc]:
+    path = Path(spec.partition("#")[0])
+    if not path.exists():
+        raise EncoderkitError(f"corpus {spec} does not exist")
+    if path.suffix == ".zip" or (path.is_dir() and (path / "corpus.jsonl").is_file()):
+        from encoderkit.data.beir import load_retrieval
+
+        data = load_retrieval(spec)
+        for d in data.corpus:
+            yield SourceDoc(d, data.doc_text(d), f"{spec}: doc {d}")
+    elif path.is_dir():
+        for f in sorted(p for p in path.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(path).parts)):
+            yield from _file_docs(f, str(f.relative_to(path)), skipped, id_field, text_field, title_field)
+    else:
+        yield from _file_docs(path, str(path), skipped, id_field, text_field, title_field)
+
+
+def _file_docs(path: Path, doc_id: str, skipped: Skipped, id_field: str, text_field: str,
+               title_field: str) -> Iterator[SourceDoc]:
     if path.suffix in (".jsonl", ".csv"):
-        records = _jsonl(path, raw, skipped) if path.suffix == ".jsonl" else _csv(path, raw, skipped)
+        records = _jsonl(path, skipped) if path.suffix == ".jsonl" else _csv(path, skipped)
         for where, rec in records:
             rid = rec.get(id_field, rec.get("_id")) if id_field == "id" else rec.get(id_field)
             if rid is None or str(rid).strip() == "":
@@ -95,45 +127,66 @@ def _read_file(path: Path, doc_id: str, docs: list[SourceDoc], skipped: list[str
             title = rec.get(title_field) or ""
             full = f"{title} {text}".strip() if isinstance(title, str) else text.strip()
             if full:
-                docs.append(SourceDoc(str(rid), full, where))
+                yield SourceDoc(str(rid), full, where)
             else:
                 skipped.append(f"{where}: empty text")
         return
     try:
-        text = raw.decode("utf-8").strip()
+        text = path.read_bytes().decode("utf-8").strip()  # one file, one document
     except UnicodeDecodeError as e:
         skipped.append(f"{path}: not UTF-8 (first bad byte at offset {e.start})")
         return
     if text:
-        docs.append(SourceDoc(doc_id, text, str(path)))
+        yield SourceDoc(doc_id, text, str(path))
     else:
         skipped.append(f"{path}: empty")
 
 
-def _jsonl(path: Path, raw: bytes, skipped: list[str]):
-    for n, line in enumerate(raw.split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            skipped.append(f"{path}:{n}: not UTF-8 (byte {e.start} of the line)")
-            continue
-        except json.JSONDecodeError as e:
-            raise EncoderkitError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-        if not isinstance(rec, dict):
-            raise EncoderkitError(f"{path}:{n}: expected a JSON object")
-        yield f"{path}:{n}", rec
+def _jsonl(path: Path, skipped: Skipped) -> Iterator[tuple[str, dict]]:
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):  # lines end at b"\n" only, as a text's own U+2028 must not end one
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                skipped.append(f"{path}:{n}: not UTF-8 (byte {e.start} of the line)")
+                continue
+            except json.JSONDecodeError as e:
+                raise EncoderkitError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+            if not isinstance(rec, dict):
+                raise EncoderkitError(f"{path}:{n}: expected a JSON object")
+            yield f"{path}:{n}", rec
 
 
-def _csv(path: Path, raw: bytes, skipped: list[str]):
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        skipped.append(f"{path}: not UTF-8 (first bad byte at offset {e.start})")
+READ_BYTES = 1 << 22  # bytes per read of the UTF-8 check
+
+
+def first_bad_utf8(path: Path) -> int | None:
+    """The offset of the first byte of ``path`` that is not UTF-8 (what ``bytes.decode`` reports), None if there is
+    none; read :data:`READ_BYTES` at a time."""
+    base, carry = 0, b""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(READ_BYTES)
+            data = carry + chunk
+            try:
+                _, used = codecs.utf_8_decode(data, "strict", not chunk)
+            except UnicodeDecodeError as e:
+                return base + e.start
+            if not chunk:
+                return None
+            base, carry = base + used, data[used:]
+
+
+def _csv(path: Path, skipped: Skipped) -> Iterator[tuple[str, dict]]:
+    bad = first_bad_utf8(path)
+    if bad is not None:
+        skipped.append(f"{path}: not UTF-8 (first bad byte at offset {bad})")
         return
-    for n, rec in enumerate(csv.DictReader(io.StringIO(text, newline="")), 2):
-        yield f"{path}:{n}", rec
+    with open(path, encoding="utf-8", newline="") as f:
+        for n, rec in enumerate(csv.DictReader(f), 2):
+            yield f"{path}:{n}", rec
 
 
 def passage_spans(tokenizer, text: str, size: int, overlap: int) -> list[tuple[int, int]]:

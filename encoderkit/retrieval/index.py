@@ -14,12 +14,26 @@ a changed one is re-embedded; one no longer in the corpus is removed from every 
 calibration of the first build is kept by updates (so unchanged codes stay valid); ``--rebuild``
 re-embeds everything and recalibrates. Another model, other dims or another passage policy than
 the index was built with is refused unless ``--rebuild``.
+
+Streaming (with or without ``--ray``, one path): the corpus is read document by document
+(:func:`.corpus.iter_corpus`), split, and embedded and written a block of :data:`BLOCK_TEXTS` new passages
+at a time (:data:`EMBED_CHUNK` per Predictor call, as a whole-corpus run makes them): passages.jsonl and the
+arrays are appended to in the new generation's temporary folder (:class:`.store.GenerationWriter`), the
+manifest's sizes and sha256 computed after. The files are those of a run that held the whole corpus, byte for
+byte, except past :data:`CALIBRATION_ROWS` new vectors: a build fits its int8 calibration on the first that
+many (held until then), not on all. Held in the driver: per passage of the old generation, its line's offset,
+document id and hash; per document, its id; the blocks in flight; with ``--store milvus`` the new passages'
+ids; past ``--ann-threshold``, every binary code (the IVF is trained on them all); with ``--calibrate``, every
+passage and vector (the report searches them all). A BEIR folder or the SciFact zip is read whole.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -40,31 +54,53 @@ from encoderkit.inference.predictor import (
 from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note, progress
 from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
-from encoderkit.retrieval import ann
-from encoderkit.retrieval.codes import int8_calibration, stored_codes
-from encoderkit.retrieval.corpus import SourceDoc, passage_spans, read_corpus
-from encoderkit.retrieval.store import STORES, Generation, current_folder, open_generation, write_generation
+from encoderkit.retrieval import ann, first_stage, sparse
+from encoderkit.retrieval.codes import binary_codes, int8_calibration, int8_codes
+from encoderkit.retrieval.corpus import Skipped, SourceDoc, iter_corpus, passage_spans
+from encoderkit.retrieval.store import (
+    STORES,
+    Generation,
+    GenerationWriter,
+    PassageLines,
+    current_folder,
+    open_generation,
+)
 from encoderkit.tasks import get_task
 
 EMBED_CHUNK = 256  # texts per Predictor call (it batches inside)
+BLOCK_TEXTS = 16 * EMBED_CHUNK  # new passages per block the driver embeds and writes (one --ray chunk)
+BLOCK_ROWS = 4096  # passages per block of an update (kept ones too), and rows per read of the old generation
+CALIBRATION_ROWS = 100_000  # a build's int8 calibration: the ranges of its first this many passages (all, below)
+
+
+def embed_blocks(p: Predictor, blocks: Iterable[list[str]], ray: RayJob | None = None,
+                 on_rows: Callable[[int], Any] | None = None) -> Iterator[np.ndarray]:
+    """Pooled, un-normalised embeddings (n, H) float32 of each list of ``blocks``, in order, a block read when the
+    one before it is handed back: :data:`EMBED_CHUNK` texts per Predictor call (it length-sorts and batches
+    inside), or on ``ray``'s actors (one Predictor of the same folder and settings each) those same engine calls,
+    each shipped whole, ``ray_jobs.IN_FLIGHT`` blocks out at a time. ``on_rows(n)``: after each block."""
+    empty = np.zeros((0, 0), np.float32)
+    if ray is None:
+        for texts in blocks:
+            parts = [p.embed_raw(texts[i : i + EMBED_CHUNK]) for i in range(0, len(texts), EMBED_CHUNK)]
+            if on_rows is not None:
+                on_rows(len(texts))
+            yield np.concatenate(parts) if parts else empty
+        return
+    load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
+    plans = ((texts, engine_batches(p, text_lengths(p, texts), EMBED_CHUNK)) for texts in blocks)  # tokenised as sent
+    for vecs in ray.map_chunks(plans, load, partial(as_one_call, Predictor.embed_raw)):
+        if on_rows is not None:
+            on_rows(len(vecs))
+        yield np.stack(vecs) if vecs else empty
 
 
 def embed_texts(p: Predictor, texts: list[str], desc: str = "embed", ray: RayJob | None = None) -> np.ndarray:
-    """Pooled, un-normalised embeddings (N, H) float32 of ``texts``, with a progress bar (on ``ray``'s actors when
-    given: one Predictor of the same folder and settings each)."""
-    if ray is not None and texts:  # the engine calls of the loop below, each shipped whole, a chunk at a time
-        load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
-        parts = ((part, engine_batches(p, text_lengths(p, part)))  # tokenised as sent: ray_jobs.IN_FLIGHT chunks out
-                 for part in (texts[i : i + EMBED_CHUNK] for i in range(0, len(texts), EMBED_CHUNK)))
-        out = []
-        with progress(total=len(texts), desc=desc, unit="text") as bar:
-            for vecs in ray.map_chunks(parts, load, partial(as_one_call, Predictor.embed_raw)):
-                out.append(np.stack(vecs))
-                bar.update(len(vecs))
-        return np.concatenate(out)
-    chunks = [p.embed_raw(texts[i : i + EMBED_CHUNK]) for i in progress(range(0, len(texts), EMBED_CHUNK),
-                                                                      total=-(-len(texts) // EMBED_CHUNK), desc=desc, unit="chunk")]
-    return np.concatenate(chunks) if chunks else np.zeros((0, 0), np.float32)
+    """Pooled, un-normalised embeddings (N, H) float32 of ``texts`` (:func:`embed_blocks`), with a progress bar."""
+    blocks = (texts[i : i + BLOCK_TEXTS] for i in range(0, len(texts), BLOCK_TEXTS))
+    with progress(total=len(texts), desc=desc, unit="text") as bar:
+        out = [v for v in embed_blocks(p, blocks, ray, bar.update) if len(v)]
+    return np.concatenate(out) if out else np.zeros((0, 0), np.float32)
 
 
 @dataclass
@@ -74,7 +110,9 @@ class IndexConfig(StageConfig):
     # old spellings, until the next release: --runtime X is --backend X, --backend local|milvus is --store
     renamed: ClassVar[dict[str, Renamed]] = {"runtime": Renamed("backend"), "backend": Renamed("store", values=STORES)}
 
-    model: str = arg(help="Embed model folder (a sentence-transformers or encoderkit embed folder).", required=True)
+    model: str = arg(help="Embed model folder (a sentence-transformers or encoderkit embed folder), or a sparse "
+                          "(SPLADE, finetune --task sparse) folder: an inverted index of its vocabulary weights.",
+                     required=True)
     corpus: list[str] = arg(help="Text files, folders, JSONL/CSV with an id field, a BEIR folder or the SciFact zip.",
                             required=True)
     out: str = arg(help="Index folder; an existing index there is updated.", required=True)
@@ -106,6 +144,12 @@ class IndexConfig(StageConfig):
     ray: str | None = ray_address_arg()
     ray_actors: int = ray_actors_arg()
     ray_batch: int = ray_batch_arg()
+    first_stage_model: str | None = arg(None, help="A static embedding folder (distill --to static from --model) as the "
+                                        "first stage: its codes pick the candidates, --model's int8 codes rescore them "
+                                        "(docs/search.md, Tiers).")
+    full_codes: str = arg("lazy", choices=first_stage.FULL_CODES, help="With --first-stage-model: when --model embeds "
+                          "the passages for rescoring: lazy (the first time a passage is a candidate; kept in the index) "
+                          "or eager (all of them now).")
 
     def validate(self) -> None:
         check_ray_args(self.ray_actors, self.ray_batch)
@@ -131,13 +175,15 @@ class IndexResult:
 
 def run(cfg: IndexConfig) -> IndexResult:
     """Build or update the index ``cfg.out`` from ``cfg.corpus`` (see the module docstring)."""
+    if sparse.is_sparse_model(cfg.model):  # a SPLADE model: an inverted index of its vocabulary weights
+        return IndexResult(Path(cfg.out), sparse.build(cfg))
+    if cfg.first_stage_model or (not cfg.rebuild and first_stage.is_tiered(Path(cfg.out))):  # a static first stage
+        return IndexResult(Path(cfg.out), first_stage.build(cfg, embed_texts))
     t0 = time.perf_counter()
     ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before any model is loaded
-    read = read_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field)
-    for s in read.skipped[:5]:
-        note(f"skipped {s}")
-    if len(read.skipped) > 5:
-        note(f"... and {len(read.skipped) - 5} more skipped")
+    skipped = Skipped(keep=5, note=note)
+    docs = iter_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, skipped)
+    docs = itertools.chain([next(docs)], docs)  # a missing or empty corpus fails now, before the model is loaded
     p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.batch_size)
     if get_task(p.task).endpoint != "embed":  # the index holds sentence vectors: /v1/embed's call
         raise EncoderkitError(f"--model {cfg.model} is a {p.task!r} model; indexing needs an embed model")
@@ -146,7 +192,7 @@ def run(cfg: IndexConfig) -> IndexResult:
     root = Path(cfg.out)
     old = None
     if current_folder(root) is not None:
-        old = open_generation(root)
+        old = open_generation(root, lazy_passages=True)  # its texts stay on disk: kept lines are copied from there
     elif root.exists() and any(x for x in root.iterdir() if not x.name.startswith(".")):
         raise EncoderkitError(f"--out {root} is a non-empty folder that is not an index; choose another --out")
     # 'runtime' too, for one release: the release before the rename reads that key
@@ -164,65 +210,11 @@ def run(cfg: IndexConfig) -> IndexResult:
         if (cfg.float16 or cfg.store == "milvus") and not om.get("float16"):
             raise EncoderkitError(f"index {root} holds no float16 vectors (needed by --float16 and --store milvus); "
                                   "pass --rebuild to re-embed")
-    reuse = {} if old is None or cfg.rebuild else _rows_by_doc(old)
-
-    passages: list[dict[str, str]] = []
-    source_rows: list[int] = []  # row in the old generation, or -1 for a new passage
-    new_texts: list[str] = []
-    counts = {"documents": len(read.docs), "unchanged": 0, "added": 0, "changed": 0}
-    for d in read.docs:
-        h = d.hash
-        prev = reuse.get(d.id)
-        if prev is not None and prev[0] == h:
-            counts["unchanged"] += 1
-            for row in prev[1]:
-                passages.append(old.passages[row])
-                source_rows.append(row)
-            continue
-        counts["changed" if prev is not None else "added"] += 1
-        for j, (a, b) in enumerate(_spans(p, d, size, cfg.overlap)):
-            passages.append({"id": f"{d.id}#{j}", "doc_id": d.id, "hash": h, "text": d.text[a:b]})
-            source_rows.append(-1)
-            new_texts.append(d.text[a:b])
-    live = {d.id for d in read.docs}
-    counts["deleted"] = sum(1 for doc_id in reuse if doc_id not in live) if old is not None and not cfg.rebuild else 0
-    raw = embed_texts(p, new_texts, "embed", ray) if new_texts else np.zeros((0, 0), np.float32)
-    full = raw.shape[1] if raw.size else int(old.manifest["model_dims"])
-    dims = cfg.dims or (old.dims if old is not None and not cfg.rebuild else full)
-    if dims > full:
-        raise EncoderkitError(f"--dims {dims} is more than the model's {full} dimensions")
-    vecs = finish_embeddings(raw, dims, True) if raw.size else np.zeros((0, dims), np.float32)
-    calibration = (np.asarray(old.arrays["int8_calibration"]) if old is not None and not cfg.rebuild
-                   else int8_calibration(vecs))
-    keep_float = cfg.float16 or cfg.store == "milvus" or bool(old is not None and not cfg.rebuild and old.manifest["float16"])
-    arrays = _assemble(old, source_rows, vecs, calibration, keep_float)
-    manifest.update({"dims": dims, "model_dims": full, "float16": keep_float,
-                     "precisions": ["binary", "int8"] + (["float16"] if keep_float else [])})
-    gen = Generation(manifest, passages, arrays)
-    extra = {}
-    if len(passages) > cfg.ann_threshold:
-        extra["binary.ivf"] = lambda path: ann.save(ann.build_binary_ivf(arrays["binary"]), path)
-    before_swap = None
-    if cfg.store == "milvus":
-        from encoderkit.retrieval.milvus import sync
-
-        kept = {x["id"] for x in passages}
-        removed = [r["id"] for r in (old.passages if old is not None else []) if r["id"] not in kept]
-        changed_ids = [passages[i]["id"] for i, r in enumerate(source_rows) if r < 0]
-        before_swap = lambda folder: sync(cfg.uri, cfg.collection, gen, changed_ids, removed, root)
-    folder = write_generation(root, gen, extra, before_swap)
-    counts.update({"passages": len(passages), "embedded_passages": len(new_texts), "skipped": len(read.skipped),
-                   "skipped_examples": read.skipped[:5], "dims": dims, "generation": folder.name,
-                   "bytes": {f: m["bytes"] for f, m in json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["files"].items()},
-                   "seconds": round(time.perf_counter() - t0, 2)})
-    result = IndexResult(root, counts)
-    if cfg.calibrate:
-        from encoderkit.retrieval.calibrate import calibrate
-
-        full_vecs = finish_embeddings(raw, None, True) if len(new_texts) == len(passages) else \
-            finish_embeddings(embed_texts(p, [x["text"] for x in passages], "embed all for --calibrate", ray), None, True)
-        result.calibration = calibrate(p, full_vecs, passages, cfg.calibrate_queries, cfg.min_overlap, root)
-    return result
+    try:
+        return _stream_generation(cfg, p, docs, skipped, old, manifest, ray, t0)
+    finally:
+        if old is not None:
+            old.passages.close()
 
 
 def _spans(p: Predictor, d: SourceDoc, size: int, overlap: int) -> list[tuple[int, int]]:
@@ -236,18 +228,221 @@ def _rows_by_doc(gen: Generation) -> dict[str, tuple[str, list[int]]]:
     return out
 
 
-def _assemble(old: Generation | None, source_rows: list[int], vecs: np.ndarray, calibration: np.ndarray,
-              keep_float: bool) -> dict[str, np.ndarray]:
-    """The new generation's arrays: old rows copied where reused, new rows coded from ``vecs``."""
-    src = np.asarray(source_rows)
-    new_at = np.flatnonzero(src < 0)
-    old_at = np.flatnonzero(src >= 0)
-    arrays = {}
-    for key, fresh in stored_codes(vecs, calibration, keep_float).items():
-        arr = np.empty((len(src), fresh.shape[1]), dtype=fresh.dtype)
-        arr[new_at] = fresh
-        if len(old_at):
-            arr[old_at] = np.asarray(old.arrays[key])[src[old_at]]
-        arrays[key] = arr
-    arrays["int8_calibration"] = calibration.astype(np.float32)
-    return arrays
+
+# -- the stream: documents -> passages -> blocks -> vectors -> the generation's files -----------------------------
+
+@dataclass
+class _Block:
+    """Passages in corpus order, as runs: ``["new", [passage dicts]]`` or ``["old", first row, rows]`` (kept
+    passages of the old generation); ``texts``: the new passages' texts, what is embedded."""
+
+    runs: list[list[Any]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    rows: int = 0
+
+    def add_new(self, passage: dict[str, str]) -> None:
+        if not self.runs or self.runs[-1][0] != "new":
+            self.runs.append(["new", []])
+        self.runs[-1][1].append(passage)
+        self.texts.append(passage["text"])
+        self.rows += 1
+
+    def add_old(self, row: int) -> None:
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last[0] == "old" and last[1] + last[2] == row:
+            last[2] += 1
+        else:
+            self.runs.append(["old", row, 1])
+        self.rows += 1
+
+    def full(self) -> bool:
+        """A block ends after :data:`BLOCK_TEXTS` new passages, or past :data:`BLOCK_ROWS` passages where its new
+        ones are whole Predictor calls: so the texts are embedded :data:`EMBED_CHUNK` at a time across blocks, the
+        calls of a run that embeds them all in one list."""
+        return len(self.texts) >= BLOCK_TEXTS or (self.rows >= BLOCK_ROWS and len(self.texts) % EMBED_CHUNK == 0)
+
+
+def _plan(docs: Iterable[SourceDoc], p: Predictor, size: int, overlap: int, reuse: dict[str, tuple[str, list[int]]],
+          counts: dict[str, int], kept: np.ndarray | None) -> Iterator[_Block]:
+    """The blocks of the new generation: each document's passages, kept (same id and hash as in ``reuse``: its old
+    rows, marked in ``kept``) or new (split and to be embedded); ``counts`` counted as the documents go by."""
+    block = _Block()
+    for d in docs:
+        counts["documents"] += 1
+        h = d.hash
+        prev = reuse.get(d.id)
+        if prev is not None and prev[0] == h:
+            counts["unchanged"] += 1
+            for row in prev[1]:
+                block.add_old(row)
+                kept[row] = True
+                if block.full():
+                    yield block
+                    block = _Block()
+            continue
+        counts["changed" if prev is not None else "added"] += 1
+        for j, (a, b) in enumerate(_spans(p, d, size, overlap)):
+            block.add_new({"id": f"{d.id}#{j}", "doc_id": d.id, "hash": h, "text": d.text[a:b]})
+            if block.full():
+                yield block
+                block = _Block()
+    if block.rows:
+        yield block
+
+
+class _Codes:
+    """Writes the arrays of a generation a block of rows at a time: binary and float16 codes at once; int8 codes
+    once the calibration is known (an update's is the old one; a build fits it on its first
+    :data:`CALIBRATION_ROWS` vectors, held until then, or on all of them when it has fewer: the whole-corpus
+    calibration, as before streaming)."""
+
+    def __init__(self, w: GenerationWriter, old: Generation | None, calibration: np.ndarray | None,
+                 keep_float: bool) -> None:
+        self.w, self.old, self.calibration, self.keep_float = w, old, calibration, keep_float
+        self._held: list[np.ndarray] = []
+
+    def new(self, vecs: np.ndarray) -> None:
+        """Unit vectors (n, dims) of the next rows."""
+        self.w.append("binary", binary_codes(vecs))
+        if self.keep_float:
+            self.w.append("float16", vecs.astype(np.float16))
+        if self.calibration is not None:
+            self.w.append("int8", int8_codes(vecs, self.calibration))
+            return
+        self._held.append(vecs)
+        if sum(len(x) for x in self._held) >= CALIBRATION_ROWS:
+            self._fit()
+
+    def old_rows(self, start: int, n: int) -> None:
+        """Rows ``start .. start + n`` of the old generation, as they are (its calibration is this one's)."""
+        for key in ("binary", "int8") + (("float16",) if self.keep_float else ()):
+            self.w.append(key, np.asarray(self.old.arrays[key][start : start + n]))
+
+    def _fit(self) -> None:
+        held = np.concatenate(self._held)
+        self.calibration = int8_calibration(held[:CALIBRATION_ROWS])
+        self.w.append("int8", int8_codes(held, self.calibration))
+        self._held = []
+
+    def finish(self) -> np.ndarray:
+        """Write what is held and the calibration; the calibration."""
+        if self.calibration is None:
+            self._fit()
+        self.w.save("int8_calibration", self.calibration.astype(np.float32))
+        return self.calibration
+
+
+def _write_block(w: GenerationWriter, codes: _Codes, block: _Block, vecs: np.ndarray | None,
+                 old: Generation | None) -> None:
+    """A block's passages.jsonl lines and array rows, in order (``vecs``: its new passages' unit vectors)."""
+    j = 0
+    for run in block.runs:
+        if run[0] == "new":
+            w.add_passages(json.dumps(x, ensure_ascii=False) + "\n" for x in run[1])
+            codes.new(vecs[j : j + len(run[1])])
+            j += len(run[1])
+            continue
+        for start in range(run[1], run[1] + run[2], BLOCK_ROWS):  # the old lines and rows, as they are
+            n = min(BLOCK_ROWS, run[1] + run[2] - start)
+            w.add_raw_passages(old.passages.raw(start, n), n)
+            codes.old_rows(start, n)
+
+
+def _stream_generation(cfg: IndexConfig, p: Predictor, docs: Iterable[SourceDoc], skipped: Skipped,
+                       old: Generation | None, manifest: dict[str, Any], ray: RayJob | None, t0: float) -> IndexResult:
+    """Read, split, embed and write the next generation a block at a time (:func:`_plan`, :func:`embed_blocks`,
+    :func:`_write_block`), then make it live. Held in the driver: per passage of the old generation its row's
+    offset, doc id and hash, and a kept flag; per document its id (to name a repeated one); with ``--store milvus``
+    the ids of new passages; the blocks in flight (``ray_jobs.IN_FLIGHT`` with ``--ray``); the first
+    :data:`CALIBRATION_ROWS` vectors of a build; with ``--calibrate``, every vector (its report searches them all)."""
+    root = Path(cfg.out)
+    updating = old is not None and not cfg.rebuild
+    reuse = _rows_by_doc(old) if updating else {}
+    kept = np.zeros(len(old.passages) if updating else 0, dtype=bool)
+    counts: dict[str, Any] = {"documents": 0, "unchanged": 0, "added": 0, "changed": 0}
+    keep_float = cfg.float16 or cfg.store == "milvus" or bool(updating and old.manifest["float16"])
+    dims = cfg.dims or (old.dims if updating else 0)  # 0: the model's, known from the first vectors
+    full = int(old.manifest["model_dims"]) if updating else 0
+    new_ids: list[str] = []  # --store milvus: the passages to upsert
+    raws: list[np.ndarray] = []  # --calibrate on a build: its report's vectors
+    held: collections.deque[_Block] = collections.deque()  # blocks read and not yet written, in order
+    embedded = 0
+
+    def texts_of(blocks: Iterable[_Block]) -> Iterator[list[str]]:
+        for b in blocks:
+            held.append(b)
+            yield b.texts
+
+    with GenerationWriter(root) as w, progress(desc="embed", unit="text") as bar:
+        codes = _Codes(w, old if updating else None, np.asarray(old.arrays["int8_calibration"]) if updating else None,
+                       keep_float)
+        blocks = _plan(docs, p, manifest["passages"]["tokens"], cfg.overlap, reuse, counts, kept)
+        for raw in embed_blocks(p, texts_of(blocks), ray, bar.update):
+            block = held.popleft()
+            vecs = None
+            if len(block.texts):
+                full = raw.shape[1]
+                dims = dims or full
+                if dims > full:
+                    raise EncoderkitError(f"--dims {dims} is more than the model's {full} dimensions")
+                vecs = finish_embeddings(raw, dims, True)
+                embedded += len(vecs)
+                if cfg.calibrate:
+                    raws.append(raw)
+                if cfg.store == "milvus":
+                    new_ids += [x["id"] for run in block.runs if run[0] == "new" for x in run[1]]
+            _write_block(w, codes, block, vecs, old)
+        codes.finish()
+        if skipped.count > 5:
+            note(f"... and {skipped.count - 5} more skipped")
+        counts["deleted"] = len(reuse) - counts["unchanged"] - counts["changed"]
+        manifest.update({"dims": dims, "model_dims": full, "float16": keep_float,
+                         "precisions": ["binary", "int8"] + (["float16"] if keep_float else [])})
+        extra = {}
+        if w.count > cfg.ann_threshold:  # the IVF is trained on every binary code (what search loads into RAM anyway)
+            extra["binary.ivf"] = lambda path: ann.save(ann.build_binary_ivf(np.load(w.folder / "binary.npy")), path)
+        before_swap = None
+        if cfg.store == "milvus":
+            before_swap = partial(_sync_milvus, cfg, manifest, old, kept, new_ids, root)
+        folder = w.commit(manifest, extra, before_swap)
+    counts.update({"passages": w.count, "embedded_passages": embedded, "skipped": skipped.count,
+                   "skipped_examples": skipped.first[:5], "dims": dims, "generation": folder.name,
+                   "bytes": {f: m["bytes"] for f, m in json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["files"].items()},
+                   "seconds": round(time.perf_counter() - t0, 2)})
+    result = IndexResult(root, counts)
+    if cfg.calibrate:
+        result.calibration = _calibration_report(cfg, p, raws, counts, ray)
+    return result
+
+
+def _sync_milvus(cfg: IndexConfig, manifest: dict[str, Any], old: Generation | None, kept: np.ndarray,
+                 new_ids: list[str], root: Path, folder: Path) -> None:
+    """``--store milvus``: upsert the new passages and delete the old ones no longer there, before the swap (the
+    written generation read back: its ids streamed, its float16 vectors memory-mapped)."""
+    from encoderkit.retrieval.milvus import sync
+
+    fresh = set(new_ids)
+    removed = [] if old is None else [r["id"] for i, r in enumerate(old.passages)
+                                      if not (i < len(kept) and kept[i]) and r["id"] not in fresh]
+    gen = Generation(manifest, PassageLines(folder / "passages.jsonl"),
+                     {"float16": np.load(folder / "float16.npy", mmap_mode="r")})
+    try:
+        sync(cfg.uri, cfg.collection, gen, new_ids, removed, root)
+    finally:
+        gen.passages.close()
+
+
+def _calibration_report(cfg: IndexConfig, p: Predictor, raws: list[np.ndarray], counts: dict[str, Any],
+                        ray: RayJob | None) -> dict[str, Any]:
+    """``--calibrate``: the report over every passage of the new generation, in memory (its exact float search is
+    the reference): the vectors of this run when it embedded them all, else all passages embedded again."""
+    from encoderkit.retrieval.calibrate import calibrate
+
+    root = Path(cfg.out)
+    passages = open_generation(root).passages
+    if counts["embedded_passages"] == counts["passages"]:
+        full_vecs = finish_embeddings(np.concatenate(raws), None, True)
+    else:
+        full_vecs = finish_embeddings(embed_texts(p, [x["text"] for x in passages], "embed all for --calibrate", ray),
+                                      None, True)
+    return calibrate(p, full_vecs, passages, cfg.calibrate_queries, cfg.min_overlap, root)

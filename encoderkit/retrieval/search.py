@@ -18,6 +18,10 @@ Stages, each switchable:
 4. ``rerank_top`` N: a cross-encoder (``--rerank DIR``) scores (query, best passage) of the top N
    documents and reorders them; its logits become the scores.
 
+A sparse index (of a ``finetune --task sparse`` model, :mod:`.sparse`) has one exact stage in place of 1-2: the
+dot product of SPLADE vectors. ``fuse_with`` (``--fuse-with INDEX``) fuses the document order of other indexes of
+the same corpus (dense or sparse) with this one's at stage 3, in the same reciprocal-rank fusion as BM25.
+
 A query longer than the model's maximum length is truncated by the model; each result says so
 (``truncated``). Query vectors carry the fingerprint of the model that made them, and an index
 refuses vectors from another model.
@@ -43,6 +47,9 @@ from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note
 from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_dequantize, top_k
+from encoderkit.retrieval.first_stage import MULTIPLIER as TIER_MULTIPLIER
+from encoderkit.retrieval.first_stage import StaticTier
+from encoderkit.retrieval.sparse import SparseStage, same_corpus
 from encoderkit.retrieval.store import STORES, Generation, open_generation
 from encoderkit.tasks import get_task
 
@@ -109,6 +116,7 @@ class QueryVectors:
     vectors: np.ndarray
     fingerprint: str
     truncated: list[bool] = field(default_factory=list)
+    first: np.ndarray | None = None  # a tiered index: the static first stage's unit query vectors (Q, Ds)
 
 
 class Searcher:
@@ -122,6 +130,10 @@ class Searcher:
         self._ivf = ann.load(gen.folder / "binary.ivf") if gen.folder and (gen.folder / "binary.ivf").is_file() else None
         self._row_of = {r["id"]: i for i, r in enumerate(gen.passages)} if milvus else None
         self._flat = None  # the exact faiss binary index, built on first use
+        self.tier = StaticTier.open(gen, root)  # a static first stage (first_stage.py), else None
+        self.sparse = SparseStage.open(gen, predictor)  # a sparse (SPLADE) index's one stage (sparse.py), else None
+        self.partners: list[Searcher] = []  # other indexes of the corpus fused by reciprocal rank (fuse_with)
+        self._first_row: dict[str, int] | None = None
 
     def _binary_flat(self):
         """The exact faiss binary index over the codes (a copy of them), or None without faiss."""
@@ -160,8 +172,10 @@ class Searcher:
             raise EncoderkitError("this searcher has no query model; pass QueryVectors to search_vectors")
         p = self.predictor
         lengths = [len(ids) for ids in p.tokenizer(list(queries), truncation=False)["input_ids"]]
-        vecs = p.embed(list(queries), dim=self.gen.dims, normalize=True)
-        return QueryVectors(vecs, self.fingerprint, [n > p.max_length for n in lengths])
+        vecs = (self.sparse.embed(list(queries)) if self.sparse is not None
+                else p.embed(list(queries), dim=self.gen.dims, normalize=True))
+        first = self.tier.embed(queries) if self.tier is not None else None
+        return QueryVectors(vecs, self.fingerprint, [n > p.max_length for n in lengths], first)
 
     def search(self, queries: Sequence[str], settings: SearchSettings | None = None) -> list[Result]:
         if isinstance(queries, str):
@@ -173,25 +187,33 @@ class Searcher:
                        texts: Sequence[str] | None = None) -> list[Result]:
         """Search with precomputed query vectors (BM25 and rerank also need the query ``texts``)."""
         s = settings or SearchSettings()
+        if self.tier is not None:  # the static first stage's settings, before the plain index's
+            self.tier.check(s.first_stage, s.rescore)
         s.check(self.gen, self.reranker is not None)
         if qv.fingerprint != self.fingerprint:
             raise EncoderkitError(f"these query vectors come from a model with fingerprint {qv.fingerprint}, the index "
                                   f"{self.root} from {self.fingerprint}; embed queries with the index's model")
         if qv.vectors.shape[1] != self.gen.dims:
             raise EncoderkitError(f"query vectors have {qv.vectors.shape[1]} dims, the index {self.gen.dims}")
-        if (s.bm25 or s.rerank_top) and texts is None:
-            raise EncoderkitError("BM25 and reranking need the query texts")
+        if (s.bm25 or s.rerank_top or self.partners) and texts is None:
+            raise EncoderkitError("BM25, fusion with other indexes and reranking need the query texts")
         depth = max(s.k, s.rerank_top)
         mult = self.multiplier(s)
-        rows, scores = self.dense(qv.vectors, s, depth * mult)
+        rows, scores = (self.tier.dense(qv.first, qv.vectors, s.first_stage, s.rescore, depth * mult, self.predictor)
+                        if self.tier is not None else self.sparse.search(qv.vectors, depth * mult)
+                        if self.sparse is not None else self.dense(qv.vectors, s, depth * mult))
+        partners = [[[h.doc_id for h in r.hits] for r in o.search(list(texts), SearchSettings(k=depth * mult))]
+                    for o in self.partners] if self.partners else []
         out = []
         for i in range(len(qv.vectors)):
             ranked = self._collapse(rows[i], scores[i])
-            if s.bm25:
-                lexical = self._collapse(*self.bm25(texts[i], depth * mult))
-                fused = rrf_scores([[d for d, _, _ in ranked], [d for d, _, _ in lexical]])
-                best = {d: (d, sc, r) for d, sc, r in lexical} | {d: (d, sc, r) for d, sc, r in ranked}
-                ranked = sorted(((d, fused[d], best[d][2]) for d in fused), key=lambda x: -x[1])
+            # BM25 and the fused indexes: one reciprocal-rank fusion of every order (a hit keeps this index's passage)
+            others = [self._collapse(*self.bm25(texts[i], depth * mult))] if s.bm25 else []
+            others += [self._doc_rows(docs[i]) for docs in partners]
+            if others:
+                fused = rrf_scores([[d for d, _, _ in x] for x in (ranked, *others)])
+                best = {d: r for x in (*reversed(others), ranked) for d, _, r in x}
+                ranked = sorted(((d, fused[d], best[d]) for d in fused), key=lambda x: -x[1])
             ranked = ranked[:depth]
             if s.rerank_top:
                 top = ranked[: s.rerank_top]
@@ -206,11 +228,29 @@ class Searcher:
             out.append(Result(hits, bool(qv.truncated[i]) if qv.truncated else False))
         return out
 
+    def fuse_with(self, roots: Sequence[str | Path], threads: int | None = None) -> None:
+        """Fuse the document order of each index in ``roots`` (dense or sparse, of the same corpus; each searched with
+        its own model and default settings) with this one's by reciprocal rank, as BM25 is fused."""
+        for root in roots:
+            other = Searcher.open(root, threads=threads)
+            same_corpus(self.gen, other.gen, self.root, Path(root))
+            self.partners.append(other)
+
+    def _doc_rows(self, doc_ids: Sequence[str]) -> list[tuple[str, float, int]]:
+        """(doc id, 0, the document's first passage row here) per document of another index's order."""
+        if self._first_row is None:
+            self._first_row = {}
+            for i, r in enumerate(self.gen.passages):
+                self._first_row.setdefault(r["doc_id"], i)
+        return [(d, 0.0, self._first_row[d]) for d in doc_ids if d in self._first_row]
+
     def approximate(self, s: SearchSettings) -> bool:
         """Whether settings ``s`` search this index with the approximate binary IVF."""
         return s.first_stage == "binary" and self._ivf is not None and not s.exact and self.milvus is None
 
     def multiplier(self, s: SearchSettings) -> int:
+        if self.tier is not None:
+            return s.rescore_multiplier or TIER_MULTIPLIER
         return s.rescore_multiplier or default_multiplier(len(self.gen.passages), s.first_stage)
 
     # -- stages -----------------------------------------------------------------------------
@@ -310,6 +350,10 @@ class SearchConfig(StageConfig):
         "With --rerank: fuse the cross-encoder's order of the top --rerank-top with the order it was given (the "
         "dense / BM25 stages) by reciprocal rank (k = 60) instead of keeping the cross-encoder's order alone; "
         "scores become fusion scores."))
+    fuse_with: list[str] = arg([], help=(
+        "Other index folders of the same corpus (e.g. a sparse index of a `finetune --task sparse` model next to a "
+        "dense one) whose document order is fused with this index's by reciprocal rank (k = 60), as --bm25 is; "
+        "each is searched with its own model."))
     model: str | None = arg(None, help="Query model (default: the one the index records; another model is refused).")
     store: str = arg("local", help="Dense search in the local index or in Milvus.", choices=STORES)
     uri: str | None = arg(None, help="Milvus URI for --store milvus.")
@@ -367,6 +411,8 @@ def run(cfg: SearchConfig) -> SearchRunResult:
     """Search an index (see the module docstring); one --query prints its hits, --queries writes JSONL."""
     milvus = (cfg.uri, cfg.collection) if cfg.store == "milvus" else None
     s = Searcher.open(cfg.index, cfg.model, cfg.backend, cfg.rerank, cfg.threads, milvus=milvus)
+    if cfg.fuse_with:
+        s.fuse_with(cfg.fuse_with, cfg.threads)
     items = [("query", cfg.query)] if cfg.query is not None else read_queries(Path(cfg.queries))
     t0 = time.perf_counter()
     results = s.search([q for _, q in items], cfg.settings())

@@ -19,6 +19,9 @@ from encoderkit.tasks.batching import length_batches, pad_arrays
 
 
 class Engine(Protocol):
+    """``run`` one padded batch. An engine that can run several batches at once (OpenVINO's streams) also has
+    ``in_flight`` (how many to hand it together) and ``run_many(batches) -> [outputs per batch]``, in order."""
+
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]: ...
 
 
@@ -48,13 +51,17 @@ def run_rows(engine: Engine, rows: Sequence[dict[str, np.ndarray]], pad_id: int,
     ``desc``: show progress under that name (long runs: a teacher scoring a training set)."""
     results: list[list[np.ndarray]] = [[] for _ in rows]
     bar = progress(total=len(rows), desc=desc, unit="rows") if desc else None
-    for idx in length_batches([len(r["input_ids"]) for r in rows], max_batch):
-        outs = engine.run(pad_arrays([rows[i] for i in idx], pad_id))
-        for j, i in enumerate(idx):
-            n = len(rows[i]["input_ids"])
-            results[i] = [o[j, :n] if per_token else o[j] for o in outs]
-        if bar is not None:
-            bar.update(len(idx))
+    groups = length_batches([len(r["input_ids"]) for r in rows], max_batch)
+    window = max(1, int(getattr(engine, "in_flight", 1)))  # an engine that runs several calls at once takes them together
+    for w in range(0, len(groups), window):
+        part = groups[w : w + window]
+        padded = [pad_arrays([rows[i] for i in idx], pad_id) for idx in part]
+        for idx, outs in zip(part, engine.run_many(padded) if len(part) > 1 else [engine.run(padded[0])], strict=True):
+            for j, i in enumerate(idx):
+                n = len(rows[i]["input_ids"])
+                results[i] = [o[j, :n] if per_token else o[j] for o in outs]
+            if bar is not None:
+                bar.update(len(idx))
     if bar is not None:
         bar.close()
     return results

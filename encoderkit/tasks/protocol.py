@@ -55,6 +55,20 @@ SEQUENCE_REQUEST = ServingUnit("one request (batch 1, a typical dev example)", "
                                "32 requests")  # a text (or pair) in, one result out: classify, multilabel
 
 
+INT8_MIN_AGREEMENT = 0.995  # ``auto`` runs a folder's INT8 graph from this agreement with FP32 on its dev rows
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """INT8 agreement with FP32 on dev rows: the fraction of equal ``units`` (labels, token labels, spans,
+    top-1 passages) over ``rows`` records, and what was compared (``measure``)."""
+
+    value: float
+    rows: int
+    units: int
+    measure: str
+
+
 @dataclass
 class TaskInputs:
     """Model inputs of a task's data, as compression reads them: single texts or (text, text) pairs, and
@@ -84,6 +98,10 @@ class Task:
     pair_inputs: ClassVar[bool] = False     # a request is a (text, text) pair: export traces pairs
     few_logits: ClassVar[bool] = False      # a few logits per example: INT8 parity compares probabilities
     int8_by_default: ClassVar[bool] = False  # Predictor's ``auto`` runs the INT8 graph (measured on this task)
+    # what INT8 agreement with FP32 compares on a folder's dev rows (the card's ``int8_agreement.measure``), which
+    # ``auto`` reads to run the INT8 graph; None: the task is not measured so (``int8_by_default`` decides)
+    agreement_measure: ClassVar[str | None] = None
+    agreement_fields: ClassVar[tuple[str, ...]] = ()  # the ``predict`` result fields that the default compares
     record_fields: ClassVar[tuple[str, ...]] = ("text",)  # fields of a ``predict`` JSONL record (a .txt: one text a line)
     endpoint: ClassVar[str | None] = None   # the service's route that serves it (``/v1/<endpoint>``)
     single_label: ClassVar[bool] = False    # one label per text (a softmax over labels): what an audit compares
@@ -123,9 +141,38 @@ class Task:
         """The service's batched call: items as the endpoint parses them, one result each."""
         raise NotImplementedError
 
+    # -- INT8 agreement (export --dev, compress --dev) -------------------------------------------------
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+        """The first ``limit`` (0: all) rows of a dev file as ``predict`` records, read with the task's reader
+        (``cfg``: :class:`~encoderkit.tasks.options.TaskDataOptions` with the folder's columns; ``miner``: the
+        first stage of a reranker's BEIR source)."""
+        raise EncoderkitError(f"a {self.name} model's INT8 agreement is not measured on dev rows")
+
+    def agreement_units(self, runner: Runner, records: Sequence[dict[str, Any]]) -> list[list[Any]]:
+        """Per record, the units INT8 agreement compares between two runners (equal or not, each): by default
+        one, the record's ``predict`` result fields :attr:`agreement_fields` (a list read as a set)."""
+        def unit(value: Any) -> Any:
+            return tuple(sorted(map(str, value))) if isinstance(value, (list, tuple, set)) else value
+
+        return [[tuple(unit(r[k]) for k in self.agreement_fields)] for r in self.predict(runner, records)]
+
+    def agreement(self, reference: Runner, other: Runner, records: Sequence[dict[str, Any]]) -> Agreement:
+        """How often ``other`` (the INT8 graph) gives what ``reference`` (FP32) gives on ``records``, unit by
+        unit (:meth:`agreement_units`)."""
+        a, b = self.agreement_units(reference, records), self.agreement_units(other, records)
+        same = sum(x == y for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+        units = sum(len(r) for r in a)
+        return Agreement(same / units if units else 1.0, len(records), units, str(self.agreement_measure))
+
     def engine_for_latency(self, engine: Any, folder: Any) -> Any:
         """The engine timed for latency (embed pools and normalises on top of the graph)."""
         return engine
+
+    def graph_module(self, model: Any) -> Any:
+        """The torch module whose outputs (a mapping holding :attr:`outputs` by name) the exported graph and the
+        torch engines give, over the folder's loaded model: the model itself, or the task's computation on top
+        of it (sparse pools its MLM logits, so its graph returns (B, V), not (B, T, V))."""
+        return model
 
     # -- compression --------------------------------------------------------------------------------
     # its compression inputs of a BEIR source are (query, document) pairs, judged or mined by a first-stage

@@ -31,6 +31,7 @@ HEADS: dict[str, Head] = {
     "rerank": Head("AutoModelForSequenceClassification", "ForSequenceClassification", "classifier"),
     "embed": Head("AutoModel", "", "sentence"),
     "multilabel": Head("AutoModelForSequenceClassification", "ForSequenceClassification", "classifier"),
+    "sparse": Head("AutoModelForMaskedLM", "ForMaskedLM"),
 }
 
 PRETRAINED = "mlm"  # the pretraining head: a folder's task, but no task object (pretrain and evaluate --task mlm own it)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,18 +44,25 @@ def table_format(path: Path) -> str:
 
 def read_rows(path: str | Path) -> list[Row]:
     """All rows of a TSV / CSV / JSONL file (see the module docstring)."""
+    return list(iter_rows(path))
+
+
+def iter_rows(path: str | Path) -> Iterator[Row]:
+    """The rows of :func:`read_rows`, read as they are asked for (the same errors, each when its row is reached;
+    a file with no row at the end)."""
     path = Path(path)
     if not path.is_file():
         raise EncoderkitError(f"data file {path} does not exist")
     fmt = table_format(path)
-    rows: list[Row] = []
+    found = False
     try:
         with _open_text(path) as f:
             if fmt == "jsonl":
                 for n, line in enumerate(f, 1):
                     if not line.strip():
                         continue
-                    rows.append(Row(json_line(line, f"{path}:{n}"), f"{path}:{n}"))
+                    found = True
+                    yield Row(json_line(line, f"{path}:{n}"), f"{path}:{n}")
             else:
                 lines = (line.rstrip("\r\n") for line in f) if fmt == "tsv" else None
                 reader = (ln.split("\t") for ln in lines) if fmt == "tsv" else csv.reader(f)
@@ -70,12 +78,12 @@ def read_rows(path: str | Path) -> list[Row]:
                             f"{path}:{n}: {len(cells)} fields but the header has {len(header)} "
                             f"({', '.join(header)}); fix the row (TSV fields are split on tabs, no quoting)"
                         )
-                    rows.append(Row(dict(zip(header, cells, strict=True)), f"{path}:{n}"))
+                    found = True
+                    yield Row(dict(zip(header, cells, strict=True)), f"{path}:{n}")
     except UnicodeDecodeError as e:
         raise EncoderkitError(f"{path}: not UTF-8 ({e}); convert the file to UTF-8") from e
-    if not rows:
+    if not found:
         raise EncoderkitError(f"{path} holds no rows")
-    return rows
 
 
 def column(rows: list[Row], name: str, path: str | Path, flag: str) -> list[Any]:

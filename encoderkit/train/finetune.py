@@ -67,6 +67,10 @@ class FinetuneConfig(TaskDataOptions):
     miner: str = arg(DEFAULT_MODEL, help="rerank/embed --negatives mined: bi-encoder folder used to mine hard negatives.")
     matryoshka_dims: list[int] = arg([], help="embed: also train these leading embedding sizes (Matryoshka loss), e.g. 64,128,256.")
     scale: float = arg(20.0, help="embed: similarity scale (1/temperature) of the in-batch contrastive loss.")
+    flops_query: float = arg(3e-4, help="sparse: weight of the FLOPS regulariser on query vectors (SPLADE v2's 3e-4).")
+    flops_doc: float = arg(1e-4, help="sparse: weight of the FLOPS regulariser on document vectors (SPLADE v2's 1e-4).")
+    flops_warmup: int = arg(0, help="sparse: micro-batches over which the FLOPS weights rise quadratically from 0 "
+                                    "(0: one epoch).")
     bf16: bool | None = arg(None, help="bf16 autocast (default: on where the CPU/GPU has native bf16).", speed=True)
     bucket: bool = arg(True, help="Length-bucketed batches (less padding).", speed=True)
     eval_batch_size: int = arg(128, help="Batch size of dev evaluation.", speed=True)
@@ -110,8 +114,10 @@ def task_inputs(cfg: FinetuneConfig, folder: ModelFolder) -> tuple[Any, TrainDat
     return task, pick(TrainData, cfg), task.options_for_training(cfg, folder)
 
 
-def run(cfg: FinetuneConfig) -> FinetuneResult:
-    """Fine-tune a model on a task and write the best checkpoint as a model folder."""
+def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
+    """Fine-tune a model on a task and write the best checkpoint as a model folder. ``build`` (default: the
+    task's own ``build``) makes the :class:`~encoderkit.tasks.common.TaskRun` from the same arguments: a stage
+    that trains the task's model with another loss (``adapt``'s MarginMSE) and keeps everything else."""
     import torch
 
 
@@ -124,7 +130,7 @@ def run(cfg: FinetuneConfig) -> FinetuneResult:
     settings = {**cfg.result_dict(), "max_length": options.max_length}
     with torch.random.fork_rng(devices=[]):  # the new head's initialisation follows --seed
         torch.manual_seed(cfg.seed)
-        tr = task.build(data, options, tokenizer, folder)
+        tr = (build or task.build)(data, options, tokenizer, folder)
     _freeze(tr.module, cfg.freeze)
 
     steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)

@@ -23,6 +23,8 @@ class ClassifyTask(Task):
     unit = SEQUENCE_REQUEST
     primary_metrics = ("accuracy", "micro_f1")
     data_help = "a .tsv/.csv/.jsonl table with the text column the model was fine-tuned on"
+    agreement_measure = "label"  # INT8 agreement: the predicted label
+    agreement_fields = ("label",)
 
     # -- training and evaluation: the task's train module ------------------------------------------
     build = staticmethod(build_run)
@@ -54,6 +56,14 @@ class ClassifyTask(Task):
     def serve(self, runner: Runner, items: list[Any]) -> list[Any]:
         """Items: texts or (text, text_pair) tuples; one :meth:`classify` result each."""
         return self.classify(runner, items)
+
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+        """The table's texts (and pairs) in the columns the model was fine-tuned on, as ``predict`` records."""
+        from encoderkit.tasks.classify.data import read_examples
+
+        texts, pairs, _, _, _ = read_examples(path, self.options_for_folder(cfg, folder), folder.card.get("text_column"))
+        records = [{"text": t} | ({"text_pair": pairs[i]} if pairs else {}) for i, t in enumerate(texts)]
+        return records[:limit] if limit else records
 
     # -- compression --------------------------------------------------------------------------------
     planned_unit = (1, "one request (one text or text pair)")

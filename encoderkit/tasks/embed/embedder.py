@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.models.pooling import pool
+from encoderkit.models.pooling import pool_array
 from encoderkit.tasks.inference import run_rows
 
 POOLINGS = ("first", "mean")
@@ -41,18 +41,27 @@ def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> list[dict[str
 
 class PooledEngine:
     """An engine that gives token states (``last_hidden_state``: ONNX Runtime on an export, or a torch
-    encoder) as one that gives sentence embeddings (B, H): pooled by :func:`encoderkit.models.pooling.pool`
+    encoder) as one that gives sentence embeddings (B, H): pooled by :func:`encoderkit.models.pooling.pool_array`
     as :class:`~encoderkit.tasks.embed.features.BiEncoder` pools, then L2-normalised when ``normalize``."""
 
     pools = True
 
     def __init__(self, engine: Any, pooling: str, normalize: bool = True) -> None:
         self.engine, self.pooling, self.normalize = engine, pooling, normalize
+        self.in_flight = getattr(engine, "in_flight", 1)
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        hidden = torch.from_numpy(np.asarray(self.engine.run(inputs)[0], dtype=np.float32))
-        pooled = pool(hidden, torch.from_numpy(inputs["attention_mask"]), self.pooling)
-        return [(nn.functional.normalize(pooled, dim=-1) if self.normalize else pooled).numpy()]
+        return self._pooled(self.engine.run(inputs), inputs)
+
+    def run_many(self, batches: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        return [self._pooled(outs, b) for outs, b in zip(self.engine.run_many(batches), batches, strict=True)]
+
+    def _pooled(self, outs: list[np.ndarray], inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        pooled = pool_array(np.asarray(outs[0], dtype=np.float32), inputs["attention_mask"], self.pooling)
+        if self.normalize:
+            pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return [pooled]
+
 
 
 class BiEncoderEngine:

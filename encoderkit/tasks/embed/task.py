@@ -66,6 +66,8 @@ class EmbedTask(Task):
         from encoderkit.tasks.embed.embedder import PooledEngine
         from encoderkit.tasks.embed.options import embed_pooling
 
+        if getattr(engine, "pools", False):  # a static table pools itself (normalising is the Embedder's, not timed)
+            return engine
         return PooledEngine(engine, embed_pooling(folder), folder.normalize)
 
     def compress_inputs(self, spec: str, path: Any, *, card: dict[str, Any] | None, folder: Any,

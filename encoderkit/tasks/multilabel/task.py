@@ -31,6 +31,8 @@ class MultilabelTask(Task):
     primary_metrics = ("micro_f1",)
     data_help = ("a .tsv/.csv table with a 'labels' column of labels joined by '|', or a .jsonl whose 'labels' is a "
                  "list, and the text column the model was fine-tuned on")
+    agreement_measure = "label set"  # INT8 agreement: the set of labels over their thresholds
+    agreement_fields = ("labels",)
 
     # -- training and evaluation: the task's train module ------------------------------------------
     build = staticmethod(build_run)
@@ -51,6 +53,13 @@ class MultilabelTask(Task):
         logits = np.stack([out[0] for out in runner.run_rows(rows)])  # (N, C)
         names = runner.info.labels
         return decode(logits, names, thresholds_of(runner.info.card, names))
+
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+        """The table's texts (the column the model was trained on) as ``predict`` records."""
+        options = self.options_for_folder(cfg, folder)
+        ex = read_examples(path, options, folder.card.get("text_column"), folder.card.get("label_column"), labels=False)
+        texts = list(ex.texts)[:limit] if limit else list(ex.texts)
+        return [{"text": t} for t in texts]
 
     # -- compression --------------------------------------------------------------------------------
     planned_unit = (1, "one request (one text)")

@@ -22,6 +22,7 @@ class NerTask(Task):
     unit = ServingUnit("one request (one typical dev sentence, all its windows)", "request", "32 dev sentences", "32 requests")
     primary_metrics = ("f1",)
     data_help = "a CoNLL or JSONL NER file"
+    agreement_measure = "token label"  # INT8 agreement: each word's predicted tag
 
     # -- training and evaluation: the task's train module ------------------------------------------
     build = staticmethod(build_run)
@@ -31,16 +32,22 @@ class NerTask(Task):
     def extract(self, runner: Runner, texts: Sequence[str], stride: int | None = None) -> list[list[dict[str, Any]]]:
         """Entities per text: [{"entity", "label", "start", "end", "score"}], character offsets [start, end);
         long texts in overlapping windows (``stride``: the folder's card, else a quarter of the length cut)."""
-        from encoderkit.tasks.ner.features import decode_entities, featurize_text, window_logits, window_rows
+        from encoderkit.tasks.ner.features import decode_entities
+
+        id2label = dict(enumerate(runner.info.labels))
+        return [[{"entity": e.text, "label": e.label, "start": e.start, "end": e.end, "score": float(e.score)}
+                 for e in decode_entities(f, logits, id2label)] for f, logits in self._windows(runner, texts, stride)]
+
+    @staticmethod
+    def _windows(runner: Runner, texts: Sequence[str], stride: int | None = None) -> list[tuple[Any, Any]]:
+        """Per text, its features and its windows' logits (W, L, C), the windows run in one ``run_rows``."""
+        from encoderkit.tasks.ner.features import featurize_text, window_logits, window_rows
 
         stride = stride if stride is not None else folder_stride(runner.info.card, runner.max_length)
         feats = [featurize_text(runner.tokenizer, t, max_length=runner.max_length, stride=stride) for t in texts]
         rows, where = window_rows(feats)
         outs = [o[0] for o in runner.run_rows(rows)] if rows else []
-        id2label = dict(enumerate(runner.info.labels))
-        return [[{"entity": e.text, "label": e.label, "start": e.start, "end": e.end, "score": float(e.score)}
-                 for e in decode_entities(f, logits, id2label)]
-                for f, logits in zip(feats, window_logits(feats, where, outs, len(id2label)), strict=True)]
+        return list(zip(feats, window_logits(feats, where, outs, len(runner.info.labels)), strict=True))
 
     def predict(self, runner: Runner, records: Sequence[dict[str, Any]], **kw: Any) -> list[dict[str, Any]]:
         """``{"entities": [...]}`` per record (``text``), as :meth:`extract` finds them."""
@@ -49,6 +56,20 @@ class NerTask(Task):
     def serve(self, runner: Runner, items: list[Any]) -> list[Any]:
         """Items: texts; the entities of each (:meth:`extract`)."""
         return self.extract(runner, items)
+
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+        """The sentences of a CoNLL or JSONL file, their words joined by spaces, as ``predict`` records."""
+        from encoderkit.tasks.ner.data import read_ner
+
+        sents = read_ner(path, cfg.tag_scheme)
+        return [{"text": " ".join(s.words)} for s in (sents[:limit] if limit else sents)]
+
+    def agreement_units(self, runner: Runner, records: Sequence[dict[str, Any]]) -> list[list[Any]]:
+        """Per record, the tag of each of its words (what :meth:`extract` decodes its entities from)."""
+        from encoderkit.tasks.ner.features import decode_word_tags
+
+        id2label = dict(enumerate(runner.info.labels))
+        return [decode_word_tags(f, logits, id2label)[0] for f, logits in self._windows(runner, [r["text"] for r in records])]
 
     # -- compression --------------------------------------------------------------------------------
     planned_unit = (1, "one request (one text)")

@@ -24,6 +24,8 @@ class QaTask(Task):
                        "32 dev questions", "32 requests")
     primary_metrics = ("f1",)
     data_help = "a SQuAD JSON file"
+    agreement_measure = "answer span"  # INT8 agreement: exact match of the best span's character offsets
+    agreement_fields = ("start", "end")
 
     # -- training and evaluation: the task's train module ------------------------------------------
     build = staticmethod(build_run)
@@ -60,6 +62,13 @@ class QaTask(Task):
     def serve(self, runner: Runner, items: list[Any]) -> list[Any]:
         """Items: (question, context) tuples; one :meth:`answer` result each."""
         return self.answer(runner, [q for q, _ in items], [c for _, c in items])
+
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+        """The questions of a SQuAD file's ``cfg.qa_split`` articles with their contexts, as ``predict`` records."""
+        from encoderkit.tasks.qa.data import read_squad
+
+        examples, _ = read_squad(path, cfg.qa_split)
+        return [{"question": e.question, "context": e.context} for e in (examples[:limit] if limit else examples)]
 
     # -- compression --------------------------------------------------------------------------------
     planned_unit = (1, "one request (one question and its context)")

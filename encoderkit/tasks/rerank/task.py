@@ -24,6 +24,7 @@ class RerankTask(Task):
     unit = ServingUnit("one query's top 100 candidates (100 query-passage pairs, batches of 32)", "query (top 100)")
     primary_metrics = ("ndcg@10", "mrr@10")
     data_help = "a BEIR source (folder or zip, PATH#split) or JSONL {query, positive, negatives}"
+    agreement_measure = "top-1"  # INT8 agreement: each query's best-ranked passage
 
     # -- training and evaluation: the task's train module ------------------------------------------
     build = staticmethod(build_run)
@@ -58,6 +59,23 @@ class RerankTask(Task):
     def serve(self, runner: Runner, items: list[Any]) -> list[Any]:
         """Items: (query, passage) tuples; the logit of each (the rerank routes rank and cut)."""
         return self.score(runner, [q for q, _ in items], [d for _, d in items]).tolist()
+
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+        """Each query with its candidates as a ``predict`` record: JSONL rows' positive and negatives, or a BEIR
+        source's judged queries with the ``miner``'s top ``cfg.candidates`` documents."""
+        from encoderkit.config import check
+        from encoderkit.data.beir import is_beir_source
+        from encoderkit.tasks.rerank.candidates import candidate_lists
+
+        check(bool(miner) or not is_beir_source(path), f"{path} is a BEIR source: its queries have no candidates to "
+              "rank without a first stage; pass --miner EMBED_FOLDER (or 'minilm'), or a JSONL of queries with "
+              "candidates ({query, positive, negatives})")
+        lists = candidate_lists(path, miner or None, cfg.candidates, limit=limit)
+        return [{"query": q, "passages": list(c)} for q, c in lists]
+
+    def agreement_units(self, runner: Runner, records: Sequence[dict[str, Any]]) -> list[list[Any]]:
+        """Per record (a query and its candidates), the index of the passage ranked first."""
+        return [[r["ranking"][0]["index"] if r["ranking"] else None] for r in self.predict(runner, records)]
 
     # -- compression --------------------------------------------------------------------------------
     uses_miner = True

@@ -1,0 +1,144 @@
+"""The passages a model is adapted to (id, title, text) and the judged queries it is measured on.
+
+Corpus sources: a BEIR folder (its ``corpus.jsonl``) or the SciFact export zip (its corpus), keeping titles;
+a ``.jsonl`` / ``.csv`` file of records (id, text, optional title: ``--id-field`` / ``--text-field`` /
+``--title-field``); any other file or folder as ``encoderkit index`` reads it (one document per file, no
+title). Evaluation: a BEIR source (``PATH#split``: its own corpus, queries and qrels), or a queries file
+(JSONL ``{_id|id, text}`` or TSV ``id<TAB>text``) with a qrels TSV (``query-id corpus-id score``, an optional
+header) whose documents are the corpus passages.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from encoderkit.data.beir import Retrieval, load_retrieval, split_spec
+from encoderkit.errors import EncoderkitError
+
+
+@dataclass(frozen=True)
+class Passage:
+    id: str
+    title: str
+    text: str
+
+    @property
+    def full(self) -> str:
+        """What is encoded and searched: ``title + " " + text`` (as BEIR and ``index`` encode a document)."""
+        return f"{self.title} {self.text}".strip()
+
+
+def read_passages(spec: str, id_field: str = "id", text_field: str = "text", title_field: str = "title") -> list[Passage]:
+    """The passages of ``spec`` (see the module docstring), in file order; empty ones left out; none at all
+    is an error that says what was read."""
+    path = Path(str(spec).partition("#")[0])
+    if not path.exists():
+        raise EncoderkitError(f"--corpus {spec} does not exist")
+    if path.is_dir() and (path / "corpus.jsonl").is_file():
+        out = _records(path / "corpus.jsonl", "_id", "text", "title")
+    elif path.suffix == ".zip":
+        data = load_retrieval(f"{path}#{split_spec(spec)[1] if '#' in str(spec) else 'train'}")
+        out = [Passage(d, t, x) for d, (t, x) in data.corpus.items()]
+    elif path.suffix in (".jsonl", ".csv"):
+        out = _records(path, id_field, text_field, title_field)
+    else:
+        from encoderkit.retrieval.corpus import read_corpus
+
+        try:
+            docs = read_corpus([str(spec)]).docs
+        except EncoderkitError as e:
+            raise EncoderkitError(f"--corpus {spec}: no passage to adapt to ({e})") from e
+        out = [Passage(d.id, "", d.text) for d in docs]
+    out = [p for p in out if p.full]
+    seen: set[str] = set()
+    for p in out:
+        if p.id in seen:
+            raise EncoderkitError(f"--corpus {spec}: passage id {p.id!r} appears twice; ids must be unique")
+        seen.add(p.id)
+    if not out:
+        raise EncoderkitError(f"--corpus {spec} holds zero passages with text; adapt needs the corpus to be searched "
+                              "(JSONL records with a text field, a BEIR folder, or files of text)")
+    return out
+
+
+def _records(path: Path, id_field: str, text_field: str, title_field: str) -> list[Passage]:
+    out = []
+    for where, rec in _rows(path):
+        rid = rec.get(id_field, rec.get("_id")) if id_field == "id" else rec.get(id_field)
+        if rid is None or str(rid).strip() == "":
+            raise EncoderkitError(f"{where}: no {id_field!r} field; every passage needs an id (--id-field)")
+        text = rec.get(text_field)
+        if not isinstance(text, str):
+            raise EncoderkitError(f"{where}: field {text_field!r} is missing or not a string (--text-field)")
+        title = rec.get(title_field) or ""
+        out.append(Passage(str(rid), str(title), text))  # as index and load_retrieval read them: the same texts
+    return out
+
+
+def _rows(path: Path):
+    with open(path, encoding="utf-8", newline="") as f:
+        if path.suffix == ".csv":
+            for n, rec in enumerate(csv.DictReader(f), 2):
+                yield f"{path}:{n}", rec
+            return
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise EncoderkitError(f"{path}:{n}: not valid JSON ({e.msg})") from e
+            if not isinstance(rec, dict):
+                raise EncoderkitError(f"{path}:{n}: expected a JSON object")
+            yield f"{path}:{n}", rec
+
+
+def eval_data(passages: list[Passage], source: str, queries: str, qrels: str) -> Retrieval | None:
+    """The judged queries to report nDCG@10 on: a BEIR ``source``, or ``queries`` + ``qrels`` files over the
+    corpus passages; None when neither is given."""
+    if source:
+        return load_retrieval(source)
+    if not (queries or qrels):
+        return None
+    if not (queries and qrels):
+        raise EncoderkitError("--eval-queries and --eval-qrels go together (the queries and their judged passages)")
+    corpus = {p.id: (p.title, p.text) for p in passages}
+    qs = _eval_queries(Path(queries))
+    judged: dict[str, dict[str, int]] = {}
+    with open(qrels, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            cells = line.rstrip("\n").split("\t") if "\t" in line else line.split()
+            if not cells or not line.strip():
+                continue
+            if n == 1 and not cells[-1].lstrip("-").isdigit():
+                continue  # header
+            if len(cells) == 4:  # TREC: query 0 doc score
+                cells = [cells[0], cells[2], cells[3]]
+            if len(cells) != 3 or not cells[2].lstrip("-").isdigit():
+                raise EncoderkitError(f"{qrels}:{n}: expected 'query-id<TAB>corpus-id<TAB>score'")
+            if cells[1] not in corpus:
+                raise EncoderkitError(f"{qrels}:{n}: passage {cells[1]!r} is not in --corpus; the judged passages must "
+                                      "be the corpus's own ids")
+            judged.setdefault(cells[0], {})[cells[1]] = int(cells[2])
+    judged = {q: r for q, r in judged.items() if q in qs}
+    if not judged:
+        raise EncoderkitError(f"--eval-qrels {qrels}: no judged query is in --eval-queries {queries}")
+    return Retrieval(corpus, qs, judged)
+
+
+def _eval_queries(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        raise EncoderkitError(f"--eval-queries {path} does not exist")
+    if path.suffix == ".jsonl":
+        return {str(r.get("_id", r.get("id"))): str(r["text"]) for _, r in _rows(path) if "text" in r}
+    out = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            qid, sep, text = line.partition("\t")
+            if not sep:
+                raise EncoderkitError(f"{path}:{n}: expected 'query-id<TAB>text' (or a .jsonl of {{_id, text}})")
+            out[qid] = text
+    return out

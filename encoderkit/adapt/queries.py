@@ -1,0 +1,216 @@
+"""Queries for each passage: asked of an LLM endpoint, or made offline from the passage itself.
+
+* ``endpoint``: the prompt (:data:`QUERY_TEMPLATE`, or ``--template`` with ``{text}`` and optionally ``{n}``)
+  goes through the labeller's OpenAI-compatible client (:class:`~encoderkit.label.endpoint.EndpointLabeller`:
+  retries, concurrency, the sqlite answer cache); :func:`parse_queries` reads up to ``n`` queries out of the
+  answer (one per line or a JSON list; numbering, bullets, quotes and a ``Query:`` prefix removed). An empty
+  answer, or one with no line that reads as a query, gives none: the passage is skipped and counted.
+* ``offline``: in the order of ``kinds``, the passage's title (three words or more), its first sentence, and
+  other sentences picked at random (seeded by the passage id): the inverse cloze task (Lee et al. 2019), a
+  sentence standing for a question the rest of the passage answers. The sentence is taken out of the positive
+  (:func:`positive_text`), else the model learns only to match a string.
+
+Every passage's result is appended to ``queries.jsonl`` in the run folder, one block of lines per write and
+fsync; a line torn by a kill is dropped on resume (:class:`QueryLog`), and a resumed run asks nothing again for
+a passage the log holds (nor, through the cache, for one answered in the block the kill lost).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from encoderkit.adapt.passages import Passage
+from encoderkit.errors import EncoderkitError
+
+QUERY_TEMPLATE = """Write {n} different short search queries that someone would type into a search engine to find the \
+passage below. Answer with the queries only, one per line, with no numbering and no other text.
+
+Text: {text}"""
+OFFLINE_KINDS = ("title", "first", "sentence")
+MIN_WORDS, MAX_WORDS = 2, 32
+PROMPT_CHARS = 4000  # a passage longer than this is cut in the prompt (the whole passage is still the positive)
+
+_BULLET = re.compile(r"^\s*(?:[-*\u2022>]+|\(?\d{1,2}[.):]|\(?[a-z][.)]|q\d*[.:)]|(?:search\s+)?query\s*\d*\s*[:.)-])\s*",
+                     re.IGNORECASE)
+_QUOTES = "\"'`\u201c\u201d\u2018\u2019*"
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
+
+
+def parse_queries(answer: str | None, n: int) -> list[str]:
+    """Up to ``n`` distinct queries in an answer (see the module docstring); [] when there are none."""
+    if not answer or not answer.strip():
+        return []
+    text = answer.strip()
+    lines: list[str]
+    try:
+        parsed = json.loads(text)
+        lines = [str(x) for x in parsed] if isinstance(parsed, list) else text.splitlines()
+    except json.JSONDecodeError:
+        lines = text.splitlines()
+    out: list[str] = []
+    for line in lines:
+        q = _BULLET.sub("", line.strip()).strip().strip(_QUOTES).strip()
+        if not q or q.endswith(":") or not any(c.isalpha() for c in q):
+            continue  # a header ("Here are 3 queries:"), a separator or a number
+        words = q.split()
+        if not MIN_WORDS <= len(words) <= MAX_WORDS:
+            continue
+        q = " ".join(words)
+        if q.lower() not in {x.lower() for x in out}:
+            out.append(q)
+    return out[:n]
+
+
+def split_sentences(text: str) -> list[str]:
+    return [s for s in (" ".join(p.split()) for p in _SENTENCE_END.split(text)) if s]
+
+
+def offline_queries(p: Passage, n: int, kinds: tuple[str, ...], seed: int = 0) -> list[str]:
+    """Up to ``n`` queries made from the passage alone, in the order of ``kinds`` (see the module docstring)."""
+    out: list[str] = []
+    sentences = [s for s in split_sentences(p.text) if len(s.split()) >= 4]
+    for kind in kinds:
+        if kind == "title" and len(p.title.split()) >= 3:
+            out.append(p.title)
+        elif kind == "first" and sentences:
+            out.append(sentences[0])
+        elif kind == "sentence":
+            # sentences other than the first (a first sentence is often background); seeded per passage
+            rest = sentences[1:] if len(sentences) > 2 else sentences
+            h = int.from_bytes(hashlib.sha256(f"{seed}:{p.id}".encode()).digest()[:8], "little")
+            order = np.random.default_rng(h).permutation(len(rest))
+            out.extend(rest[int(i)] for i in order[: max(0, n - len(out))])
+    cut = [" ".join(q.split()[:MAX_WORDS]) for q in out]
+    return list(dict.fromkeys(q for q in cut if len(q.split()) >= MIN_WORDS))[:n]
+
+
+def positive_text(p: Passage, query: str) -> str:
+    """The passage a query is trained to find: the whole passage, less the query where it is a verbatim part of
+    it (a title or a sentence taken out: the inverse cloze task), unless nothing would be left."""
+    full = p.full
+    cut = " ".join(full.replace(query, " ", 1).split()) if len(query) < len(full) else full
+    return cut if len(cut.split()) >= 3 else full
+
+
+@dataclass
+class Generated:
+    """Per passage: its queries, or why it has none (``empty``/``unparsable`` answers), with the raw answer."""
+
+    queries: dict[str, list[str]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # passage id -> empty | unparsable
+    sent: int = 0  # requests sent by this run (cache hits and logged passages excluded)
+    resumed: int = 0  # passages read back from the log
+
+    def counts(self) -> dict[str, int]:
+        reasons = list(self.skipped.values())
+        return {"passages": len(self.queries) + len(self.skipped), "with_queries": len(self.queries),
+                "queries": sum(len(q) for q in self.queries.values()), "skipped_empty": reasons.count("empty"),
+                "skipped_unparsable": reasons.count("unparsable"), "requests_sent": self.sent,
+                "resumed_passages": self.resumed}
+
+
+class QueryLog:
+    """``queries.jsonl``: one line per finished passage (``{"id", "queries", "status"[, "raw"]}``), appended one
+    block at a time (a single write, then fsync); a torn last line (a kill mid-write) is cut off on open."""
+
+    def __init__(self, path: Path, settings: dict[str, Any]) -> None:
+        self.path = path
+        self.records: dict[str, dict[str, Any]] = {}
+        meta = {"settings": settings}
+        if path.is_file():
+            raw = path.read_bytes()
+            keep = raw[: raw.rfind(b"\n") + 1]  # complete lines only
+            lines = keep.decode("utf-8").splitlines()
+            if lines and json.loads(lines[0]) != meta:
+                raise EncoderkitError(f"{path} was written with other query settings ({lines[0][:200]}); rerun without "
+                                      "--resume to start again, or with the same settings")
+            for line in lines[1:]:
+                rec = json.loads(line)
+                self.records[rec["id"]] = rec
+            if len(keep) != len(raw):
+                with open(path, "r+b") as f:
+                    f.truncate(len(keep))
+        if not self.records and not (path.is_file() and path.stat().st_size):
+            self._append([meta])
+
+    def add(self, records: list[dict[str, Any]]) -> None:
+        if records:
+            self._append(records)
+            self.records.update((r["id"], r) for r in records)
+
+    def _append(self, records: Iterable[dict[str, Any]]) -> None:
+        data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+        with open(self.path, "ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def record(pid: str, answer: str | None, queries: list[str]) -> dict[str, Any]:
+    if queries:
+        return {"id": pid, "queries": queries, "status": "ok"}
+    return {"id": pid, "queries": [], "status": "empty" if not (answer or "").strip() else "unparsable",
+            "raw": (answer or "")[:500]}
+
+
+def generate(passages: list[Passage], log: QueryLog, make: Callable[[list[Passage], Callable[[int, str | None, list[str]], None]], int],
+             block: int, bar: Any) -> Generated:
+    """Queries for every passage the log lacks, through ``make(todo, done)`` (which calls ``done(i, answer,
+    queries)`` per passage as each finishes and returns the requests it sent); finished passages are logged
+    ``block`` at a time. The result covers every passage, the logged ones included."""
+    todo = [p for p in passages if p.id not in log.records]
+    out = Generated(resumed=len(passages) - len(todo))
+    bar.update(out.resumed)
+    pending: list[dict[str, Any]] = []
+
+    def done(i: int, answer: str | None, queries: list[str]) -> None:
+        pending.append(record(todo[i].id, answer, queries))
+        bar.update(1)
+        if len(pending) >= block:
+            log.add(pending)
+            pending.clear()
+
+    try:
+        out.sent = make(todo, done)
+    finally:
+        log.add(pending)  # what finished before a failure is kept
+    for p in passages:
+        rec = log.records[p.id]
+        if rec["queries"]:
+            out.queries[p.id] = list(rec["queries"])
+        else:
+            out.skipped[p.id] = rec["status"]
+    return out
+
+
+def endpoint_maker(labeller: Any, template: str, n: int) -> Callable[..., int]:
+    """``make`` for :func:`generate` over an :class:`~encoderkit.label.endpoint.EndpointLabeller`."""
+
+    def make(todo: list[Passage], done: Callable[[int, str | None, list[str]], None]) -> int:
+        prompts = [template.replace("{n}", str(n)).replace("{text}", p.full[:PROMPT_CHARS]) for p in todo]
+        sent0 = labeller.sent
+        labeller.ask(prompts, [p.full for p in todo], lambda i, a: done(i, a, parse_queries(a, n)))
+        return labeller.sent - sent0
+
+    return make
+
+
+def offline_maker(n: int, kinds: tuple[str, ...], seed: int) -> Callable[..., int]:
+    """``make`` for :func:`generate` from the passages alone (no requests)."""
+
+    def make(todo: list[Passage], done: Callable[[int, str | None, list[str]], None]) -> int:
+        for i, p in enumerate(todo):
+            qs = offline_queries(p, n, kinds, seed)
+            done(i, "\n".join(qs), qs)
+        return 0
+
+    return make

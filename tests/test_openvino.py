@@ -1,0 +1,117 @@
+"""``--backend openvino``: OpenVINO's CPU runtime on a plain FP32 graph exported from the folder's weights, giving
+the outputs ONNX Runtime FP32 gives (to its inference precision: bf16 on AMX / AVX512-BF16 CPUs); a folder of graphs
+only runs its own; a graph OpenVINO cannot read and a missing OpenVINO are errors that say what to do."""
+
+from __future__ import annotations
+
+import builtins
+
+import numpy as np
+import pytest
+from deploy_models import export_task_model, make_task_model, tiny_root
+
+from encoderkit.errors import EncoderkitError
+from encoderkit.inference.predictor import Predictor
+
+TEXTS = ["the movie was great fun", "a dull and boring story", "love", "the worst plot of the year by far, said everyone"]
+
+
+@pytest.fixture(scope="module")
+def ov():
+    return pytest.importorskip("openvino", reason='OpenVINO is an optional extra: pip install "encoderkit[openvino]"')
+
+
+def tolerance(p: Predictor) -> float:
+    return 0.05 if p.engine.precision == "bf16" else 1e-4  # bf16 keeps 8 bits of mantissa
+
+
+@pytest.mark.parametrize("task", ["embed", "classify", "ner"])
+def test_openvino_computes_what_onnx_runtime_fp32_computes(ov, task, tmp_path_factory, tiny_tokenizer_dir):
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, task)
+    ours = Predictor.load(folder, backend="openvino", threads=1)
+    ref = Predictor.load(folder, backend="onnx-fp32", threads=1)
+    assert ours.backend == "openvino" and ours.engine.precision in ("bf16", "f32")
+    if task == "embed":
+        a, b = ours.embed(TEXTS), ref.embed(TEXTS)
+        assert a.shape == b.shape
+        assert float((a * b).sum(1).min()) > 0.999
+        return
+    rows = ref.tokenizer(TEXTS, padding=True, return_tensors="np")
+    inputs = {k: v.astype(np.int64) for k, v in rows.items()}
+    for x, y in zip(ours.engine.run(inputs), ref.engine.run(inputs), strict=True):
+        assert x.shape == y.shape and x.dtype == np.float32
+        np.testing.assert_allclose(x, y, atol=tolerance(ours))
+
+
+def test_a_folder_of_graphs_only_runs_its_own_graph(ov, tmp_path_factory, tiny_tokenizer_dir, tmp_path):
+    """No weights to export a plain graph from: OpenVINO reads the folder's FP32 graph, fused for ONNX Runtime
+    (--optimize: Attention, SkipLayerNormalization); an operator it cannot read (QAttention, from ONNX Runtime's
+    INT8 quantiser, in a file named model.onnx) is an error that says what to do."""
+    import shutil
+
+    exported = export_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")  # --optimize: fused ops
+    graph_only = tmp_path / "graph_only"
+    shutil.copytree(exported, graph_only)
+    for weights in graph_only.glob("*.safetensors"):
+        weights.unlink()
+    ours = Predictor.load(graph_only, backend="openvino", threads=1)
+    ref = Predictor.load(graph_only, backend="onnx-fp32", threads=1)
+    inputs = {k: v.astype(np.int64) for k, v in ref.tokenizer(TEXTS, padding=True, return_tensors="np").items()}
+    np.testing.assert_allclose(ours.engine.run(inputs)[0], ref.engine.run(inputs)[0], atol=tolerance(ours))
+    shutil.copyfile(graph_only / "model.int8.onnx", graph_only / "model.onnx")
+    with pytest.raises(EncoderkitError, match="OpenVINO cannot run .*model.onnx"):
+        Predictor.load(graph_only, backend="openvino")
+
+
+def test_without_openvino_the_error_names_the_install(tmp_path_factory, tiny_tokenizer_dir, monkeypatch):
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+    real_import = builtins.__import__
+
+    def no_openvino(name, *args, **kwargs):
+        if name == "openvino" or name.startswith("openvino."):
+            raise ImportError("No module named 'openvino'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_openvino)
+    with pytest.raises(EncoderkitError, match=r'pip install "encoderkit\[openvino\]"'):
+        Predictor.load(folder, backend="openvino")
+
+
+def test_a_corpus_runs_several_batches_at_once_in_order(ov, tmp_path_factory, tiny_tokenizer_dir):
+    """Many batches go to OpenVINO's streams together (run_many); every text still gets its own vector."""
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+    texts = [" ".join(TEXTS[i % 4].split()[: 1 + i % 7]) + f" {i}" for i in range(60)]
+    ours = Predictor.load(folder, backend="openvino", threads=2, max_batch=4)
+    assert ours.engine.in_flight > 1
+    calls = []
+    run_many = ours.engine.run_many
+    ours.engine.run_many = lambda batches: calls.append(len(batches)) or run_many(batches)
+    a = ours.embed(texts)
+    b = Predictor.load(folder, backend="onnx-fp32", threads=1, max_batch=4).embed(texts)
+    assert calls and max(calls) > 1
+    assert float((a * b).sum(1).min()) > 0.999
+
+
+def test_run_rows_hands_an_engine_with_streams_its_batches_together():
+    """The protocol, without OpenVINO: an engine with ``in_flight`` gets that many batches per run_many call,
+    and each row gets back its own output."""
+    from encoderkit.tasks.inference import run_rows
+
+    class Streams:
+        in_flight = 3
+
+        def __init__(self):
+            self.sizes = []
+
+        def run(self, inputs):
+            return [inputs["input_ids"].sum(1, keepdims=True).astype(np.float32)]
+
+        def run_many(self, batches):
+            self.sizes.append(len(batches))
+            return [self.run(b) for b in batches]
+
+    rows = [{"input_ids": np.arange(1, 2 + i % 5, dtype=np.int64)} for i in range(20)]
+    engine = Streams()
+    out = run_rows(engine, rows, 0, 2)
+    assert engine.sizes and max(engine.sizes) == 3
+    assert [float(o[0][0]) for o in out] == [float(r["input_ids"].sum()) for r in rows]
