@@ -218,7 +218,7 @@ def _optimize(src: Path, dst: Path, config: dict[str, Any]) -> bool:
         return False
 
 
-GRAPH_RECIPE = 2  # how export makes its graphs; raised when that changes (2: INT8 quantises the fused graph)
+GRAPH_RECIPE = 3  # how export makes its graphs; raised when that changes (3: INT8 quantises the fused graph's MatMul and Attention)
 
 
 def _quantize(raw: Path, fused: Path | None, dst: Path, config: dict[str, Any], optimize: bool, tmp: Path) -> str:
@@ -238,7 +238,10 @@ def _quantize(raw: Path, fused: Path | None, dst: Path, config: dict[str, Any], 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 # the fused ops (a contrib domain) leave shape inference without types: their outputs are float
+                # MatMul and Attention only: the embedding lookup stays float (as on the other route), so the
+                # graph's weights are the torch model's (compress.measure.onnx_parameters)
                 quantize_dynamic(str(fused), str(q), per_channel=True, weight_type=QuantType.QInt8,
+                                 op_types_to_quantize=["MatMul", "Attention"],
                                  extra_options={"DefaultTensorType": TensorProto.FLOAT})
             shutil.copyfile(q, dst)
             return "fused-then-quantized"

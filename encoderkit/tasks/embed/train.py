@@ -27,6 +27,21 @@ from encoderkit.tasks.embed.options import EmbedOptions
 OPTIONS = EmbedOptions
 
 
+
+def pair_batches(q_rows: list[dict[str, np.ndarray]], p_rows: list[dict[str, np.ndarray]],
+                 n_rows: list[list[dict[str, np.ndarray]]], pad_id: int, data: TrainData) -> BucketedBatches:
+    """Training batches of (query, positive, hard negatives) token rows, bucketed by the positives' lengths:
+    ``q_*`` the queries; ``p_*`` the batch's positives first (row i's positive at i), then every row's negatives
+    (the embed task's and the sparse task's contrastive batches)."""
+
+    def make_batch(idx: np.ndarray, epoch: int):
+        q = encode_batch([q_rows[i] for i in idx], pad_id)
+        p = encode_batch([p_rows[i] for i in idx] + [r for i in idx for r in n_rows[i]], pad_id)
+        return {**{f"q_{a}": b for a, b in q.items()}, **{f"p_{a}": b for a, b in p.items()}}
+
+    return BucketedBatches(np.asarray([len(r["input_ids"]) for r in p_rows]), data.batch_size, make_batch,
+                           seed=data.seed, bucket=data.bucket)
+
 def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder) -> TaskRun:
     max_length = options.max_length
     groups, k = train_groups(data, options)
@@ -37,14 +52,7 @@ def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder
     n_rows = [tokenize(tokenizer, g.negatives[:k], max_length) if k else [] for g in groups]
     pad_id = tokenizer.pad_token_id
 
-    def make_batch(idx: np.ndarray, epoch: int):
-        q = encode_batch([q_rows[i] for i in idx], pad_id)
-        # positives of the batch first (row i's positive at i), then every row's negatives
-        p = encode_batch([p_rows[i] for i in idx] + [r for i in idx for r in n_rows[i]], pad_id)
-        return {**{f"q_{a}": b for a, b in q.items()}, **{f"p_{a}": b for a, b in p.items()}}
-
-    source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in p_rows]), data.batch_size, make_batch,
-                             seed=data.seed, bucket=data.bucket)
+    source = pair_batches(q_rows, p_rows, n_rows, pad_id, data)
     dims = list(options.matryoshka_dims)
 
     def loss_fn(module, batch):

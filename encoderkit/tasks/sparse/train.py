@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from encoderkit.data.beir import is_beir_source, load_retrieval
@@ -20,11 +19,12 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.ranking import retrieval_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import note
-from encoderkit.tasks.batching import BucketedBatches, encode_batch
+from encoderkit.tasks.batching import encode_batch
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
 from encoderkit.tasks.embed.data import train_groups
 from encoderkit.tasks.embed.embedder import tokenize
 from encoderkit.tasks.embed.options import EmbedOptions
+from encoderkit.tasks.embed.train import pair_batches
 from encoderkit.tasks.inference import ModuleEngine, run_rows
 from encoderkit.tasks.sparse.features import (
     FRESH_TERMS,
@@ -108,13 +108,7 @@ def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolde
     n_rows = [tokenize(tokenizer, g.negatives[:k], options.max_length) if k else [] for g in groups]
     pad_id = tokenizer.pad_token_id
 
-    def make_batch(idx: np.ndarray, epoch: int):
-        q = encode_batch([q_rows[i] for i in idx], pad_id)
-        p = encode_batch([p_rows[i] for i in idx] + [r for i in idx for r in n_rows[i]], pad_id)
-        return {**{f"q_{a}": b for a, b in q.items()}, **{f"p_{a}": b for a, b in p.items()}}
-
-    source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in p_rows]), data.batch_size, make_batch,
-                             seed=data.seed, bucket=data.bucket)
+    source = pair_batches(q_rows, p_rows, n_rows, pad_id, data)
     warmup = options.flops_warmup or len(source)
 
     def loss_fn(module, batch):
