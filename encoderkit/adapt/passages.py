@@ -17,6 +17,7 @@ from pathlib import Path
 
 from encoderkit.data.beir import Retrieval, load_retrieval, split_spec
 from encoderkit.errors import EncoderkitError
+from encoderkit.retrieval.corpus import record_fields
 
 
 @dataclass(frozen=True)
@@ -67,14 +68,8 @@ def read_passages(spec: str, id_field: str = "id", text_field: str = "text", tit
 def _records(path: Path, id_field: str, text_field: str, title_field: str) -> list[Passage]:
     out = []
     for where, rec in _rows(path):
-        rid = rec.get(id_field, rec.get("_id")) if id_field == "id" else rec.get(id_field)
-        if rid is None or str(rid).strip() == "":
-            raise EncoderkitError(f"{where}: no {id_field!r} field; every passage needs an id (--id-field)")
-        text = rec.get(text_field)
-        if not isinstance(text, str):
-            raise EncoderkitError(f"{where}: field {text_field!r} is missing or not a string (--text-field)")
-        title = rec.get(title_field) or ""
-        out.append(Passage(str(rid), str(title), text))  # as index and load_retrieval read them: the same texts
+        rid, title, text = record_fields(rec, where, id_field, text_field, title_field)
+        out.append(Passage(rid, str(title), text))  # as index and load_retrieval read them: the same texts
     return out
 
 

@@ -113,21 +113,28 @@ def _source_docs(spec: str, skipped: Skipped, id_field: str, text_field: str, ti
         yield from _file_docs(path, str(path), skipped, id_field, text_field, title_field)
 
 
+def record_fields(rec: dict, where: str, id_field: str, text_field: str, title_field: str) -> tuple[str, object, str]:
+    """(id, title, text) of one corpus record read at ``where`` (``file:line``): the id (``_id`` when ``id_field``
+    is ``id`` and the record has no ``id``) and the text are required, the title may be missing (""); an error names
+    the record and the flag to set."""
+    rid = rec.get(id_field, rec.get("_id")) if id_field == "id" else rec.get(id_field)
+    if rid is None or str(rid).strip() == "":
+        raise EncoderkitError(f"{where}: no {id_field!r} field; every record needs an id (--id-field)")
+    text = rec.get(text_field)
+    if not isinstance(text, str):
+        raise EncoderkitError(f"{where}: field {text_field!r} is missing or not a string (--text-field)")
+    return str(rid), rec.get(title_field) or "", text
+
+
 def _file_docs(path: Path, doc_id: str, skipped: Skipped, id_field: str, text_field: str,
                title_field: str) -> Iterator[SourceDoc]:
     if path.suffix in (".jsonl", ".csv"):
         records = _jsonl(path, skipped) if path.suffix == ".jsonl" else _csv(path, skipped)
         for where, rec in records:
-            rid = rec.get(id_field, rec.get("_id")) if id_field == "id" else rec.get(id_field)
-            if rid is None or str(rid).strip() == "":
-                raise EncoderkitError(f"{where}: no {id_field!r} field; every record needs an id (--id-field)")
-            text = rec.get(text_field)
-            if not isinstance(text, str):
-                raise EncoderkitError(f"{where}: field {text_field!r} is missing or not a string (--text-field)")
-            title = rec.get(title_field) or ""
+            rid, title, text = record_fields(rec, where, id_field, text_field, title_field)
             full = f"{title} {text}".strip() if isinstance(title, str) else text.strip()
             if full:
-                yield SourceDoc(str(rid), full, where)
+                yield SourceDoc(rid, full, where)
             else:
                 skipped.append(f"{where}: empty text")
         return
