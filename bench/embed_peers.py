@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         texts_file.write_text(json.dumps(texts), encoding="utf-8")
         work = Path(args.venvs) / "work"
         work.mkdir(parents=True, exist_ok=True)
+        os.environ["EMBED_PEERS_BACKEND"] = args.backend  # read by the encoderkit engine's worker
         workers: dict[str, Worker] = {}
         info: dict[str, Any] = {}
         for e in engines:
@@ -159,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
             if py is None:
                 print(f"{e}: skipped (no venv {Path(args.venvs) / VENV_OF[e]})", flush=True)
                 continue
-            os.environ["EMBED_PEERS_BACKEND"] = args.backend  # read by the encoderkit engine's worker
             w = Worker(e, py, texts_file)
             try:
                 r = w.ask(cmd="load", engine=e, model=str(model), work=str(work), threads=args.threads, batch=args.batch)
