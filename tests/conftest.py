@@ -51,15 +51,26 @@ def tiny_bert_config(vocab_size: int, **kw):
     return BertConfig(**base)
 
 
+def _tiny_folder(out: Path, tokenizer_dir: Path, model_class: str) -> Path:
+    """A tiny randomly initialised ``transformers.<model_class>`` (seed 0) with the tokenizer, saved in ``out``."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(0)
+    getattr(transformers, model_class)(tiny_bert_config(len(tok))).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     """A tiny randomly initialised BERT (2 layers, hidden 32) with its tokenizer, in HF layout."""
-    import torch
-    from transformers import AutoTokenizer, BertModel
+    return _tiny_folder(tmp_path_factory.mktemp("tiny_bert"), tiny_tokenizer_dir, "BertModel")
 
-    out = tmp_path_factory.mktemp("tiny_bert")
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    torch.manual_seed(0)
-    BertModel(tiny_bert_config(len(tok))).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+
+@pytest.fixture(scope="session")
+def tiny_mlm_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """A tiny randomly initialised BertForMaskedLM (an MLM head of its own) with its tokenizer, in HF layout."""
+    return _tiny_folder(tmp_path_factory.mktemp("tiny_mlm"), tiny_tokenizer_dir, "BertForMaskedLM")

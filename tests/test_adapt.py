@@ -180,7 +180,7 @@ def test_gpl_trains_with_cross_encoder_margins(tmp_path, embed_dir, tmp_path_fac
     assert rows and all(len(r["margins"]) == len(r["negatives"]) == 2 for r in rows)
     assert res.training["loss"] == "margin-mse" and res.training["steps"] == 3
     # the margins are the cross-encoder's: recompute one
-    from encoderkit.adapt.negatives import open_cross_encoder
+    from encoderkit.tasks.margin_mse import open_cross_encoder
     from encoderkit.tasks.rerank.features import score_pairs
 
     model, tok, length = open_cross_encoder(str(ce))

@@ -31,16 +31,9 @@ def _pairs(n: int = 64, seed: int = 0) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def mlm_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+def mlm_dir(tiny_mlm_dir) -> Path:
     """A tiny BertForMaskedLM folder (an MLM head of its own)."""
-    from transformers import AutoTokenizer, BertForMaskedLM
-
-    out = tmp_path_factory.mktemp("tiny_mlm")
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    torch.manual_seed(0)
-    BertForMaskedLM(tiny_bert_config(len(tok))).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return tiny_mlm_dir
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ passages when too few remain.
 
 GPL (Wang et al. 2022): with a cross-encoder, every (query, positive, negative) carries the cross-encoder's
 margin ``CE(q, pos) - CE(q, neg)``, and the bi-encoder learns it: MarginMSE, the mean squared error between
-``scale * (cos(q, pos) - cos(q, neg))`` and that margin (:func:`margin_build`).
+``scale * (cos(q, pos) - cos(q, neg))`` and that margin (:func:`margin_build`; the cross-encoder, its margins and
+the loss are :mod:`encoderkit.tasks.margin_mse`'s, which the sparse task's distillation shares).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from encoderkit.adapt.passages import Passage
 from encoderkit.adapt.queries import positive_text
 from encoderkit.errors import EncoderkitError
+from encoderkit.tasks.margin_mse import ce_margins, margin_mse, with_margins
 
 
 @dataclass
@@ -32,21 +34,6 @@ class Mined:
     skipped_positives: int  # candidates left out as likely positives
     topped_up: int  # random negatives added where too few mined ones were left
     dropped: int = 0  # queries left without enough scored negatives (GPL)
-
-
-def open_cross_encoder(name: str) -> tuple[Any, Any, int]:
-    """(torch model, tokenizer, max length) of a rerank folder; anything else is refused."""
-    from encoderkit.models.folder import ModelFolder
-    from encoderkit.tasks import TASKS, get_task
-    from encoderkit.tasks.common import resolve_model
-
-    folder = ModelFolder.open(resolve_model(name))
-    task = get_task(folder.task) if folder.task in TASKS else None
-    if task is None or task.endpoint != "rerank":
-        raise EncoderkitError(f"--cross-encoder {name} is a {folder.task!r} model; GPL needs a cross-encoder "
-                              "(a rerank folder: `encoderkit finetune --task rerank`, or a sentence-transformers "
-                              "CrossEncoder with one output)")
-    return folder.load(), folder.tokenizer(), min(folder.max_length or 256, 512)
 
 
 def doc_length(model: Path) -> int:
@@ -95,7 +82,8 @@ def mine(passages: list[Passage], queries: dict[str, list[str]], model: Path, *,
     positives = [positive_text(by_id[pid], q) for pid, q in pairs]
     margins: list[list[float]] = []
     if ce is not None:
-        scored = _ce_margins(ce, [q for _, q in pairs], positives, [[by_id[d].full for d in negs] for negs in picked])
+        scored = ce_margins(ce, [q for _, q in pairs], positives, [[by_id[d].full for d in negs] for negs in picked],
+                            desc="cross-encoder scores")
         for n, m in enumerate(scored):
             kept = [(d, x) for d, x in zip(picked[n], m, strict=True) if x > ce_margin]
             skipped += len(picked[n]) - len(kept)
@@ -113,42 +101,10 @@ def mine(passages: list[Passage], queries: dict[str, list[str]], model: Path, *,
     return Mined(rows, skipped, topped, short)
 
 
-def _ce_margins(ce: tuple[Any, Any, int], queries: list[str], positives: list[str], negatives: list[list[str]]
-                ) -> list[list[float]]:
-    """``CE(q, pos) - CE(q, neg)`` per negative of each query, every pair scored in one batched pass."""
-    import torch
-
-    from encoderkit.tasks.rerank.features import score_pairs
-
-    model, tok, max_length = ce
-    qs, ps, spans = [], [], []
-    for q, pos, negs in zip(queries, positives, negatives, strict=True):
-        spans.append((len(ps), len(negs)))
-        qs += [q] * (1 + len(negs))
-        ps += [pos, *negs]
-    with torch.inference_mode():
-        scores = score_pairs(model, tok, qs, ps, max_length)
-    return [[float(scores[a] - scores[a + 1 + j]) for j in range(n)] for a, n in spans]
-
-
-def margin_mse(q: Any, passages: Any, margins: Any, scale: float) -> Any:
-    """q (B, H) and passages (B + B*k, H) unit vectors (row i's positive at i, then row i's k negatives at
-    B + i*k ...), margins (B, k): mean of (scale * (cos(q, pos) - cos(q, neg)) - margin)^2."""
-    import torch
-
-    b, k = margins.shape
-    pos = passages[:b]  # (B, H)
-    neg = passages[b:].view(b, k, -1)  # (B, k, H)
-    student = scale * ((q * pos).sum(-1, keepdim=True) - torch.einsum("bh,bkh->bk", q, neg))  # (B, k)
-    return torch.nn.functional.mse_loss(student, margins.to(student.dtype))
-
-
 def margin_build(margins: list[list[float]], scale: float) -> Callable[..., Any]:
     """A ``build`` for ``finetune.run``: the embed task's own (its model, data, batches, saving), trained with
-    :func:`margin_mse` on ``margins`` (row i of the training file: one per negative) instead of in-batch
-    negatives."""
-    import torch
-
+    :func:`~encoderkit.tasks.margin_mse.margin_mse` on ``margins`` (row i of the training file: one per negative)
+    instead of in-batch negatives."""
     from encoderkit.tasks import get_task
 
     def build(data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
@@ -159,16 +115,12 @@ def margin_build(margins: list[list[float]], scale: float) -> Callable[..., Any]
         if k == 0:
             raise EncoderkitError("GPL: no query has a scored negative (the corpus is too small, or every candidate "
                                   "was a likely positive: lower --ce-margin)")
-        own = tr.source.make_batch
-
-        def make_batch(idx: np.ndarray, epoch: int) -> dict[str, Any]:
-            return {**own(idx, epoch), "margins": torch.tensor([margins[int(i)][:k] for i in idx], dtype=torch.float32)}
 
         def loss_fn(module: Any, batch: dict[str, Any]) -> Any:
             q = module(**{a[2:]: v for a, v in batch.items() if a.startswith("q_")})
             p = module(**{a[2:]: v for a, v in batch.items() if a.startswith("p_")})
             return margin_mse(q, p, batch["margins"], options.scale), {}
 
-        return replace(tr, loss_fn=loss_fn, source=replace(tr.source, make_batch=make_batch))
+        return replace(tr, loss_fn=loss_fn, source=replace(tr.source, make_batch=with_margins(tr.source.make_batch, margins, k)))
 
     return build

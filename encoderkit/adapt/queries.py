@@ -8,7 +8,10 @@
 * ``offline``: in the order of ``kinds``, the passage's title (three words or more), its first sentence, and
   other sentences picked at random (seeded by the passage id): the inverse cloze task (Lee et al. 2019), a
   sentence standing for a question the rest of the passage answers. The sentence is taken out of the positive
-  (:func:`positive_text`), else the model learns only to match a string.
+  (:func:`positive_text`), else the model learns only to match a string. ``cloze``: other sentences (picked as
+  ``sentence`` picks them, with their own seed) rewritten by a masked-LM (:mod:`encoderkit.adapt.cloze`), batched
+  over :data:`CLOZE_CHUNK` passages; no longer a verbatim part of the passage, such a query keeps the whole
+  passage as its positive.
 
 Every passage's result is appended to ``queries.jsonl`` in the run folder, one block of lines per write and
 fsync; a line torn by a kill is dropped on resume (:class:`QueryLog`), and a resumed run asks nothing again for
@@ -35,7 +38,8 @@ QUERY_TEMPLATE = """Write {n} different short search queries that someone would 
 passage below. Answer with the queries only, one per line, with no numbering and no other text.
 
 Text: {text}"""
-OFFLINE_KINDS = ("title", "first", "sentence")
+OFFLINE_KINDS = ("title", "first", "sentence", "cloze")
+CLOZE_CHUNK = 64  # passages whose cloze sentences go to the masked-LM together
 MIN_WORDS, MAX_WORDS = 2, 32
 PROMPT_CHARS = 4000  # a passage longer than this is cut in the prompt (the whole passage is still the positive)
 
@@ -74,23 +78,61 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in (" ".join(p.split()) for p in _SENTENCE_END.split(text)) if s]
 
 
-def offline_queries(p: Passage, n: int, kinds: tuple[str, ...], seed: int = 0) -> list[str]:
-    """Up to ``n`` queries made from the passage alone, in the order of ``kinds`` (see the module docstring)."""
-    out: list[str] = []
+@dataclass(frozen=True)
+class Cloze:
+    """A sentence (cut to :data:`MAX_WORDS`) for the masked-LM to rewrite, and the seed of its masked words."""
+
+    sentence: str
+    seed: int
+
+
+def _seed(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+
+def offline_plan(p: Passage, n: int, kinds: tuple[str, ...], seed: int = 0) -> list[str | Cloze]:
+    """The passage's query candidates in the order of ``kinds``, a ``cloze`` one still to be rewritten."""
+    out: list[str | Cloze] = []
     sentences = [s for s in split_sentences(p.text) if len(s.split()) >= 4]
+    # sentences other than the first (a first sentence is often background)
+    rest = sentences[1:] if len(sentences) > 2 else sentences
     for kind in kinds:
         if kind == "title" and len(p.title.split()) >= 3:
             out.append(p.title)
         elif kind == "first" and sentences:
             out.append(sentences[0])
-        elif kind == "sentence":
-            # sentences other than the first (a first sentence is often background); seeded per passage
-            rest = sentences[1:] if len(sentences) > 2 else sentences
-            h = int.from_bytes(hashlib.sha256(f"{seed}:{p.id}".encode()).digest()[:8], "little")
-            order = np.random.default_rng(h).permutation(len(rest))
+        elif kind == "sentence":  # seeded per passage
+            order = np.random.default_rng(_seed(f"{seed}:{p.id}")).permutation(len(rest))
             out.extend(rest[int(i)] for i in order[: max(0, n - len(out))])
-    cut = [" ".join(q.split()[:MAX_WORDS]) for q in out]
+        elif kind == "cloze":
+            order = np.random.default_rng(_seed(f"{seed}:cloze:{p.id}")).permutation(len(rest))
+            cut = [" ".join(rest[int(i)].split()[:MAX_WORDS]) for i in order[: max(0, n - len(out))]]
+            out.extend(Cloze(s, _seed(f"{seed}:cloze:{p.id}:{s}")) for s in cut)
+    return out
+
+
+def rewrite_clozes(plans: list[list[str | Cloze]], writer: Any) -> list[list[str | None]]:
+    """The plans with every :class:`Cloze` rewritten by ``writer`` (:class:`~encoderkit.adapt.cloze.ClozeWriter`)
+    in one batched call; None where it could not be."""
+    asks = [c for plan in plans for c in plan if isinstance(c, Cloze)]
+    if asks and writer is None:
+        from encoderkit.adapt.cloze import NEEDS_MODEL
+
+        raise EncoderkitError(NEEDS_MODEL)
+    got = iter(writer.rewrite([c.sentence for c in asks], [c.seed for c in asks]) if asks else [])
+    return [[next(got) if isinstance(c, Cloze) else c for c in plan] for plan in plans]
+
+
+def finish_queries(candidates: list[str | None], n: int) -> list[str]:
+    """Up to ``n`` distinct candidates, each cut to :data:`MAX_WORDS` words, none shorter than :data:`MIN_WORDS`."""
+    cut = [" ".join(q.split()[:MAX_WORDS]) for q in candidates if q]
     return list(dict.fromkeys(q for q in cut if len(q.split()) >= MIN_WORDS))[:n]
+
+
+def offline_queries(p: Passage, n: int, kinds: tuple[str, ...], seed: int = 0, cloze: Any = None) -> list[str]:
+    """Up to ``n`` queries made from the passage alone, in the order of ``kinds`` (see the module docstring);
+    ``cloze``: the :class:`~encoderkit.adapt.cloze.ClozeWriter` of the ``cloze`` kind."""
+    return finish_queries(rewrite_clozes([offline_plan(p, n, kinds, seed)], cloze)[0], n)
 
 
 def positive_text(p: Passage, query: str) -> str:
@@ -109,13 +151,14 @@ class Generated:
     skipped: dict[str, str] = field(default_factory=dict)  # passage id -> empty | unparsable
     sent: int = 0  # requests sent by this run (cache hits and logged passages excluded)
     resumed: int = 0  # passages read back from the log
+    cloze: dict[str, int] = field(default_factory=dict)  # the cloze kind's rewritten and skipped sentences (this run)
 
     def counts(self) -> dict[str, int]:
         reasons = list(self.skipped.values())
         return {"passages": len(self.queries) + len(self.skipped), "with_queries": len(self.queries),
                 "queries": sum(len(q) for q in self.queries.values()), "skipped_empty": reasons.count("empty"),
                 "skipped_unparsable": reasons.count("unparsable"), "requests_sent": self.sent,
-                "resumed_passages": self.resumed}
+                "resumed_passages": self.resumed, **self.cloze}
 
 
 class QueryLog:
@@ -204,13 +247,17 @@ def endpoint_maker(labeller: Any, template: str, n: int) -> Callable[..., int]:
     return make
 
 
-def offline_maker(n: int, kinds: tuple[str, ...], seed: int) -> Callable[..., int]:
-    """``make`` for :func:`generate` from the passages alone (no requests)."""
+def offline_maker(n: int, kinds: tuple[str, ...], seed: int, cloze: Any = None) -> Callable[..., int]:
+    """``make`` for :func:`generate` from the passages alone (no requests); ``cloze``: the masked-LM writer of the
+    ``cloze`` kind, called once per :data:`CLOZE_CHUNK` passages."""
 
     def make(todo: list[Passage], done: Callable[[int, str | None, list[str]], None]) -> int:
-        for i, p in enumerate(todo):
-            qs = offline_queries(p, n, kinds, seed)
-            done(i, "\n".join(qs), qs)
+        for a in range(0, len(todo), CLOZE_CHUNK):
+            chunk = todo[a : a + CLOZE_CHUNK]
+            plans = rewrite_clozes([offline_plan(p, n, kinds, seed) for p in chunk], cloze)
+            for i, plan in enumerate(plans):
+                qs = finish_queries(plan, n)
+                done(a + i, "\n".join(qs), qs)
         return 0
 
     return make

@@ -47,7 +47,11 @@ class AdaptConfig(StageConfig):
     offline_kinds: list[str] = arg(["title", "sentence"], help=(
         "offline: what becomes a query, in order, until --queries-per-passage: title (the passage's title, 3+ "
         "words), first (its first sentence), sentence (other sentences at random, taken out of the positive: "
-        "the inverse cloze task)."))
+        "the inverse cloze task), cloze (other sentences with ~30%% of their content words replaced by a "
+        "masked-LM's top other prediction: needs --cloze-model)."))
+    cloze_model: str = arg("", help="--offline-kinds cloze: a folder with a masked-LM head that rewrites the sentences "
+                                    "(the output of `encoderkit pretrain`, or a *ForMaskedLM folder; all-MiniLM-L6-v2 "
+                                    "as shipped has none).")
     max_passages: int = arg(0, help="Generate queries for a seeded random subset of this many passages (0: all); "
                                     "the whole corpus is still mined for negatives and evaluated.")
     id_field: str = arg("id", help="Corpus records: the id field (default id, else _id).")
@@ -101,11 +105,16 @@ class AdaptConfig(StageConfig):
         check(self.num_negatives >= 0, "--num-negatives must be 0 or more")
         check(self.batch_size >= 2, "--batch-size must be at least 2 (in-batch negatives)")
         check(self.block >= 1, "--block must be at least 1")
+        from encoderkit.adapt.cloze import NEEDS_MODEL
         from encoderkit.adapt.queries import OFFLINE_KINDS
 
         bad = [k for k in self.offline_kinds if k not in OFFLINE_KINDS]
         check(not bad and bool(self.offline_kinds),
               f"--offline-kinds {', '.join(bad) or '(none)'}: choose from {', '.join(OFFLINE_KINDS)}")
+        cloze = self.generator == "offline" and "cloze" in self.offline_kinds
+        check(not cloze or bool(self.cloze_model), NEEDS_MODEL)
+        check(cloze or not self.cloze_model, "--cloze-model is read by --offline-kinds cloze (with --generator offline) "
+                                             "only; add cloze to --offline-kinds, or drop the flag")
         if self.generator == "endpoint":
             check(bool(self.endpoint), "--generator endpoint needs --endpoint URL (the server's base URL, e.g. "
                                        "http://127.0.0.1:8080/v1)")
@@ -174,9 +183,14 @@ def run(cfg: AdaptConfig) -> AdaptResult:
     model = check_embed_model(cfg.model)
     ce = None
     if cfg.cross_encoder:
-        from encoderkit.adapt.negatives import open_cross_encoder
+        from encoderkit.tasks.margin_mse import open_cross_encoder
 
         ce = open_cross_encoder(cfg.cross_encoder)
+    cloze = None
+    if cfg.cloze_model:
+        from encoderkit.adapt.cloze import ClozeWriter
+
+        cloze = ClozeWriter(cfg.cloze_model)
     passages = read_passages(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field)
     judged = eval_data(passages, cfg.eval, cfg.eval_queries, cfg.eval_qrels)
     before = evaluate(model, judged, cfg.max_query_length, cfg.batch_size_eval) if judged else {}
@@ -187,10 +201,12 @@ def run(cfg: AdaptConfig) -> AdaptResult:
         state = work / "adapt"
         state.mkdir(exist_ok=True)
         _same_settings(state / "settings.json", cfg.result_dict())
-        gen = _generate(cfg, chosen, state)
+        gen = _generate(cfg, chosen, state, cloze)
         counts = gen.counts()
         note(f"adapt: {counts['queries']} queries for {counts['with_queries']} of {counts['passages']} passages "
-             f"({counts['skipped_empty']} empty and {counts['skipped_unparsable']} unparsable answers skipped)")
+             f"({counts['skipped_empty']} empty and {counts['skipped_unparsable']} unparsable answers skipped)"
+             + (f"; cloze: {counts['cloze_queries']} rewritten, {counts['cloze_skipped']} sentences with nothing to "
+                "replace skipped (this run)" if cloze is not None else ""))
         if not gen.queries:
             raise EncoderkitError(f"no passage of --corpus {cfg.corpus} got a query ({counts['skipped_empty']} empty, "
                                   f"{counts['skipped_unparsable']} unparsable answers; see {state / 'queries.jsonl'}): "
@@ -218,13 +234,15 @@ def _same_settings(path: Path, settings: dict[str, Any]) -> None:
         write_json_atomic(path, want)
 
 
-def _generate(cfg: AdaptConfig, passages: list[Any], state: Path) -> Any:
+def _generate(cfg: AdaptConfig, passages: list[Any], state: Path, cloze: Any = None) -> Any:
     from encoderkit.adapt.queries import QUERY_TEMPLATE, QueryLog, endpoint_maker, generate, offline_maker
 
     n = cfg.queries_per_passage
     if cfg.generator == "offline":
         settings = {"generator": "offline", "n": n, "kinds": list(cfg.offline_kinds), "seed": cfg.seed}
-        make = offline_maker(n, tuple(cfg.offline_kinds), cfg.seed)
+        if cloze is not None:
+            settings["cloze_model"] = cfg.cloze_model
+        make = offline_maker(n, tuple(cfg.offline_kinds), cfg.seed, cloze)
         cache = labeller = None
     else:
         from encoderkit.label.cache import AnswerCache
@@ -243,7 +261,10 @@ def _generate(cfg: AdaptConfig, passages: list[Any], state: Path) -> Any:
     log = QueryLog(state / "queries.jsonl", settings)
     bar = progress(total=len(passages), desc="queries", unit="passage")
     try:
-        return generate(passages, log, make, cfg.block, bar)
+        gen = generate(passages, log, make, cfg.block, bar)
+        if cloze is not None:
+            gen.cloze = cloze.counts()
+        return gen
     finally:
         bar.close()
         if cache is not None:

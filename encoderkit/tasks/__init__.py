@@ -14,7 +14,8 @@ registered by one line in :mod:`encoderkit.tasks.registry`::
     tasks/ (shared)               protocol (Task), registry, batching, common (TaskRun, TrainData,
                                   EvalData, pick), inference (engines), options (the flat task flags of
                                   finetune/evaluate), tabular (TSV/CSV/JSONL rows), labeled
-                                  (``encoderkit label`` output), tags (IOB1/IOB2/BIOES)
+                                  (``encoderkit label`` output), tags (IOB1/IOB2/BIOES), margin_mse (a
+                                  cross-encoder's margins as a dual encoder's target: sparse, adapt)
 """
 
 from __future__ import annotations

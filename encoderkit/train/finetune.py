@@ -71,6 +71,11 @@ class FinetuneConfig(TaskDataOptions):
     flops_doc: float = arg(1e-4, help="sparse: weight of the FLOPS regulariser on document vectors (SPLADE v2's 1e-4).")
     flops_warmup: int = arg(0, help="sparse: micro-batches over which the FLOPS weights rise quadratically from 0 "
                                     "(0: one epoch).")
+    cross_encoder: str = arg("", help=(
+        "sparse: distil from this cross-encoder (a rerank folder): every (query, positive, hard negative) row is "
+        "scored by it once before training and the model learns its margins CE(q, pos) - CE(q, neg) on sparse dot "
+        "products (MarginMSE, plus the FLOPS regulariser) instead of in-batch negatives; needs hard negatives "
+        "(--negatives mined)."))
     bf16: bool | None = arg(None, help="bf16 autocast (default: on where the CPU/GPU has native bf16).", speed=True)
     bucket: bool = arg(True, help="Length-bucketed batches (less padding).", speed=True)
     eval_batch_size: int = arg(128, help="Batch size of dev evaluation.", speed=True)
@@ -111,7 +116,11 @@ def task_inputs(cfg: FinetuneConfig, folder: ModelFolder) -> tuple[Any, TrainDat
     """The task object of ``--task``, what it trains on (:class:`TrainData`) and its options, each
     built once from the parsed config (which stays as given: derived values live in the options)."""
     task = get_task(cfg.task)
-    return task, pick(TrainData, cfg), task.options_for_training(cfg, folder)
+    options = task.options_for_training(cfg, folder)
+    if cfg.cross_encoder and not hasattr(options, "cross_encoder"):  # a task whose options cannot take it
+        raise EncoderkitError(f"--cross-encoder: --task {cfg.task} does not train from a cross-encoder's scores (sparse "
+                              "does; an embed model learns them through `encoderkit adapt --cross-encoder`); drop the flag")
+    return task, pick(TrainData, cfg), options
 
 
 def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:

@@ -9,7 +9,8 @@
   logits never exist at once; the traced ONNX graph runs it whole (a chunk loop would be unrolled).
 * Score of (query, document): the dot product of their vectors.
 * Loss: in-batch contrastive cross-entropy over ``q @ [positives; negatives].T`` (no scale: the
-  weights are unbounded), plus the FLOPS regulariser ``sum_j (mean_i w_ij)^2`` of the query and of the
+  weights are unbounded), or, distilled from a cross-encoder, MarginMSE of ``q.pos - q.neg`` against its
+  ``CE(q, pos) - CE(q, neg)`` (:mod:`encoderkit.tasks.margin_mse`); plus the FLOPS regulariser ``sum_j (mean_i w_ij)^2`` of the query and of the
   document vectors of the batch, each with its weight, reached by a quadratic warm-up (SPLADE v2).
 * A head: the folder's own MLM head when it has one (``*ForMaskedLM`` / ``*ForPreTraining``, e.g. from
   ``encoderkit pretrain``); else (a bare encoder such as all-MiniLM-L6-v2) the family's MLM head class
@@ -34,6 +35,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.io import write_json_atomic
 from encoderkit.models.folder import ModelFolder, task_from_config
 from encoderkit.models.mlm import mlm_layout
+from encoderkit.tasks.margin_mse import margin_mse
 
 OUTPUT = "sparse_vector"  # the graph's one output: the pooled vector (B, V)
 CHUNK = 256  # tokens per head call in torch (a running max over chunks past it; bf16 runs one call fastest)
@@ -103,14 +105,19 @@ def contrastive_loss(q: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(q.float() @ docs.float().T, target)
 
 
-def splade_loss(q: torch.Tensor, docs: torch.Tensor, lambda_q: float, lambda_d: float
-                ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The training loss (contrastive + weighted FLOPS of queries and documents) and what to log: the
-    contrastive part, and the mean non-zero weights per query and per document."""
-    ce = contrastive_loss(q, docs)
-    loss = ce + lambda_q * flops(q) + lambda_d * flops(docs)
+def splade_loss(q: torch.Tensor, docs: torch.Tensor, lambda_q: float, lambda_d: float,
+                margins: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training loss (the ranking part + weighted FLOPS of queries and documents) and what to log: the
+    ranking part, and the mean non-zero weights per query and per document. The ranking part is contrastive, or
+    with a cross-encoder's ``margins`` (B, k) MarginMSE on dot products (docs: the B positives, then row i's k
+    negatives at B + i*k ...)."""
+    if margins is None:
+        rank, name = contrastive_loss(q, docs), "ce"
+    else:
+        rank, name = margin_mse(q.float(), docs.float(), margins, 1.0), "margin_mse"
+    loss = rank + lambda_q * flops(q) + lambda_d * flops(docs)
     with torch.no_grad():
-        logs = {"ce": float(ce), "q_nnz": float((q > 0).sum(1).float().mean()),
+        logs = {name: float(rank), "q_nnz": float((q > 0).sum(1).float().mean()),
                 "d_nnz": float((docs > 0).sum(1).float().mean())}
     return loss, logs
 

@@ -2,7 +2,8 @@
 
 The data flags are the embed task's (``--max-length``, ``--max-query-length``, ``--negatives``,
 ``--num-negatives``, ``--miner``); the FLOPS regulariser has its own (``--flops-query``, ``--flops-doc``,
-``--flops-warmup``). Embed-only flags that would be silently ignored here are refused.
+``--flops-warmup``), and so has distillation from a cross-encoder (``--cross-encoder``). Embed-only flags that
+would be silently ignored here are refused.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def _refuse_embed_flags(cfg: Any) -> None:
 class SparseOptions:
     """Sub-tokens per document and per query, hard negatives (``mined`` by ``miner``, as embed mines them), and
     the FLOPS regulariser: its weights for queries and documents, reached by a quadratic warm-up over
-    ``flops_warmup`` micro-batches (0: one epoch)."""
+    ``flops_warmup`` micro-batches (0: one epoch); ``cross_encoder``: a rerank folder whose margins the model
+    learns (MarginMSE) instead of in-batch negatives ("": contrastive)."""
 
     max_length: int = DEFAULT_MAX_LENGTH
     max_query_length: int = 64
@@ -45,6 +47,7 @@ class SparseOptions:
     flops_query: float = FLOPS_QUERY
     flops_doc: float = FLOPS_DOC
     flops_warmup: int = 0
+    cross_encoder: str = ""
 
     def __post_init__(self) -> None:
         if self.flops_query < 0 or self.flops_doc < 0 or self.flops_warmup < 0:

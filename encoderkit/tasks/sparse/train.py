@@ -2,13 +2,18 @@
 
 Training data: the embed task's (its readers and columns): JSONL ``{query, positive, negatives?}`` or a
 BEIR source (each judged (query, doc) pair is a row; ``--num-negatives`` hard negatives with
-``--negatives mined``, mined by the bi-encoder ``--miner``). No distillation from a cross-encoder's
-scores: the embed task has no such path to reuse (MarginMSE lives in ``adapt``'s own wiring).
+``--negatives mined``, mined by the bi-encoder ``--miner``).
+Loss: in-batch contrastive, or with ``--cross-encoder RERANK_FOLDER`` distillation from its scores: each
+row's (query, positive) and (query, negative) pairs are scored by the cross-encoder once, before training,
+and the model learns the margins ``CE(q, pos) - CE(q, neg)`` on sparse dot products (MarginMSE,
+:mod:`encoderkit.tasks.margin_mse`, which ``adapt``'s GPL shares); the FLOPS regulariser either way. The card
+records ``distilled_from`` (the cross-encoder's folder). Distillation needs hard negatives in the rows.
 Evaluation: nDCG@10 / MRR@10 / recall@100 of exact sparse retrieval (dot products) over a BEIR corpus.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +25,13 @@ from encoderkit.evaluate.ranking import retrieval_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import note
 from encoderkit.tasks.batching import encode_batch
-from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
+from encoderkit.tasks.common import EvalData, TaskRun, TrainData, resolve_model, seeded_subset
 from encoderkit.tasks.embed.data import train_groups
 from encoderkit.tasks.embed.embedder import tokenize
 from encoderkit.tasks.embed.options import EmbedOptions
 from encoderkit.tasks.embed.train import pair_batches
 from encoderkit.tasks.inference import ModuleEngine, run_rows
+from encoderkit.tasks.margin_mse import ce_margins, open_cross_encoder, with_margins
 from encoderkit.tasks.sparse.features import (
     FRESH_TERMS,
     OUTPUT,
@@ -85,7 +91,8 @@ def _module_engine(module: Splade) -> ModuleEngine:
 
 def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolder) -> TaskRun:
     """Read the pairs (the embed task's reader), make the SPLADE module over the folder's MLM head (or one from
-    its tied word embeddings) and the loss."""
+    its tied word embeddings) and the loss (with ``options.cross_encoder``: MarginMSE on its margins)."""
+    ce = open_cross_encoder(options.cross_encoder, "sparse distillation") if options.cross_encoder else None
     groups, k = train_groups(data, EmbedOptions(max_length=options.max_length, max_query_length=options.max_query_length,
                                                 negatives=options.negatives, num_negatives=options.num_negatives,
                                                 miner=options.miner))
@@ -94,6 +101,15 @@ def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolde
     if len(groups) < data.batch_size:
         raise EncoderkitError(f"{data.train}: {len(groups)} training pairs, fewer than one batch ({data.batch_size}); "
                               "lower --batch-size")
+    margins = None
+    if ce is not None:
+        if k == 0:
+            raise EncoderkitError(f"--cross-encoder: {data.train} gives no hard negatives for the cross-encoder to "
+                                  "score; add --negatives mined (a BEIR source: mined by --miner; a JSONL file: "
+                                  "each row's \"negatives\" list, which every row then needs)")
+        margins = ce_margins(ce, [g.query for g in groups], [g.positive for g in groups],
+                             [g.negatives[:k] for g in groups], desc="cross-encoder scores")
+        del ce
     mlm, head = load_mlm(folder)
     check_vocabulary(tokenizer, mlm, folder.path)
     model = Splade(mlm)
@@ -109,6 +125,8 @@ def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolde
     pad_id = tokenizer.pad_token_id
 
     source = pair_batches(q_rows, p_rows, n_rows, pad_id, data)
+    if margins is not None:
+        source = replace(source, make_batch=with_margins(source.make_batch, margins, k))
     warmup = options.flops_warmup or len(source)
 
     def loss_fn(module, batch):
@@ -118,7 +136,7 @@ def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolde
         factor = warmup_factor(int(inner.flops_step), warmup)
         q = module(**{a[2:]: b for a, b in batch.items() if a.startswith("q_")})[OUTPUT]
         d = module(**{a[2:]: b for a, b in batch.items() if a.startswith("p_")})[OUTPUT]
-        loss, logs = splade_loss(q, d, factor * options.flops_query, factor * options.flops_doc)
+        loss, logs = splade_loss(q, d, factor * options.flops_query, factor * options.flops_doc, batch.get("margins"))
         return loss, {**logs, "flops_factor": factor}
 
     evaluate = None
@@ -142,6 +160,9 @@ def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolde
     card = {"task": "sparse", "max_length": options.max_length, "max_query_length": options.max_query_length,
             "head": head, "similarity": "dot", "flops_query": options.flops_query, "flops_doc": options.flops_doc,
             "flops_warmup": warmup, "hf_compatible": True}
+    if margins is not None:
+        card["distilled_from"] = {"cross_encoder": str(resolve_model(options.cross_encoder).resolve()),
+                                  "loss": "margin_mse", "negatives_per_query": k}
     return TaskRun(model, loss_fn, source, evaluate, (data.metric or "ndcg@10", "max"), save, card, num_train=len(groups))
 
 
