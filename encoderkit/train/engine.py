@@ -53,6 +53,7 @@ from encoderkit.io import write_text_atomic
 from encoderkit.progress import note
 from encoderkit.train import checkpoint as ckpt
 from encoderkit.train import distributed as dist_util
+from encoderkit.train import step_speed
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], "tuple[torch.Tensor, dict[str, float]]"]
@@ -275,7 +276,8 @@ def fit(
 
     module.to(device)
     optimizer = torch.optim.AdamW(
-        param_groups(module, settings.weight_decay), lr=settings.lr, betas=settings.betas, eps=settings.eps
+        param_groups(module, settings.weight_decay), lr=settings.lr, betas=settings.betas, eps=settings.eps,
+        fused=step_speed.fused_adamw(module, device),
     )
     store = ckpt.CheckpointStore(run_dir / "checkpoints", keep_last=settings.keep_last, is_writer=dist.is_main)
     start_step, best = 0, None
@@ -309,8 +311,10 @@ def fit(
     bar = _progress(settings, dist.is_main, start_step, total)
     t0, tokens_seen, window = time.perf_counter(), 0, {}
     devices = [device.index or 0] if device.type == "cuda" else []
+    if device.type == "cpu":
+        step_speed.keep_freed_memory()
     module.train()
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), step_speed.training_attention(module, device):
         step = start_step
         batches = _stream(source, steps_per_epoch, per_step, dist, step, total)
         while step < total:
