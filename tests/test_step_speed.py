@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
@@ -64,11 +62,3 @@ def test_fused_adamw_only_for_float_parameters_on_cpu_and_cuda() -> None:
     assert step_speed.fused_adamw(module, torch.device("meta")) is None
     module.model.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False))
     assert step_speed.fused_adamw(module, torch.device("cpu")) is None
-
-
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
-def test_keep_freed_memory_is_set_once_and_allocation_still_works() -> None:
-    assert step_speed.keep_freed_memory() is True
-    assert step_speed.keep_freed_memory() is True
-    big = torch.zeros(64 * 1024 * 1024 // 4)  # over glibc's 32 MB mmap threshold: now from the heap
-    assert float(big.sum()) == 0.0

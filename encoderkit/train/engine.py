@@ -311,8 +311,6 @@ def fit(
     bar = _progress(settings, dist.is_main, start_step, total)
     t0, tokens_seen, window = time.perf_counter(), 0, {}
     devices = [device.index or 0] if device.type == "cuda" else []
-    if device.type == "cpu":
-        step_speed.keep_freed_memory()
     module.train()
     with torch.random.fork_rng(devices=devices), step_speed.training_attention(module, device):
         step = start_step

@@ -10,26 +10,15 @@ BERT pretraining at 32 x 128; bench/finetune_speed.py and bench/pretrain_speed.p
   kernel's backward is slow in bf16: 14.6 ms of a MiniLM layer's step at 32 x 20 tokens, against 4 ms for the
   eager path; a step is 7-10% faster in bf16 and no slower in fp32 (32 x 20 to 32 x 128). The model's own
   setting (``sdpa``, what inference and export use) is back in place when training ends; nothing is saved.
-* :func:`keep_freed_memory`: glibc returns every freed block over 32 MB (an embedding's gradient: 30k x 384
-  floats) to the kernel, so the next step page-faults it back in: 10 ms for a zeroed 47 MB gradient, 3 ms with
-  the heap kept. One ``mallopt`` for the process (Linux glibc only; a no-op elsewhere): large blocks come from
-  the heap, and the heap is not trimmed. The process keeps its peak memory until it exits, as a training
-  process does anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import platform
 from collections.abc import Iterator
 
 import torch
 from torch import nn
-
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
-_heap_kept = False
 
 
 def fused_adamw(module: nn.Module, device: torch.device) -> bool | None:
@@ -76,16 +65,3 @@ def training_attention(module: nn.Module, device: torch.device) -> Iterator[None
     finally:
         for model, before in switched:
             model.set_attn_implementation(before)
-
-
-def keep_freed_memory() -> bool:
-    """Keep freed memory in this process's heap (glibc: no mmap for large blocks, no trimming); True when set
-    (now or before), False where the C library is not glibc."""
-    global _heap_kept
-    if _heap_kept:
-        return True
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    _heap_kept = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
-    return _heap_kept
