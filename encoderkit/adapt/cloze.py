@@ -22,7 +22,6 @@ from encoderkit.errors import EncoderkitError
 CLOZE_RATE = 0.3  # share of a sentence's content words the masked-LM replaces
 BATCH = 32  # sentences per masked-LM forward pass
 MAX_TOKENS = 128  # sub-tokens of a sentence the masked-LM reads
-WORD_START = ("\u0120", "\u2581")  # byte-level BPE's and SentencePiece's marks of a piece that starts a word
 _STOPWORDS = """
 a about above after again against all am an and any are as at be because been before being below between both
 but by can could did do does doing down during each few for from further had has have having he her here hers
@@ -38,10 +37,6 @@ MLM_FOLDER = ("a folder with a masked-LM head (the output of `encoderkit pretrai
 NEEDS_MODEL = f"--offline-kinds cloze needs --cloze-model FOLDER: {MLM_FOLDER}"
 
 
-def _bare(piece: str) -> str:
-    return piece[1:] if piece.startswith(WORD_START) else piece
-
-
 class ClozeWriter:
     """The masked-LM of ``--cloze-model`` and the vocabulary it may put in a query; counts what it made."""
 
@@ -50,6 +45,7 @@ class ClozeWriter:
 
         from encoderkit.models.folder import ModelFolder, task_from_config
         from encoderkit.tasks.common import resolve_model
+        from encoderkit.tokenizer import token_surfaces, word_start_table
 
         self.torch = torch
         folder = ModelFolder.open(resolve_model(name))
@@ -62,24 +58,16 @@ class ClozeWriter:
         self.model = folder.load(task="mlm")
         self.batch_size = batch_size
         vocab = int(self.model.config.vocab_size)  # the logits' width
-        pieces = self.tok.convert_ids_to_tokens(list(range(min(vocab, len(self.tok)))))
-        wordpiece = any(t.startswith("##") for t in pieces)
-        special = set(self.tok.all_special_ids)
-
-        def word(i: int, t: str) -> bool:  # a whole word the query may hold
-            if i in special or t.startswith("##") or (not wordpiece and not t.startswith(WORD_START)):
-                return False  # a special token, or a piece that continues a word
-            w = _bare(t)
-            return len(w) >= 2 and w.isalpha() and w.lower() not in STOPWORDS
-
-        allowed = np.zeros(vocab, dtype=bool)
-        allowed[: len(pieces)] = [word(i, t) for i, t in enumerate(pieces)]
+        starts = word_start_table(self.tok)[:vocab]  # (the tokenizer's own word marks: ##, Ġ, ▁)
+        self.lower = [w.lower() for w in token_surfaces(self.tok)]  # "" for special and added tokens
+        allowed = np.zeros(vocab, dtype=bool)  # whole words a query may hold
+        allowed[: len(starts)] = [bool(st) and len(w) >= 2 and w.isalpha() and w not in STOPWORDS
+                                  for st, w in zip(starts, self.lower, strict=False)]
         self.allowed = torch.from_numpy(allowed)  # (V,)
-        self.lower = [_bare(t).lower() for t in pieces]
         self.spellings: dict[str, list[int]] = {}  # a word's ids in every case and spelling of its piece
         for i, w in enumerate(self.lower):
             self.spellings.setdefault(w, []).append(i)
-        self.special = special
+        self.special = set(self.tok.all_special_ids)
         self.made = self.skipped = 0
 
     def counts(self) -> dict[str, int]:
@@ -89,14 +77,13 @@ class ClozeWriter:
         """The sentence's ids (with special tokens) and the positions to mask (sorted; none: nothing to replace)."""
         enc = self.tok(sentence, truncation=True, max_length=MAX_TOKENS)
         ids, words = list(enc["input_ids"]), enc.word_ids()
-        pieces = self.tok.convert_ids_to_tokens(ids)
         per_word: dict[int, int] = {}
         for w in words:
             if w is not None:
                 per_word[w] = per_word.get(w, 0) + 1
-        content = [i for i, (t, w) in enumerate(zip(pieces, words, strict=True))
-                   if w is not None and per_word[w] == 1 and ids[i] not in self.special
-                   and _bare(t).isalpha() and _bare(t).lower() not in STOPWORDS]
+        content = [i for i, (t, w) in enumerate(zip(ids, words, strict=True))
+                   if w is not None and per_word[w] == 1 and t not in self.special
+                   and self.lower[t].isalpha() and self.lower[t] not in STOPWORDS]
         if not content:
             return ids, []
         n = max(1, round(CLOZE_RATE * len(content)))

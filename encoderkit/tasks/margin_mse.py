@@ -41,7 +41,7 @@ def ce_margins(ce: tuple[Any, Any, int], queries: list[str], positives: list[str
                desc: str = "") -> list[list[float]]:
     """``CE(q, pos) - CE(q, neg)`` per negative of each query; every pair scored in batched passes (``desc``: show
     progress under that name)."""
-    from encoderkit.tasks.rerank.features import pair_rows, score_rows
+    from encoderkit.tasks.rerank.features import score_pairs
 
     model, tok, max_length = ce
     qs, ps, spans = [], [], []
@@ -49,10 +49,8 @@ def ce_margins(ce: tuple[Any, Any, int], queries: list[str], positives: list[str
         spans.append((len(ps), len(negs)))
         qs += [q] * (1 + len(negs))
         ps += [pos, *negs]
-    if not ps:
-        return []
     with torch.inference_mode():
-        scores = score_rows(model, pair_rows(tok, qs, ps, max_length), tok.pad_token_id or 0, CE_BATCH, desc=desc)
+        scores = score_pairs(model, tok, qs, ps, max_length, CE_BATCH, desc=desc)
     return [[float(scores[a] - scores[a + 1 + j]) for j in range(n)] for a, n in spans]
 
 

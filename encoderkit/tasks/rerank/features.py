@@ -18,13 +18,16 @@ def pair_rows(tokenizer, queries: list[str], passages: list[str], max_length: in
     return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(queries))]
 
 
-def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], max_length: int = 256, batch_size: int = 64) -> np.ndarray:
+def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], max_length: int = 256, batch_size: int = 64,
+                desc: str = "") -> np.ndarray:
     """Relevance scores (N,) of (query, passage) pairs; ``query`` is one string or one per passage.
-    ``module``: a torch model or an engine whose output is the logits (the first one is the score)."""
+    ``module``: a torch model or an engine whose output is the logits (the first one is the score); ``desc``: show
+    progress under that name."""
     if not passages:
         return np.zeros(0, dtype=np.float32)
     queries = [query] * len(passages) if isinstance(query, str) else list(query)
-    return score_rows(module, pair_rows(tokenizer, queries, passages, max_length), tokenizer.pad_token_id, batch_size)
+    return score_rows(module, pair_rows(tokenizer, queries, passages, max_length), tokenizer.pad_token_id, batch_size,
+                      desc=desc)
 
 
 def score_rows(module, rows: list[dict[str, np.ndarray]], pad_id: int, batch_size: int = 64, desc: str = "") -> np.ndarray:
