@@ -31,12 +31,6 @@ def _pairs(n: int = 64, seed: int = 0) -> list[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def mlm_dir(tiny_mlm_dir) -> Path:
-    """A tiny BertForMaskedLM folder (an MLM head of its own)."""
-    return tiny_mlm_dir
-
-
-@pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("sparse_data") / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in _pairs()))
@@ -52,21 +46,21 @@ def _finetune(model: Path, train: Path, out: Path, **kw):
 
 
 @pytest.fixture(scope="module")
-def sparse_dir(tmp_path_factory, mlm_dir, pairs_file) -> Path:
+def sparse_dir(tmp_path_factory, tiny_mlm_dir, pairs_file) -> Path:
     out = tmp_path_factory.mktemp("sparse_runs") / "sparse"
-    _finetune(mlm_dir, pairs_file, out)
+    _finetune(tiny_mlm_dir, pairs_file, out)
     return out
 
 
 # -- the math -----------------------------------------------------------------------------------------
 
-def test_pooling_is_the_max_over_real_tokens_of_log1p_relu_of_the_logits(mlm_dir):
+def test_pooling_is_the_max_over_real_tokens_of_log1p_relu_of_the_logits(tiny_mlm_dir):
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
     from encoderkit.tasks.sparse.features import OUTPUT, Splade
 
-    tok = AutoTokenizer.from_pretrained(mlm_dir)
-    model = AutoModelForMaskedLM.from_pretrained(mlm_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_mlm_dir)
+    model = AutoModelForMaskedLM.from_pretrained(tiny_mlm_dir).eval()
     enc = tok(["the python code", "a dull boring story that never ends"], padding=True, return_tensors="pt")
     with torch.no_grad():
         logits = model(**enc).logits.numpy()  # (B, T, V)
@@ -282,11 +276,11 @@ def test_a_sparse_index_fuses_with_a_dense_index_by_reciprocal_rank(sparse_dir, 
 
 # -- bad input -----------------------------------------------------------------------------------------
 
-def test_bad_inputs_are_clear_errors(tmp_path, mlm_dir, tiny_tokenizer_dir):
+def test_bad_inputs_are_clear_errors(tmp_path, tiny_mlm_dir, tiny_tokenizer_dir):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(EncoderkitError, match="holds no rows"):
-        _finetune(mlm_dir, empty, tmp_path / "a")
+        _finetune(tiny_mlm_dir, empty, tmp_path / "a")
     # a family without a masked-LM head class in transformers
     from transformers import AutoTokenizer, GPT2Config, GPT2Model
 
@@ -302,7 +296,7 @@ def test_bad_inputs_are_clear_errors(tmp_path, mlm_dir, tiny_tokenizer_dir):
     bare = tmp_path / "no_tok"
     bare.mkdir()
     for f in ("config.json", "model.safetensors"):
-        (bare / f).write_bytes((mlm_dir / f).read_bytes())
+        (bare / f).write_bytes((tiny_mlm_dir / f).read_bytes())
     with pytest.raises(EncoderkitError, match="no tokenizer files"):
         _finetune(bare, pairs, tmp_path / "c")
     # a tokenizer larger than the model's vocabulary
@@ -315,7 +309,7 @@ def test_bad_inputs_are_clear_errors(tmp_path, mlm_dir, tiny_tokenizer_dir):
         _finetune(small, pairs, tmp_path / "d")
     # the sparse index refuses a dense model's existing index and vice versa
     with pytest.raises(EncoderkitError, match="--flops-query"):
-        _finetune(mlm_dir, pairs, tmp_path / "e", flops_query=-1.0)
+        _finetune(tiny_mlm_dir, pairs, tmp_path / "e", flops_query=-1.0)
 
 
 def test_evaluate_scores_exact_sparse_retrieval_on_a_beir_folder(sparse_dir, tmp_path):
