@@ -18,7 +18,9 @@ Data: a token store (``--data``, from ``encoderkit data prepare``) or a corpus p
 (``--model``, continued pretraining; a folder without an MLM head gets a fresh tied one) or a
 fresh encoder (``--preset`` and/or explicit sizes). Masks come from the seeded
 :class:`~encoderkit.data.masking.Masker` (a block's mask depends only on seed, epoch and block
-index), the loss from the masked-only head, the loop from :func:`encoderkit.train.engine.fit`.
+index), the loss from the masked-only head, the loop from :func:`encoderkit.train.engine.fit`. A run
+that passes over its corpus at most once trains without dropout (``--train-dropout``,
+:mod:`encoderkit.train.dropout`); the written model keeps its own for fine-tuning.
 
 Checkpoints live in ``--run-dir`` (default ``<out>-run``); ``--resume`` continues from the latest
 one after checking that it was made with the same config and data. The final ``--out`` is a
@@ -57,6 +59,7 @@ from encoderkit.models.presets import ARCHS, PRESETS, build_config
 from encoderkit.tasks.registry import PRETRAINED
 from encoderkit.tokenizer import load_tokenizer
 from encoderkit.train import distributed as dist_util
+from encoderkit.train.dropout import auto_train_dropout, dropout_set
 from encoderkit.train.engine import FitResult, IndexedBatches, TrainArgs, fit
 
 DEFAULT_CACHE = cache_dir("prepared")
@@ -80,7 +83,11 @@ class PretrainConfig(TrainArgs):
     hidden: int = arg(0, help="Hidden size (overrides the preset).")
     heads: int = arg(0, help="Attention heads (overrides the preset).")
     ffn: int = arg(0, help="Feed-forward size (overrides the preset).")
-    dropout: float = arg(0.1, help="Dropout of a model from scratch.")
+    dropout: float = arg(0.1, help="Dropout of a model from scratch, as its config.json keeps it for fine-tuning.")
+    train_dropout: float = arg(-1.0, help="Dropout while pretraining; -1 (auto): 0 where the run passes over its "
+                               "corpus at most once (each block is seen about once: dropout only slows the steps), "
+                               "else the model's own. The written model keeps its own dropout (from scratch: "
+                               "--dropout) for fine-tuning.")
     objective: str = arg("mlm", help="mlm: masked LM on packed blocks (RoBERTa's recipe); mlm+nsp: BERT's original "
                          "masked LM + next-sentence prediction on [CLS] A [SEP] B [SEP] pairs (BERT models only).",
                          choices=("mlm", "mlm+nsp"))
@@ -119,6 +126,8 @@ class PretrainConfig(TrainArgs):
 
             read_skip_words(self.mask_skip_words)
         check(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
+        check(self.train_dropout == -1 or 0 <= self.train_dropout < 1,
+              f"train-dropout must be -1 (auto) or in [0, 1), got {self.train_dropout}")
         check(self.objective == "mlm" or bool(self.model) or self.arch == "bert",
               f"pretrain: --objective mlm+nsp needs --arch bert (next-sentence prediction is BERT's pretraining "
               f"head), got --arch {self.arch}; use --objective mlm")
@@ -182,6 +191,16 @@ def make_model(cfg: PretrainConfig, meta: dict[str, Any], tokenizer: Any) -> tor
                           dropout=cfg.dropout, special_ids=meta.get("special_ids"))
     check_fits(config, vocab, seq_len, "pretrain")
     return build_encoder(config, cfg.seed, pretraining=nsp)
+
+
+def train_dropout(cfg: PretrainConfig, n_examples: int, world_size: int) -> float | None:
+    """The dropout rate while training (None: the model's own): ``--train-dropout``, or for -1 (auto)
+    :func:`~encoderkit.train.dropout.auto_train_dropout` of the passes over the corpus the run plans."""
+    if cfg.train_dropout != -1:
+        return cfg.train_dropout
+    per_step = cfg.batch_size * cfg.grad_accum * world_size
+    passes = cfg.max_steps * per_step / max(1, n_examples) if cfg.max_steps > 0 else cfg.epochs
+    return auto_train_dropout(passes)
 
 
 def training_batches(cfg: PretrainConfig, data: Path, meta: dict[str, Any], masker: Masker
@@ -316,10 +335,17 @@ def run(cfg: PretrainConfig) -> PretrainResult:
         module.eval()
         before = evaluate_all(module)
     fingerprint = {"config": cfg.identity(), "data": meta.get("fingerprint"), "parent": cfg.model or None}
-    result: FitResult = fit(module, mlm_nsp_loss_fn if nsp else mlm_loss_fn, source, cfg.train_settings(), run_dir,
-                            evaluate=evaluate, primary=("loss", "min") if eval_batches else ("nsp_loss", "min"),
-                            fingerprint=fingerprint, resume=cfg.resume)
+    rate = train_dropout(cfg, n_examples, dist.world_size)
+    if dist.is_main:
+        print(f"pretrain: dropout while training {'as the model has it' if rate is None else rate} "
+              f"(--train-dropout {cfg.train_dropout:g}); the written model keeps its own", flush=True)
+    with dropout_set(module, rate):
+        result: FitResult = fit(module, mlm_nsp_loss_fn if nsp else mlm_loss_fn, source, cfg.train_settings(),
+                                run_dir, evaluate=evaluate, primary=("loss", "min") if eval_batches else ("nsp_loss", "min"),
+                                fingerprint=fingerprint, resume=cfg.resume)
     metrics = {f"heldout_{k}": v for k, v in result.eval_metrics.items()}
+    if rate is not None:
+        metrics["train_dropout"] = rate
     metrics.update({f"initial_heldout_{k}": v for k, v in before.items()})
     metrics["train_loss"] = result.train_logs.get("loss")
     if dist.is_main:

