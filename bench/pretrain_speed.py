@@ -17,6 +17,7 @@ matmul is emulated and far slower, so MFU against it is printed too but means li
 
     python bench/pretrain_speed.py               # a few minutes on 2 idle cores
     python bench/pretrain_speed.py --steps 200   # longer: loss comparison more telling
+    python bench/pretrain_speed.py --steps 48 --rounds 2   # ref, ours, ours, ref: drift weighs on both
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def run_ours(store: Path, steps: int, batch: int, lr: float, warmup: int, tokeni
     settings = TrainSettings(lr=lr, max_steps=steps, batch_size=batch, warmup=warmup, bf16=bf16, compile=compile_,
                              log_every=max(1, steps // 10))
     with dropout_set(mlm, dropout):
-        result = fit(mlm, mlm_loss_fn, source, settings, work / "run")
+        result = fit(mlm, mlm_loss_fn, source, settings, work)
     return mlm.model, result.seconds
 
 
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each path, in ABBA order; times are summed")
     ap.add_argument("--ours-dropout", type=float, default=-1.0,
                     help="our dropout while training; -1: pretrain's default (0 for a run of at most one pass)")
     args = ap.parse_args()
@@ -149,22 +151,29 @@ def main() -> None:
     print(f"threads={torch.get_num_threads()} tokens/path={tokens:,} bf16_native={native_bf16(torch.device('cpu'))} "
           f"ours_bf16={uses_bf16} peak_bf16={peak_bf16 / 1e9:.1f} GFLOP/s peak_fp32={peak_fp32 / 1e9:.1f} GFLOP/s")
 
-    from encoderkit.models.mlm import evaluate_mlm
-
-    ref, t_ref = run_reference(store, args.steps, args.batch, args.lr, warmup, tokenizer)
-    loss_ref = evaluate_mlm(MaskedOnlyMLM(ref).eval(), eval_batches)["loss"]
-    print(f"reference: {t_ref:.1f} s, {tokens / t_ref:,.0f} tok/s, held-out loss {loss_ref:.4f}")
     from encoderkit.data.prepare import open_blocks
+    from encoderkit.models.mlm import evaluate_mlm
     from encoderkit.train.dropout import auto_train_dropout
 
     passes = tokens / SEQ / len(open_blocks(store, "train"))
     ours_dropout = auto_train_dropout(passes) if args.ours_dropout == -1 else args.ours_dropout
     shown = "the model's 0.1" if ours_dropout is None else f"{ours_dropout:g}"
     print(f"ours: dropout while training {shown} ({passes:.2f} passes over the corpus); reference: BertConfig's 0.1")
-    ours, t_ours = run_ours(store, args.steps, args.batch, args.lr, warmup, tokenizer, bf16, args.compile, work,
-                            ours_dropout)
-    loss_ours = evaluate_mlm(MaskedOnlyMLM(ours).eval(), eval_batches)["loss"]
-    print(f"ours:      {t_ours:.1f} s, {tokens / t_ours:,.0f} tok/s, held-out loss {loss_ours:.4f}")
+    t_ref = t_ours = 0.0
+    for r in range(args.rounds):  # ABBA: a machine that slows down (or speeds up) weighs on both alike
+        for path in (("ref", "ours") if r % 2 == 0 else ("ours", "ref")):
+            if path == "ref":
+                ref, seconds = run_reference(store, args.steps, args.batch, args.lr, warmup, tokenizer)
+                t_ref += seconds
+                loss_ref = evaluate_mlm(MaskedOnlyMLM(ref).eval(), eval_batches)["loss"]
+                print(f"round {r + 1} reference: {seconds:.1f} s, {tokens / seconds:,.0f} tok/s, held-out loss {loss_ref:.4f}")
+            else:
+                ours, seconds = run_ours(store, args.steps, args.batch, args.lr, warmup, tokenizer, bf16, args.compile,
+                                         work / f"round{r}", ours_dropout)
+                t_ours += seconds
+                loss_ours = evaluate_mlm(MaskedOnlyMLM(ours).eval(), eval_batches)["loss"]
+                print(f"round {r + 1} ours:      {seconds:.1f} s, {tokens / seconds:,.0f} tok/s, held-out loss {loss_ours:.4f}")
+    tokens *= args.rounds
 
     vocab = len(tokenizer)
     peak = peak_bf16 if uses_bf16 else peak_fp32

@@ -8,10 +8,15 @@ import json
 import pytest
 from torch import nn
 
-import encoderkit.train.pretrain as pretrain
 from encoderkit.errors import EncoderkitError
+from encoderkit.train import pretrain
 from encoderkit.train.dropout import auto_train_dropout, dropout_set
-from tests.test_pretrain import repetitive_store, tiny_cfg  # noqa: F401 (a fixture)
+from tests.test_pretrain import SENTENCE, make_store, tiny_cfg
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_tokenizer_dir):
+    return make_store(tmp_path_factory.mktemp("drop"), tiny_tokenizer_dir, (SENTENCE + "\n") * 120, seq_len=33)
 
 
 class Attention(nn.Module):  # reads a float rate, as ModernBERT's attention does
@@ -50,20 +55,20 @@ def _spy_fit(monkeypatch) -> list[set[float]]:
     return seen
 
 
-def test_a_short_run_trains_without_dropout_and_writes_the_models_own(repetitive_store, tmp_path, monkeypatch) -> None:
+def test_a_short_run_trains_without_dropout_and_writes_the_models_own(store, tmp_path, monkeypatch) -> None:
     seen = _spy_fit(monkeypatch)
-    result = pretrain.run(tiny_cfg(repetitive_store, tmp_path / "m", dropout=0.1, max_steps=3))
+    result = pretrain.run(tiny_cfg(store, tmp_path / "m", dropout=0.1, max_steps=3))
     assert seen == [{0.0}]
     assert result.metrics["train_dropout"] == 0.0
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["hidden_dropout_prob"] == 0.1 and config["attention_probs_dropout_prob"] == 0.1
 
 
-def test_many_passes_keep_the_models_dropout_and_an_explicit_rate_wins(repetitive_store, tmp_path, monkeypatch) -> None:
+def test_many_passes_keep_the_models_dropout_and_an_explicit_rate_wins(store, tmp_path, monkeypatch) -> None:
     seen = _spy_fit(monkeypatch)
-    result = pretrain.run(tiny_cfg(repetitive_store, tmp_path / "m", dropout=0.1, max_steps=0, epochs=2))
+    result = pretrain.run(tiny_cfg(store, tmp_path / "m", dropout=0.1, max_steps=0, epochs=2))
     assert "train_dropout" not in result.metrics
-    pretrain.run(tiny_cfg(repetitive_store, tmp_path / "m2", dropout=0.1, max_steps=3, train_dropout=0.05))
+    pretrain.run(tiny_cfg(store, tmp_path / "m2", dropout=0.1, max_steps=3, train_dropout=0.05))
     assert seen == [{0.1}, {0.05}]
 
 

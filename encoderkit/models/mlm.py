@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.vocab_loss import vocab_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -124,12 +125,8 @@ class MaskedOnlyMLM(nn.Module):
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, picked)  # (M, H)
         targets = flat_labels.index_select(0, picked)  # (M,)
         logits = self._layout.head(hidden)  # (M, V)
-        logits = logits.float()
-        loss = F.cross_entropy(logits, targets)
-        # right where the target's logit is the largest (a tie counts as right): max + gather is ~2.5x faster
-        # than argmax over a 30k vocabulary on CPU
-        with torch.no_grad():
-            correct = (logits.gather(1, targets[:, None]).squeeze(1) >= logits.max(-1).values).sum()
+        # fp32 cross-entropy and "the target's logit is the largest" (a tie counts as right), a slice at a time
+        loss, correct = vocab_cross_entropy(logits, targets)
         return loss, correct, torch.tensor(targets.numel())
 
     def forward(
