@@ -153,9 +153,9 @@ def main() -> None:
 
     from encoderkit.data.prepare import open_blocks
     from encoderkit.models.mlm import evaluate_mlm
-    from encoderkit.train.dropout import auto_train_dropout
+    from encoderkit.train.dropout import auto_train_dropout, planned_passes
 
-    passes = tokens / SEQ / len(open_blocks(store, "train"))
+    passes = planned_passes(args.steps, 0, args.batch, len(open_blocks(store, "train")))
     ours_dropout = auto_train_dropout(passes) if args.ours_dropout == -1 else args.ours_dropout
     shown = "the model's 0.1" if ours_dropout is None else f"{ours_dropout:g}"
     print(f"ours: dropout while training {shown} ({passes:.2f} passes over the corpus); reference: BertConfig's 0.1")

@@ -48,7 +48,7 @@ class _VocabCrossEntropy(torch.autograd.Function):
                 p.div_(sums * m)
                 p.scatter_add_(1, t, torch.full(t.shape, -1.0 / m, dtype=p.dtype))
                 grad[start:start + step] = p
-        ctx.save_for_backward(grad if grad is not None else logits.new_empty(0))
+        ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
         return (total / m).to(torch.float32), correct
 
@@ -63,8 +63,6 @@ class _VocabCrossEntropy(torch.autograd.Function):
 def vocab_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, correct)`` of ``logits`` (M, V) against ``targets`` (M,): the fp32 mean cross-entropy and how
     many rows have their target's logit the largest (ties count as right). No row is ignored: pass only
-    the labelled rows. ``M = 0`` gives a NaN loss, as ``F.cross_entropy`` does."""
-    if logits.shape[0] == 0:
-        return torch.full((), float("nan")), torch.zeros((), dtype=torch.long)
+    the labelled rows. ``M = 0`` gives a NaN loss (0 / 0), as ``F.cross_entropy`` does."""
     want_grad = torch.is_grad_enabled() and logits.requires_grad
     return _VocabCrossEntropy.apply(logits, targets, want_grad)

@@ -22,6 +22,12 @@ from torch import nn
 _RATE_ATTRIBUTES = ("attention_dropout",)
 
 
+def planned_passes(max_steps: int, epochs: float, global_batch: int, n_examples: int) -> float:
+    """Passes over ``n_examples`` that a run of ``max_steps`` steps of ``global_batch`` makes (``epochs``
+    where ``max_steps`` is 0)."""
+    return max_steps * global_batch / max(1, n_examples) if max_steps > 0 else epochs
+
+
 def auto_train_dropout(passes: float) -> float | None:
     """The pretraining dropout for a run of ``passes`` over its corpus: 0.0 for at most one pass, else
     None (the model's own)."""

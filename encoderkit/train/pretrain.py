@@ -59,7 +59,7 @@ from encoderkit.models.presets import ARCHS, PRESETS, build_config
 from encoderkit.tasks.registry import PRETRAINED
 from encoderkit.tokenizer import load_tokenizer
 from encoderkit.train import distributed as dist_util
-from encoderkit.train.dropout import auto_train_dropout, dropout_set
+from encoderkit.train.dropout import auto_train_dropout, dropout_set, planned_passes
 from encoderkit.train.engine import FitResult, IndexedBatches, TrainArgs, fit
 
 DEFAULT_CACHE = cache_dir("prepared")
@@ -198,9 +198,8 @@ def train_dropout(cfg: PretrainConfig, n_examples: int, world_size: int) -> floa
     :func:`~encoderkit.train.dropout.auto_train_dropout` of the passes over the corpus the run plans."""
     if cfg.train_dropout != -1:
         return cfg.train_dropout
-    per_step = cfg.batch_size * cfg.grad_accum * world_size
-    passes = cfg.max_steps * per_step / max(1, n_examples) if cfg.max_steps > 0 else cfg.epochs
-    return auto_train_dropout(passes)
+    global_batch = cfg.batch_size * cfg.grad_accum * world_size
+    return auto_train_dropout(planned_passes(cfg.max_steps, cfg.epochs, global_batch, n_examples))
 
 
 def training_batches(cfg: PretrainConfig, data: Path, meta: dict[str, Any], masker: Masker
