@@ -56,6 +56,7 @@ from encoderkit.models.mlm import (
     mlm_nsp_loss_fn,
 )
 from encoderkit.models.presets import ARCHS, PRESETS, build_config
+from encoderkit.progress import note
 from encoderkit.tasks.registry import PRETRAINED
 from encoderkit.tokenizer import load_tokenizer
 from encoderkit.train import distributed as dist_util
@@ -336,8 +337,8 @@ def run(cfg: PretrainConfig) -> PretrainResult:
     fingerprint = {"config": cfg.identity(), "data": meta.get("fingerprint"), "parent": cfg.model or None}
     rate = train_dropout(cfg, n_examples, dist.world_size)
     if dist.is_main:
-        print(f"pretrain: dropout while training {'as the model has it' if rate is None else rate} "
-              f"(--train-dropout {cfg.train_dropout:g}); the written model keeps its own", flush=True)
+        note(f"pretrain: dropout while training {'as the model has it' if rate is None else rate} "
+             f"(--train-dropout {cfg.train_dropout:g}); the written model keeps its own")
     with dropout_set(module, rate):
         result: FitResult = fit(module, mlm_nsp_loss_fn if nsp else mlm_loss_fn, source, cfg.train_settings(),
                                 run_dir, evaluate=evaluate, primary=("loss", "min") if eval_batches else ("nsp_loss", "min"),
