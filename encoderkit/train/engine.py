@@ -312,7 +312,9 @@ def fit(
     t0, tokens_seen, window = time.perf_counter(), 0, {}
     devices = [device.index or 0] if device.type == "cuda" else []
     module.train()
-    with torch.random.fork_rng(devices=devices), step_speed.training_attention(module, device):
+    with (torch.random.fork_rng(devices=devices), step_speed.training_attention(module, device),
+          step_speed.quick_dropout(module, device),
+          step_speed.embedding_grad_buffer(module, device, enabled=dist.world_size == 1 and not settings.compile)):
         step = start_step
         batches = _stream(source, steps_per_epoch, per_step, dist, step, total)
         while step < total:
