@@ -11,6 +11,8 @@ ONNX backend needs optimum-onnx, which pins transformers < 4.58):
     fastembed      fastembed TextEmbedding on st-onnx-int8's graph                    (venv fastembed)
     encoderkit     Predictor.load(model) with --backend (auto)                        (encoderkit's venv)
     encoderkit:B   Predictor.load(model, backend=B), e.g. encoderkit:openvino         (encoderkit's venv)
+                   (encoderkit:openvino-int8 calibrates on 128 seeded passages of the set, as ``index``
+                   does on its corpus)
 
 Texts: SciFact passages (title + abstract as BEIR encodes them; every judged document plus seeded random others
 up to ``--docs``; every engine truncates at the model's 256 tokens), its 300 BEIR test queries, SST-2 dev
@@ -46,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from encode_speed import DATA, load_scifact, retrieval  # the shared SciFact reader and scorer beside this file
 
 WORKER = Path(__file__).resolve().parent / "peers" / "embed_worker.py"
-ENGINES = ("st-torch", "st-onnx", "st-onnx-int8", "st-openvino", "fastembed", "encoderkit", "encoderkit:openvino")
+ENGINES = ("st-torch", "st-onnx", "st-onnx-int8", "st-openvino", "fastembed", "encoderkit", "encoderkit:openvino",
+           "encoderkit:openvino-int8")
 VENV_OF = {"st-onnx": "st-onnx", "st-onnx-int8": "st-onnx", "st-openvino": "st-openvino", "fastembed": "fastembed"}
 # torch first, pinned: the local CPU wheel (an unpinned torch pulls a multi-GB CUDA build)
 INSTALL = {"st-onnx": [["torch==2.13.0"], ["sentence-transformers[onnx]"]],

@@ -115,3 +115,66 @@ def test_run_rows_hands_an_engine_with_streams_its_batches_together():
     out = run_rows(engine, rows, 0, 2)
     assert engine.sizes and max(engine.sizes) == 3
     assert [float(o[0][0]) for o in out] == [float(r["input_ids"].sum()) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def nncf(ov):
+    return pytest.importorskip("nncf", reason='NNCF comes with the openvino extra: pip install "encoderkit[openvino]"')
+
+
+@pytest.mark.parametrize("task", ["embed", "classify"])
+def test_openvino_int8_quantises_once_per_calibration_and_stays_close_to_fp32(nncf, task, tmp_path_factory,
+                                                                            tiny_tokenizer_dir, monkeypatch, capsys):
+    from pathlib import Path
+
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, task)
+    calls = []
+    quantize = nncf.quantize
+    monkeypatch.setattr(nncf, "quantize", lambda *a, **k: calls.append(1) or quantize(*a, **k))
+    ours = Predictor.load(folder, backend="openvino-int8", threads=1, calibration=TEXTS * 4)
+    assert ours.backend == "openvino-int8" and calls == [1]
+    assert capsys.readouterr().out == ""  # NNCF's progress goes to stderr: stdout is the command's own
+    xml = Path(ours.engine.path).read_text(encoding="utf-8")
+    assert "FakeQuantize" in xml  # activations really are quantised, not a plain fp32 graph
+    Predictor.load(folder, backend="openvino-int8", threads=1, calibration=TEXTS * 4)
+    assert calls == [1]  # the same calibration: the cached graph
+    other = Predictor.load(folder, backend="openvino-int8", threads=1)  # data-free: vocabulary draws
+    assert calls == [1, 1] and other.engine.path != ours.engine.path
+    ref = Predictor.load(folder, backend="onnx-fp32", threads=1)
+    if task == "embed":
+        a, b = ours.embed(TEXTS), ref.embed(TEXTS)
+        assert a.shape == b.shape and float((a * b).sum(1).mean()) > 0.95
+        return
+    inputs = {k: v.astype(np.int64) for k, v in ref.tokenizer(TEXTS, padding=True, return_tensors="np").items()}
+    x, y = ours.engine.run(inputs)[0], ref.engine.run(inputs)[0]
+    assert x.shape == y.shape and float(np.abs(x - y).max()) < 0.25 * float(np.abs(y).max()) + 0.05
+
+
+def test_vocabulary_calibration_is_seeded_and_uses_no_special_tokens_inside(tmp_path_factory, tiny_tokenizer_dir):
+    from encoderkit.inference.engines import vocabulary_batches
+    from encoderkit.models.folder import ModelFolder
+
+    folder = ModelFolder.open(make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed"))
+    a, b = vocabulary_batches(folder), vocabulary_batches(folder)
+    assert len(a) == 16 and all(np.array_equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b, strict=True))
+    tok = folder.tokenizer()
+    special = set(tok.all_special_ids)
+    lengths = {x["input_ids"].shape[1] for x in a}
+    assert min(lengths) >= 8 and max(lengths) <= folder.max_length and len(lengths) > 4
+    for x in a:
+        assert (x["input_ids"][:, 0] == tok.cls_token_id).all() and (x["input_ids"][:, -1] == tok.sep_token_id).all()
+        assert not special & set(np.unique(x["input_ids"][:, 1:-1]).tolist())
+
+
+def test_without_nncf_the_error_names_the_install(tmp_path_factory, tiny_tokenizer_dir, monkeypatch):
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+    real_import = builtins.__import__
+
+    def no_nncf(name, *args, **kwargs):
+        if name == "nncf" or name.startswith("nncf."):
+            raise ImportError("No module named 'nncf'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_nncf)
+    with pytest.raises(EncoderkitError, match=r'openvino-int8 needs OpenVINO and NNCF .*pip install "encoderkit\[openvino\]"'):
+        Predictor.load(folder, backend="openvino-int8")

@@ -50,13 +50,17 @@ def st_copy(model: str, work: Path) -> Path:
     return dst
 
 
-def build(engine: str, model: str, work: Path, threads: int, batch: int):
-    """(encode(texts) -> (N, D) float32 normalised, info dict)."""
+def build(engine: str, model: str, work: Path, threads: int, batch: int, corpus: list[str]):
+    """(encode(texts) -> (N, D) float32 normalised, info dict). ``corpus``: the passages; encoderkit's
+    ``openvino-int8`` calibrates on a seeded sample of them, as ``index`` does on the corpus it indexes."""
     if engine.startswith("encoderkit"):
+        import random
+
         from encoderkit.inference.predictor import Predictor
 
         backend = engine.partition(":")[2] or os.environ.get("EMBED_PEERS_BACKEND", "auto")
-        p = Predictor.load(model, backend=backend, threads=threads, max_batch=batch)
+        sample = random.Random(0).sample(corpus, min(128, len(corpus))) if backend == "openvino-int8" else None
+        p = Predictor.load(model, backend=backend, threads=threads, max_batch=batch, calibration=sample)
         return (lambda texts: p.embed(texts)), {"backend": p.backend, "max_length": p.max_length}
     if engine == "fastembed":
         from fastembed import TextEmbedding
@@ -108,7 +112,8 @@ def main() -> int:
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["cmd"] == "load":
-            encode, info = build(msg["engine"], msg["model"], Path(msg["work"]), msg["threads"], msg["batch"])
+            encode, info = build(msg["engine"], msg["model"], Path(msg["work"]), msg["threads"], msg["batch"],
+                                 texts.get("docs", []))
             encode([t for t in next(iter(texts.values()))[:64]])  # warm-up
             reply = {"ok": True, "info": info}
         elif msg["cmd"] == "run":

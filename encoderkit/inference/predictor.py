@@ -38,7 +38,7 @@ from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.export import OUTPUT_NAMES
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.engines import BACKENDS as ENGINE_BACKENDS
-from encoderkit.inference.engines import STATIC, open_engine, run_rows, serve_choice
+from encoderkit.inference.engines import CALIBRATION_TEXTS, STATIC, open_engine, run_rows, serve_choice
 from encoderkit.io import check_writable, open_text_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import progress
@@ -62,12 +62,15 @@ class Predictor:
         self.folder, self.info, self.tokenizer, self.engine = folder, info, tokenizer, engine
         self.task, self.backend, self.max_batch, self.max_length = info.task, backend, max_batch, max_length
         self.backend_reason = backend_reason or f"--backend {backend}"  # why this backend (``auto``: the serve rule's why)
+        self.calibration: list[str] | None = None  # openvino-int8's calibration texts, for a copy loaded elsewhere (Ray)
 
     @classmethod
     def load(cls, folder: str | Path, backend: str = "auto", threads: int | None = None, max_batch: int = 32,
-             max_length: int | None = None, spin: bool = True) -> Predictor:
+             max_length: int | None = None, spin: bool = True, calibration: Sequence[str] | None = None) -> Predictor:
         """Load ``folder`` (a task model, or its export) with ``backend``; see the module docstring.
-        ``spin=False`` lets onnxruntime's idle threads sleep (a server sharing the CPU with its HTTP loop)."""
+        ``spin=False`` lets onnxruntime's idle threads sleep (a server sharing the CPU with its HTTP loop).
+        ``calibration``: texts like the ones to come (a sample of the corpus) whose activation ranges
+        ``openvino-int8`` quantises with; without them it calibrates on sequences drawn from the vocabulary."""
         if backend not in BACKENDS:
             raise EncoderkitError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if max_batch < 1:
@@ -76,9 +79,17 @@ class Predictor:
         info.require_task(*TASKS)
         tokenizer = info.tokenizer()
         reason = serve_choice(info).why if backend == "auto" else f"--backend {backend} asked for"
-        engine, backend = open_engine(info, "serve" if backend == "auto" else backend, threads=threads, spin=spin)
         limit = info.max_length if max_length is None else min(max_length, info.max_length)
-        return cls(info.path, info, tokenizer, engine, backend, max_batch, limit, reason)
+        batches = None
+        if calibration and backend == "openvino-int8":
+            texts = list(calibration)[:CALIBRATION_TEXTS]
+            batches = [dict(tokenizer(texts[i:i + 8], truncation=True, max_length=limit, padding=True, return_tensors="np"))
+                       for i in range(0, len(texts), 8)]
+        engine, backend = open_engine(info, "serve" if backend == "auto" else backend, threads=threads, spin=spin,
+                                      calibration=batches)
+        predictor = cls(info.path, info, tokenizer, engine, backend, max_batch, limit, reason)
+        predictor.calibration = list(calibration)[:CALIBRATION_TEXTS] if batches else None  # what another copy loads with
+        return predictor
 
     # -- batching -------------------------------------------------------------------------
     def run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:

@@ -43,6 +43,7 @@ import numpy as np
 
 from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.engines import CALIBRATION_TEXTS
 from encoderkit.inference.predictor import (
     BACKENDS,
     Predictor,
@@ -87,7 +88,8 @@ def embed_blocks(p: Predictor, blocks: Iterable[list[str]], ray: RayJob | None =
                 on_rows(len(texts))
             yield np.concatenate(parts) if parts else empty
         return
-    load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
+    load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch,
+                   calibration=p.calibration)
     plans = ((texts, engine_batches(p, text_lengths(p, texts), EMBED_CHUNK)) for texts in blocks)  # tokenised as sent
     for vecs in ray.map_chunks(plans, load, partial(as_one_call, Predictor.embed_raw)):
         if on_rows is not None:
@@ -184,7 +186,12 @@ def run(cfg: IndexConfig) -> IndexResult:
     skipped = Skipped(keep=5, note=note)
     docs = iter_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, skipped)
     docs = itertools.chain([next(docs)], docs)  # a missing or empty corpus fails now, before the model is loaded
-    p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.batch_size)
+    calibration = None
+    if cfg.backend == "openvino-int8":  # static INT8 calibrates on the corpus's first documents
+        head = list(itertools.islice(docs, CALIBRATION_TEXTS))
+        docs, calibration = itertools.chain(head, docs), [d.text for d in head]
+    p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.batch_size,
+                       calibration=calibration)
     if get_task(p.task).endpoint != "embed":  # the index holds sentence vectors: /v1/embed's call
         raise EncoderkitError(f"--model {cfg.model} is a {p.task!r} model; indexing needs an embed model")
     fingerprint = model_fingerprint(cfg.model)
