@@ -550,3 +550,28 @@ def test_a_text_with_a_unicode_line_separator_is_one_passage_read_either_way(emb
     assert [x["text"] for x in whole.passages] == ["python\u2028data movie", "dull\u0085story"]
     assert list(lazy.passages) == whole.passages and lazy.passages[1] == whole.passages[1] and len(lazy.passages) == 2
     lazy.passages.close()
+
+
+def test_an_openvino_int8_index_calibrates_on_its_corpus_first_documents(embed_dir, tmp_path, monkeypatch):
+    pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+    from encoderkit.inference import predictor as predictor_module
+
+    docs = {f"d{i}": _doc(i) for i in range(140)}
+    seen = []
+    load = predictor_module.Predictor.load.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append(kwargs.get("calibration"))
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(predictor_module.Predictor, "load", classmethod(spy))
+    out = tmp_path / "idx"
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, backend="openvino-int8"))
+    assert seen[0] == list(docs.values())[:128]  # the first 128 documents, then every document is indexed
+    from encoderkit.retrieval.store import current_folder
+
+    manifest = json.loads((current_folder(out) / "manifest.json").read_text())
+    assert manifest["model"]["backend"] == "openvino-int8"
+    hits = Searcher.open(out).search(["python data movie"], SearchSettings())[0].hits
+    assert hits and len({h.doc_id for h in hits}) == len(hits)
