@@ -63,16 +63,21 @@ def test_a_folder_of_graphs_only_runs_its_own_graph(ov, tmp_path_factory, tiny_t
         Predictor.load(graph_only, backend="openvino")
 
 
-def test_without_openvino_the_error_names_the_install(tmp_path_factory, tiny_tokenizer_dir, monkeypatch):
-    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+def _without(module: str, monkeypatch) -> None:
+    """Importing ``module`` (or a submodule) fails from here on, as if it were not installed."""
     real_import = builtins.__import__
 
-    def no_openvino(name, *args, **kwargs):
-        if name == "openvino" or name.startswith("openvino."):
-            raise ImportError("No module named 'openvino'")
+    def missing(name, *args, **kwargs):
+        if name == module or name.startswith(module + "."):
+            raise ImportError(f"No module named '{module}'")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "__import__", no_openvino)
+    monkeypatch.setattr(builtins, "__import__", missing)
+
+
+def test_without_openvino_the_error_names_the_install(tmp_path_factory, tiny_tokenizer_dir, monkeypatch):
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+    _without("openvino", monkeypatch)
     with pytest.raises(EncoderkitError, match=r'pip install "encoderkit\[openvino\]"'):
         Predictor.load(folder, backend="openvino")
 
@@ -168,13 +173,6 @@ def test_vocabulary_calibration_is_seeded_and_uses_no_special_tokens_inside(tmp_
 
 def test_without_nncf_the_error_names_the_install(tmp_path_factory, tiny_tokenizer_dir, monkeypatch):
     folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
-    real_import = builtins.__import__
-
-    def no_nncf(name, *args, **kwargs):
-        if name == "nncf" or name.startswith("nncf."):
-            raise ImportError("No module named 'nncf'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_nncf)
+    _without("nncf", monkeypatch)
     with pytest.raises(EncoderkitError, match=r'openvino-int8 needs OpenVINO and NNCF .*pip install "encoderkit\[openvino\]"'):
         Predictor.load(folder, backend="openvino-int8")

@@ -80,15 +80,13 @@ class Predictor:
         tokenizer = info.tokenizer()
         reason = serve_choice(info).why if backend == "auto" else f"--backend {backend} asked for"
         limit = info.max_length if max_length is None else min(max_length, info.max_length)
-        batches = None
-        if calibration and backend == "openvino-int8":
-            texts = list(calibration)[:CALIBRATION_TEXTS]
-            batches = [dict(tokenizer(texts[i:i + 8], truncation=True, max_length=limit, padding=True, return_tensors="np"))
-                       for i in range(0, len(texts), 8)]
+        texts = list(calibration)[:CALIBRATION_TEXTS] if calibration and backend == "openvino-int8" else None
+        batches = [dict(tokenizer(texts[i:i + 8], truncation=True, max_length=limit, padding=True, return_tensors="np"))
+                   for i in range(0, len(texts), 8)] if texts else None
         engine, backend = open_engine(info, "serve" if backend == "auto" else backend, threads=threads, spin=spin,
                                       calibration=batches)
         predictor = cls(info.path, info, tokenizer, engine, backend, max_batch, limit, reason)
-        predictor.calibration = list(calibration)[:CALIBRATION_TEXTS] if batches else None  # what another copy loads with
+        predictor.calibration = texts  # what another copy (a Ray actor) loads with
         return predictor
 
     # -- batching -------------------------------------------------------------------------

@@ -13,11 +13,12 @@ BERT pretraining at 32 x 128; bench/finetune_speed.py and bench/pretrain_speed.p
 * :func:`embedding_grad_buffer`: on CPU, the input embedding's gradient lands in one dense buffer kept for the
   whole run, in which only the rows the last step touched are zeroed. The stock backward makes a fresh
   vocabulary x hidden tensor of zeros every step (MiniLM: 30,522 x 384, 47 MB), and on CPU a fresh block that
-  size comes from the kernel page by page: 33 ms of a 200 ms fine-tuning step on an AVX-512 EPYC. The gradient
-  the optimizer and clipping see is the same dense tensor, value for value.
+  size comes from the kernel page by page: 10-11 ms to zero it against 1 ms to refill a kept one. MiniLM
+  fine-tuning on SST-2, back to back over 4 rounds on an AVX-512 EPYC: 7% more examples/s. The gradient the
+  optimizer and clipping see is the same dense tensor, value for value.
 * :func:`quick_dropout`: on CPU, every ``nn.Dropout`` draws its mask from 64-bit random words cut into 16-bit
   lanes (four per word) compared with a threshold, instead of one ``bernoulli_`` draw per element: 0.9 ms
-  against 2.7 ms for 32 x 36 x 384 activations. The drop probability is ``p`` rounded to 1/65,536 (0.1 ->
+  against 2.7 ms for 32 x 36 x 384 activations, 4% more fine-tuning examples/s (11% with the buffer above). The drop probability is ``p`` rounded to 1/65,536 (0.1 ->
   0.1000061) and the kept values are scaled by its exact inverse, so the layer stays unbiased; masks come
   from torch's generator, so a seeded run repeats itself.
 """
