@@ -28,7 +28,10 @@ every policy: a table lookup and a mean, in numpy; it has no graph and no transf
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +44,7 @@ from encoderkit.hardware import Choice, Hardware
 from encoderkit.io import cache_dir, output_dir
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.folder_files import copy_side_files
+from encoderkit.progress import note
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.inference import Engine, ModuleEngine, run_rows
 
@@ -292,12 +296,6 @@ def cached_openvino_int8(folder: ModelFolder, calibration: list[dict[str, np.nda
     out = cache_dir("openvino") / digest.hexdigest()[:16]
     if (out / "model.xml").is_file() and (out / "model.bin").is_file():
         return out / "model.xml"
-    import contextlib
-    import logging
-    import sys
-
-    from encoderkit.progress import note
-
     note(f"openvino-int8: quantising {folder.path.name} on {sum(len(b['input_ids']) for b in batches)} calibration "
          f"texts (once; kept in {out})")
     model = ov.Core().read_model(str(plain))
