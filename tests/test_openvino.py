@@ -176,3 +176,24 @@ def test_without_nncf_the_error_names_the_install(tmp_path_factory, tiny_tokeniz
     _without("nncf", monkeypatch)
     with pytest.raises(EncoderkitError, match=r'openvino-int8 needs OpenVINO and NNCF .*pip install "encoderkit\[openvino\]"'):
         Predictor.load(folder, backend="openvino-int8")
+
+
+def test_lengths_are_padded_to_a_few_shapes_and_outputs_cut_back(ov, tmp_path_factory, tiny_tokenizer_dir):
+    """OpenVINO prepares kernels per input shape: token axes are padded (mask 0) to a multiple of 8, and a
+    per-token output comes back at the caller's length with what ONNX Runtime computes on the unpadded rows."""
+    from encoderkit.inference.engines import OPENVINO_LENGTH_STEP
+
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "ner")
+    ours = Predictor.load(folder, backend="openvino", threads=1)
+    ref = Predictor.load(folder, backend="onnx-fp32", threads=1)
+    for length in (3, 8, 11):
+        ids = np.full((2, length), 5, dtype=np.int64)
+        mask = np.ones_like(ids)
+        mask[1, length - 1:] = 0
+        feed = ours.engine._feed({"input_ids": ids, "attention_mask": mask})
+        width = -(-length // OPENVINO_LENGTH_STEP) * OPENVINO_LENGTH_STEP
+        assert feed["input_ids"].shape == feed["attention_mask"].shape == (2, width)
+        assert feed["attention_mask"][:, length:].sum() == 0
+        (x,), (y,) = ours.engine.run({"input_ids": ids, "attention_mask": mask}), ref.engine.run({"input_ids": ids, "attention_mask": mask})
+        assert x.shape == y.shape == (2, length, y.shape[-1])
+        np.testing.assert_allclose(x[mask.astype(bool)], y[mask.astype(bool)], atol=tolerance(ours))
