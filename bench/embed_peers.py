@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads every engine uses")
     ap.add_argument("--batch", type=int, default=32, help="batch size every engine uses")
     ap.add_argument("--chunk", type=int, default=128, help="texts an engine runs per turn")
+    ap.add_argument("--settle", type=float, default=0.3,
+                    help="seconds of rest (untimed) before each turn, so the last engine's spinning threads are idle")
     ap.add_argument("--venvs", default="/work/venvs", help="where the peers' virtual environments live")
     ap.add_argument("--no-make-venvs", action="store_true", help="skip a peer whose venv is missing instead of making it")
     ap.add_argument("--seed", type=int, default=0)
@@ -172,15 +175,19 @@ def main(argv: list[str] | None = None) -> int:
             workers[e], info[e] = w, r.get("info", {})
             print(f"{e}: loaded {info[e]}", flush=True)
 
+        idle = {e: [0.0, 0.0] for e in workers}  # seconds between an engine's turns, and its CPU seconds then
         wall = {e: dict.fromkeys(texts, 0.0) for e in workers}
         cpu = {e: dict.fromkeys(texts, 0.0) for e in workers}
         names = list(workers)
         for key, items in texts.items():
             for turn, start in enumerate(range(0, len(items), args.chunk)):
                 for e in names if turn % 2 == 0 else names[::-1]:
+                    time.sleep(args.settle)  # OpenMP / ONNX Runtime workers spin on after a call ends
                     r = workers[e].ask(cmd="run", set=key, start=start, end=start + args.chunk)
                     wall[e][key] += r["seconds"]
                     cpu[e][key] += r["cpu_seconds"]
+                    idle[e][0] += r.get("idle_seconds", 0.0)
+                    idle[e][1] += r.get("idle_cpu_seconds", 0.0)
         vecs = {}
         for e, w in workers.items():
             path = Path(tmp) / f"{e}.npz"
@@ -209,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         achieved = passages * gop_per_text(config, tokens["docs"])
         print(f"{e:14s} {passages:10.1f} {short:9.1f} {rows[e]['docs_cpu']:11.1f} {cos.mean():8.4f} {cos.min():8.4f} "
               f"{q:8.4f} {q / q_ref:6.3f} {100 * achieved / int8_peak:19.1f}%", flush=True)
+    print("CPU each engine's process burnt while another had its turn (threads spinning after a call; "
+          f"--settle {args.settle} s of rest precedes each turn): "
+          + ", ".join(f"{e} {c:.1f} s in {w:.0f} s idle ({c / max(w, 1e-9):.0%} of a core)" for e, (w, c) in idle.items()),
+          flush=True)
     peers = {e: r for e, r in rows.items() if not e.startswith("encoderkit") and r["cos"] >= 0.99}
     fields = []
     for name in (e for e in rows if e.startswith("encoderkit") and peers):

@@ -7,7 +7,8 @@ JSON lines:
     -> {"cmd": "load", "engine": "st-onnx-int8", "model": DIR, "work": DIR, "threads": 2, "batch": 32}
     <- {"ok": true, "info": {...}}            (the engine built and warmed up; info says what it runs)
     -> {"cmd": "run", "set": "docs", "start": 0, "end": 128}
-    <- {"ok": true, "seconds": 1.23, "cpu_seconds": 2.4}
+    <- {"ok": true, "seconds": 1.23, "cpu_seconds": 2.4, "idle_seconds": 0.5, "idle_cpu_seconds": 0.2}
+                                              (idle: since the last run ended; CPU then is threads spinning)
     -> {"cmd": "dump", "path": FILE}          (every set's vectors so far, in order, as .npz)
     -> {"cmd": "quit"}
 
@@ -107,6 +108,7 @@ def main() -> int:
     texts = json.loads(Path(args.texts).read_text(encoding="utf-8"))
     vecs: dict[str, list[np.ndarray]] = {k: [] for k in texts}
     encode = None
+    last: tuple[float, float] | None = None  # (wall, CPU) when the last run ended: CPU spent between runs is spinning
     out = sys.stdout
     sys.stdout = sys.stderr  # libraries' prints go to stderr; stdout carries only the protocol
     for line in sys.stdin:
@@ -119,8 +121,10 @@ def main() -> int:
         elif msg["cmd"] == "run":
             part = texts[msg["set"]][msg["start"] : msg["end"]]
             w, c = time.perf_counter(), time.process_time()
+            idle = {"idle_seconds": w - last[0], "idle_cpu_seconds": c - last[1]} if last else {}
             v = np.asarray(encode(part), dtype=np.float32)
-            reply = {"ok": True, "seconds": time.perf_counter() - w, "cpu_seconds": time.process_time() - c}
+            last = (time.perf_counter(), time.process_time())
+            reply = {"ok": True, "seconds": last[0] - w, "cpu_seconds": last[1] - c, **idle}
             vecs[msg["set"]].append(v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12))
         elif msg["cmd"] == "dump":
             np.savez(msg["path"], **{k: np.concatenate(v) for k, v in vecs.items() if v})
