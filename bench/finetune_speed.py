@@ -13,7 +13,9 @@ The reference runs with Trainer's best settings for this CPU (``--ref-settings b
 non-embedding parameters x the real (unpadded) tokens per second, over doctor's measured bf16 matmul
 peak (fp32 peak where bf16 is not native). The floor (the roofline of this workload on this CPU, measured
 in the same run): a step's matmuls alone at the mean unpadded length plus torch's fused AdamW over the real
-parameters; ``ceiling_ratio`` is what even that floor would give over the Trainer.
+parameters; ``ceiling_ratio`` is what even that floor would give over the Trainer. ``int8_ratio``: ours with every
+linear layer's bf16 forward+backward swapped for int8 training's (timed at the same shapes, quantisation included),
+an estimate of what that lever gives (its quality is not measured).
 
     python bench/finetune_speed.py                 # short default: 100 steps each, batch 32
     python bench/finetune_speed.py --steps 2000    # about one epoch
@@ -157,6 +159,65 @@ def step_floor(model_dir: Path, batch: int, tokens: float, bf16: bool) -> tuple[
     return matmul, _median_ms(opt.step)
 
 
+def int8_linears(model_dir: Path, batch: int, tokens: float) -> tuple[float, float]:
+    """The lever that could still compute the same thing faster: int8 training of every linear layer (dynamic
+    symmetric int8 of both operands of each of its three GEMMs, the scheme of torchao's int8 mixed-precision
+    training; the quantisation compiled by inductor). Measured against bf16 autocast, both a linear layer's forward
+    plus backward with its real casts and quantisation, summed over the model's linear layers at ``batch``
+    examples of the mean unpadded length: ``(bf16 ms, int8 ms)`` per step. Only timed, never trained."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    def rows(x):  # one scale per row
+        s = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+        return (x / s).round().to(torch.int8), s.float()
+
+    def cols(x):  # one scale per column, the quantised block transposed (contiguous) for the GEMM's first operand
+        s = x.abs().amax(dim=0, keepdim=True).clamp_min(1e-12) / 127
+        return (x / s).round().to(torch.int8).t().contiguous(), s.float()
+
+    q_rows, q_cols = torch.compile(rows, dynamic=True), torch.compile(cols, dynamic=True)
+
+    class Int8Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            (xq, sx), (wq, sw) = q_rows(x), q_rows(w)
+            return torch._int_mm(xq, wq.t()) * sx * sw.t()
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            (gq, sg), (wq, sw) = q_rows(g), q_cols(w)
+            dx = torch._int_mm(gq, wq.t()) * sg * sw
+            (gt, sgt), (xt, sxt) = q_cols(g), q_cols(x)
+            return dx, torch._int_mm(gt, xt.t()) * sgt.t() * sxt
+
+    c = AutoConfig.from_pretrained(model_dir)
+    m = batch * max(1, round(tokens))
+    shapes = [(c.hidden_size, c.hidden_size)] * 4 + [(c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size)]
+    bf16 = int8 = 0.0
+    for k, n in shapes:
+        x = torch.randn(m, k, requires_grad=True)
+        w = (torch.randn(n, k) / k ** 0.5).requires_grad_()
+        g = torch.randn(m, n)
+
+        def plain(x=x, w=w, g=g) -> None:
+            with torch.autocast("cpu", torch.bfloat16):
+                y = F.linear(x, w)
+            y.backward(g.to(y.dtype))
+
+        def quantised(x=x, w=w, g=g) -> None:
+            Int8Linear.apply(x, w).backward(g)
+
+        for _ in range(2):  # compile and warm
+            quantised()
+        bf16 += _median_ms(plain)
+        int8 += _median_ms(quantised)
+    return bf16 * c.num_hidden_layers, int8 * c.num_hidden_layers
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--train", type=Path, default=DATA / "train.tsv")
@@ -207,9 +268,15 @@ def main() -> int:
     print(f"floor of a step on this CPU: its matmuls alone {mm_ms:.1f} ms + fused AdamW {adam_ms:.1f} ms "
           f"= {mm_ms + adam_ms:.1f} ms per {args.batch_size} examples: at most {ceiling:.0f} ex/s, "
           f"{ceiling / ex_ref:.2f}x the Trainer; ours {ex_ours / ceiling:.0%} of it", file=sys.stderr)
+    lin_bf16, lin_int8 = int8_linears(model_dir, args.batch_size, tokens)
+    step_ms = args.batch_size / ex_ours * 1e3
+    ex_int8 = args.batch_size / ((step_ms - lin_bf16 + lin_int8) / 1e3)
+    print(f"int8 training of every linear layer (the lever left): their forward+backward {lin_bf16:.1f} ms in bf16, "
+          f"{lin_int8:.1f} ms in int8 per step; ours with it at most {ex_int8:.0f} ex/s, {ex_int8 / ex_ref:.2f}x the "
+          f"Trainer (its quality not measured)", file=sys.stderr)
     print(f"RESULT ratio={ex_ours / ex_ref:.2f} ex_s_ours={ex_ours:.1f} ex_s_ref={ex_ref:.1f} "
           f"ceiling_ex_s={ceiling:.1f} ceiling_ratio={ceiling / ex_ref:.2f} matmul_ms={mm_ms:.1f} adamw_ms={adam_ms:.1f} "
-          f"acc_ours={acc_ours:.4f} acc_ref={acc_ref:.4f} ref_settings={args.ref_settings} mfu_ours={mfu_ours:.4f} mfu_ref={mfu_ref:.4f} steps={args.steps} batch_size={args.batch_size} "
+          f"int8_linears_ms={lin_int8:.1f} bf16_linears_ms={lin_bf16:.1f} int8_ratio={ex_int8 / ex_ref:.2f} acc_ours={acc_ours:.4f} acc_ref={acc_ref:.4f} ref_settings={args.ref_settings} mfu_ours={mfu_ours:.4f} mfu_ref={mfu_ref:.4f} steps={args.steps} batch_size={args.batch_size} "
           f"threads={torch.get_num_threads()} {result_field()}")
     return 0
 
