@@ -17,7 +17,8 @@ ONNX backend needs optimum-onnx, which pins transformers < 4.58):
 Texts: SciFact passages (title + abstract as BEIR encodes them; every judged document plus seeded random others
 up to ``--docs``; every engine truncates at the model's 256 tokens), its 300 BEIR test queries, SST-2 dev
 sentences. The engines take turns chunk by chunk (``--chunk`` texts; the order alternates), so a change in the
-machine's load falls on all alike; an engine not running waits idle in its process. Reported per engine:
+machine's load falls on all alike; an engine not running waits idle in its process, and each turn starts after
+``--settle`` seconds of rest (untimed: a turn started right after another's ran ~25% slower per CPU second). Reported per engine:
 passages/s and sentences/s (wall; also per CPU second of its process), mean and min cosine to st-torch, SciFact
 nDCG@10 over the passages embedded (``--docs``: judged + random, the same subset for all) and its share of
 st-torch's. The physical ceiling: the analytic GOP per text (linear layers + attention at the texts' mean token
