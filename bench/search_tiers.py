@@ -7,7 +7,8 @@ reads every token). Rows:
 
 - full encoder (``--model``, Predictor ``--backend``): one plain index (``--float16``), searched ``float`` exact,
   ``int8``, ``binary``, ``binary + int8 rescore`` (the default search: "the full encoder alone" below), that plus
-  BM25 fusion, and with ``--rerank DIR`` that plus a cross-encoder on the top ``--rerank-top``;
+  BM25 fusion, and with ``--rerank DIR`` that plus a cross-encoder on the top ``--rerank-top`` (its order alone, and fused
+  with the first stage's: ``search --rerank-fuse``);
 - static alone (``--static``, or distilled here from ``--model`` on the corpus with the defaults): a plain index of
   the static model, searched float exact and int8, and float fused with BM25 (reciprocal rank, what ``search
   --bm25`` does; no full encoder anywhere: its query+index ratio is computed as the tiered rows' are);
@@ -114,8 +115,10 @@ def main() -> int:
         full_rows[name] = row(name, b, full_index_s, n, *timed_queries(s, setting))
     if args.rerank:
         s = Searcher.open(work / "full", rerank=args.rerank)
-        setting = SearchSettings(bm25=True, rerank_top=args.rerank_top)
-        row(f"+ rerank top {args.rerank_top}", size["binary"] + size["int8"], full_index_s, n, *timed_queries(s, setting))
+        for fuse in (False, True):  # the cross-encoder's order alone, and fused with the order it reranked
+            setting = SearchSettings(bm25=True, rerank_top=args.rerank_top, rerank_fuse=fuse)
+            row(f"+ rerank top {args.rerank_top}" + (", fused with the first stage's order" if fuse else ""),
+                size["binary"] + size["int8"], full_index_s, n, *timed_queries(s, setting))
     if args.sparse:  # an inverted index of the SPLADE vectors: alone, and fused with the default search and BM25
         t0 = time.perf_counter()
         sst = index(IndexConfig(model=str(args.sparse), corpus=corpus, out=str(work / "sparse"), backend=args.sparse_backend,
