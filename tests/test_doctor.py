@@ -9,6 +9,7 @@ import pytest
 
 from encoderkit.doctor import backend_choices
 from encoderkit.hardware import CudaDevice, Hardware
+from encoderkit.inference.engines import openvino_ready
 from tests.test_hardware import AVX2_ONLY, BF16_AMX, VNNI_NO_BF16
 
 TRAIN, SERVE, PLAN = "pretrain / finetune / distill", "predict / serve (--backend auto)", "compress plan (latency goal)"
@@ -22,13 +23,25 @@ TRAIN, SERVE, PLAN = "pretrain / finetune / distill", "predict / serve (--backen
 def test_choices_follow_the_cpu(text, bf16, kind):
     c = backend_choices(Hardware.from_cpuinfo(text, threads=2))
     assert c[TRAIN].value == f"bf16 autocast {bf16} (cpu)"
-    assert c[SERVE].value.startswith("ONNX INT8 for embed")
+    openvino_class = text is VNNI_NO_BF16 and openvino_ready()  # AVX-512 VNNI without AMX: OpenVINO's static INT8
+    assert c[SERVE].value.startswith("OpenVINO static INT8 for embed" if openvino_class else "ONNX INT8 for embed")
     measured = "for classify, ner, qa, rerank, multilabel ONNX INT8 where the folder's card records INT8 agreement"
     assert (measured in c[SERVE].value) is (kind != "cpu")
     assert ("ONNX FP32 for classify, ner, qa, rerank, multilabel (this CPU has no VNNI/AMX int8)" in c[SERVE].value) is (kind == "cpu")
     assert ("no VNNI/AMX" in c[SERVE].why) is (kind == "cpu")
     assert c[PLAN].value.startswith(f"--hardware auto = {kind};")
     assert "budget none: quantize(method=dynamic-int8" in c[PLAN].value and "2:4" not in c[PLAN].value
+
+
+def test_doctor_names_the_openvino_install_where_it_is_the_faster_int8(monkeypatch):
+    from encoderkit.inference import engines
+
+    monkeypatch.setattr(engines, "openvino_ready", lambda: False)
+    c = backend_choices(Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))
+    assert c[SERVE].value.startswith("ONNX INT8 for embed (OpenVINO's static INT8 is faster on this CPU: pip install")
+    monkeypatch.setattr(engines, "openvino_ready", lambda: True)
+    assert backend_choices(Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))[SERVE].value.startswith("OpenVINO static INT8 for embed")
+    assert backend_choices(Hardware.from_cpuinfo(BF16_AMX, threads=2))[SERVE].value.startswith("ONNX INT8 for embed;")
 
 
 def test_a_sparse_gpu_trains_in_bf16_and_plans_2_4():
@@ -46,7 +59,7 @@ def test_doctor_prints_every_section(capsys):
     text = capsys.readouterr().out
     assert text.startswith("hardware: CPU ") and "threads |" in text
     for line in ("fp32  torch.matmul", "bf16  torch.matmul", "int8  torch._int_mm", "int8  onnxruntime MatMulInteger",
-                 "(32, 32) @ (32, 32)", f"  {TRAIN}: bf16 autocast", f"  {SERVE}: ONNX", f"  {PLAN}: --hardware auto"):
+                 "(32, 32) @ (32, 32)", f"  {TRAIN}: bf16 autocast", f"  {SERVE}: ", " INT8 for embed", f"  {PLAN}: --hardware auto"):
         assert line in text, line
     assert text.count("    why: ") == 3
 

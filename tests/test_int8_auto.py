@@ -23,7 +23,7 @@ from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks import get_task
 from tests.conftest import WORDS
 from tests.deploy_models import make_task_model
-from tests.test_hardware import AVX2_ONLY, VNNI_NO_BF16
+from tests.test_hardware import AVX2_ONLY, BF16_AMX, VNNI_NO_BF16
 
 UNMEASURED = "FP32: no INT8 agreement measured (export --quantize int8-dynamic --dev FILE)"
 
@@ -166,6 +166,46 @@ def test_auto_without_any_record_or_own_int8_graph_runs_fp32(exported, root, tin
     monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(AVX2_ONLY, threads=2))
     embed = serve_choice(ModelFolder.open(make_task_model(root, tiny_tokenizer_dir, "embed")))
     assert embed.value == "onnx-int8" and embed.why.startswith("INT8: the embed task's rule")
+
+
+@pytest.mark.parametrize("cpu, ready, backend, why", [
+    (VNNI_NO_BF16, True, "openvino-int8", "on OpenVINO's static INT8 (a CPU with AVX-512 VNNI and no AMX"),
+    (VNNI_NO_BF16, False, "onnx-int8", 'OpenVINO\'s static INT8 ran 1.4-1.5x faster on passages: pip install "encoderkit[openvino]"'),
+    (BF16_AMX, True, "onnx-int8", "(its INT8 graph was measured to keep quality)"),  # not measured on AMX: ONNX Runtime
+    (AVX2_ONLY, True, "onnx-int8", "(its INT8 graph was measured to keep quality)"),
+])
+def test_embed_auto_runs_openvino_int8_on_the_cpu_class_it_was_measured_faster_on(root, tiny_tokenizer_dir, monkeypatch,
+                                                                                   cpu, ready, backend, why):
+    from encoderkit.inference import engines
+
+    monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(cpu, threads=2))
+    monkeypatch.setattr(engines, "openvino_ready", lambda: ready)
+    choice = serve_choice(ModelFolder.open(make_task_model(root, tiny_tokenizer_dir, "embed")))
+    assert choice.value == backend and choice.why.startswith("INT8: the embed task's rule") and why in choice.why
+
+
+def test_embed_auto_keeps_a_folders_own_int8_graph(exported, root, tiny_tokenizer_dir, monkeypatch):
+    from encoderkit.deploy.export import export_onnx
+    from encoderkit.inference import engines
+
+    monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))
+    monkeypatch.setattr(engines, "openvino_ready", lambda: True)
+    folder = root / "embed_with_own_int8"  # a copy: make_task_model shares one folder per task
+    shutil.copytree(make_task_model(root, tiny_tokenizer_dir, "embed"), folder, dirs_exist_ok=True)
+    export_onnx(folder, folder, int8=True)  # the user's own INT8 graph beside the weights
+    assert serve_choice(ModelFolder.open(folder)).value == "onnx-int8"
+
+
+def test_embed_auto_on_openvino_int8_computes_what_fp32_computes(root, tiny_tokenizer_dir, monkeypatch):
+    pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+    monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))
+    folder = make_task_model(root, tiny_tokenizer_dir, "embed")
+    auto, fp32 = Predictor.load(folder), Predictor.load(folder, backend="onnx-fp32")
+    assert auto.backend == "openvino-int8" and "OpenVINO's static INT8" in auto.backend_reason
+    texts = ["the cat sat on the mat", "a dog ran", "the bird sang in the tree all day long"]
+    a, b = auto.embed(texts), fp32.embed(texts)
+    assert a.shape == b.shape and float(np.min(np.sum(a * b, axis=1))) > 0.95
 
 
 # -- each task's measure, through its task object -------------------------------------------------------------

@@ -143,8 +143,12 @@ def test_openvino_int8_quantises_once_per_calibration_and_stays_close_to_fp32(nn
     assert "FakeQuantize" in xml  # activations really are quantised, not a plain fp32 graph
     Predictor.load(folder, backend="openvino-int8", threads=1, calibration=TEXTS * 4)
     assert calls == [1]  # the same calibration: the cached graph
-    other = Predictor.load(folder, backend="openvino-int8", threads=1)  # data-free: vocabulary draws
+    other = Predictor.load(folder, backend="openvino-int8", threads=1)  # data-free: the default calibration
     assert calls == [1, 1] and other.engine.path != ours.engine.path
+    from encoderkit.inference import engines
+
+    monkeypatch.setattr(engines, "default_calibration", lambda *a, **k: pytest.fail("made again on a cache hit"))
+    assert Predictor.load(folder, backend="openvino-int8", threads=1).engine.path == other.engine.path
     ref = Predictor.load(folder, backend="onnx-fp32", threads=1)
     if task == "embed":
         a, b = ours.embed(TEXTS), ref.embed(TEXTS)
@@ -169,6 +173,22 @@ def test_vocabulary_calibration_is_seeded_and_uses_no_special_tokens_inside(tmp_
     for x in a:
         assert (x["input_ids"][:, 0] == tok.cls_token_id).all() and (x["input_ids"][:, -1] == tok.sep_token_id).all()
         assert not special & set(np.unique(x["input_ids"][:, 1:-1]).tolist())
+
+
+def test_default_calibration_is_half_vocabulary_half_builtin_prose(tmp_path_factory, tiny_tokenizer_dir):
+    from encoderkit.data.builtin_corpus import stdlib_docstrings
+    from encoderkit.inference.engines import default_calibration, vocabulary_batches
+    from encoderkit.models.folder import ModelFolder
+
+    folder = ModelFolder.open(make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed"))
+    a, b = default_calibration(folder), default_calibration(folder)
+    assert len(a) == 16 and all(np.array_equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b, strict=True))
+    assert all(np.array_equal(x["input_ids"], y["input_ids"]) for x, y in zip(a[:8], vocabulary_batches(folder, 64)))
+    tok = folder.tokenizer()
+    docs = {" ".join(tok.tokenize(d))[:40] for _, _, d in stdlib_docstrings()}
+    real = [" ".join(tok.convert_ids_to_tokens(row[1:][row[1:] != tok.pad_token_id][:-1].tolist()))[:40]
+            for x in a[8:] for row in x["input_ids"]]
+    assert len(real) == 64 and all(r in docs for r in real)  # texts of builtin:stdlib, tokenised as texts are
 
 
 def test_without_nncf_the_error_names_the_install(tmp_path_factory, tiny_tokenizer_dir, monkeypatch):

@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 from deploy_models import export_task_model, make_task_model, tiny_root
 
+from encoderkit import hardware
 from encoderkit.cli import main
 from encoderkit.errors import EncoderkitError
+from encoderkit.hardware import Hardware
 from encoderkit.inference.predictor import Predictor, finish_embeddings
 from encoderkit.tasks.batching import length_batches
+from tests.test_hardware import AVX2_ONLY
 
 TEXTS = ["the movie was great fun", "dull", "a boring story that never ends , and the worst film of all time",
          "she said that he had a good time", "python code and data", "love it !"]
@@ -207,6 +210,7 @@ def _txt(tmp_path):
 
 def test_auto_exports_a_plain_folder_once(tmp_path_factory, tiny_tokenizer_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(AVX2_ONLY, threads=2))  # auto: ONNX INT8
     src = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
     p = Predictor.load(src)
     assert p.backend == "onnx-int8"
@@ -245,8 +249,8 @@ def test_minilm_int8_matches_sentence_transformers(minilm_dir, shared_data, tmp_
     texts = [line.split("\t")[0] for line in lines]
     ref = SentenceTransformer(str(minilm_dir), device="cpu").encode(texts, normalize_embeddings=True)
     p = Predictor.load(minilm_dir)
-    assert p.backend == "onnx-int8" and p.info.pooling == "mean" and p.max_length == 256
-    cos = (p.embed(texts) * ref).sum(1)
+    assert p.backend in ("onnx-int8", "openvino-int8") and p.info.pooling == "mean" and p.max_length == 256
+    cos = (p.embed(texts) * ref).sum(1)  # OpenVINO's static INT8 (on its CPU class) calibrated on the vocabulary
     assert cos.mean() >= 0.99 and cos.min() >= 0.95
 
 

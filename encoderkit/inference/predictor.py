@@ -70,7 +70,8 @@ class Predictor:
         """Load ``folder`` (a task model, or its export) with ``backend``; see the module docstring.
         ``spin=False`` lets onnxruntime's idle threads sleep (a server sharing the CPU with its HTTP loop).
         ``calibration``: texts like the ones to come (a sample of the corpus) whose activation ranges
-        ``openvino-int8`` quantises with; without them it calibrates on sequences drawn from the vocabulary."""
+        ``openvino-int8`` quantises with; without them it calibrates on vocabulary draws and built-in prose
+        (:func:`~encoderkit.inference.engines.default_calibration`), as ``auto`` does where it picks OpenVINO."""
         if backend not in BACKENDS:
             raise EncoderkitError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if max_batch < 1:
@@ -231,7 +232,7 @@ class PredictConfig(StageConfig):
     input: str = arg(help="Input: .txt (one text per line) or .jsonl with text / text_pair / question+context "
                           "/ query+passages fields.", required=True)
     output: str = arg(help="Output .jsonl file: one result per input record, in order.", required=True)
-    backend: str = arg("auto", help="Inference backend.", choices=BACKENDS)
+    backend: str = arg("auto", help="Inference backend; auto: what `encoderkit doctor` states for this CPU (embed: INT8, OpenVINO's static INT8 on an AVX-512 VNNI CPU without AMX; other tasks: INT8 where the card records >= 99.5%% agreement, else FP32); openvino-int8 calibrates on built-in texts (index: on its corpus).", choices=BACKENDS)
     dim: int | None = arg(None, help="embed: keep the first dim dimensions (Matryoshka), then renormalise.")
     overwrite: bool = arg(False, help="Replace an existing --output file.")
     threads: int | None = arg(None, help="onnxruntime intra-op threads.", speed=True)
