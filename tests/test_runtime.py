@@ -14,6 +14,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import Hardware
 from encoderkit.inference.predictor import Predictor, finish_embeddings
 from encoderkit.tasks.batching import length_batches
+from encoderkit.tasks.inference import run_rows
 from tests.test_hardware import AVX2_ONLY
 
 TEXTS = ["the movie was great fun", "dull", "a boring story that never ends , and the worst film of all time",
@@ -53,6 +54,28 @@ def test_length_batches_are_the_cheapest_cuts_of_the_sorted_rows():
     assert [len(g) for g in length_batches([20] * 70, 32)] == [32, 32, 6]  # like lengths: full batches
     assert [len(g) for g in length_batches([5] * 16 + [60] * 16, 32)] == [16, 16]  # no padding 5 -> 60
     assert length_batches([], 4) == []
+
+
+def test_length_batches_count_lengths_as_an_engine_that_pads_to_a_step_runs_them():
+    lengths = [9, 16, 10, 15, 12, 11, 14, 13]  # one shape for an engine that pads to 8: one call, not several
+    assert len(length_batches(lengths, 8, call_cost=8)) > 1
+    assert [sorted(g.tolist()) for g in length_batches(lengths, 8, call_cost=8, step=8)] == [list(range(8))]
+    assert [g.tolist() for g in length_batches([17, 3, 9], 1, step=8)] == [[1], [2], [0]]  # still shortest first
+
+
+def test_run_rows_groups_by_the_engines_own_padding_step():
+    seen = []
+
+    class Padding:
+        length_step = 8
+
+        def run(self, inputs):
+            seen.append(inputs["input_ids"].shape)
+            return [inputs["input_ids"].astype(np.float32)]
+
+    rows = [{"input_ids": np.arange(1, n + 1), "attention_mask": np.ones(n, dtype=np.int64)} for n in (9, 16, 10, 15, 12)]
+    out = run_rows(Padding(), rows, 0, 8, per_token=True)
+    assert seen == [(5, 16)] and [len(o[0]) for o in out] == [9, 16, 10, 15, 12]
 
 
 def test_classify_backends_agree_and_order_does_not_matter(folders):

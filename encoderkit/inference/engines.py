@@ -399,6 +399,7 @@ class OpenVinoEngine:
         self.lock = threading.Lock()
         self.streams = 2 if (threads or hardware.usable_threads()) >= 2 else 1
         self.in_flight = 8 * self.streams if self.streams > 1 else 1  # batches handed together: fewer drains of the streams
+        self.length_step = OPENVINO_LENGTH_STEP  # run_rows groups rows by their lengths rounded up as this engine pads them
         self.queue = None  # the throughput-mode model's request queue, made on the first run_many
 
     def _compile(self, config: dict) -> object:

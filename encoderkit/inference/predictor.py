@@ -171,7 +171,7 @@ def engine_batches(p: Predictor, lengths: Sequence[int], chunk: int | None = Non
     the engine sees them (shortest first), so that :func:`as_one_call` on them pads and runs the same batch."""
     step = chunk or max(len(lengths), 1)
     return [[a + int(i) for i in g] for a in range(0, len(lengths), step)
-            for g in length_batches(lengths[a:a + step], p.max_batch)]
+            for g in length_batches(lengths[a:a + step], p.max_batch, step=int(getattr(p.engine, "length_step", 1)))]
 
 
 def as_one_call(fn: Callable[[Predictor, list[Any]], Any], p: Predictor, rows: list[Any]) -> Any:

@@ -133,19 +133,24 @@ def pad_arrays(rows: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, 
 CALL_COST_TOKENS = 8  # one model call's fixed cost, in padded token slots (MiniLM INT8 on CPU: ~2 ms vs ~0.25 ms/token)
 
 
-def length_batches(lengths: Sequence[int], max_batch: int, call_cost: int = CALL_COST_TOKENS) -> list[np.ndarray]:
+def length_batches(lengths: Sequence[int], max_batch: int, call_cost: int = CALL_COST_TOKENS,
+                   step: int = 1) -> list[np.ndarray]:
     """Row indices grouped into model calls of at most ``max_batch`` rows, each group of similar lengths.
+    ``step``: the engine pads the token axis to a multiple of it (OpenVINO: 8), so lengths count rounded up to it
+    (rows of 9 and 16 tokens cost the same there: grouping them apart only adds calls; SST-2 dev on MiniLM, OpenVINO
+    INT8: 846 sentences/s against 748-787 with exact lengths).
 
     Rows are sorted by length and cut where the cost ``sum(call_cost + rows * longest)`` (padded token
     slots, plus a fixed cost per call) is least, found exactly by dynamic programming over the sorted
     order. Compute on CPU grows with padded tokens, so one batch of 32 random sentences (padded to
     the longest, ~2x the real tokens) costs more than a few batches of like lengths; many rows of
     one length still go in full batches of ``max_batch``."""
-    order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
+    rounded = -(-np.asarray(lengths, dtype=np.int64) // max(1, step)) * max(1, step)
+    order = np.argsort(rounded, kind="stable")
     n = len(order)
     if n == 0:
         return []
-    sorted_len = np.asarray(lengths, dtype=np.int64)[order]
+    sorted_len = rounded[order]
     best = np.zeros(n + 1, dtype=np.int64)  # best[j]: least cost of the first j sorted rows
     cut = np.zeros(n + 1, dtype=np.int64)  # cut[j]: where the last group of that solution starts
     for j in range(1, n + 1):

@@ -20,7 +20,9 @@ from encoderkit.tasks.batching import length_batches, pad_arrays
 
 class Engine(Protocol):
     """``run`` one padded batch. An engine that can run several batches at once (OpenVINO's streams) also has
-    ``in_flight`` (how many to hand it together) and ``run_many(batches) -> [outputs per batch]``, in order."""
+    ``in_flight`` (how many to hand it together) and ``run_many(batches) -> [outputs per batch]``, in order. An
+    engine that pads the token axis itself to a multiple of some step says so in ``length_step`` (batches are then
+    grouped by lengths rounded up to it)."""
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]: ...
 
@@ -51,7 +53,7 @@ def run_rows(engine: Engine, rows: Sequence[dict[str, np.ndarray]], pad_id: int,
     ``desc``: show progress under that name (long runs: a teacher scoring a training set)."""
     results: list[list[np.ndarray]] = [[] for _ in rows]
     bar = progress(total=len(rows), desc=desc, unit="rows") if desc else None
-    groups = length_batches([len(r["input_ids"]) for r in rows], max_batch)
+    groups = length_batches([len(r["input_ids"]) for r in rows], max_batch, step=int(getattr(engine, "length_step", 1)))
     window = max(1, int(getattr(engine, "in_flight", 1)))  # an engine that runs several calls at once takes them together
     for w in range(0, len(groups), window):
         part = groups[w : w + window]
