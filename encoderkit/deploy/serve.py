@@ -47,6 +47,7 @@ from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
 from encoderkit.deploy.openai_api import error_type, openai_router
 from encoderkit.deploy.text_checks import text_problem
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.engines import AUTO_HELP
 from encoderkit.inference.predictor import BACKENDS, Predictor, describe, finish_embeddings
 from encoderkit.tasks import TASKS, get_task
 
@@ -445,7 +446,7 @@ class ServeConfig(StageConfig):
     model: list[str] = arg(help="Model folders, as DIR or name=DIR; repeat for several.", required=True)
     host: str = arg("127.0.0.1", help="Address to listen on (0.0.0.0 exposes the service to the network).")
     port: int = arg(8000, help="TCP port.")
-    backend: str = arg("auto", help="Inference backend for every model; auto: what `encoderkit doctor` states for this CPU (embed: INT8, OpenVINO's static INT8 on an AVX-512 VNNI CPU without AMX; other tasks: INT8 where the card records >= 99.5%% agreement, else FP32); openvino-int8 calibrates on built-in texts (index: on its corpus).", choices=BACKENDS)
+    backend: str = arg("auto", help="Inference backend for every model; " + AUTO_HELP, choices=BACKENDS)
     max_body_bytes: int = arg(1_000_000, help="Largest accepted request body (413 above).")
     max_texts: int = arg(256, help="Most texts per request (422 above).")
     max_chars: int = arg(20_000, help="Most characters per text (422 above).")

@@ -50,11 +50,14 @@ from encoderkit.progress import note
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.inference import Engine, ModuleEngine, run_rows
 
-__all__ = ["BACKENDS", "CALIBRATION_TEXTS", "POLICIES", "STATIC", "TORCH_INT8", "Engine", "ModuleEngine", "OnnxEngine",
-           "OpenVinoEngine", "StaticEngine", "cached_export", "cached_openvino_int8", "default_calibration",
+__all__ = ["AUTO_HELP", "BACKENDS", "CALIBRATION_TEXTS", "POLICIES", "STATIC", "TORCH_INT8", "Engine", "ModuleEngine",
+           "OnnxEngine", "OpenVinoEngine", "StaticEngine", "cached_export", "cached_openvino_int8", "default_calibration",
            "int8_by_default", "open_engine", "openvino_int8_measured", "openvino_ready", "pick_backend", "run_rows",
            "serve_choice", "serve_rule", "torch_engine", "vocabulary_batches"]
 
+AUTO_HELP = ("auto: what `encoderkit doctor` states for this CPU (embed: INT8, OpenVINO's static INT8 on an AVX-512 "
+             "VNNI CPU without AMX; other tasks: INT8 where the card records >= 99.5%% agreement, else FP32); "
+             "openvino-int8 calibrates on built-in texts (index: on its corpus).")  # --backend's help (argparse: %%)
 BACKENDS = ("torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8", "openvino", "openvino-int8")  # what a caller may name explicitly
 POLICIES = ("serve", "graph", "evaluate")  # what a caller may ask for instead (see the module docstring)
 TORCH_INT8 = "torch int8-dynamic"  # the ``evaluate`` policy's name for torch's dynamic INT8 model
@@ -69,9 +72,9 @@ def int8_by_default(task: str) -> bool:
 def serve_choice(folder: ModelFolder, hw: Hardware | None = None) -> Choice:
     """What ``--backend auto`` (the ``serve`` policy) runs ``folder`` on, on ``hw`` (default: this machine), and
     why (``Predictor.backend_reason``, serve's startup line): INT8 for a task whose object says
-    ``int8_by_default`` (embed): OpenVINO's static INT8 (vocabulary calibration) for plain weights on a CPU where
-    it was measured ahead (:func:`openvino_int8_measured`) and OpenVINO is installed, else ONNX INT8; for a task whose INT8 agreement is measured, the folder's own INT8 graph where
-    the CPU has VNNI/AMX int8 and the card's ``int8_agreement`` (:mod:`encoderkit.deploy.agreement`) is at least
+    ``int8_by_default`` (embed): OpenVINO's static INT8 (:func:`default_calibration`) for plain weights on a CPU
+    where it was measured ahead (:func:`openvino_int8_measured`) and OpenVINO is installed, else ONNX INT8; for a
+    task whose INT8 agreement is measured, the folder's own INT8 graph where the CPU has VNNI/AMX int8 and the card's ``int8_agreement`` (:mod:`encoderkit.deploy.agreement`) is at least
     :data:`~encoderkit.deploy.agreement.INT8_MIN_AGREEMENT`; else ONNX FP32. A folder holding only
     ``model.int8.onnx`` runs on it."""
     if folder.static_weights is not None:
@@ -103,9 +106,10 @@ def serve_choice(folder: ModelFolder, hw: Hardware | None = None) -> Choice:
 
 def openvino_int8_measured(hw: Hardware) -> bool:
     """Whether ``hw`` is the CPU class where OpenVINO's static INT8 was measured ahead of ONNX Runtime's dynamic INT8
-    for embeddings (AVX-512 VNNI without AMX, an AMD EPYC: 1.44-1.49x its passages/s and 1.12-1.40x its sentences/s
-    in three runs of bench/embed_peers.py, 1.53-1.58x the best peer's passages/s). Elsewhere it is not measured, so ``auto`` keeps ONNX
-    Runtime: on an AMX Xeon OpenVINO's bf16 and ONNX Runtime's INT8 were measured, not its static INT8."""
+    for embeddings (AVX-512 VNNI without AMX, an AMD EPYC, bench/embed_peers.py: 1.44-1.49x its passages/s and
+    1.12-1.40x its sentences/s in three runs; as ``auto``, 1.52-1.65x the best peer's passages/s and 1.49-1.79x its
+    sentences/s in four). Elsewhere it is not measured, so ``auto`` keeps ONNX Runtime: on an AMX Xeon OpenVINO's
+    bf16 and ONNX Runtime's INT8 were measured, not its static INT8."""
     return "avx512_vnni" in hw.isa and not hw.amx
 
 

@@ -37,8 +37,8 @@ import numpy as np
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.deploy.export import OUTPUT_NAMES
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.engines import AUTO_HELP, CALIBRATION_TEXTS, STATIC, open_engine, run_rows, serve_choice
 from encoderkit.inference.engines import BACKENDS as ENGINE_BACKENDS
-from encoderkit.inference.engines import CALIBRATION_TEXTS, STATIC, open_engine, run_rows, serve_choice
 from encoderkit.io import check_writable, open_text_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import progress
@@ -169,9 +169,9 @@ def engine_batches(p: Predictor, lengths: Sequence[int], chunk: int | None = Non
     :func:`~encoderkit.tasks.batching.length_batches` with ``p.max_batch`` over all rows, or over each run of
     ``chunk`` rows where the caller hands the Predictor its rows ``chunk`` at a time. Each call's rows in the order
     the engine sees them (shortest first), so that :func:`as_one_call` on them pads and runs the same batch."""
-    step = chunk or max(len(lengths), 1)
-    return [[a + int(i) for i in g] for a in range(0, len(lengths), step)
-            for g in length_batches(lengths[a:a + step], p.max_batch, step=int(getattr(p.engine, "length_step", 1)))]
+    span, pad_step = chunk or max(len(lengths), 1), int(getattr(p.engine, "length_step", 1))
+    return [[a + int(i) for i in g] for a in range(0, len(lengths), span)
+            for g in length_batches(lengths[a:a + span], p.max_batch, step=pad_step)]
 
 
 def as_one_call(fn: Callable[[Predictor, list[Any]], Any], p: Predictor, rows: list[Any]) -> Any:
@@ -232,7 +232,7 @@ class PredictConfig(StageConfig):
     input: str = arg(help="Input: .txt (one text per line) or .jsonl with text / text_pair / question+context "
                           "/ query+passages fields.", required=True)
     output: str = arg(help="Output .jsonl file: one result per input record, in order.", required=True)
-    backend: str = arg("auto", help="Inference backend; auto: what `encoderkit doctor` states for this CPU (embed: INT8, OpenVINO's static INT8 on an AVX-512 VNNI CPU without AMX; other tasks: INT8 where the card records >= 99.5%% agreement, else FP32); openvino-int8 calibrates on built-in texts (index: on its corpus).", choices=BACKENDS)
+    backend: str = arg("auto", help="Inference backend; " + AUTO_HELP, choices=BACKENDS)
     dim: int | None = arg(None, help="embed: keep the first dim dimensions (Matryoshka), then renormalise.")
     overwrite: bool = arg(False, help="Replace an existing --output file.")
     threads: int | None = arg(None, help="onnxruntime intra-op threads.", speed=True)
