@@ -572,6 +572,12 @@ def test_an_openvino_int8_index_calibrates_on_its_corpus_first_documents(embed_d
     from encoderkit.retrieval.store import current_folder
 
     manifest = json.loads((current_folder(out) / "manifest.json").read_text())
-    assert manifest["model"]["backend"] == "openvino-int8"
-    hits = Searcher.open(out).search(["python data movie"], SearchSettings())[0].hits
+    assert manifest["model"]["backend"] == "openvino-int8" and manifest["model"]["calibration"] == seen[0]
+    searcher = Searcher.open(out)
+    assert seen[-1] == seen[0]  # queries run on the graph the passages ran on
+    hits = searcher.search(["python data movie"], SearchSettings())[0].hits
     assert hits and len({h.doc_id for h in hits}) == len(hits)
+    more = {f"n{i}": _doc(i + 500) for i in range(130)} | docs  # new documents first: not what the build calibrated on
+    index(_cfg(embed_dir, _corpus(tmp_path / "c2.jsonl", more), out, backend="openvino-int8"))
+    assert seen[-1] == seen[0]  # an update keeps the build's calibration, so old and new vectors share one graph
+    assert Searcher.open(out, runtime="onnx-fp32").predictor.backend == "onnx-fp32" and seen[-1] is None

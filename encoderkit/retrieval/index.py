@@ -12,8 +12,9 @@ first dims, renormalised). Embeddings are L2-normalised, so scores are cosines.
 Updates: a document whose id and text hash are unchanged keeps its codes (it is not re-embedded);
 a changed one is re-embedded; one no longer in the corpus is removed from every file. The int8
 calibration of the first build is kept by updates (so unchanged codes stay valid); ``--rebuild``
-re-embeds everything and recalibrates. Another model, other dims or another passage policy than
-the index was built with is refused unless ``--rebuild``.
+re-embeds everything and recalibrates. So are ``--backend openvino-int8``'s calibration texts (the corpus's first
+documents, recorded in the manifest; ``search`` embeds its queries on the same graph). Another model, other dims
+or another passage policy than the index was built with is refused unless ``--rebuild``.
 
 Streaming (with or without ``--ray``, one path): the corpus is read document by document
 (:func:`.corpus.iter_corpus`), split, and embedded and written a block of :data:`BLOCK_TEXTS` new passages
@@ -187,9 +188,11 @@ def run(cfg: IndexConfig) -> IndexResult:
     docs = iter_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, skipped)
     docs = itertools.chain([next(docs)], docs)  # a missing or empty corpus fails now, before the model is loaded
     calibration = None
-    if cfg.backend == "openvino-int8":  # static INT8 calibrates on the corpus's first documents
-        head = list(itertools.islice(docs, CALIBRATION_TEXTS))
-        docs, calibration = itertools.chain(head, docs), [d.text for d in head]
+    if cfg.backend == "openvino-int8":  # static INT8 calibrates on the corpus's first documents; an update on the build's
+        calibration = None if cfg.rebuild else _recorded_calibration(Path(cfg.out))  # (the same graph for every vector)
+        if calibration is None:
+            head = list(itertools.islice(docs, CALIBRATION_TEXTS))
+            docs, calibration = itertools.chain(head, docs), [d.text for d in head]
     p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.batch_size,
                        calibration=calibration)
     if get_task(p.task).endpoint != "embed":  # the index holds sentence vectors: /v1/embed's call
@@ -206,6 +209,8 @@ def run(cfg: IndexConfig) -> IndexResult:
     manifest = {"model": {"folder": str(Path(cfg.model).resolve()), "fingerprint": fingerprint, "backend": p.backend,
                           "runtime": p.backend, "max_length": p.max_length},
                 "passages": {"tokens": size, "overlap": cfg.overlap}, "normalized": True}
+    if p.calibration:  # the texts openvino-int8 was calibrated on: search's queries and later updates load that graph
+        manifest["model"]["calibration"] = p.calibration
     if old is not None and not cfg.rebuild:
         om = old.manifest
         if om["model"]["fingerprint"] != fingerprint:
@@ -222,6 +227,14 @@ def run(cfg: IndexConfig) -> IndexResult:
     finally:
         if old is not None:
             old.passages.close()
+
+
+def _recorded_calibration(root: Path) -> list[str] | None:
+    """The calibration texts the index at ``root`` was built with (``--backend openvino-int8``), or None."""
+    folder = current_folder(root)
+    if folder is None or not (folder / "manifest.json").is_file():
+        return None
+    return json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["model"].get("calibration")
 
 
 def _spans(p: Predictor, d: SourceDoc, size: int, overlap: int) -> list[tuple[int, int]]:

@@ -156,7 +156,8 @@ class Searcher:
             raise EncoderkitError(f"--model {folder} is not the model index {root} was built with ({recorded['folder']}, "
                                   f"fingerprint {recorded['fingerprint']}); its vectors would not be comparable")
         built = recorded.get("backend", recorded.get("runtime"))  # indexes written before the rename say 'runtime'
-        p = Predictor.load(folder, backend=runtime or built, threads=threads)
+        calibration = recorded.get("calibration") if runtime in (None, built) else None  # openvino-int8: the build's graph
+        p = Predictor.load(folder, backend=runtime or built, threads=threads, calibration=calibration)
         r = Predictor.load(rerank, threads=threads) if rerank else None
         if r is not None and not get_task(r.task).scores_pairs:  # a cross-encoder: a pair's score from its logits
             raise EncoderkitError(f"--rerank {rerank} is a {r.task!r} model, not a cross-encoder")
