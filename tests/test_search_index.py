@@ -580,4 +580,8 @@ def test_an_openvino_int8_index_calibrates_on_its_corpus_first_documents(embed_d
     more = {f"n{i}": _doc(i + 500) for i in range(130)} | docs  # new documents first: not what the build calibrated on
     index(_cfg(embed_dir, _corpus(tmp_path / "c2.jsonl", more), out, backend="openvino-int8"))
     assert seen[-1] == seen[0]  # an update keeps the build's calibration, so old and new vectors share one graph
+    with pytest.raises(EncoderkitError, match="was embedded with --backend openvino-int8, this run asks onnx-fp32"):
+        index(_cfg(embed_dir, _corpus(tmp_path / "c2.jsonl", more), out, backend="onnx-fp32"))
+    index(_cfg(embed_dir, _corpus(tmp_path / "c2.jsonl", more), out, backend="auto"))  # auto: the build's engine
+    assert seen[-1] == seen[0]
     assert Searcher.open(out, runtime="onnx-fp32").predictor.backend == "onnx-fp32" and seen[-1] is None

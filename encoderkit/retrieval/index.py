@@ -12,9 +12,10 @@ first dims, renormalised). Embeddings are L2-normalised, so scores are cosines.
 Updates: a document whose id and text hash are unchanged keeps its codes (it is not re-embedded);
 a changed one is re-embedded; one no longer in the corpus is removed from every file. The int8
 calibration of the first build is kept by updates (so unchanged codes stay valid); ``--rebuild``
-re-embeds everything and recalibrates. So are ``--backend openvino-int8``'s calibration texts (the corpus's first
-documents, recorded in the manifest; ``search`` embeds its queries on the same graph). Another model, other dims
-or another passage policy than the index was built with is refused unless ``--rebuild``.
+re-embeds everything and recalibrates. So are the build's backend (``--backend auto`` takes it; another is refused)
+and ``--backend openvino-int8``'s calibration texts (the corpus's first documents, recorded in the manifest;
+``search`` embeds its queries on the same graph). Another model, other dims or another passage policy than the
+index was built with is refused unless ``--rebuild``.
 
 Streaming (with or without ``--ray``, one path): the corpus is read document by document
 (:func:`.corpus.iter_corpus`), split, and embedded and written a block of :data:`BLOCK_TEXTS` new passages
@@ -44,7 +45,7 @@ import numpy as np
 
 from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.inference.engines import CALIBRATION_TEXTS
+from encoderkit.inference.engines import AUTO_HELP, CALIBRATION_TEXTS
 from encoderkit.inference.predictor import (
     BACKENDS,
     Predictor,
@@ -140,7 +141,8 @@ class IndexConfig(StageConfig):
                      choices=STORES)
     uri: str | None = arg(None, help="Milvus URI for --store milvus (http://host:19530, or a file.db for milvus-lite).")
     collection: str = arg("encoderkit", help="Milvus collection name.")
-    backend: str = arg("auto", help="Predictor backend for embedding (auto: the fastest, ONNX INT8 for embed models).",
+    backend: str = arg("auto", help="Predictor backend for embedding; an update embeds on the build's (auto takes it, "
+                                    "another is refused without --rebuild); " + AUTO_HELP,
                        choices=BACKENDS, speed=True)
     threads: int | None = arg(None, help="onnxruntime threads.", speed=True)
     batch_size: int = arg(32, help="Texts per model call.", speed=True)
@@ -187,13 +189,11 @@ def run(cfg: IndexConfig) -> IndexResult:
     skipped = Skipped(keep=5, note=note)
     docs = iter_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, skipped)
     docs = itertools.chain([next(docs)], docs)  # a missing or empty corpus fails now, before the model is loaded
-    calibration = None
-    if cfg.backend == "openvino-int8":  # static INT8 calibrates on the corpus's first documents; an update on the build's
-        calibration = None if cfg.rebuild else _recorded_calibration(Path(cfg.out))  # (the same graph for every vector)
-        if calibration is None:
-            head = list(itertools.islice(docs, CALIBRATION_TEXTS))
-            docs, calibration = itertools.chain(head, docs), [d.text for d in head]
-    p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.batch_size,
+    backend, calibration = _update_engine(Path(cfg.out), cfg.backend, cfg.rebuild)
+    if backend == "openvino-int8" and calibration is None and cfg.backend == "openvino-int8":  # a build asking for
+        head = list(itertools.islice(docs, CALIBRATION_TEXTS))  # static INT8 calibrates on the corpus's first documents
+        docs, calibration = itertools.chain(head, docs), [d.text for d in head]
+    p = Predictor.load(cfg.model, backend=backend, threads=cfg.threads, max_batch=cfg.batch_size,
                        calibration=calibration)
     if get_task(p.task).endpoint != "embed":  # the index holds sentence vectors: /v1/embed's call
         raise EncoderkitError(f"--model {cfg.model} is a {p.task!r} model; indexing needs an embed model")
@@ -229,12 +229,20 @@ def run(cfg: IndexConfig) -> IndexResult:
             old.passages.close()
 
 
-def _recorded_calibration(root: Path) -> list[str] | None:
-    """The calibration texts the index at ``root`` was built with (``--backend openvino-int8``), or None."""
+def _update_engine(root: Path, backend: str, rebuild: bool) -> tuple[str, list[str] | None]:
+    """(backend, calibration texts) to embed with: for an update of the index at ``root``, the build's own (``auto``
+    takes it; another backend is refused: its vectors would not be the ones the index holds), with the build's
+    ``openvino-int8`` calibration texts; for a build, ``backend`` itself and None (no texts recorded yet)."""
     folder = current_folder(root)
-    if folder is None or not (folder / "manifest.json").is_file():
-        return None
-    return json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["model"].get("calibration")
+    if rebuild or folder is None or not (folder / "manifest.json").is_file():
+        return backend, None
+    model = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["model"]
+    built = model.get("backend", model.get("runtime"))  # indexes written before the rename say 'runtime'
+    if built and backend not in ("auto", built):
+        raise EncoderkitError(f"index {root} was embedded with --backend {built}, this run asks {backend}: the new "
+                              f"vectors would come from another engine; pass --backend {built} (or auto), or --rebuild "
+                              "to re-embed everything")
+    return built or backend, model.get("calibration")
 
 
 def _spans(p: Predictor, d: SourceDoc, size: int, overlap: int) -> list[tuple[int, int]]:
