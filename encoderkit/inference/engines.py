@@ -423,7 +423,7 @@ class OpenVinoEngine:
         if "token_type_ids" in self.input_names and "token_type_ids" not in feed:
             feed["token_type_ids"] = np.zeros_like(inputs["input_ids"])
         length = inputs["input_ids"].shape[1]
-        pad = -length % OPENVINO_LENGTH_STEP
+        pad = -length % self.length_step
         return {k: np.pad(v, ((0, 0), (0, pad))) if pad and v.ndim == 2 and v.shape[1] == length else v
                 for k, v in feed.items()}
 

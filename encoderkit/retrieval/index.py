@@ -65,6 +65,7 @@ from encoderkit.retrieval.store import (
     Generation,
     GenerationWriter,
     PassageLines,
+    built_backend,
     current_folder,
     open_generation,
 )
@@ -189,9 +190,26 @@ def run(cfg: IndexConfig) -> IndexResult:
     skipped = Skipped(keep=5, note=note)
     docs = iter_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, skipped)
     docs = itertools.chain([next(docs)], docs)  # a missing or empty corpus fails now, before the model is loaded
-    backend, calibration = _update_engine(Path(cfg.out), cfg.backend, cfg.rebuild)
-    if backend == "openvino-int8" and calibration is None and cfg.backend == "openvino-int8":  # a build asking for
-        head = list(itertools.islice(docs, CALIBRATION_TEXTS))  # static INT8 calibrates on the corpus's first documents
+    root = Path(cfg.out)
+    old = None
+    if current_folder(root) is not None:
+        old = open_generation(root, lazy_passages=True)  # its texts stay on disk: kept lines are copied from there
+    elif root.exists() and any(x for x in root.iterdir() if not x.name.startswith(".")):
+        raise EncoderkitError(f"--out {root} is a non-empty folder that is not an index; choose another --out")
+    try:
+        return _embed_into(cfg, root, old, docs, skipped, ray, t0)
+    finally:
+        if old is not None:
+            old.passages.close()
+
+
+def _embed_into(cfg: IndexConfig, root: Path, old: Generation | None, docs: Iterator[SourceDoc], skipped: Skipped,
+                ray: RayJob, t0: float) -> IndexResult:
+    """Load the model on the engine the index's vectors come from, check an update against ``old``, and stream."""
+    updating = old is not None and not cfg.rebuild
+    backend, calibration = _update_engine(root, old.manifest["model"], cfg.backend) if updating else (cfg.backend, None)
+    if not updating and backend == "openvino-int8":  # a build's static INT8 calibrates on the corpus's first documents
+        head = list(itertools.islice(docs, CALIBRATION_TEXTS))
         docs, calibration = itertools.chain(head, docs), [d.text for d in head]
     p = Predictor.load(cfg.model, backend=backend, threads=cfg.threads, max_batch=cfg.batch_size,
                        calibration=calibration)
@@ -199,19 +217,13 @@ def run(cfg: IndexConfig) -> IndexResult:
         raise EncoderkitError(f"--model {cfg.model} is a {p.task!r} model; indexing needs an embed model")
     fingerprint = model_fingerprint(cfg.model)
     size = {0: p.max_length - 2, -1: 0}.get(cfg.passage_tokens, cfg.passage_tokens)
-    root = Path(cfg.out)
-    old = None
-    if current_folder(root) is not None:
-        old = open_generation(root, lazy_passages=True)  # its texts stay on disk: kept lines are copied from there
-    elif root.exists() and any(x for x in root.iterdir() if not x.name.startswith(".")):
-        raise EncoderkitError(f"--out {root} is a non-empty folder that is not an index; choose another --out")
     # 'runtime' too, for one release: the release before the rename reads that key
     manifest = {"model": {"folder": str(Path(cfg.model).resolve()), "fingerprint": fingerprint, "backend": p.backend,
                           "runtime": p.backend, "max_length": p.max_length},
                 "passages": {"tokens": size, "overlap": cfg.overlap}, "normalized": True}
     if p.calibration:  # the texts openvino-int8 was calibrated on: search's queries and later updates load that graph
         manifest["model"]["calibration"] = p.calibration
-    if old is not None and not cfg.rebuild:
+    if updating:
         om = old.manifest
         if om["model"]["fingerprint"] != fingerprint:
             raise EncoderkitError(f"index {root} was built with the model at {om['model']['folder']} (fingerprint "
@@ -222,22 +234,14 @@ def run(cfg: IndexConfig) -> IndexResult:
         if (cfg.float16 or cfg.store == "milvus") and not om.get("float16"):
             raise EncoderkitError(f"index {root} holds no float16 vectors (needed by --float16 and --store milvus); "
                                   "pass --rebuild to re-embed")
-    try:
-        return _stream_generation(cfg, p, docs, skipped, old, manifest, ray, t0)
-    finally:
-        if old is not None:
-            old.passages.close()
+    return _stream_generation(cfg, p, docs, skipped, old, manifest, ray, t0)
 
 
-def _update_engine(root: Path, backend: str, rebuild: bool) -> tuple[str, list[str] | None]:
-    """(backend, calibration texts) to embed with: for an update of the index at ``root``, the build's own (``auto``
-    takes it; another backend is refused: its vectors would not be the ones the index holds), with the build's
-    ``openvino-int8`` calibration texts; for a build, ``backend`` itself and None (no texts recorded yet)."""
-    folder = current_folder(root)
-    if rebuild or folder is None or not (folder / "manifest.json").is_file():
-        return backend, None
-    model = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["model"]
-    built = model.get("backend", model.get("runtime"))  # indexes written before the rename say 'runtime'
+def _update_engine(root: Path, model: dict, backend: str) -> tuple[str, list[str] | None]:
+    """(backend, calibration texts) an update of the index at ``root`` embeds with: the build's (``model``, its
+    manifest's), which ``auto`` takes, with its ``openvino-int8`` calibration texts; another backend is refused:
+    its vectors would not be the ones the index holds."""
+    built = built_backend(model)
     if built and backend not in ("auto", built):
         raise EncoderkitError(f"index {root} was embedded with --backend {built}, this run asks {backend}: the new "
                               f"vectors would come from another engine; pass --backend {built} (or auto), or --rebuild "

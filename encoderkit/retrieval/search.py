@@ -50,7 +50,7 @@ from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_d
 from encoderkit.retrieval.first_stage import MULTIPLIER as TIER_MULTIPLIER
 from encoderkit.retrieval.first_stage import StaticTier
 from encoderkit.retrieval.sparse import SparseStage, same_corpus
-from encoderkit.retrieval.store import STORES, Generation, open_generation
+from encoderkit.retrieval.store import STORES, Generation, built_backend, open_generation
 from encoderkit.tasks import get_task
 
 FIRST_STAGES = ("binary", "int8", "float")
@@ -155,7 +155,7 @@ class Searcher:
         if model is not None and model_fingerprint(folder) != recorded["fingerprint"]:
             raise EncoderkitError(f"--model {folder} is not the model index {root} was built with ({recorded['folder']}, "
                                   f"fingerprint {recorded['fingerprint']}); its vectors would not be comparable")
-        built = recorded.get("backend", recorded.get("runtime"))  # indexes written before the rename say 'runtime'
+        built = built_backend(recorded)
         calibration = recorded.get("calibration") if runtime in (None, built) else None  # openvino-int8: the build's graph
         p = Predictor.load(folder, backend=runtime or built, threads=threads, calibration=calibration)
         r = Predictor.load(rerank, threads=threads) if rerank else None

@@ -106,6 +106,11 @@ def current_folder(root: Path) -> Path | None:
     return root / name
 
 
+def built_backend(model: dict) -> str | None:
+    """The backend a manifest's ``model`` entry says the index was embedded with (``runtime`` before the rename)."""
+    return model.get("backend", model.get("runtime"))
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -145,7 +145,8 @@ def length_batches(lengths: Sequence[int], max_batch: int, call_cost: int = CALL
     order. Compute on CPU grows with padded tokens, so one batch of 32 random sentences (padded to
     the longest, ~2x the real tokens) costs more than a few batches of like lengths; many rows of
     one length still go in full batches of ``max_batch``."""
-    rounded = -(-np.asarray(lengths, dtype=np.int64) // max(1, step)) * max(1, step)
+    step = max(1, step)
+    rounded = -(-np.asarray(lengths, dtype=np.int64) // step) * step
     order = np.argsort(rounded, kind="stable")
     n = len(order)
     if n == 0:
