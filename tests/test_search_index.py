@@ -552,6 +552,28 @@ def test_a_text_with_a_unicode_line_separator_is_one_passage_read_either_way(emb
     lazy.passages.close()
 
 
+def test_an_update_of_an_auto_openvino_index_keeps_the_default_calibration(embed_dir, tmp_path, monkeypatch):
+    pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+    from encoderkit import hardware
+    from encoderkit.hardware import Hardware
+    from encoderkit.inference import predictor as predictor_module
+    from tests.test_hardware import VNNI_NO_BF16
+
+    monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))  # auto: OpenVINO
+    seen = []
+    load = predictor_module.Predictor.load.__func__
+    monkeypatch.setattr(predictor_module.Predictor, "load",
+                        classmethod(lambda cls, *a, **k: seen.append((k.get("backend"), k.get("calibration"))) or load(cls, *a, **k)))
+    out = tmp_path / "idx"
+    docs = {f"d{i}": _doc(i) for i in range(20)}
+    index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, backend="auto"))
+    assert seen[-1] == ("auto", None)
+    more = {f"n{i}": _doc(i + 500) for i in range(10)} | docs
+    index(_cfg(embed_dir, _corpus(tmp_path / "c2.jsonl", more), out, backend="openvino-int8"))
+    assert seen[-1] == ("openvino-int8", None)  # the build's default-calibrated graph, not the update's corpus head
+
+
 def test_an_openvino_int8_index_calibrates_on_its_corpus_first_documents(embed_dir, tmp_path, monkeypatch):
     pytest.importorskip("openvino")
     pytest.importorskip("nncf")
