@@ -119,8 +119,8 @@ def corpus(plan: Plan, work: Path) -> Path:
 def tokenizer_and_store(plan: Plan, work: Path) -> tuple[Path, Path]:
     from encoderkit.data.prepare import PrepareConfig
     from encoderkit.data.prepare import run as prepare
-    from encoderkit.tokenizer import TokenizerConfig
-    from encoderkit.tokenizer import run as train_tokenizer
+    from encoderkit.train.tokenizer import TokenizerConfig
+    from encoderkit.train.tokenizer import run as train_tokenizer
 
     text = corpus(plan, work)
     tok = work / "tokenizer"
@@ -178,7 +178,7 @@ def calibrated_tokens(plan: Plan, store: Path, work: Path, minutes: float, steps
 def heldout_metrics(model_dir: Path, store: Path, plan: Plan) -> dict[str, float]:
     """Held-out masked-token loss and accuracy with seed-0 masks (the same masks for every model)."""
     from encoderkit.models.folder import ModelFolder
-    from encoderkit.tokenizer import load_tokenizer
+    from encoderkit.models.tokenizer import load_tokenizer
     from encoderkit.train.pretrain import evaluate_folder
 
     cfg = SimpleNamespace(mask_rate=0.15, seed=0, max_examples=plan.eval_blocks, batch_size=32)

@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import pipeline
 
-    from encoderkit.deploy.export import ExportConfig
-    from encoderkit.deploy.export import run as export
+    from encoderkit.inference.export import ExportConfig
+    from encoderkit.inference.export import run as export
     from encoderkit.hardware import describe, result_field
     from encoderkit.inference.predictor import Predictor
 

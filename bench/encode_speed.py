@@ -8,7 +8,7 @@ Both embed the same texts in one process, at the same batch size and thread coun
 documents (title + abstract, as BEIR encodes them), its 300 BEIR test queries and SST-2 dev
 sentences. Reported: texts/s of each, the speed ratio, the cosine of ours to the teacher's, and
 SciFact nDCG@10 / recall@100 of each (exact search with :func:`encoderkit.tasks.embed.exact.search` and
-:func:`encoderkit.evaluate.ranking.retrieval_scores`, as ``encoderkit evaluate`` does) over the
+:func:`encoderkit.metrics.ranking.retrieval_scores`, as ``encoderkit evaluate`` does) over the
 documents encoded: with ``--docs 0`` the full 5,183-document corpus (the BEIR figure), otherwise
 every judged document plus seeded random others.
 
@@ -54,7 +54,7 @@ def load_scifact(n_docs: int, seed: int) -> tuple[dict[str, str], dict[str, str]
 
 def retrieval(doc_ids: list[str], doc_vecs: np.ndarray, queries: dict[str, str], query_vecs: np.ndarray,
               qrels: dict[str, dict[str, int]]) -> dict[str, float]:
-    from encoderkit.evaluate.ranking import retrieval_scores
+    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.tasks.embed.exact import search
 
     return retrieval_scores(search(query_vecs, doc_vecs, doc_ids, list(queries), 100), qrels)
@@ -65,7 +65,7 @@ def teacher_full_corpus(teacher_dir: str | Path, batch: int) -> dict[str, float]
     them (fp32 torch, the same figure as sentence-transformers: 0.6451 both for MiniLM as shipped);
     the corpus embeddings come from the evaluation cache when an earlier run left them."""
     from encoderkit.data.beir import load_retrieval
-    from encoderkit.evaluate.ranking import retrieval_scores
+    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.tasks.common import load_tokenizer
     from encoderkit.tasks.embed.exact import retrieve
     from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder

@@ -135,7 +135,7 @@ def main() -> None:
 
     from encoderkit.data.masking import Masker, MaskingSpec
     from encoderkit.models.mlm import MaskedOnlyMLM
-    from encoderkit.tokenizer import load_tokenizer
+    from encoderkit.models.tokenizer import load_tokenizer
     from encoderkit.train.pretrain import heldout_batches
 
     work = Path(tempfile.mkdtemp(prefix="pretrain_speed-"))

@@ -35,7 +35,7 @@ def main() -> int:
     from sentence_transformers import SentenceTransformer
 
     from encoderkit.data.beir import load_retrieval
-    from encoderkit.evaluate.ranking import retrieval_scores
+    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.hardware import describe, result_field
     from encoderkit.tasks.common import load_tokenizer, resolve_model
     from encoderkit.tasks.embed.exact import retrieve, search

@@ -56,7 +56,7 @@ def main() -> int:
     from encoderkit.compress.distill import DistillConfig
     from encoderkit.compress.distill import run as distill
     from encoderkit.data.beir import load_retrieval
-    from encoderkit.evaluate.ranking import retrieval_scores
+    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.hardware import describe, result_field
     from encoderkit.retrieval.first_stage import CALIBRATION_SAMPLE
     from encoderkit.retrieval.index import IndexConfig

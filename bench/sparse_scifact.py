@@ -53,7 +53,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     from encoderkit.data.beir import load_retrieval
-    from encoderkit.evaluate.ranking import retrieval_scores, rrf_scores
+    from encoderkit.metrics.ranking import retrieval_scores, rrf_scores
     from encoderkit.retrieval.index import IndexConfig
     from encoderkit.retrieval.index import run as index
     from encoderkit.retrieval.search import Searcher, SearchSettings

@@ -27,7 +27,7 @@ from encoderkit.io import check_writable
 STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("quickstart",): ("encoderkit.quickstart:QuickstartConfig:run", "the whole pipeline on the stdlib's docstrings (no downloads)"),
     ("doctor",): ("encoderkit.doctor:DoctorConfig:run", "this machine's hardware, measured matmul peaks, and the backend each stage picks"),
-    ("tokenizer", "train"): ("encoderkit.tokenizer:TokenizerConfig:run", "train a WordPiece or byte-level BPE tokenizer"),
+    ("tokenizer", "train"): ("encoderkit.train.tokenizer:TokenizerConfig:run", "train a WordPiece or byte-level BPE tokenizer"),
     ("data", "prepare"): ("encoderkit.data.prepare:PrepareConfig:run", "tokenize a corpus into a packed, memory-mapped token store"),
     ("data", "inspect"): ("encoderkit.data.prepare:InspectConfig:inspect", "counts and a decoded sample of a token store"),
     ("pretrain",): ("encoderkit.train.pretrain:PretrainConfig:run", "MLM pretraining, from scratch or continued"),
@@ -38,7 +38,7 @@ STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
     ("plan",): ("encoderkit.compress.plan:PlanConfig:run", "plan a compression recipe for a situation, with reasons; --run backs off"),
     ("finetune",): ("encoderkit.train.finetune:FinetuneConfig:run", "train a task head: classify, ner, qa, rerank, embed"),
     ("evaluate",): ("encoderkit.evaluate.run:EvaluateConfig:run", "task metrics of a model folder on labelled data (JSON)"),
-    ("export",): ("encoderkit.deploy.export:ExportConfig:run", "export a task model to ONNX (fused, optional INT8), parity-checked"),
+    ("export",): ("encoderkit.inference.export:ExportConfig:run", "export a task model to ONNX (fused, optional INT8), parity-checked"),
     ("predict",): ("encoderkit.inference.predictor:PredictConfig:run", "run a task model over a .txt/.jsonl file into JSONL results"),
     ("serve",): ("encoderkit.deploy.serve:ServeConfig:run", "HTTP service with micro-batching: classify/extract/answer/rerank/embed"),
     ("label",): ("encoderkit.label.run:LabelConfig:run", "label texts with an OpenAI-compatible endpoint, an embedding model or an MLM"),

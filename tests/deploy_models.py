@@ -45,7 +45,7 @@ def make_task_model(root: Path, tokenizer_dir: Path, task: str, seed: int = 0) -
 
 def export_task_model(root: Path, tokenizer_dir: Path, task: str) -> Path:
     """``make_task_model`` exported to ONNX FP32 and INT8 (``model.onnx`` + ``model.int8.onnx``); reused per session."""
-    from encoderkit.deploy.export import ExportConfig, run
+    from encoderkit.inference.export import ExportConfig, run
 
     out = root / f"tiny_{task}_onnx"
     if not (out / "encoderkit.json").is_file():

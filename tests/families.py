@@ -46,8 +46,8 @@ def corpus_text(n_lines: int = 200, seed: int = 0) -> str:
 @pytest.fixture(scope="session")
 def bpe_tokenizer_dir(tmp_path_factory) -> Path:
     """A RoBERTa-style byte-level BPE tokenizer (about 400 tokens) trained with `encoderkit tokenizer train`."""
-    from encoderkit.tokenizer import TokenizerConfig
-    from encoderkit.tokenizer import run as train_tokenizer
+    from encoderkit.train.tokenizer import TokenizerConfig
+    from encoderkit.train.tokenizer import run as train_tokenizer
 
     tmp = tmp_path_factory.mktemp("bpe")
     (tmp / "corpus.txt").write_text(corpus_text())

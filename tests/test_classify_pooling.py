@@ -68,8 +68,8 @@ def test_distilled_student_keeps_mean_pooling(tiny_bert_dir):
 def test_onnx_export_of_a_mean_pooled_classifier_matches_torch(tmp_path, tiny_bert_dir):
     from transformers import AutoTokenizer
 
-    from encoderkit.deploy.export import OUTPUT_NAMES, ExportConfig, ort_session, torch_outputs
-    from encoderkit.deploy.export import run as export
+    from encoderkit.inference.export import OUTPUT_NAMES, ExportConfig, ort_session, torch_outputs
+    from encoderkit.inference.export import run as export
     from encoderkit.models.card import write_card
     from encoderkit.models.folder import ModelFolder
 

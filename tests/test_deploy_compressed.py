@@ -40,7 +40,7 @@ def _reference_probs(folder: Path) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ["heads", "int4"])
 def test_compressed_folder_serves_in_torch_and_exports_to_onnx(compressed, tmp_path, kind) -> None:
-    from encoderkit.deploy.export import ExportConfig, run
+    from encoderkit.inference.export import ExportConfig, run
     from encoderkit.inference.predictor import Predictor
 
     folder = compressed[kind]

@@ -104,8 +104,8 @@ def test_family_finetunes_and_predicts(family, task, tuned, tmp_path) -> None:
 
 @pytest.mark.parametrize(("family", "task"), CELLS)
 def test_family_exports_with_parity_and_onnx_predicts_like_torch(family, task, tuned, tmp_path) -> None:
-    from encoderkit.deploy.export import ExportConfig
-    from encoderkit.deploy.export import run as export
+    from encoderkit.inference.export import ExportConfig
+    from encoderkit.inference.export import run as export
 
     folder, inputs = tuned(family, task)
     with known_failure(EXPORT_XFAIL.get((family, task))):

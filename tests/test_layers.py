@@ -2,18 +2,18 @@
 
 Every ``import`` inside ``encoderkit/`` counts: module level, inside functions (which hide cycles
 from Python but not from this check), and module paths given as strings to ``importlib``
-(``"encoderkit.train.pretrain"``, the CLI's ``"module:Config:run"``). Layers, lowest first; a
-module may import its own layer or lower ones, never a higher one; nothing imports the CLI; no
-import cycles between modules.
+(``"encoderkit.train.pretrain"``, the CLI's ``"module:Config:run"``). Every folder is one floor, lowest
+first; a module may import its own floor or lower ones, never a higher one; nothing imports the CLI; no
+import cycles between modules. No module has a floor of its own: a folder's modules share its floor.
 
-    base (errors, config, io, progress, seeding, hardware)
-    < data, tokenizer, models, evaluate.metrics (pure metric functions the tasks score with),
-      tasks.registry (the task names and heads the folder reader checks)
+    base (the top-level modules: errors, config, io, progress, seeding, hardware, ray_jobs)
+    < models, metrics, web
+    < data
     < tasks
-    < train, inference (engines, the Predictor), deploy (export, batching; runtime: the Predictor's old home), evaluate
-    < compress (and its report), retrieval, label, adapt (generated queries: the labeller's client, finetune)
-    < deploy.serve (it serves /v1/search, so it sits above retrieval)
-    < quickstart, cli
+    < train, inference, evaluate
+    < compress, retrieval, label, adapt
+    < deploy (it serves /v1/search, so it sits above retrieval)
+    < quickstart, doctor, cli
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "encoderkit"
 LAYERS: list[tuple[str, ...]] = [
     ("encoderkit", "encoderkit.errors", "encoderkit.config", "encoderkit.io", "encoderkit.progress",
      "encoderkit.seeding", "encoderkit.hardware", "encoderkit.ray_jobs"),
-    # the metrics sit low (tasks score with them); the registry of task names and heads is read by the folder
-    # reader (it imports no task package)
-    ("encoderkit.data", "encoderkit.tokenizer", "encoderkit.models", "encoderkit.evaluate.metrics",
-     "encoderkit.evaluate.ranking", "encoderkit.tasks.registry"),
+    ("encoderkit.models", "encoderkit.metrics", "encoderkit.web"),
+    ("encoderkit.data",),
     ("encoderkit.tasks",),
-    ("encoderkit.train", "encoderkit.inference", "encoderkit.deploy", "encoderkit.evaluate"),
-    ("encoderkit.compress", "encoderkit.report", "encoderkit.retrieval", "encoderkit.label", "encoderkit.adapt"),
-    ("encoderkit.deploy.serve",),
+    ("encoderkit.train", "encoderkit.inference", "encoderkit.evaluate"),
+    ("encoderkit.compress", "encoderkit.retrieval", "encoderkit.label", "encoderkit.adapt"),
+    ("encoderkit.deploy",),
     ("encoderkit.quickstart", "encoderkit.doctor", "encoderkit.cli"),
 ]
 NEVER_IMPORTED = ("encoderkit.cli",)
@@ -184,7 +182,7 @@ def test_the_checker_catches_a_lower_layer_importing_a_higher_one(tmp_path):
     edges = import_edges(pkg)
     assert Edge("encoderkit.models.folder", "encoderkit.tasks.classify.features", 2, True) in edges
     found = violations(edges)
-    assert any(v.startswith("encoderkit.models.folder:2 (layer 1) imports encoderkit.tasks.classify.features (layer 2) inside a function")
+    assert any(v.startswith("encoderkit.models.folder:2 (layer 1) imports encoderkit.tasks.classify.features (layer 3) inside a function")
                for v in found)
     assert any("imports encoderkit.cli, which nothing may import" in v for v in found)  # a string for importlib counts
     assert cycles(edges) == [["encoderkit.models.folder", "encoderkit.tasks.classify.features"]]
@@ -206,7 +204,15 @@ def test_every_module_has_a_layer():
         layer_of(name)
 
 
-@pytest.mark.parametrize("module,layer", [("encoderkit.deploy.serve", 5), ("encoderkit.deploy.runtime", 3),
-                                          ("encoderkit.evaluate.metrics", 1), ("encoderkit.evaluate.run", 3)])
-def test_longest_prefix_decides_the_layer(module, layer):
+def test_every_listed_prefix_is_a_top_level_folder_or_module():
+    """One floor per folder: LAYERS names top-level folders and modules only, never a module inside a folder."""
+    for prefixes in LAYERS:
+        for p in prefixes:
+            assert p.count(".") <= 1, f"{p} gives a module inside a folder a floor of its own"
+            assert p == "encoderkit" or (PACKAGE / p.split(".")[1]).is_dir() or (PACKAGE / f"{p.split('.')[1]}.py").is_file()
+
+
+@pytest.mark.parametrize("module,layer", [("encoderkit.deploy.serve", 6), ("encoderkit.metrics.scores", 1),
+                                          ("encoderkit.evaluate.run", 4), ("encoderkit.models.heads", 1)])
+def test_a_module_takes_its_folders_floor(module, layer):
     assert layer_of(module) == layer

@@ -138,7 +138,7 @@ def test_prune_every_method_on_every_task(task, method, models, train_files, tmp
 def test_dynamic_int8_onnx_has_the_tasks_outputs(task, models, train_files, tmp_path):
     import onnx
 
-    from encoderkit.deploy.export import OUTPUT_NAMES
+    from encoderkit.inference.export import OUTPUT_NAMES
 
     data = LeverData.for_model(models[task], train=str(train_files[task]))
     rep = run_lever("quantize", {"method": "dynamic-int8", "calib_samples": 16}, models[task], tmp_path / "q", data)

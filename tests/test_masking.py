@@ -10,7 +10,7 @@ import torch
 
 from encoderkit.data.masking import IGNORE_INDEX, Masker, MaskingSpec, mask_tokens
 from encoderkit.errors import EncoderkitError
-from encoderkit.tokenizer import load_tokenizer, word_start_table
+from encoderkit.models.tokenizer import load_tokenizer, word_start_table
 
 SEQ_LEN = 128
 # in the tiny tokenizer's vocabulary, plus words it splits into pieces (zebra -> z ##e ##b ##r ##a)
@@ -51,7 +51,7 @@ def minilm_tok(minilm_dir):
 @pytest.fixture(scope="module")
 def bpe_tok(tmp_path_factory, shared_data):
     """A byte-level BPE tokenizer (RoBERTa-style specials) trained on the fly on a Gutenberg slice."""
-    from encoderkit.tokenizer import TokenizerConfig, run
+    from encoderkit.train.tokenizer import TokenizerConfig, run
 
     folder = tmp_path_factory.mktemp("bpe")
     (folder / "corpus.txt").write_text(gutenberg_text(shared_data, "gitenberg/84-0.txt.gz", 200_000))
@@ -211,7 +211,7 @@ def test_content_word_masking_never_picks_punctuation_digits_or_function_words(s
     token is a piece of a word of letters and no picked word-start token spells a function word, while
     plain masking of the same blocks picks both; the rate applies to the tokens left eligible."""
     from encoderkit.data.function_words import ENGLISH
-    from encoderkit.tokenizer import token_surfaces
+    from encoderkit.models.tokenizer import token_surfaces
 
     tok = request.getfixturevalue("minilm_tok" if which == "wordpiece" else "bpe_tok")
     blocks = make_blocks(tok, gutenberg_text(shared_data, chars=60_000))
@@ -230,7 +230,7 @@ def test_content_word_masking_never_picks_punctuation_digits_or_function_words(s
 
 
 def test_token_surfaces_strip_word_markers(minilm_tok, bpe_tok) -> None:
-    from encoderkit.tokenizer import token_surfaces
+    from encoderkit.models.tokenizer import token_surfaces
 
     wp = token_surfaces(minilm_tok)
     assert [wp[minilm_tok.convert_tokens_to_ids(t)] for t in ("the", "##s", "[MASK]", ",")] == ["the", "s", "", ","]

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from encoderkit.evaluate.metrics import (
+from encoderkit.metrics.scores import (
     accuracy,
     classification_scores,
     entity_scores,
@@ -17,7 +17,7 @@ from encoderkit.evaluate.metrics import (
     normalize_answer,
     squad_scores,
 )
-from encoderkit.evaluate.ranking import reciprocal_rank_fusion, retrieval_scores
+from encoderkit.metrics.ranking import reciprocal_rank_fusion, retrieval_scores
 
 
 def test_classification_by_hand():

@@ -73,7 +73,7 @@ def test_a_head_registered_in_one_line_is_opened_checked_and_loaded(tmp_path_fac
                                                                      monkeypatch):
     """The folder reader takes a task's head from the registry: its Auto class, the architecture suffix
     require_task checks and the pooling it records; a name the registry lacks is refused."""
-    from encoderkit.tasks.registry import HEADS, Head
+    from encoderkit.models.heads import HEADS, Head
 
     root = tiny_root(tmp_path_factory)
     regression = _retask(make_task_model(root, tiny_tokenizer_dir, "classify"), tmp_path / "reg", "regression")

@@ -150,7 +150,7 @@ def test_recovery_and_importance_losses_use_each_labels_sigmoid(teacher_dir, shi
 
 
 def test_export_compares_each_labels_sigmoid(teacher_dir, tmp_path):
-    from encoderkit.deploy.export import (
+    from encoderkit.inference.export import (
         _probs,
         _run_graph,
         _sample_inputs,

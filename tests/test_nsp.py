@@ -122,7 +122,7 @@ def topic_store(tmp_path_factory, tiny_tokenizer_dir):
 def test_static_masks_repeat_across_epochs_and_dynamic_ones_differ(topic_store, tmp_path, objective) -> None:
     from encoderkit.data.masking import Masker
     from encoderkit.data.prepare import read_meta
-    from encoderkit.tokenizer import load_tokenizer
+    from encoderkit.models.tokenizer import load_tokenizer
     from encoderkit.train.pretrain import training_batches
 
     meta = read_meta(topic_store)

@@ -51,7 +51,7 @@ def test_a_pretrained_model_folder_and_its_checkpoints_are_0755_and_0644(store, 
 
 
 def test_export_copies_files_so_editing_one_folder_leaves_the_other(tmp_path_factory, tiny_tokenizer_dir, tmp_path, umask):
-    from encoderkit.deploy.export import ExportConfig, run
+    from encoderkit.inference.export import ExportConfig, run
 
     umask(0o022)
     src = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "classify")

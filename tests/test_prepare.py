@@ -25,7 +25,7 @@ from encoderkit.data.prepare import (
 )
 from encoderkit.data.readers import Document, iter_documents
 from encoderkit.errors import EncoderkitError
-from encoderkit.tokenizer import load_tokenizer
+from encoderkit.models.tokenizer import load_tokenizer
 
 TINY_WORDS = [
     "the", "a", "of", "to", "and", "in", "is", "was", "it", "that",

@@ -63,7 +63,7 @@ def test_continued_pretraining_keeps_the_family_head_and_loads_as_masked_lm(fami
     assert type(again).__name__ == MLM_CLASS[family]
     # the saved folder is the trained model: its masked-only loss is the one pretrain measured
     from encoderkit.data.masking import Masker, MaskingSpec
-    from encoderkit.tokenizer import load_tokenizer
+    from encoderkit.models.tokenizer import load_tokenizer
     from encoderkit.train.pretrain import heldout_batches
 
     tok = load_tokenizer(store)

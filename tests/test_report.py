@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from encoderkit.report import (
+from encoderkit.compress.report import (
     floor_share,
     label_groups,
     markdown_table,

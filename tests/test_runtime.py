@@ -321,12 +321,3 @@ def test_predict_reads_runs_and_writes_its_input_a_chunk_at_a_time(folders, tmp_
     with pytest.raises(EncoderkitError, match=rf"^{tmp_path / 'in.jsonl'}:26: "):
         predictor.run(predictor.PredictConfig(model=str(folders["embed"]), input=str(src), output=str(out)))
     assert sorted(x.name for x in tmp_path.iterdir()) == ["in.jsonl"]  # no output, no temporary file
-
-
-def test_the_old_runtime_module_still_gives_the_predictor_for_one_release():
-    """deploy/runtime.py moved to inference/predictor.py; old imports keep working (the same objects) for a release."""
-    from encoderkit.deploy import runtime as old
-    from encoderkit.inference import engines, predictor
-
-    assert old.Predictor is predictor.Predictor and old.run is predictor.run and old.PredictConfig is predictor.PredictConfig
-    assert old.finish_embeddings is predictor.finish_embeddings and old.cached_export is engines.cached_export

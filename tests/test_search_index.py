@@ -280,7 +280,7 @@ def test_over_long_query_is_truncated_and_said(embed_dir, tmp_path, capsys):
 
 # -- stages and the CLI --------------------------------------------------------------------------
 def test_bm25_fusion_and_rerank_stages(embed_dir, tmp_path, tmp_path_factory, tiny_tokenizer_dir):
-    from encoderkit.evaluate.ranking import rrf_scores
+    from encoderkit.metrics.ranking import rrf_scores
     from encoderkit.inference.predictor import Predictor
 
     out = tmp_path / "idx"

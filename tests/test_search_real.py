@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from encoderkit.data.beir import load_retrieval
-from encoderkit.evaluate.ranking import retrieval_scores
+from encoderkit.metrics.ranking import retrieval_scores
 from encoderkit.retrieval.index import IndexConfig
 from encoderkit.retrieval.index import run as index
 from encoderkit.retrieval.search import Searcher, SearchSettings

@@ -146,7 +146,7 @@ def test_a_model_without_an_mlm_head_gets_one_from_its_tied_word_embeddings(tmp_
 # -- export, predict, serve ----------------------------------------------------------------------------
 
 def test_onnx_graph_outputs_the_pooled_vector_within_tolerance_of_torch(sparse_dir, tmp_path):
-    from encoderkit.deploy.export import ExportConfig, run
+    from encoderkit.inference.export import ExportConfig, run
     from encoderkit.inference.predictor import Predictor
     from encoderkit.tasks import get_task
 
@@ -244,7 +244,7 @@ def test_sparse_index_ranks_the_document_sharing_the_query_term_first(sparse_dir
 def test_a_sparse_index_fuses_with_a_dense_index_by_reciprocal_rank(sparse_dir, tmp_path, tiny_tokenizer_dir):
     from deploy_models import make_task_model
 
-    from encoderkit.evaluate.ranking import rrf_scores
+    from encoderkit.metrics.ranking import rrf_scores
     from encoderkit.retrieval.index import IndexConfig
     from encoderkit.retrieval.index import run as index
     from encoderkit.retrieval.search import SearchConfig, Searcher, SearchSettings

@@ -164,8 +164,8 @@ def test_serve_embeds_with_the_static_folder(static_dir):
 
 
 def test_bad_input_is_refused_with_a_clear_message(teacher, static_dir, tmp_path, tmp_path_factory, tiny_tokenizer_dir):
-    from encoderkit.deploy.export import ExportConfig
-    from encoderkit.deploy.export import run as export
+    from encoderkit.inference.export import ExportConfig
+    from encoderkit.inference.export import run as export
 
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 
 from encoderkit.cli import main
 from encoderkit.errors import EncoderkitError
-from encoderkit.tokenizer import TokenizerConfig, load_tokenizer, run, split_long_text, word_start_table
+from encoderkit.models.tokenizer import load_tokenizer, word_start_table
+from encoderkit.train.tokenizer import TokenizerConfig, run, split_long_text
 
 SAMPLE = "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do."
 

@@ -45,7 +45,7 @@ class ClozeWriter:
 
         from encoderkit.models.folder import ModelFolder, task_from_config
         from encoderkit.tasks.common import resolve_model
-        from encoderkit.tokenizer import token_surfaces, word_start_table
+        from encoderkit.models.tokenizer import token_surfaces, word_start_table
 
         self.torch = torch
         folder = ModelFolder.open(resolve_model(name))

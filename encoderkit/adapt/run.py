@@ -164,7 +164,7 @@ def check_embed_model(name: str) -> Path:
 def evaluate(model: Path, data: Any, max_query_length: int, batch_size: int) -> dict[str, float]:
     """nDCG@10 / MRR@10 / recall of exact search by ``model`` over ``data``'s corpus (embeddings cached)."""
     from encoderkit.adapt.negatives import doc_length
-    from encoderkit.evaluate.ranking import retrieval_scores
+    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.tasks.common import load_tokenizer
     from encoderkit.tasks.embed.exact import retrieve
     from encoderkit.tasks.embed.features import load_bi_encoder

@@ -36,7 +36,7 @@ from encoderkit.compress.task_data import LeverData
 from encoderkit.config import StageConfig, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.tasks import TASKS
-from encoderkit.tasks.registry import PRETRAINED
+from encoderkit.models.heads import PRETRAINED
 
 WEIGHT_TASKS = (*TASKS, PRETRAINED)  # pruning and quantization also take a pretrained MLM model
 ALIASES = {"recover_steps": "recovery_steps"}

@@ -38,7 +38,7 @@ from encoderkit.models.folder import SERVABLE, ModelFolder
 from encoderkit.tasks import get_task
 from encoderkit.tasks.inference import ModuleEngine, run_rows
 from encoderkit.tasks.protocol import Task
-from encoderkit.tasks.registry import HEADS
+from encoderkit.models.heads import HEADS
 
 QualityFn = Callable[[Path], dict[str, float]]
 
@@ -437,12 +437,12 @@ def weight_file_bytes(mf: ModelFolder) -> int:
 
 
 def step_int8_agreement(src: Path, dst: Path, cfg: Any) -> dict[str, Any] | None:
-    """The card's ``int8_agreement`` (:mod:`encoderkit.deploy.agreement`) of the INT8 graph a recipe step wrote in
+    """The card's ``int8_agreement`` (:mod:`encoderkit.inference.agreement`) of the INT8 graph a recipe step wrote in
     ``dst`` against the FP32 graph of the folder it was made from (``src``: its own, else exported once from its
     weights), on the recipe's dev data (``cfg``: the CompressConfig's ``dev``, ``dev_limit``, ``miner``,
     ``candidates``, ``qa_split``); None when ``dst`` has no INT8 graph or its task is not measured so (embed)."""
-    from encoderkit.deploy.agreement import int8_agreement, not_measured
-    from encoderkit.deploy.export import GraphEngine
+    from encoderkit.inference.agreement import int8_agreement, not_measured
+    from encoderkit.inference.export import GraphEngine
     from encoderkit.inference.engines import cached_export
 
     made = ModelFolder.open(dst, tokenizer=False)

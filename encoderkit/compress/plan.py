@@ -457,7 +457,7 @@ def run_recipe_for_plan(recipe: dict[str, Any], plan_cfg: PlanConfig, measure: A
     import yaml
 
     from encoderkit.io import output_dir, write_json_atomic, write_text_atomic
-    from encoderkit.report import write_report
+    from encoderkit.compress.report import write_report
 
     out = Path(plan_cfg.out)
     measured = {"miner": plan_cfg.miner, "candidates": plan_cfg.candidates, "dev_limit": plan_cfg.dev_limit,

@@ -347,7 +347,7 @@ def _feeds(tokenizer: Any, texts: list[Any], input_names: list[str], seq_len: in
 
 def _output_error(ref_path: Path, q_path: Path, feeds: list[dict[str, np.ndarray]]) -> float:
     """Relative error ``||y_q - y|| / ||y||`` of the first graph output over ``feeds``."""
-    from encoderkit.deploy.export import ort_session
+    from encoderkit.inference.export import ort_session
 
     ref, q = ort_session(ref_path), ort_session(q_path)
     num = den = 0.0
@@ -380,7 +380,7 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
     import onnxruntime as ort
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-    from encoderkit.deploy.export import export_onnx
+    from encoderkit.inference.export import export_onnx
     from encoderkit.models.folder import ONNX_FP32, ONNX_INT8
 
     details: dict[str, Any] = {"runtime": "onnxruntime"}

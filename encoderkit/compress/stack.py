@@ -208,7 +208,7 @@ class CompressResult:
     rows: list[dict[str, Any]]
 
     def summary(self) -> str:
-        from encoderkit.report import markdown_table
+        from encoderkit.compress.report import markdown_table
 
         return f"{markdown_table(self.rows)}\n\nreport: {self.out / 'report.md'}"
 
@@ -241,7 +241,7 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
     ``task`` is the recipe's task, if it names one. ``done``: the rows of a resumed run (the start and
     the steps it finished, whose folders are in ``work``), not run again; ``on_row(rows)`` is called
     after every measurement."""
-    from encoderkit.deploy.agreement import verdict
+    from encoderkit.inference.agreement import verdict
     from encoderkit.models.card import card_facts, read_card, write_card
     from encoderkit.progress import note, progress
 
@@ -306,7 +306,7 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
 
     from encoderkit.hardware import describe
     from encoderkit.io import partial_dir, relocate_paths, resumable_dir, resumed_folder, write_json_atomic
-    from encoderkit.report import write_report
+    from encoderkit.compress.report import write_report
 
     recipe = read_recipe(cfg.recipe)
     steps = validate_recipe(recipe, source=str(cfg.recipe))

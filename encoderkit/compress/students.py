@@ -110,7 +110,7 @@ def build_narrow_student(teacher: nn.Module, hidden_size: int, num_layers: int, 
 
 def check_same_tokenizer(teacher_dir: str | Path, student_dir: str | Path) -> None:
     """Raise unless both folders hold the same vocabulary (same tokens at the same ids)."""
-    from encoderkit.tokenizer import load_tokenizer
+    from encoderkit.models.tokenizer import load_tokenizer
 
     t, s = load_tokenizer(teacher_dir), load_tokenizer(student_dir)
     tv, sv = t.get_vocab(), s.get_vocab()

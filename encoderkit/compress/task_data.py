@@ -39,7 +39,7 @@ from typing import Any
 from encoderkit.errors import EncoderkitError
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.protocol import Task, TaskInputs
-from encoderkit.tasks.registry import PRETRAINED
+from encoderkit.models.heads import PRETRAINED
 
 FIELDS = {
     "train": "the task's training data (--train)",

@@ -118,7 +118,7 @@ def apply_masking(
     exact = spec.rate * n_eligible
     budget = (exact.floor() + (draws[1][:, 0].double() < exact - exact.floor()).double()).long()  # (B,)
     check(not spec.whole_word or word_start is not None, "whole-word masking needs word_start (B, L): which tokens "
-                                                            "begin a word (encoderkit.tokenizer.word_start_table)")
+                                                            "begin a word (encoderkit.models.tokenizer.word_start_table)")
     if spec.whole_word:
         picked = _pick_whole_words(eligible, word_start.bool(), draws[0], budget)
     else:
@@ -159,7 +159,7 @@ def never_pick_table(tokenizer: Any, spec: MaskingSpec, word_start: np.ndarray |
     whose text is not all letters (a byte-level piece of a multi-byte character counts as letters);
     with ``skip_words`` every word-start token (``word_start``, the tokenizer's table) spelling one of
     them (any case)."""
-    from encoderkit.tokenizer import token_surfaces
+    from encoderkit.models.tokenizer import token_surfaces
 
     surfaces = token_surfaces(tokenizer)
     never = np.zeros(len(surfaces), dtype=bool)
@@ -236,7 +236,7 @@ class Masker:
         check(tokenizer.mask_token_id is not None,
               f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no mask token; MLM needs one "
               "(train a tokenizer with `encoderkit tokenizer train`, which adds [MASK])")
-        from encoderkit.tokenizer import word_start_table
+        from encoderkit.models.tokenizer import word_start_table
 
         starts = word_start_table(tokenizer) if spec.whole_word or spec.skip_words else None
         never = never_pick_table(tokenizer, spec, starts) if spec.words_only or spec.skip_words else None

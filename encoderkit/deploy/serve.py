@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.exceptions import HTTPException
 
 from encoderkit.config import StageConfig, arg, check, named_folders
-from encoderkit.deploy.auth import token_ok as _token_ok
+from encoderkit.web.auth import token_ok as _token_ok
 from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
 from encoderkit.deploy.openai_api import error_type, openai_router
 from encoderkit.deploy.text_checks import text_problem

@@ -19,7 +19,7 @@ from encoderkit.progress import note
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.common import EvalData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
-from encoderkit.tasks.registry import PRETRAINED
+from encoderkit.models.heads import PRETRAINED
 
 
 @dataclass

@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from encoderkit import hardware
-from encoderkit.deploy.agreement import CARD_KEY, INT8_MIN_AGREEMENT, verdict
-from encoderkit.deploy.export import GRAPH_RECIPE, export_onnx, ort_session
+from encoderkit.inference.agreement import CARD_KEY, INT8_MIN_AGREEMENT, verdict
+from encoderkit.inference.export import GRAPH_RECIPE, export_onnx, ort_session
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import Choice, Hardware
 from encoderkit.io import cache_dir, output_dir
@@ -74,8 +74,8 @@ def serve_choice(folder: ModelFolder, hw: Hardware | None = None) -> Choice:
     why (``Predictor.backend_reason``, serve's startup line): INT8 for a task whose object says
     ``int8_by_default`` (embed): OpenVINO's static INT8 (:func:`default_calibration`) for plain weights on a CPU
     where it was measured ahead (:func:`openvino_int8_measured`) and OpenVINO is installed, else ONNX INT8; for a
-    task whose INT8 agreement is measured, the folder's own INT8 graph where the CPU has VNNI/AMX int8 and the card's ``int8_agreement`` (:mod:`encoderkit.deploy.agreement`) is at least
-    :data:`~encoderkit.deploy.agreement.INT8_MIN_AGREEMENT`; else ONNX FP32. A folder holding only
+    task whose INT8 agreement is measured, the folder's own INT8 graph where the CPU has VNNI/AMX int8 and the card's ``int8_agreement`` (:mod:`encoderkit.inference.agreement`) is at least
+    :data:`~encoderkit.inference.agreement.INT8_MIN_AGREEMENT`; else ONNX FP32. A folder holding only
     ``model.int8.onnx`` runs on it."""
     if folder.static_weights is not None:
         return Choice(STATIC, "a static embedding table: a lookup and a mean")

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.deploy.export import OUTPUT_NAMES
+from encoderkit.inference.export import OUTPUT_NAMES
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.engines import AUTO_HELP, CALIBRATION_TEXTS, STATIC, open_engine, run_rows, serve_choice
 from encoderkit.inference.engines import BACKENDS as ENGINE_BACKENDS

@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from encoderkit.deploy.pages import page
+from encoderkit.web.pages import page
 
 _BODY = """
 <div class=meta>Reviewer: <input id=who type=text placeholder="your name (for messages)" size=22 maxlength=64></div>

@@ -14,7 +14,7 @@ Facts, each with one rule:
   ``*ForQuestionAnswering`` ``qa``, ``*ForMaskedLM`` ``mlm``, a bare encoder (``BertModel``) ``embed``.
 - ``pooling``, one vocabulary everywhere: ``"first"`` (the first token, [CLS]) or ``"mean"`` (of the
   real tokens). ``"cls"`` is read as ``"first"`` (older cards; ModernBERT's ``classifier_pooling``).
-  The task's head in :data:`encoderkit.tasks.registry.HEADS` says which: a ``classifier`` head
+  The task's head in :data:`encoderkit.models.heads.HEADS` says which: a ``classifier`` head
   (classify, rerank) reads ``config.json``'s ``classifier_pooling`` (first by default); a ``sentence``
   head (embed) the card, else ``1_Pooling/config.json``, else mean. None for the other tasks.
 - ``max_length``: the card's, else the sentence-transformers ``max_seq_length``, else the
@@ -44,8 +44,8 @@ from encoderkit.models.rebuild import HEADS_KEY, QUANT_FILE, QUANT_KEY, rebuild_
 from encoderkit.models.static import WEIGHTS_FILE as STATIC_WEIGHTS
 from encoderkit.models.static import is_static_config
 from encoderkit.progress import note
-from encoderkit.tasks.registry import HEADS, TASKS
-from encoderkit.tokenizer import TOKENIZER_FILES, load_tokenizer
+from encoderkit.models.heads import HEADS, TASKS
+from encoderkit.models.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 SERVABLE = TASKS  # the registry's fine-tunable tasks, under the name stages still import it by
 POOLINGS = ("first", "mean")

@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from encoderkit.deploy.pages import page
+from encoderkit.web.pages import page
 from encoderkit.errors import EncoderkitError
 from encoderkit.retrieval.search import Result, Searcher, SearchSettings
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.evaluate.ranking import rrf_scores
+from encoderkit.metrics.ranking import rrf_scores
 from encoderkit.inference.predictor import BACKENDS, Predictor
 from encoderkit.io import write_text_atomic
 from encoderkit.models.folder_files import model_fingerprint

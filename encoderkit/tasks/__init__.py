@@ -1,5 +1,5 @@
 """Task heads: one package per task, each exporting its task object ``TASK`` (:mod:`encoderkit.tasks.protocol`),
-registered by one line in :mod:`encoderkit.tasks.registry`::
+registered by one line in :mod:`encoderkit.models.heads`::
 
     tasks/<task>/                 classify, ner, qa, rerank, embed
         __init__.py               TASK: the task object every stage dispatches through
@@ -25,7 +25,7 @@ from functools import cache
 from typing import TYPE_CHECKING
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.tasks.registry import TASKS
+from encoderkit.models.heads import TASKS
 
 if TYPE_CHECKING:
     from encoderkit.tasks.protocol import Task

@@ -16,7 +16,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import Batch
 from encoderkit.tasks.inference import ModuleEngine, run_rows
-from encoderkit.tokenizer import load_tokenizer as load_fast_tokenizer
+from encoderkit.models.tokenizer import load_tokenizer as load_fast_tokenizer
 
 DEFAULT_MODEL = "minilm"
 T = TypeVar("T")
@@ -117,7 +117,7 @@ def run_batches(
     ``outputs(model_output)`` per row, in the rows' original order (each a float32 array; with
     ``per_token`` the outputs are (B, T, ...) and each row's padding positions are cut off).
     ``module`` may also be an engine (``run(inputs) -> outputs``, e.g. ONNX Runtime's): its outputs are
-    the task's graph outputs (:data:`encoderkit.deploy.export.OUTPUT_NAMES`), which is what ``outputs``
+    the task's graph outputs (:data:`encoderkit.inference.export.OUTPUT_NAMES`), which is what ``outputs``
     picks from a torch model's output, so the evaluation of a torch folder and of its export is one path."""
     if not isinstance(module, nn.Module):
         results = run_rows(module, [{k: r[k] for k in keys if k in r} for r in rows], pad_id, batch_size, per_token=per_token,

@@ -1,7 +1,7 @@
 """The task protocol: one object per task, and every stage dispatches through it.
 
 ``tasks/<name>/__init__.py`` exports ``TASK``, an instance of a :class:`Task` subclass, and
-:func:`encoderkit.tasks.get_task` finds it by the name registered in :mod:`encoderkit.tasks.registry`.
+:func:`encoderkit.tasks.get_task` finds it by the name registered in :mod:`encoderkit.models.heads`.
 Fine-tuning, evaluation, the Predictor, export, the service and compression ask the task object what
 they would otherwise decide by comparing task names: what a request is, which graph outputs to run,
 how to read and featurise rows, how to decode outputs into the public result, the serving unit timed

@@ -57,8 +57,8 @@ from encoderkit.models.mlm import (
 )
 from encoderkit.models.presets import ARCHS, PRESETS, build_config
 from encoderkit.progress import note
-from encoderkit.tasks.registry import PRETRAINED
-from encoderkit.tokenizer import load_tokenizer
+from encoderkit.models.heads import PRETRAINED
+from encoderkit.models.tokenizer import load_tokenizer
 from encoderkit.train import distributed as dist_util
 from encoderkit.train.dropout import auto_train_dropout, dropout_set, planned_passes
 from encoderkit.train.engine import FitResult, IndexedBatches, TrainArgs, fit

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.evaluate.metrics import classification_scores, multilabel_scores
+from encoderkit.metrics.scores import classification_scores, multilabel_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import set_pooling
 from encoderkit.progress import note

@@ -14,7 +14,7 @@ import numpy as np
 
 from encoderkit.data.beir import is_beir_source, load_retrieval
 from encoderkit.errors import EncoderkitError
-from encoderkit.evaluate.ranking import retrieval_scores
+from encoderkit.metrics.ranking import retrieval_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from encoderkit.evaluate.metrics import f1_binary, multilabel_scores
+from encoderkit.metrics.scores import f1_binary, multilabel_scores
 
 DEFAULT_THRESHOLD = 0.5
 GRID = np.round(np.arange(0.05, 0.951, 0.05), 2)  # 0.05, 0.10, ..., 0.95
@@ -39,7 +39,7 @@ def thresholds_of(card: Mapping[str, Any], names: list[str]) -> np.ndarray:
 
 
 def scores(gold: np.ndarray, pred: np.ndarray) -> dict[str, float]:
-    """micro/macro F1 and subset accuracy (:func:`~encoderkit.evaluate.metrics.multilabel_scores`) plus micro
+    """micro/macro F1 and subset accuracy (:func:`~encoderkit.metrics.scores.multilabel_scores`) plus micro
     precision and recall, of 0/1 arrays (N, C)."""
     gold, pred = np.asarray(gold).astype(bool), np.asarray(pred).astype(bool)
     tp, npred, ngold = int((gold & pred).sum()), int(pred.sum()), int(gold.sum())

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from encoderkit.evaluate.metrics import squad_scores
+from encoderkit.metrics.scores import squad_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, run_batches, seeded_subset

@@ -48,7 +48,7 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
         from encoderkit.tasks.common import resolve_model
         from encoderkit.tasks.embed.exact import retrieve
         from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
-        from encoderkit.tokenizer import load_tokenizer
+        from encoderkit.models.tokenizer import load_tokenizer
 
         data = load_retrieval(train)
         n_split = min(len(data.qrels), limit) if limit else len(data.qrels)

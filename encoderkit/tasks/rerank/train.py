@@ -25,7 +25,7 @@ import torch
 
 from encoderkit.data.beir import is_beir_source, load_retrieval, read_triples
 from encoderkit.errors import EncoderkitError
-from encoderkit.evaluate.ranking import reciprocal_rank_fusion, retrieval_scores
+from encoderkit.metrics.ranking import reciprocal_rank_fusion, retrieval_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset

@@ -21,7 +21,7 @@ import torch
 
 from encoderkit.data.beir import is_beir_source, load_retrieval
 from encoderkit.errors import EncoderkitError
-from encoderkit.evaluate.ranking import retrieval_scores
+from encoderkit.metrics.ranking import retrieval_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import note
 from encoderkit.tasks.batching import encode_batch

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.deploy.agreement import CARD_KEY, int8_agreement, not_measured, verdict
+from encoderkit.inference.agreement import CARD_KEY, int8_agreement, not_measured, verdict
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir
 from encoderkit.models.card import inherited_card, write_card
@@ -352,7 +352,7 @@ def run(cfg: ExportConfig) -> ExportResult:
 
 
 def _agreement(cfg: ExportConfig, info: ModelFolder, out: Path) -> dict[str, Any]:
-    """The card's ``int8_agreement`` of the graphs just written to ``out`` (:mod:`encoderkit.deploy.agreement`)."""
+    """The card's ``int8_agreement`` of the graphs just written to ``out`` (:mod:`encoderkit.inference.agreement`)."""
     if cfg.quantize == "none":
         return not_measured("no INT8 graph (export --quantize int8-dynamic --dev FILE)")
     if not cfg.dev:

@@ -10,7 +10,7 @@ SQuAD script print).
   normalisation (lowercase, drop punctuation, drop the articles a/an/the, squeeze whitespace),
   taking the best over the gold answers of each question.
 
-Retrieval metrics (nDCG, MRR, recall, reciprocal-rank fusion) live in :mod:`encoderkit.evaluate.ranking`.
+Retrieval metrics (nDCG, MRR, recall, reciprocal-rank fusion) live in :mod:`encoderkit.metrics.ranking`.
 """
 
 from __future__ import annotations
