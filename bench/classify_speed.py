@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import pipeline
 
+    from encoderkit.hardware import describe, result_field
     from encoderkit.inference.export import ExportConfig
     from encoderkit.inference.export import run as export
-    from encoderkit.hardware import describe, result_field
     from encoderkit.inference.predictor import Predictor
 
     if args.threads:

@@ -35,8 +35,8 @@ def main() -> int:
     from sentence_transformers import SentenceTransformer
 
     from encoderkit.data.beir import load_retrieval
-    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.hardware import describe, result_field
+    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.tasks.common import load_tokenizer, resolve_model
     from encoderkit.tasks.embed.exact import retrieve, search
     from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder

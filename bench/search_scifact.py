@@ -49,8 +49,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     from encoderkit.data.beir import load_retrieval
-    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.inference.predictor import finish_embeddings
+    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.retrieval.calibrate import SETTINGS, calibrate, dims_grid, in_memory
     from encoderkit.retrieval.index import IndexConfig, embed_texts
     from encoderkit.retrieval.index import run as build

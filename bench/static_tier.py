@@ -51,9 +51,9 @@ def main() -> int:
     from encoderkit.compress.distill import DistillConfig
     from encoderkit.compress.distill import run as distill
     from encoderkit.data.beir import load_retrieval
-    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.hardware import describe, result_field
     from encoderkit.inference.predictor import Predictor
+    from encoderkit.metrics.ranking import retrieval_scores
     from encoderkit.tasks.common import resolve_model
     from encoderkit.tasks.embed.exact import search
 

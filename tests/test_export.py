@@ -9,8 +9,8 @@ import pytest
 from deploy_models import TASK_CLASSES, export_task_model, make_task_model, tiny_root
 
 from encoderkit.cli import main
-from encoderkit.inference.export import OUTPUT_NAMES, ExportConfig, ort_session, run, torch_outputs
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.export import OUTPUT_NAMES, ExportConfig, ort_session, run, torch_outputs
 from encoderkit.models.card import read_card
 from encoderkit.models.folder import ModelFolder
 

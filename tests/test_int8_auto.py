@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from encoderkit import hardware
+from encoderkit.hardware import Hardware
 from encoderkit.inference.agreement import AgreementRunner
+from encoderkit.inference.engines import serve_choice
 from encoderkit.inference.export import ExportConfig
 from encoderkit.inference.export import run as export
-from encoderkit.hardware import Hardware
-from encoderkit.inference.engines import serve_choice
 from encoderkit.inference.predictor import Predictor
 from encoderkit.models.card import inherited_card, read_card
 from encoderkit.models.folder import ModelFolder
@@ -185,8 +185,8 @@ def test_embed_auto_runs_openvino_int8_on_the_cpu_class_it_was_measured_faster_o
 
 
 def test_embed_auto_keeps_a_folders_own_int8_graph(exported, root, tiny_tokenizer_dir, monkeypatch):
-    from encoderkit.inference.export import export_onnx
     from encoderkit.inference import engines
+    from encoderkit.inference.export import export_onnx
 
     monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))
     monkeypatch.setattr(engines, "openvino_ready", lambda: True)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from encoderkit.metrics.ranking import reciprocal_rank_fusion, retrieval_scores
 from encoderkit.metrics.scores import (
     accuracy,
     classification_scores,
@@ -17,7 +18,6 @@ from encoderkit.metrics.scores import (
     normalize_answer,
     squad_scores,
 )
-from encoderkit.metrics.ranking import reciprocal_rank_fusion, retrieval_scores
 
 
 def test_classification_by_hand():

@@ -222,9 +222,9 @@ def test_predict_gives_labels_over_their_thresholds(trained, tmp_path):
 def test_export_onnx_matches_torch_and_serves_classify(trained, tmp_path):
     import httpx
 
+    from encoderkit.deploy.serve import BackgroundServer, create_app
     from encoderkit.inference.export import ExportConfig
     from encoderkit.inference.export import run as export
-    from encoderkit.deploy.serve import BackgroundServer, create_app
     from encoderkit.inference.predictor import Predictor
     from encoderkit.tasks import get_task
 

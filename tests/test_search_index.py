@@ -280,8 +280,8 @@ def test_over_long_query_is_truncated_and_said(embed_dir, tmp_path, capsys):
 
 # -- stages and the CLI --------------------------------------------------------------------------
 def test_bm25_fusion_and_rerank_stages(embed_dir, tmp_path, tmp_path_factory, tiny_tokenizer_dir):
-    from encoderkit.metrics.ranking import rrf_scores
     from encoderkit.inference.predictor import Predictor
+    from encoderkit.metrics.ranking import rrf_scores
 
     out = tmp_path / "idx"
     docs = {f"d{i}": _doc(i) for i in range(30)}

@@ -14,8 +14,8 @@ import pytest
 from test_finetune import _conll, _evaluate, _tsv, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
 from encoderkit.cli import main
-from encoderkit.metrics.scores import classification_scores, entity_scores
 from encoderkit.inference.predictor import Predictor
+from encoderkit.metrics.scores import classification_scores, entity_scores
 from encoderkit.tasks.ner.data import read_ner
 from encoderkit.tasks.ner.features import split_words
 

@@ -44,8 +44,8 @@ class ClozeWriter:
         import torch
 
         from encoderkit.models.folder import ModelFolder, task_from_config
-        from encoderkit.tasks.common import resolve_model
         from encoderkit.models.tokenizer import token_surfaces, word_start_table
+        from encoderkit.tasks.common import resolve_model
 
         self.torch = torch
         folder = ModelFolder.open(resolve_model(name))

@@ -35,8 +35,8 @@ from encoderkit.compress.quantize import QuantizeConfig
 from encoderkit.compress.task_data import LeverData
 from encoderkit.config import StageConfig, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.tasks import TASKS
 from encoderkit.models.heads import PRETRAINED
+from encoderkit.tasks import TASKS
 
 WEIGHT_TASKS = (*TASKS, PRETRAINED)  # pruning and quantization also take a pretrained MLM model
 ALIASES = {"recover_steps": "recovery_steps"}

@@ -35,10 +35,10 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.run import EvaluateConfig, compressed_engine, folder_metrics
 from encoderkit.inference.engines import open_engine
 from encoderkit.models.folder import SERVABLE, ModelFolder
+from encoderkit.models.heads import HEADS
 from encoderkit.tasks import get_task
 from encoderkit.tasks.inference import ModuleEngine, run_rows
 from encoderkit.tasks.protocol import Task
-from encoderkit.models.heads import HEADS
 
 QualityFn = Callable[[Path], dict[str, float]]
 
@@ -442,8 +442,8 @@ def step_int8_agreement(src: Path, dst: Path, cfg: Any) -> dict[str, Any] | None
     weights), on the recipe's dev data (``cfg``: the CompressConfig's ``dev``, ``dev_limit``, ``miner``,
     ``candidates``, ``qa_split``); None when ``dst`` has no INT8 graph or its task is not measured so (embed)."""
     from encoderkit.inference.agreement import int8_agreement, not_measured
-    from encoderkit.inference.export import GraphEngine
     from encoderkit.inference.engines import cached_export
+    from encoderkit.inference.export import GraphEngine
 
     made = ModelFolder.open(dst, tokenizer=False)
     if made.onnx_int8 is None or made.task not in SERVABLE or get_task(made.task).agreement_measure is None:

@@ -456,8 +456,8 @@ def run_recipe_for_plan(recipe: dict[str, Any], plan_cfg: PlanConfig, measure: A
     compress output (``tryN/`` with its steps and report); ``plan.json`` records the search."""
     import yaml
 
-    from encoderkit.io import output_dir, write_json_atomic, write_text_atomic
     from encoderkit.compress.report import write_report
+    from encoderkit.io import output_dir, write_json_atomic, write_text_atomic
 
     out = Path(plan_cfg.out)
     measured = {"miner": plan_cfg.miner, "candidates": plan_cfg.candidates, "dev_limit": plan_cfg.dev_limit,

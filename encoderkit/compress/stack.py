@@ -304,9 +304,9 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     """Run a compression recipe step by step; re-measure quality, size and speed after each step."""
     import torch
 
+    from encoderkit.compress.report import write_report
     from encoderkit.hardware import describe
     from encoderkit.io import partial_dir, relocate_paths, resumable_dir, resumed_folder, write_json_atomic
-    from encoderkit.compress.report import write_report
 
     recipe = read_recipe(cfg.recipe)
     steps = validate_recipe(recipe, source=str(cfg.recipe))

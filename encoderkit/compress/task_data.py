@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.heads import PRETRAINED
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.protocol import Task, TaskInputs
-from encoderkit.models.heads import PRETRAINED
 
 FIELDS = {
     "train": "the task's training data (--train)",

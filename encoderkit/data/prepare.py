@@ -58,8 +58,8 @@ from encoderkit.data.readers import (
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, read_json, write_json_atomic
 from encoderkit.models.card import write_card
-from encoderkit.progress import note, progress
 from encoderkit.models.tokenizer import TOKENIZER_FILES, load_tokenizer
+from encoderkit.progress import note, progress
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "heldout")

@@ -42,7 +42,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.exceptions import HTTPException
 
 from encoderkit.config import StageConfig, arg, check, named_folders
-from encoderkit.web.auth import token_ok as _token_ok
 from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
 from encoderkit.deploy.openai_api import error_type, openai_router
 from encoderkit.deploy.text_checks import text_problem
@@ -50,6 +49,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.inference.engines import AUTO_HELP
 from encoderkit.inference.predictor import BACKENDS, Predictor, describe, finish_embeddings
 from encoderkit.tasks import TASKS, get_task
+from encoderkit.web.auth import token_ok as _token_ok
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

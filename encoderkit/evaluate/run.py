@@ -15,11 +15,11 @@ from typing import Any
 from encoderkit.config import arg
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.heads import PRETRAINED
 from encoderkit.progress import note
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.common import EvalData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
-from encoderkit.models.heads import PRETRAINED
 
 
 @dataclass

@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 
 from encoderkit import hardware
-from encoderkit.inference.agreement import CARD_KEY, INT8_MIN_AGREEMENT, verdict
-from encoderkit.inference.export import GRAPH_RECIPE, export_onnx, ort_session
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import Choice, Hardware
+from encoderkit.inference.agreement import CARD_KEY, INT8_MIN_AGREEMENT, verdict
+from encoderkit.inference.export import GRAPH_RECIPE, export_onnx, ort_session
 from encoderkit.io import cache_dir, output_dir
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.folder_files import copy_side_files

@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.inference.agreement import CARD_KEY, int8_agreement, not_measured, verdict
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.agreement import CARD_KEY, int8_agreement, not_measured, verdict
 from encoderkit.io import output_dir
 from encoderkit.models.card import inherited_card, write_card
 from encoderkit.models.folder import ONNX_FP32, ONNX_INT8, ModelFolder

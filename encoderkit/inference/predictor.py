@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
-from encoderkit.inference.export import OUTPUT_NAMES
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.engines import AUTO_HELP, CALIBRATION_TEXTS, STATIC, open_engine, run_rows, serve_choice
 from encoderkit.inference.engines import BACKENDS as ENGINE_BACKENDS
+from encoderkit.inference.export import OUTPUT_NAMES
 from encoderkit.io import check_writable, open_text_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import progress

@@ -36,9 +36,9 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from starlette.exceptions import HTTPException
 
-from encoderkit.web.auth import token_ok
 from encoderkit.label.sheet import read_sheet, write_sheet
 from encoderkit.label.web_pages import card_html, done_html, review_page
+from encoderkit.web.auth import token_ok
 
 
 class Conflict(Exception):

@@ -39,13 +39,13 @@ import torch
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.card import CARD
+from encoderkit.models.heads import HEADS, TASKS
 from encoderkit.models.pooling import apply_pooling
 from encoderkit.models.rebuild import HEADS_KEY, QUANT_FILE, QUANT_KEY, rebuild_model
 from encoderkit.models.static import WEIGHTS_FILE as STATIC_WEIGHTS
 from encoderkit.models.static import is_static_config
-from encoderkit.progress import note
-from encoderkit.models.heads import HEADS, TASKS
 from encoderkit.models.tokenizer import TOKENIZER_FILES, load_tokenizer
+from encoderkit.progress import note
 
 SERVABLE = TASKS  # the registry's fine-tunable tasks, under the name stages still import it by
 POOLINGS = ("first", "mean")

@@ -17,9 +17,9 @@ from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from encoderkit.web.pages import page
 from encoderkit.errors import EncoderkitError
 from encoderkit.retrieval.search import Result, Searcher, SearchSettings
+from encoderkit.web.pages import page
 
 MAX_TERMS = 32
 

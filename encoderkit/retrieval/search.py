@@ -40,9 +40,9 @@ import numpy as np
 
 from encoderkit.config import Renamed, StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.metrics.ranking import rrf_scores
 from encoderkit.inference.predictor import BACKENDS, Predictor
 from encoderkit.io import write_text_atomic
+from encoderkit.metrics.ranking import rrf_scores
 from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note
 from encoderkit.retrieval import ann

@@ -14,9 +14,9 @@ from torch import nn
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.tokenizer import load_tokenizer as load_fast_tokenizer
 from encoderkit.tasks.batching import Batch
 from encoderkit.tasks.inference import ModuleEngine, run_rows
-from encoderkit.models.tokenizer import load_tokenizer as load_fast_tokenizer
 
 DEFAULT_MODEL = "minilm"
 T = TypeVar("T")

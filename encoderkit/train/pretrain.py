@@ -46,6 +46,7 @@ from encoderkit.data.prepare import PrepareConfig, ensure_prepared, open_blocks,
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import cache_dir, check_output_dir, check_writable, output_dir, write_json_atomic
 from encoderkit.models.card import write_card
+from encoderkit.models.heads import PRETRAINED
 from encoderkit.models.load import build_encoder, check_fits, load_encoder
 from encoderkit.models.mlm import (
     MaskedOnlyMLM,
@@ -56,9 +57,8 @@ from encoderkit.models.mlm import (
     mlm_nsp_loss_fn,
 )
 from encoderkit.models.presets import ARCHS, PRESETS, build_config
-from encoderkit.progress import note
-from encoderkit.models.heads import PRETRAINED
 from encoderkit.models.tokenizer import load_tokenizer
+from encoderkit.progress import note
 from encoderkit.train import distributed as dist_util
 from encoderkit.train.dropout import auto_train_dropout, dropout_set, planned_passes
 from encoderkit.train.engine import FitResult, IndexedBatches, TrainArgs, fit

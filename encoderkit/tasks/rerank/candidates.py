@@ -45,10 +45,10 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
     if is_beir_source(train):
         check(bool(miner), f"--train {train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
                                "folder whose top --candidates per query the teacher scores")
+        from encoderkit.models.tokenizer import load_tokenizer
         from encoderkit.tasks.common import resolve_model
         from encoderkit.tasks.embed.exact import retrieve
         from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
-        from encoderkit.models.tokenizer import load_tokenizer
 
         data = load_retrieval(train)
         n_split = min(len(data.qrels), limit) if limit else len(data.qrels)
