@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml
 quickstart: setup
 	$(BIN)/encoderkit quickstart --out runs/quickstart --overwrite
 
-## The whole test suite (slow tests on real data included; they skip without ../shared/data).
+## Lint (E501, imports at the top: pyproject's ruff settings), then the whole test suite (slow tests on real data
+## included; they skip without ../shared/data).
 test: setup
+	$(BIN)/ruff check encoderkit tests bench
 	$(BIN)/python -m pytest -q tests
 
 test-fast: setup

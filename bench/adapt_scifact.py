@@ -7,7 +7,8 @@
 To fit about 15 minutes on two shared cores, queries are generated for a seeded subset of passages
 (``--passages``), training is short (``--steps``) and passages are cut to ``--train-length`` tokens in training
 only; mining and both evaluations use the whole 5,183-document corpus at the model's own 256 tokens, encoded
-under bf16 autocast where the CPU has native bf16 (AMX; ``--fp32`` to turn it off), the same for before and after. The target
+under bf16 autocast where the CPU has native bf16 (AMX; ``--fp32`` to turn it off), the same for before and after. The
+target
 of issue 38 (+3 points) is for an LLM generator (GPL); none is reachable here, so this measures the offline one.
 Last line: RESULT key=value ...
 """

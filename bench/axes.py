@@ -17,7 +17,8 @@ tiny in a couple of minutes. "Same parameter count": DeBERTa keeps BERT's shape 
 position table replaces BERT's absolute one); ModernBERT's FFN width is chosen so that its
 non-embedding parameters match BERT's (GeGLU has three matrices, not two).
 
-For each model: pretraining tokens/s (for the student: distillation tokens/s, teacher forward included), held-out masked-token loss and accuracy (the same held-out
+For each model: pretraining tokens/s (for the student: distillation tokens/s, teacher forward included), held-out
+masked-token loss and accuracy (the same held-out
 paragraphs and the same seed-0 masks for every model), and SST-2 dev accuracy after the same short
 fine-tune. The best two pretrained models are run again with a second seed (``--seeds``), and the
 spread is printed beside the mean. Documents are paragraphs (blank-line split), so NSP's true next
@@ -210,7 +211,8 @@ def pretrain_one(name: str, plan: Plan, store: Path, work: Path, seed: int, ffn:
     seconds = time.perf_counter() - t0
     rate = res.tokens_per_s
     if rate is None:  # the run had finished before a stop (resumed with nothing left): its logged rate
-        logged = [json.loads(line) for line in (work / f".{name}-s{seed}-run" / "metrics.jsonl").read_text().splitlines()]
+        logged = [json.loads(line)
+                  for line in (work / f".{name}-s{seed}-run" / "metrics.jsonl").read_text().splitlines()]
         rate = next(m["tokens_per_s"] for m in reversed(logged) if "tokens_per_s" in m)
     return {"model": name, "seed": seed, "out": str(out), "seconds": round(seconds, 1),
             "tokens_per_s": round(rate, 1), **heldout(out, store, plan),
@@ -290,7 +292,8 @@ def main() -> None:
                              "of the full-size models)")
     ap.add_argument("--sst2-train", type=int, default=0, metavar="N",
                     help="SST-2 training sentences of the fine-tune after pretraining (default 8000; --smoke 64)")
-    ap.add_argument("--sst2-dev", type=int, default=0, metavar="N", help="SST-2 dev sentences scored (default: all 872)")
+    ap.add_argument("--sst2-dev", type=int, default=0, metavar="N",
+                    help="SST-2 dev sentences scored (default: all 872)")
     ap.add_argument("--eval-blocks", type=int, default=0, metavar="N",
                     help="held-out blocks for the masked-token loss and accuracy (default 512; --smoke 32)")
     ap.add_argument("--seeds", type=int, default=2, help="seeds for the best two pretrained models (others: 1)")
@@ -353,7 +356,9 @@ def main() -> None:
         print(f"{name:28s} {s}")
     parts = [f"{name}:loss={s.get('heldout_loss')},acc={s.get('heldout_accuracy')},sst2={s.get('sst2_dev_accuracy')},"
              f"tok_s={s.get('tokens_per_s')},seeds={s.get('seeds', 0)}" for name, s in table.items()]
-    print(f"RESULT smoke={int(args.smoke)} minutes_per_model={args.minutes_per_model:g} token_slots={plan.steps * plan.batch * plan.seq_len} sst2_train={plan.sst2_train} eval_blocks={plan.eval_blocks} best={ranked[0]['model']} "
+    print(f"RESULT smoke={int(args.smoke)} minutes_per_model={args.minutes_per_model:g} "
+          f"token_slots={plan.steps * plan.batch * plan.seq_len} sst2_train={plan.sst2_train} "
+          f"eval_blocks={plan.eval_blocks} best={ranked[0]['model']} "
           + " ".join(parts) + f" wall_s={time.perf_counter() - started:.0f} " + result_field())
 
 

@@ -76,7 +76,8 @@ def run_optimum(py: Path, model: Path, texts: list[str], work: Path, threads: in
     isa = "avx512_vnni" if "avx512_vnni" in detect().isa else "avx2"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
     cmd = [str(py), str(OPTIMUM_WORKER), "--model", str(model), "--texts", str(work / "texts.json"), "--work",
-           str(work / "optimum"), "--threads", str(threads or 0), "--batch", str(batch), "--max-length", str(max_length),
+           str(work / "optimum"), "--threads", str(threads or 0), "--batch", str(batch), "--max-length",
+           str(max_length),
            "--int8", isa]
     done = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, env=env, text=True)
     if done.returncode != 0 or not done.stdout.strip():
@@ -112,7 +113,8 @@ def make_frozen_head_classifier(out: Path, n_train: int, seed: int) -> float:
     feats = []
     with torch.inference_mode():
         for i in range(0, len(pick), 64):
-            enc = tok([texts[j] for j in pick[i:i + 64]], padding=True, truncation=True, max_length=128, return_tensors="pt")
+            enc = tok([texts[j] for j in pick[i:i + 64]], padding=True, truncation=True, max_length=128,
+                      return_tensors="pt")
             feats.append(model.bert(**enc).last_hidden_state[:, 0])  # frozen [CLS] states (N, H)
     x = torch.cat(feats).clone()
     y = torch.tensor([gold[j] for j in pick])
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = Path(tmp) / "sst2-minilm-frozen-head"
             t0 = time.perf_counter()
             acc = make_frozen_head_classifier(model_dir, args.train, args.seed)
-            how = (f"all-MiniLM-L6-v2 + pooler/classifier head trained on frozen [CLS] states, {args.train} SST-2 train "
+            how = (f"all-MiniLM-L6-v2 + pooler/classifier head trained on frozen [CLS] states, {args.train} SST-2 "
+                   "train "
                    f"sentences (train acc {acc:.3f}, {time.perf_counter() - t0:.0f}s); not a full fine-tune")
         print(f"model: {how}", flush=True)
         ref = pipeline("text-classification", model=str(model_dir), device=-1)
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         exported = Path(tmp) / "export"  # what a user deploys: fused FP32 + INT8 graphs, INT8 agreement on dev rows
         card = export(ExportConfig(model=str(model_dir), out=str(exported), optimize=True, quantize="int8-dynamic",
                                    dev=str(DATA / "glue_sst2" / "dev.tsv"))).int8_agreement
-        print(f"export --dev glue_sst2/dev.tsv: {time.perf_counter() - t0:.1f}s; card int8_agreement {card}", flush=True)
+        print(f"export --dev glue_sst2/dev.tsv: {time.perf_counter() - t0:.1f}s; card int8_agreement {card}",
+              flush=True)
         ours = Predictor.load(exported, backend=args.backend, threads=args.threads, max_batch=args.batch)
         print(f"ours: backend={ours.backend} ({ours.backend_reason})", flush=True)
         other_backend = "onnx-int8" if ours.backend == "onnx-fp32" else "onnx-fp32"
@@ -212,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pipeline: {len(texts) / t_ref:.1f} texts/s, acc {acc(ref_labels):.4f}")
     for backend, (labels, t) in runs.items():
         agree = float(np.mean([a == b for a, b in zip(ref_labels, labels, strict=True)]))
-        print(f"{backend}: {len(texts) / t:.1f} texts/s, speedup {t_ref / t:.2f}, agreement {agree:.4f}, acc {acc(labels):.4f}")
+        print(f"{backend}: {len(texts) / t:.1f} texts/s, speedup {t_ref / t:.2f}, agreement {agree:.4f}, acc "
+              f"{acc(labels):.4f}")
     labels, t = runs[ours.backend]
     agree = float(np.mean([a == b for a, b in zip(ref_labels, labels, strict=True)]))
     o_labels, o_t = runs[other.backend]

@@ -127,7 +127,8 @@ def brief(rep) -> dict:
         lat = m.get("latency", {})
         return {"acc": m.get("quality", {}).get("accuracy"), "MB": round(m["bytes"] / 1e6, 2),
                 "params_M": round(m.get("params", 0) / 1e6, 2),
-                "b1_ms": lat.get("batch1", {}).get("ms"), "b32_ms": lat.get("batch32", {}).get("ms"), "rt": lat.get("runtime")}
+                "b1_ms": lat.get("batch1", {}).get("ms"), "b32_ms": lat.get("batch32", {}).get("ms"),
+                "rt": lat.get("runtime")}
     return {"before": one(rep.before), "after": one(rep.after)}
 
 
@@ -139,7 +140,8 @@ def main() -> None:
     ap.add_argument("--recovery-steps", type=int, default=100)
     ap.add_argument("--recovery-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
-    ap.add_argument("--calib", type=int, default=4096, help="GPTQ calibration texts (the first N SST-2 training sentences)")
+    ap.add_argument("--calib", type=int, default=4096,
+                    help="GPTQ calibration texts (the first N SST-2 training sentences)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,14 +152,16 @@ def main() -> None:
         print(f"{model} not found: using the MiniLM quick-head stand-in (mechanics only)")
         model = quick_head_model(work / "minilm-quickhead")
     train = str(SST2 / "train.tsv")
-    calib = read_task_inputs(train, "classify", limit=args.calib).texts  # the classify table reader (text column 'sentence')
+    # the classify table reader (text column 'sentence')
+    calib = read_task_inputs(train, "classify", limit=args.calib).texts
     results: dict[str, object] = {"model": str(model), "threads": torch.get_num_threads(), "seq_len": 128,
                                   "hardware": describe()}
     ow = {"overwrite": True}
     t0 = time.time()
     if "ptq" in args.only or "static_onnx" in args.only:
         for name, kw in {"dyn_torch": {"method": "dynamic"}, "dyn_onnx": {"method": "dynamic", "format": "onnx"},
-                         "static_onnx": {"method": "static", "calib_method": "percentile", "calib_samples": 64}}.items():
+                         "static_onnx": {"method": "static", "calib_method": "percentile",
+                                         "calib_samples": 64}}.items():
             if "ptq" not in args.only and name not in args.only:
                 continue
             r = quantize(model, QuantizeConfig(**kw, **ow), work / name, calib=calib, quality_fn=accuracy_fn)
@@ -166,7 +170,9 @@ def main() -> None:
     if "gptq" in args.only:
         dirs = {}
         for name, kw in {"rtn4": {"method": "rtn"}, "gptq4": {"method": "gptq"}}.items():
-            r = quantize(model, QuantizeConfig(bits=4, group_size=128, measure=False, calib_samples=args.calib, **kw, **ow), work / name,
+            r = quantize(model,
+                         QuantizeConfig(bits=4, group_size=128, measure=False, calib_samples=args.calib, **kw, **ow),
+                         work / name,
                          calib=calib, quality_fn=accuracy_fn)
             dirs[name] = work / name
             results[name] = brief(r)
@@ -175,23 +181,28 @@ def main() -> None:
         print("layer_err", results["layer_err"], flush=True)
     # --only prune runs the structured levers; 2:4 (dense kernels on a CPU: its speed-up is the hardware
     # limit) runs when named
-    levers = {"heads50": ({"method": "heads", "amount": 0.5}, "prune"), "ffn50": ({"method": "ffn", "amount": 0.5}, "prune"),
+    levers = {"heads50": ({"method": "heads", "amount": 0.5}, "prune"),
+              "ffn50": ({"method": "ffn", "amount": 0.5}, "prune"),
               "sparse24": ({"method": "2:4"}, None)}
     for name, (kw, group) in levers.items():
         if name in args.only or group in args.only:
                 r = prune(model, PruneConfig(**kw, calib_data=train, calib_samples=128, recovery_data=train,
-                                             recovery_steps=args.recovery_steps, batch_size=args.recovery_batch, seq_len=64, **ow),
+                                             recovery_steps=args.recovery_steps, batch_size=args.recovery_batch,
+                                             seq_len=64, **ow),
                           work / name, quality_fn=accuracy_fn)
                 results[name] = brief(r)
-                results[name]["speedup_b32"] = round(r.before["latency"]["batch32"]["ms"] / r.after["latency"]["batch32"]["ms"], 2)
-                results[name]["speedup_b1"] = round(r.before["latency"]["batch1"]["ms"] / r.after["latency"]["batch1"]["ms"], 2)
+                results[name]["speedup_b32"] = round(r.before["latency"]["batch32"]["ms"]
+                                                     / r.after["latency"]["batch32"]["ms"], 2)
+                results[name]["speedup_b1"] = round(r.before["latency"]["batch1"]["ms"]
+                                                    / r.after["latency"]["batch1"]["ms"], 2)
                 if note := lever_notes(r.details):
                     results[name]["lever_note"] = note
                 print(name, json.dumps(results[name]), flush=True)
     if "size" in args.only:
         r1 = prune(model, PruneConfig(method="vocab", vocab_data=[train, str(SST2 / "dev.tsv")], measure=False, **ow),
                    work / "vocab", quality_fn=accuracy_fn)
-        r2 = quantize(work / "vocab", QuantizeConfig(method="gptq", bits=4, group_size=128, embeddings="int4", measure=False, **ow),
+        r2 = quantize(work / "vocab",
+                      QuantizeConfig(method="gptq", bits=4, group_size=128, embeddings="int4", measure=False, **ow),
                       work / "vocab-gptq4-emb4", calib=calib, quality_fn=accuracy_fn)
         results["vocab"] = {**brief(r1), "vocab_size": r1.details["vocab_size"]}
         results["vocab_gptq4_emb4"] = brief(r2)

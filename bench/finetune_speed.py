@@ -196,7 +196,8 @@ def int8_linears(model_dir: Path, batch: int, tokens: float) -> tuple[float, flo
 
     c = AutoConfig.from_pretrained(model_dir)
     m = batch * max(1, round(tokens))
-    shapes = [(c.hidden_size, c.hidden_size)] * 4 + [(c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size)]
+    shapes = ([(c.hidden_size, c.hidden_size)] * 4
+              + [(c.hidden_size, c.intermediate_size), (c.intermediate_size, c.hidden_size)])
     bf16 = int8 = 0.0
     for k, n in shapes:
         x = torch.randn(m, k, requires_grad=True)
@@ -230,7 +231,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--ref-settings", choices=("best", "default"), default="best",
-                   help="HF Trainer with bf16 (where native) + length-grouped batches, or as it comes (fp32, random batches)")
+                   help="HF Trainer with bf16 (where native) + length-grouped batches, or as it comes (fp32, random "
+                        "batches)")
     args = p.parse_args()
     import torch
 
@@ -275,8 +277,11 @@ def main() -> int:
           f"{lin_int8:.1f} ms in int8 per step; ours with it at most {ex_int8:.0f} ex/s, {ex_int8 / ex_ref:.2f}x the "
           f"Trainer (its quality not measured)", file=sys.stderr)
     print(f"RESULT ratio={ex_ours / ex_ref:.2f} ex_s_ours={ex_ours:.1f} ex_s_ref={ex_ref:.1f} "
-          f"ceiling_ex_s={ceiling:.1f} ceiling_ratio={ceiling / ex_ref:.2f} matmul_ms={mm_ms:.1f} adamw_ms={adam_ms:.1f} "
-          f"int8_linears_ms={lin_int8:.1f} bf16_linears_ms={lin_bf16:.1f} int8_ratio={ex_int8 / ex_ref:.2f} acc_ours={acc_ours:.4f} acc_ref={acc_ref:.4f} ref_settings={args.ref_settings} mfu_ours={mfu_ours:.4f} mfu_ref={mfu_ref:.4f} steps={args.steps} batch_size={args.batch_size} "
+          f"ceiling_ex_s={ceiling:.1f} ceiling_ratio={ceiling / ex_ref:.2f} matmul_ms={mm_ms:.1f} "
+          f"adamw_ms={adam_ms:.1f} "
+          f"int8_linears_ms={lin_int8:.1f} bf16_linears_ms={lin_bf16:.1f} int8_ratio={ex_int8 / ex_ref:.2f} "
+          f"acc_ours={acc_ours:.4f} acc_ref={acc_ref:.4f} ref_settings={args.ref_settings} mfu_ours={mfu_ours:.4f} "
+          f"mfu_ref={mfu_ref:.4f} steps={args.steps} batch_size={args.batch_size} "
           f"threads={torch.get_num_threads()} {result_field()}")
     return 0
 

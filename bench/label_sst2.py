@@ -70,7 +70,8 @@ def flags(recs: list[dict], truth: list[str]) -> tuple[np.ndarray, np.ndarray]:
 def part_embed(args: argparse.Namespace, out: Path) -> dict:
     train, dev = out / "embed_train.jsonl", out / "embed_dev.jsonl"
     common = ["--labeller", "embed", "--model", "minilm", "--labels", "0,1", "--descriptions", *DESC]
-    sh(["label", "--input", str(DATA / "train.tsv"), "--max-examples", str(args.n), "--output", str(train), *common], train)
+    sh(["label", "--input", str(DATA / "train.tsv"), "--max-examples", str(args.n), "--output", str(train), *common],
+       train)
     sh(["label", "--input", str(DATA / "dev.tsv"), "--output", str(dev), *common], dev)
     sus = out / "embed_train_suspect.jsonl"
     sh(["audit", "suspect", "--input", str(train), "--output", str(sus)], sus)
@@ -78,7 +79,8 @@ def part_embed(args: argparse.Namespace, out: Path) -> dict:
     wrong, flagged = flags(recs, [r["input_label"] for r in recs])
     res = {"n": len(recs), "labeller_dev": np.mean([r["label"] == r["input_label"] for r in read_labeled(dev)]),
            "labeller_train": 1 - wrong.mean(), "suspects": int(flagged.sum()),
-           "suspect_precision": (wrong & flagged).sum() / max(flagged.sum(), 1), "suspect_recall": (wrong & flagged).sum() / wrong.sum(),
+           "suspect_precision": (wrong & flagged).sum() / max(flagged.sum(), 1),
+           "suspect_recall": (wrong & flagged).sum() / wrong.sum(),
            "kept_label_accuracy": 1 - wrong[~flagged].mean()}
     res["encoder_raw_dev"] = finetune(train, out / "enc_embed_raw", args)
     res["encoder_dropped_dev"] = finetune(sus, out / "enc_embed_dropped", args, "--drop-suspected")
@@ -101,7 +103,8 @@ def part_sim(args: argparse.Namespace, out: Path) -> dict:
     rows = [r.fields for r in read_rows(DATA / "train.tsv")]
     keep = seeded_subset(list(range(len(rows))), args.n, 0)  # the subset `label --max-examples` takes
     table, truth = {}, {}
-    for split, chosen, seed in (("train", [rows[i] for i in keep], 1), ("dev", [r.fields for r in read_rows(DATA / "dev.tsv")], 2)):
+    for split, chosen, seed in (("train", [rows[i] for i in keep], 1),
+                                ("dev", [r.fields for r in read_rows(DATA / "dev.tsv")], 2)):
         rng = np.random.default_rng(seed)
         for r in chosen:
             text, gold = r["sentence"], r["label"]
@@ -150,7 +153,8 @@ def part_sim(args: argparse.Namespace, out: Path) -> dict:
            "suspects": int(flagged.sum()), "suspect_precision": (wrong & flagged).sum() / max(flagged.sum(), 1),
            "suspect_recall": (wrong & flagged).sum() / wrong.sum()}
     res["encoder_raw_dev"] = finetune(labeled, out / "enc_sim_raw", args)
-    res["encoder_clean_dev"] = finetune(sus, out / "enc_sim_clean", args, "--audit-sheet", str(sheet), "--drop-suspected")
+    res["encoder_clean_dev"] = finetune(sus, out / "enc_sim_clean", args, "--audit-sheet", str(sheet),
+                                        "--drop-suspected")
     # the decision on gold neither model was trained on: every dev sentence, "audited" with its gold label
     dev_sheet = out / "sim_dev_sheet.csv"
     if not dev_sheet.exists():
@@ -163,8 +167,10 @@ def part_sim(args: argparse.Namespace, out: Path) -> dict:
     d = json.loads(decision.read_text())
     print(json.dumps(d, indent=1))
     res.update(dev_labeller=d["labeller"]["accuracy"], dev_encoder=d["encoder"]["accuracy"],
-               labeller_cost_1M=d["labeller"]["cost"].get("cost_per_1M"), encoder_cost_1M=d["encoder"]["cost"].get("cost_per_1M"),
-               encoder_cpu_s_1M=d["encoder"]["cost"]["cpu_seconds_per_1M"], labeller_tokens_1M=d["labeller"]["cost"]["tokens_per_1M"])
+               labeller_cost_1M=d["labeller"]["cost"].get("cost_per_1M"),
+               encoder_cost_1M=d["encoder"]["cost"].get("cost_per_1M"),
+               encoder_cpu_s_1M=d["encoder"]["cost"]["cpu_seconds_per_1M"],
+               labeller_tokens_1M=d["labeller"]["cost"]["tokens_per_1M"])
     return res
 
 
@@ -188,7 +194,8 @@ def main() -> None:
     res = part_embed(args, out) if args.part == "embed" else part_sim(args, out)
     res["minutes"] = (time.perf_counter() - t0) / 60
     print("RESULT part=" + args.part + " " + " ".join(
-        f"{k}={round(v, 4) if isinstance(v, (float, np.floating)) else v}" for k, v in res.items()) + " " + result_field())
+        f"{k}={round(v, 4) if isinstance(v, (float, np.floating)) else v}"
+        for k, v in res.items()) + " " + result_field())
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ def model(vocab: int, seed: int):
     return build_encoder(build_config(None, vocab, 512, layers=LAYERS, hidden=HIDDEN, heads=HEADS, ffn=FFN), seed)
 
 
-def run_reference(store: Path, steps: int, batch: int, lr: float, warmup: int, tokenizer) -> tuple[torch.nn.Module, float]:
+def run_reference(store: Path, steps: int, batch: int, lr: float, warmup: int,
+                  tokenizer) -> tuple[torch.nn.Module, float]:
     from transformers import DataCollatorForLanguageModeling
 
     from encoderkit.data.prepare import open_blocks
@@ -86,7 +87,8 @@ def run_reference(store: Path, steps: int, batch: int, lr: float, warmup: int, t
     for step in range(steps):
         rows = order[(step * batch) % len(order):][:batch]
         features = collator([{"input_ids": blocks[i].tolist()} for i in rows])
-        out = net(input_ids=features["input_ids"], attention_mask=(features["input_ids"] != tokenizer.pad_token_id).long(),
+        out = net(input_ids=features["input_ids"],
+                  attention_mask=(features["input_ids"] != tokenizer.pad_token_id).long(),
                   labels=features["labels"])
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -166,13 +168,15 @@ def main() -> None:
                 ref, seconds = run_reference(store, args.steps, args.batch, args.lr, warmup, tokenizer)
                 t_ref += seconds
                 loss_ref = evaluate_mlm(MaskedOnlyMLM(ref).eval(), eval_batches)["loss"]
-                print(f"round {r + 1} reference: {seconds:.1f} s, {tokens / seconds:,.0f} tok/s, held-out loss {loss_ref:.4f}")
+                print(f"round {r + 1} reference: {seconds:.1f} s, {tokens / seconds:,.0f} tok/s, held-out loss "
+                      f"{loss_ref:.4f}")
             else:
                 ours, seconds = run_ours(store, args.steps, args.batch, args.lr, warmup, tokenizer, bf16, args.compile,
                                          work / f"round{r}", ours_dropout)
                 t_ours += seconds
                 loss_ours = evaluate_mlm(MaskedOnlyMLM(ours).eval(), eval_batches)["loss"]
-                print(f"round {r + 1} ours:      {seconds:.1f} s, {tokens / seconds:,.0f} tok/s, held-out loss {loss_ours:.4f}")
+                print(f"round {r + 1} ours:      {seconds:.1f} s, {tokens / seconds:,.0f} tok/s, held-out loss "
+                      f"{loss_ours:.4f}")
     tokens *= args.rounds
 
     vocab = len(tokenizer)

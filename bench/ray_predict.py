@@ -1,7 +1,8 @@
 """`encoderkit predict` in one process vs `--ray local` with 1 and 2 actors, on the same SST-2 sentences.
 
 Each run writes its JSONL; the Ray outputs are checked against the single-process one (same order; the
-largest difference of any vector is printed, 0 since Ray runs the local run's batches). Timed: the stage's own ``seconds`` (reading the model in the driver excluded; for Ray the
+largest difference of any vector is printed, 0 since Ray runs the local run's batches). Timed: the stage's own
+``seconds`` (reading the model in the driver excluded; for Ray the
 actors' start and model load included, as a user waits for them) and the whole call. Every actor gets 1 CPU
 and 1 onnxruntime thread (``--threads 1``); the single-process run gets the same one thread, so 2 actors
 against 1 shows what a second core buys.
@@ -33,7 +34,8 @@ def main() -> None:
     ap.add_argument("--model", default="minilm")
     ap.add_argument("--ray-batch", type=int, default=256)
     ap.add_argument("--backend", default="auto", help="auto: ONNX INT8 for an embed model (dynamic INT8: a row's "
-                                                      "vector depends on its batch, see docs/deploy.md); onnx-fp32: exact")
+                                                      "vector depends on its batch, see docs/deploy.md); onnx-fp32: "
+                                                      "exact")
     args = ap.parse_args()
 
     import ray
@@ -62,7 +64,8 @@ def main() -> None:
             res = run(PredictConfig(**common, output=str(tmp / f"ray{actors}.jsonl"), ray="auto", ray_actors=actors,
                                     ray_batch=args.ray_batch))
             out[f"ray{actors}_rows_s"], out[f"ray{actors}_wall_s"] = len(texts) / res.seconds, time.perf_counter() - t0
-            got = np.asarray([json.loads(x)["embedding"] for x in (tmp / f"ray{actors}.jsonl").read_text().splitlines()])
+            got = np.asarray([json.loads(x)["embedding"]
+                              for x in (tmp / f"ray{actors}.jsonl").read_text().splitlines()])
             out[f"ray{actors}_max_abs_diff"] = float(np.abs(got - local).max())
     finally:
         ray.shutdown()

@@ -26,7 +26,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=f"{DATA}#test", help="BEIR source PATH#SPLIT")
     p.add_argument("--model", default="minilm")
-    p.add_argument("--max-docs", type=int, default=0, help="keep every judged document plus random others up to this many (0: all)")
+    p.add_argument("--max-docs", type=int, default=0,
+                   help="keep every judged document plus random others up to this many (0: all)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -55,7 +56,8 @@ def main() -> int:
     max_length = folder_max_length(folder) or 256
 
     t0 = time.perf_counter()
-    ranked = retrieve(load_bi_encoder(folder), load_tokenizer(folder), data, max_length, max_length, args.batch_size, progress=True)
+    ranked = retrieve(load_bi_encoder(folder), load_tokenizer(folder), data, max_length, max_length, args.batch_size,
+                      progress=True)
     ours = retrieval_scores(ranked, data.qrels)
     t_ours = time.perf_counter() - t0
     print(f"ours: {ours} ({t_ours:.0f} s)", file=sys.stderr)

@@ -63,10 +63,12 @@ def main() -> int:
     ap.add_argument("--queries", type=int, default=100)
     ap.add_argument("--multiplier", type=int, default=0,
                     help="rescore multiplier timed at --n (0: the index's default at that size)")
-    ap.add_argument("--real", default="/tmp/scifact-idx", help="a SciFact index with --float16 (bench/search_scifact.py); '' skips")
+    ap.add_argument("--real", default="/tmp/scifact-idx",
+                    help="a SciFact index with --float16 (bench/search_scifact.py); '' skips")
     ap.add_argument("--real-only", action="store_true", help="only the overlap on real embeddings")
     ap.add_argument("--multipliers", default="4,10,20,40", help="rescore multipliers whose real overlap is measured")
-    ap.add_argument("--nprobes", default="", help="extra IVF nprobe values timed at --n (the index's own is always timed)")
+    ap.add_argument("--nprobes", default="",
+                    help="extra IVF nprobe values timed at --n (the index's own is always timed)")
     args = ap.parse_args()
     import faiss
 
@@ -123,8 +125,10 @@ def synthetic(args) -> dict:
 
     flat = step("faiss IndexFlatIP", float_flat)
     cal = int8_calibration(x[:: max(1, n // 100_000)])
-    bits = step("binary codes", lambda: np.concatenate([binary_codes(x[s : s + 100_000]) for s in range(0, n, 100_000)]))
-    codes8 = step("int8 codes", lambda: np.concatenate([int8_codes(x[s : s + 100_000], cal) for s in range(0, n, 100_000)]))
+    bits = step("binary codes",
+                lambda: np.concatenate([binary_codes(x[s : s + 100_000]) for s in range(0, n, 100_000)]))
+    codes8 = step("int8 codes",
+                  lambda: np.concatenate([int8_codes(x[s : s + 100_000], cal) for s in range(0, n, 100_000)]))
     bflat = step("faiss IndexBinaryFlat", lambda: ann.build_binary_flat(bits))
     ivf = step("faiss IndexBinaryIVF", lambda: ann.build_binary_ivf(bits))
     print(f"  IVF: {ivf.nlist} cells, nprobe {ivf.nprobe}", flush=True)
@@ -153,13 +157,16 @@ def synthetic(args) -> dict:
         "float exact, numpy": float_numpy,
         "float exact, faiss IndexFlatIP": lambda qq: flat.search(qq, 10)[1][0],
         f"binary exact (numpy bitwise_count) + int8 {mult}x10": numpy_popcount,
-        f"binary exact (faiss IndexBinaryFlat) + int8 {mult}x10": lambda qq: s_exact.dense(qq, st, 10 * mult)[0][0][:10],
-        f"binary IVF (nprobe {ivf.nprobe}/{ivf.nlist}) + int8 {mult}x10": lambda qq: s_ivf.dense(qq, st, 10 * mult)[0][0][:10],
+        f"binary exact (faiss IndexBinaryFlat) + int8 {mult}x10":
+            lambda qq: s_exact.dense(qq, st, 10 * mult)[0][0][:10],
+        f"binary IVF (nprobe {ivf.nprobe}/{ivf.nlist}) + int8 {mult}x10":
+            lambda qq: s_ivf.dense(qq, st, 10 * mult)[0][0][:10],
     }
     own = ivf.nprobe
     for npr in [int(v) for v in args.nprobes.split(",") if v and int(v) != own]:
         methods[f"binary IVF (nprobe {npr}/{ivf.nlist}) + int8 {mult}x10"] = \
-            lambda qq, npr=npr: (setattr(ivf, "nprobe", npr), s_ivf.dense(qq, st, 10 * mult)[0][0][:10], setattr(ivf, "nprobe", own))[1]
+            lambda qq, npr=npr: (setattr(ivf, "nprobe", npr), s_ivf.dense(qq, st, 10 * mult)[0][0][:10],
+                                 setattr(ivf, "nprobe", own))[1]
     res = {}
     for name, fn in methods.items():
         res[name] = timed(fn, q)
@@ -168,7 +175,8 @@ def synthetic(args) -> dict:
     f50, f99 = pcts(res["float exact, numpy"][0])
     ff50 = pcts(res["float exact, faiss IndexFlatIP"][0])[0]
     print(f"\n{n:,} SYNTHETIC vectors, 1 query at a time, 1 thread; {load()}")
-    print(f"{'method':58s} {'p50 ms':>8s} {'p99 ms':>8s} {'vs numpy':>9s} {'vs faiss':>9s}  overlap@10 (synthetic, meaningless)")
+    print(f"{'method':58s} {'p50 ms':>8s} {'p99 ms':>8s} {'vs numpy':>9s} {'vs faiss':>9s}  overlap@10 (synthetic, "
+          "meaningless)")
     summary = {}
     for name, (times, out) in res.items():
         p50, p99 = pcts(times)
@@ -176,11 +184,14 @@ def synthetic(args) -> dict:
         summary[name] = p50
         print(f"{name:58s} {p50:8.2f} {p99:8.2f} {f50 / p50:8.1f}x {ff50 / p50:8.1f}x  {ov:.3f}", flush=True)
     print("\nbuild s / resident MiB: " + "; ".join(f"{k} {build.get(k, 0):.1f} s {v:.0f} MiB" for k, v in mem.items()))
-    print(f"(array sizes: float32 {x.nbytes / 2**20:.0f} MiB, binary {bits.nbytes / 2**20:.0f} MiB, int8 {codes8.nbytes / 2**20:.0f} MiB; "
+    print(f"(array sizes: float32 {x.nbytes / 2**20:.0f} MiB, binary {bits.nbytes / 2**20:.0f} MiB, int8 "
+          f"{codes8.nbytes / 2**20:.0f} MiB; "
           "an index keeps binary in RAM and memory-maps int8 from disk)", flush=True)
     names = list(methods)
-    return {"n": n, "multiplier": mult, "float_numpy_p50_ms": f50, "float_numpy_p99_ms": f99, "float_faiss_p50_ms": ff50,
-            "binary_numpy_p50_ms": summary[names[2]], "binary_flat_p50_ms": summary[names[3]], "binary_ivf_p50_ms": summary[names[4]],
+    return {"n": n, "multiplier": mult, "float_numpy_p50_ms": f50, "float_numpy_p99_ms": f99,
+            "float_faiss_p50_ms": ff50,
+            "binary_numpy_p50_ms": summary[names[2]], "binary_flat_p50_ms": summary[names[3]],
+            "binary_ivf_p50_ms": summary[names[4]],
             "speedup_flat": f50 / summary[names[3]], "speedup_ivf": f50 / summary[names[4]],
             "build_ivf_s": build["faiss IndexBinaryIVF"], "nprobe": ivf.nprobe, "nlist": ivf.nlist}
 
@@ -198,7 +209,7 @@ def real_overlaps(real: str, mults: list[int], extra_shares: list[float]) -> dic
     from encoderkit.retrieval import ann
     from encoderkit.retrieval.search import Searcher, SearchSettings
 
-    s = Searcher.open(real, runtime="onnx-fp32", threads=1)
+    s = Searcher.open(real, backend="onnx-fp32", threads=1)
     g = s.gen
     vec = np.asarray(g.arrays["float16"], dtype=np.float32)
     data = load_retrieval("/work/shared/data/scifact/scifact_hf_export.zip#test")

@@ -39,7 +39,8 @@ def main() -> int:
                     help="queries timed (uncached) for the rerank rows' latency; their quality uses all queries")
     ap.add_argument("--rerank-cache", default=None,
                     help="a JSON file of the cross-encoder's pair scores, read if it was written for the same model "
-                         "(fingerprint) and written back after the rerank rows: a second table scores only its new pairs")
+                         "(fingerprint) and written back after the rerank rows: a second table scores only its new "
+                         "pairs")
     ap.add_argument("--threads", type=int, default=1, help="threads of the query model and the cross-encoder")
     ap.add_argument("--skip-calibration", action="store_true")
     ap.add_argument("--passage-tokens", type=int, default=0, help="0: the model's max length less 2; -1: no split")
@@ -64,10 +65,12 @@ def main() -> int:
     texts = [data.queries[q] for q in qids]
     t0 = time.perf_counter()
     if not Path(args.out, "CURRENT").is_file():
-        st = build(IndexConfig(model=model, corpus=[args.data], out=args.out, float16=True, backend=args.backend, threads=args.threads,
+        st = build(IndexConfig(model=model, corpus=[args.data], out=args.out, float16=True, backend=args.backend,
+                               threads=args.threads,
                                 passage_tokens=args.passage_tokens)).stats
-        print(f"index: {st['documents']} documents, {st['passages']} passages, {time.perf_counter() - t0:.0f} s", flush=True)
-    s = Searcher.open(args.out, runtime=args.backend, rerank=args.rerank, threads=args.threads)
+        print(f"index: {st['documents']} documents, {st['passages']} passages, {time.perf_counter() - t0:.0f} s",
+              flush=True)
+    s = Searcher.open(args.out, backend=args.backend, rerank=args.rerank, threads=args.threads)
     cached = memoize_reranker(s, args.rerank_cache) if args.rerank else None
     n_docs = len({p["doc_id"] for p in s.gen.passages})
     per_doc = len(s.gen.passages) / n_docs
@@ -78,7 +81,8 @@ def main() -> int:
         s.embed([t])
         times.append(time.perf_counter() - a)
     qv = s.embed(texts)
-    print(f"query embedding ({args.backend}, {args.threads} thread(s)): p50 {1000 * np.median(times):.1f} ms", flush=True)
+    print(f"query embedding ({args.backend}, {args.threads} thread(s)): p50 {1000 * np.median(times):.1f} ms",
+          flush=True)
 
     def run(st: SearchSettings, k: int) -> dict[str, list[str]]:
         st.k = k
@@ -105,18 +109,21 @@ def main() -> int:
             ("binary + int8 rescore 4x", SearchSettings(first_stage="binary", rescore="int8"), d / 8 + d),
             ("binary + float rescore 4x", SearchSettings(first_stage="binary", rescore="float"), d / 8 + 2 * d),
             ("float exact + BM25 fusion", SearchSettings(first_stage="float", rescore="none", bm25=True), 2 * d),
-            ("binary + int8 rescore + BM25 fusion", SearchSettings(first_stage="binary", rescore="int8", bm25=True), d / 8 + d)]
+            ("binary + int8 rescore + BM25 fusion", SearchSettings(first_stage="binary", rescore="int8", bm25=True),
+             d / 8 + d)]
     if args.rerank:
         rows += [("binary + int8 rescore + BM25 + rerank top 100",
                   SearchSettings(first_stage="binary", rescore="int8", bm25=True, rerank_top=100), d / 8 + d),
                  ("binary + int8 + BM25 + rerank 100, fused",
-                  SearchSettings(first_stage="binary", rescore="int8", bm25=True, rerank_top=100, rerank_fuse=True), d / 8 + d)]
+                  SearchSettings(first_stage="binary", rescore="int8", bm25=True, rerank_top=100, rerank_fuse=True),
+                  d / 8 + d)]
     bm = {}
     for q, t in zip(qids, texts, strict=True):
         bm[q] = [doc for doc, _, _ in s._collapse(*s.bm25(t, 400))][:100]
     bm_scores = retrieval_scores(bm, data.qrels)
     print(f"\n{'setting':40s} nDCG@10  recall@100  bytes/doc  p50 ms  p99 ms  % of float", flush=True)
-    print(f"{'BM25 alone (bm25s, passages)':40s} {bm_scores['ndcg@10']:.4f}   {bm_scores['recall@100']:.4f}", flush=True)
+    print(f"{'BM25 alone (bm25s, passages)':40s} {bm_scores['ndcg@10']:.4f}   {bm_scores['recall@100']:.4f}",
+          flush=True)
     results, base = {}, None
     for name, st, per_passage in rows:
         st.rescore_multiplier = 4  # the issue's 4 x 10 candidates, whatever the index size's default
@@ -126,7 +133,8 @@ def main() -> int:
         p50, p99 = latency(st)
         base = base or m10["ndcg@10"]
         results[name] = (m10["ndcg@10"], m100["recall@100"])
-        print(f"{name:40s} {m10['ndcg@10']:.4f}   {m100['recall@100']:.4f}   {per_passage * per_doc:8.1f}  {p50:6.2f}  {p99:6.2f}"
+        print(f"{name:40s} {m10['ndcg@10']:.4f}   {m100['recall@100']:.4f}   {per_passage * per_doc:8.1f}  {p50:6.2f}  "
+              f"{p99:6.2f}"
               f"  {100 * m10['ndcg@10'] / base:.1f}%", flush=True)
         if name.startswith("float exact (fp16"):
             check_ranx(ranked100, data.qrels, retrieval_scores(ranked100, data.qrels))
@@ -140,17 +148,20 @@ def main() -> int:
         line["ndcg_rerank"] = results["binary + int8 rescore + BM25 + rerank top 100"][0]
         line["ndcg_full_pipeline"] = results["binary + int8 + BM25 + rerank 100, fused"][0]
     if not args.skip_calibration:
-        print("\ncalibration (label-free) next to true nDCG@10; queries: first sentences of 200 sampled passages", flush=True)
+        print("\ncalibration (label-free) next to true nDCG@10; queries: first sentences of 200 sampled passages",
+              flush=True)
         if s.gen.dims == s.gen.manifest["model_dims"]:  # the stored float16 vectors are the full-dims ones
             full = np.asarray(s.gen.arrays["float16"], dtype=np.float32)
         else:
-            full = finish_embeddings(embed_texts(s.predictor, [p["text"] for p in s.gen.passages], "re-embed"), None, True)
+            full = finish_embeddings(embed_texts(s.predictor, [p["text"] for p in s.gen.passages], "re-embed"), None,
+                                     True)
         for source, qpath in (("sampled first sentences", None), ("the 300 test queries (labels unused)", "test")):
             if qpath == "test":
                 qfile = Path(args.out) / "test_queries.jsonl"
                 import json
 
-                qfile.write_text("".join(json.dumps({"id": q, "query": t}) + "\n" for q, t in zip(qids, texts, strict=True)))
+                qfile.write_text("".join(json.dumps({"id": q, "query": t}) + "\n"
+                                         for q, t in zip(qids, texts, strict=True)))
                 qpath = str(qfile)
             rep = calibrate(s.predictor, full, s.gen.passages, qpath, 0.9)
             q_full = finish_embeddings(s.predictor.embed_raw(texts), None, True)
@@ -162,16 +173,20 @@ def main() -> int:
                 qq = QueryVectors(finish_embeddings(q_full, dims, True), "c")
                 for name, (first, rescore, _) in SETTINGS.items():
                     res = ss.search_vectors(qq, SearchSettings(10, first, rescore, 4))
-                    truth[(name, dims)] = retrieval_scores({q: [h.doc_id for h in r.hits] for q, r in zip(qids, res, strict=True)},
+                    truth[(name, dims)] = retrieval_scores({q: [h.doc_id for h in r.hits]
+                                                            for q, r in zip(qids, res, strict=True)},
                                                            data.qrels)["ndcg@10"]
             for r in rep["settings"]:
                 print(f"{r['precision']:24s} {r['dims']:4d}  {r['overlap@10']:.3f}      {r['bytes_per_doc']:8.1f}  "
                       f"{r['p50_ms']:6.3f}  {truth[(r['precision'], r['dims'])]:.4f}", flush=True)
-            ok = [r for r in rep["settings"] if truth[(r["precision"], r["dims"])] >= 0.99 * truth[("float16", full.shape[1])]]
+            ok = [r for r in rep["settings"]
+                  if truth[(r["precision"], r["dims"])] >= 0.99 * truth[("float16", full.shape[1])]]
             by_labels = min(ok, key=lambda r: r["bytes_per_doc"])
-            print(f"labels would pick (smallest within 1% of float nDCG@10): {by_labels['precision']} @ {by_labels['dims']}",
+            print(f"labels would pick (smallest within 1% of float nDCG@10): {by_labels['precision']} @ "
+                  f"{by_labels['dims']}",
                   flush=True)
-    print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in line.items()) + f" docs={n_docs} passages={len(s.gen.passages)} dims={d} " + result_field())
+    print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in line.items())
+          + f" docs={n_docs} passages={len(s.gen.passages)} dims={d} " + result_field())
     return 0
 
 

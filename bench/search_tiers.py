@@ -7,7 +7,8 @@ reads every token). Rows:
 
 - full encoder (``--model``, Predictor ``--backend``): one plain index (``--float16``), searched ``float`` exact,
   ``int8``, ``binary``, ``binary + int8 rescore`` (the default search: "the full encoder alone" below), that plus
-  BM25 fusion, and with ``--rerank DIR`` that plus a cross-encoder on the top ``--rerank-top`` (its order alone, and fused
+  BM25 fusion, and with ``--rerank DIR`` that plus a cross-encoder on the top ``--rerank-top`` (its order alone, and
+  fused
   with the first stage's: ``search --rerank-fuse``);
 - static alone (``--static``, or distilled here from ``--model`` on the corpus with the defaults): a plain index of
   the static model, searched float exact and int8, and float fused with BM25 (reciprocal rank, what ``search
@@ -91,7 +92,8 @@ def main() -> int:
              "ms": 1000 * float(np.median(lat)), "ms_mean": 1000 * float(np.mean(lat)), "ndcg": ndcg(hits),
              "query_s": float(np.sum(lat)), "index_s": index_s, "lat": list(lat), **extra}
         rows.append(r)
-        print(f"{name}: nDCG@10 {r['ndcg']:.4f}, {r['bytes']:.0f} bytes/doc, p50 {r['ms']:.2f} ms (mean {r['ms_mean']:.2f}), "
+        print(f"{name}: nDCG@10 {r['ndcg']:.4f}, {r['bytes']:.0f} bytes/doc, p50 {r['ms']:.2f} ms (mean "
+              f"{r['ms_mean']:.2f}), "
               + (f"index {r['texts_s']:.1f} texts/s" if index_s else ""), flush=True)
         return r
 
@@ -105,11 +107,13 @@ def main() -> int:
     print(f"full index: {n} passages, {full_index_s:.0f} s", flush=True)
     s = Searcher.open(work / "full")
     full_rows = {}
-    for name, setting, b in (("float exact (float16)", SearchSettings(first_stage="float", rescore="none"), size["float16"]),
+    for name, setting, b in (("float exact (float16)", SearchSettings(first_stage="float", rescore="none"),
+                              size["float16"]),
                              ("int8", SearchSettings(first_stage="int8", rescore="none"), size["int8"]),
                              ("dense binary", SearchSettings(first_stage="binary", rescore="none"), size["binary"]),
                              ("binary + int8 rescore 4x10", SearchSettings(), size["binary"] + size["int8"]),
-                             ("binary + int8 rescore + BM25 fusion", SearchSettings(bm25=True), size["binary"] + size["int8"])):
+                             ("binary + int8 rescore + BM25 fusion", SearchSettings(bm25=True),
+                              size["binary"] + size["int8"])):
         if setting.bm25:
             s.search(["warm up"], setting)  # bm25s index built on first use, not timed
         full_rows[name] = row(name, b, full_index_s, n, *timed_queries(s, setting))
@@ -121,11 +125,13 @@ def main() -> int:
                 size["binary"] + size["int8"], full_index_s, n, *timed_queries(s, setting))
     if args.sparse:  # an inverted index of the SPLADE vectors: alone, and fused with the default search and BM25
         t0 = time.perf_counter()
-        sst = index(IndexConfig(model=str(args.sparse), corpus=corpus, out=str(work / "sparse"), backend=args.sparse_backend,
+        sst = index(IndexConfig(model=str(args.sparse), corpus=corpus, out=str(work / "sparse"),
+                                backend=args.sparse_backend,
                                 passage_tokens=-1, batch_size=16)).stats
         sparse_s = time.perf_counter() - t0
         sbytes = sum(sst["bytes"].values()) / n
-        row("sparse (SPLADE), inverted index", sbytes, sparse_s, n, *timed_queries(Searcher.open(work / "sparse"), SearchSettings()))
+        row("sparse (SPLADE), inverted index", sbytes, sparse_s, n,
+            *timed_queries(Searcher.open(work / "sparse"), SearchSettings()))
         s = Searcher.open(work / "full")
         s.fuse_with([work / "sparse"])
         setting = SearchSettings(bm25=True)
@@ -145,21 +151,27 @@ def main() -> int:
         distill(DistillConfig(teacher=model, out=static, to="static", train=corpus[0], **fit))
         distill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    st = index(IndexConfig(model=static, corpus=corpus, out=str(work / "static-idx"), float16=True, passage_tokens=-1)).stats
+    st = index(IndexConfig(model=static, corpus=corpus, out=str(work / "static-idx"), float16=True,
+                           passage_tokens=-1)).stats
     static_index_s = time.perf_counter() - t0
     ssize = {k.removesuffix(".npy"): v / n for k, v in st["bytes"].items()}
     s = Searcher.open(work / "static-idx")
-    row("static (float16 exact)", ssize["float16"], static_index_s, n, *timed_queries(s, SearchSettings(first_stage="float", rescore="none")))
-    row("static (int8)", ssize["int8"], static_index_s, n, *timed_queries(s, SearchSettings(first_stage="int8", rescore="none")))
+    row("static (float16 exact)", ssize["float16"], static_index_s, n,
+        *timed_queries(s, SearchSettings(first_stage="float", rescore="none")))
+    row("static (int8)", ssize["int8"], static_index_s, n,
+        *timed_queries(s, SearchSettings(first_stage="int8", rescore="none")))
     fused_setting = SearchSettings(first_stage="float", rescore="none", bm25=True)
     s.search(["warm up"], fused_setting)  # bm25s index built on first use, not timed
     static_bm25 = row("static (float16) + BM25 fusion, no full encoder", ssize["float16"], static_index_s, n,
                       *timed_queries(s, fused_setting))
     static_bm25["ratio"] = (full_index_s + default["query_s"]) / (static_index_s + static_bm25["query_s"])
-    print(f"  static + BM25: nDCG@10 {static_bm25['ndcg'] / best_full:.1%} of the full encoder's float exact; query+index "
-          f"throughput {static_bm25['ratio']:.2f}x the full encoder's (the static model's distillation not counted)", flush=True)
+    print(f"  static + BM25: nDCG@10 {static_bm25['ndcg'] / best_full:.1%} of the full encoder's float exact; "
+          "query+index "
+          f"throughput {static_bm25['ratio']:.2f}x the full encoder's (the static model's distillation not counted)",
+          flush=True)
     if distill_s is not None:  # distilled here, on this corpus: counted as part of what serving it from nothing costs
-        static_bm25["ratio_distilled"] = (full_index_s + default["query_s"]) / (distill_s + static_index_s + static_bm25["query_s"])
+        static_bm25["ratio_distilled"] = ((full_index_s + default["query_s"])
+                                          / (distill_s + static_index_s + static_bm25["query_s"]))
         print(f"  counting the distillation ({distill_s:.0f} s): {static_bm25['ratio_distilled']:.2f}x", flush=True)
 
     # -- the tiered index: static int8 candidates, full int8 rescoring, lazy codes ---------------------------
@@ -176,7 +188,8 @@ def main() -> int:
         hits, lat = timed_queries(s, setting)
         embedded = len(s.tier.codes.row) - CALIBRATION_SAMPLE
         ratio = (full_index_s + default["query_s"]) / (build_s + float(np.sum(lat)))
-        r = row(f"static int8 -> full int8 rescore {m}x10 (lazy)", ssize["binary"] + ssize["int8"] + size["int8"], build_s, n, hits, lat,
+        r = row(f"static int8 -> full int8 rescore {m}x10 (lazy)", ssize["binary"] + ssize["int8"] + size["int8"],
+                build_s, n, hits, lat,
                 embedded=embedded, ratio=ratio)
         ratios[m] = r
         print(f"  tiered {m}x10: build {build_s:.1f} s, 300 queries {np.sum(lat):.1f} s, {embedded} documents embedded "
@@ -205,7 +218,8 @@ def main() -> int:
                      for m, r in ratios.items())
     print(f"RESULT ndcg10_full_float={best_full:.4f} ndcg10_full_default={default['ndcg']:.4f} "
           f"ndcg10_static={rows[-len(ratios) - 2]['ndcg']:.4f} ndcg10_static_bm25={static_bm25['ndcg']:.4f} "
-          f"share_static_bm25={static_bm25['ndcg'] / best_full:.3f} ratio_static_bm25={static_bm25['ratio']:.2f} ratio_static_bm25_distilled={with_distill} "
+          f"share_static_bm25={static_bm25['ndcg'] / best_full:.3f} ratio_static_bm25={static_bm25['ratio']:.2f} "
+          f"ratio_static_bm25_distilled={with_distill} "
           f"{tier_fields} {extra} "
           f"full_index_s={full_index_s:.0f} static_index_s={static_index_s:.1f} "
           f"distill_s={'given' if distill_s is None else f'{distill_s:.0f}'} docs={n} queries={len(qids)} "

@@ -1,7 +1,8 @@
 """Load test of ``encoderkit serve`` on 127.0.0.1: micro-batching vs one request per model call.
 
 The service runs in a subprocess (``encoderkit serve``) on a free port; 64 concurrent clients
-(keep-alive connections on plain asyncio streams: a light load generator) each send one SST-2 sentence per request to ``/v1/embed`` in a loop, for a bounded
+(keep-alive connections on plain asyncio streams: a light load generator) each send one SST-2 sentence per request to
+``/v1/embed`` in a loop, for a bounded
 time (``--seconds``) and at most ``--max-requests`` requests, each with a timeout. The same load runs
 twice: with micro-batching (``--max-batch 32``) and with ``--max-batch 1`` (every request its own
 model call). Reported per run: requests/s, p50/p99 latency, 5xx, 4xx and client errors, mean texts
@@ -176,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(timeout=60)
         r = runs[name]
-        print(f"{name} (max_batch={max_batch}): {r['rps']:.1f} req/s, p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms, "
+        print(f"{name} (max_batch={max_batch}): {r['rps']:.1f} req/s, p50 {r['p50_ms']:.0f} ms, p99 {r['p99_ms']:.0f} "
+              "ms, "
               f"{r['ok']} ok, 5xx {r['5xx']}, 4xx {r['4xx']}, client errors {r['errors']}, "
               f"mean texts per model call {r['mean_batch']:.1f}; CPU per request: server {r['server_cpu_ms']:.1f} ms, "
               f"client {r['client_cpu_ms']:.2f} ms", flush=True)
     b, s = runs["batched"], runs["single"]
-    print(f"RESULT clients={args.clients} seconds={args.seconds:.0f} rps_batched={b['rps']:.1f} rps_single={s['rps']:.1f} "
+    print(f"RESULT clients={args.clients} seconds={args.seconds:.0f} rps_batched={b['rps']:.1f} "
+          f"rps_single={s['rps']:.1f} "
           f"speedup={b['rps'] / max(s['rps'], 1e-9):.2f} p50_ms={b['p50_ms']:.0f} p99_ms={b['p99_ms']:.0f} "
           f"p50_ms_single={s['p50_ms']:.0f} p99_ms_single={s['p99_ms']:.0f} errors_5xx={b['5xx'] + s['5xx']} "
           f"client_errors={b['errors'] + s['errors']} mean_batch={b['mean_batch']:.1f} "

@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "encoderkit":
         if infinity.is_file():
             servers["infinity"] = lambda port: [str(infinity), "v2", "--model-id", model, "--served-model-name", NAME,
-                                                "--engine", args.infinity_engine, "--device", "cpu", "--port", str(port),
+                                                "--engine", args.infinity_engine, "--device", "cpu", "--port",
+                                                str(port),
                                                 "--host", "127.0.0.1", "--url-prefix", "/v1", "--no-vector-disk-cache",
                                                 "--log-level", "warning"]
         else:
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                     idle = sum(server_cpu(procs[o][0].pid) - v for o, v in idle0.items())
                     runs.setdefault((name, c), []).append(r)
                     print(f"round {rnd + 1}: {name} {c} clients: {r['rps']:.1f} req/s, p50 {r['p50_ms']:.0f} ms, "
-                          f"p99 {r['p99_ms']:.0f} ms (p99/p50 {r['p99_ms'] / max(r['p50_ms'], 1e-9):.1f}), {r['ok']} ok, "
+                          f"p99 {r['p99_ms']:.0f} ms (p99/p50 {r['p99_ms'] / max(r['p50_ms'], 1e-9):.1f}), {r['ok']} "
+                          "ok, "
                           f"errors {r['errors_all']}, server CPU {r['server_cpu_ms']:.1f} ms per request "
                           f"(the idle server meanwhile: {idle:.2f} CPU s)", flush=True)
     finally:
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         fields.append(f"rps_ratio_{hi}={ek['rps'] / max(inf['rps'], 1e-9):.2f}")
         fields.append(f"ek_p99_over_p50_{hi}={ek['p99_ms'] / max(ek['p50_ms'], 1e-9):.2f}")
         if ("encoderkit", lo) in results and ("infinity", lo) in results:
-            fields.append(f"p50_ratio_{lo}={results[('encoderkit', lo)]['p50_ms'] / max(results[('infinity', lo)]['p50_ms'], 1e-9):.2f}")
+            p50_ratio = results[("encoderkit", lo)]["p50_ms"] / max(results[("infinity", lo)]["p50_ms"], 1e-9)
+            fields.append(f"p50_ratio_{lo}={p50_ratio:.2f}")
     print("RESULT " + " ".join(fields))
     return 0
 

@@ -73,7 +73,8 @@ def main() -> int:
     keep = [d for d in test.corpus if d in set(judged) | set(others)]
     corpus = out / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"id": d, "text": test.doc_text(d)}) + "\n" for d in keep))
-    print(f"corpus: {len(keep)} of {len(test.corpus)} documents ({len(judged)} judged), {len(test.qrels)} queries", flush=True)
+    print(f"corpus: {len(keep)} of {len(test.corpus)} documents ({len(judged)} judged), {len(test.qrels)} queries",
+          flush=True)
     qids = list(test.qrels)
     texts = [test.queries[q] for q in qids]
     timings = {}
@@ -94,10 +95,12 @@ def main() -> int:
         root = out / name
         if not (root / "CURRENT").is_file():
             t = time.perf_counter()
-            st = index(IndexConfig(model=str(folder), corpus=[str(corpus)], out=str(root), threads=args.threads, **kw)).stats
+            st = index(IndexConfig(model=str(folder), corpus=[str(corpus)], out=str(root), threads=args.threads,
+                                   **kw)).stats
             timings[f"index_{name}_s"] = time.perf_counter() - t
             print(f"index {name}: {st['passages']} passages, {timings[f'index_{name}_s']:.0f} s"
-                  + (f", {st['mean_terms_per_passage']} terms/passage" if "mean_terms_per_passage" in st else ""), flush=True)
+                  + (f", {st['mean_terms_per_passage']} terms/passage" if "mean_terms_per_passage" in st else ""),
+                  flush=True)
         return Searcher.open(root, threads=args.threads)
 
     sparse = build("sparse", model, backend=args.backend, passage_tokens=args.passage_tokens, batch_size=16)
@@ -111,7 +114,8 @@ def main() -> int:
                 "ms_per_query": 1000 * (time.perf_counter() - t) / len(texts)}
 
     runs = {"dense": run(dense, SearchSettings(k=depth)), "sparse": run(sparse, SearchSettings(k=depth))}
-    bm = {q: [d for d, _, _ in dense._collapse(*dense.bm25(t, 4 * depth))][:depth] for q, t in zip(qids, texts, strict=True)}
+    bm = {q: [d for d, _, _ in dense._collapse(*dense.bm25(t, 4 * depth))][:depth]
+          for q, t in zip(qids, texts, strict=True)}
     runs["bm25"] = {"ranked": bm, "ms_per_query": 0.0}
 
     def fuse(*names: str) -> dict[str, list[str]]:

@@ -43,7 +43,8 @@ def main() -> None:
 
     teacher, student = Path(args.teacher), Path(args.student)
     preds = {"teacher": Predictor.load(teacher, backend="onnx-fp32", threads=args.threads),
-             "student": Predictor.load(student, backend="onnx-int8" if (student / "model.int8.onnx").is_file() else "onnx-fp32",
+             "student": Predictor.load(student,
+                                       backend="onnx-int8" if (student / "model.int8.onnx").is_file() else "onnx-fp32",
                                        threads=args.threads)}
     rng = np.random.default_rng(0)
     fields = [f"threads={args.threads}", f"seq_len={args.seq_len}", result_field()]

@@ -6,11 +6,13 @@ the better weighting and the fit on ``--fit-texts`` corpus pieces (the default);
 reported), loaded through the
 Predictor (what index, search and serve run) and used to encode the whole corpus (``title + " " + text``, whole
 texts: a static model reads every token); MiniLM encodes the same corpus with ``SentenceTransformer.encode`` fp32
-(max_seq_length 256, batch 32), once; the static encodings are timed as the fastest of 3 calls. Both rank by exact cosine search; nDCG@10 on the test qrels.
+(max_seq_length 256, batch 32), once; the static encodings are timed as the fastest of 3 calls. Both rank by exact
+cosine search; nDCG@10 on the test qrels.
 
     python bench/static_tier.py                          # sif and zipf, 256 dimensions
     python bench/static_tier.py --weightings sif --dims 128
-Last line: RESULT weighting=... fit_texts=... ndcg10_static=... ndcg10_minilm=... ratio=... speedup=... (targets: ratio >= 0.85,
+Last line: RESULT weighting=... fit_texts=... ndcg10_static=... ndcg10_minilm=... ratio=... speedup=... (targets: ratio
+>= 0.85,
 speedup >= 100)
 """
 
@@ -87,7 +89,8 @@ def main() -> int:
             rows[(weighting, fit)] = (score, tps, st_tps, distill_s, agree)
             if not runs and fit == 0 and args.fit_texts:
                 runs.append((max(rows, key=lambda r: rows[r][0])[0], args.fit_texts))
-            print(f"static {weighting} fit_texts={fit}: nDCG@10 {score:.4f}, encoderkit {tps:,.0f} texts/s, sentence-transformers "
+            print(f"static {weighting} fit_texts={fit}: nDCG@10 {score:.4f}, encoderkit {tps:,.0f} texts/s, "
+                  "sentence-transformers "
                   f"{st_tps:,.0f} texts/s, distilled in {distill_s:.0f} s, min cosine ST vs encoderkit {agree:.6f}",
                   flush=True)
 
@@ -99,7 +102,8 @@ def main() -> int:
     last = list(rows)[-1]
     score, tps, st_tps, distill_s, agree = rows[last]
     others = " ".join(f"ndcg10_{w}_fit{f}={v[0]:.4f}" for (w, f), v in rows.items())
-    print(f"RESULT weighting={last[0]} fit_texts={last[1]} ndcg10_static={score:.4f} ndcg10_minilm={t_score:.4f} ratio={score / t_score:.3f} "
+    print(f"RESULT weighting={last[0]} fit_texts={last[1]} ndcg10_static={score:.4f} ndcg10_minilm={t_score:.4f} "
+          f"ratio={score / t_score:.3f} "
           f"texts_s_static={tps:.0f} texts_s_static_st={st_tps:.0f} texts_s_minilm={t_tps:.1f} "
           f"speedup={tps / t_tps:.0f} distill_s={distill_s:.0f} min_cos_st={agree:.5f} {others} docs={len(docs)} "
           f"queries={len(qids)} {result_field()}")

@@ -10,45 +10,75 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import re
+import signal
 import sys
+import threading
+import types
 import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
-from encoderkit.config import StageConfig, coerce, load_mapping
+from encoderkit.config import StageConfig, check_spellings, coerce, load_mapping
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import check_writable
+from encoderkit.io import check_writable, input_problem, refuse_input_as_output
+from encoderkit.seeding import seed_everything
 
-# command words -> ("module:ConfigClass:run_function", one-line summary). Add one line per stage.
+# command words -> ("module:ConfigClass:run_function", one-line summary). Add one entry per stage.
 # Only the chosen stage's module is imported, so the CLI starts fast and one broken stage
 # cannot take the others down.
 STAGES: dict[tuple[str, ...], str | tuple[str, str]] = {
-    ("quickstart",): ("encoderkit.quickstart:QuickstartConfig:run", "the whole pipeline on the stdlib's docstrings (no downloads)"),
-    ("doctor",): ("encoderkit.doctor:DoctorConfig:run", "this machine's hardware, measured matmul peaks, and the backend each stage picks"),
-    ("tokenizer", "train"): ("encoderkit.train.tokenizer:TokenizerConfig:run", "train a WordPiece or byte-level BPE tokenizer"),
-    ("data", "prepare"): ("encoderkit.data.prepare:PrepareConfig:run", "tokenize a corpus into a packed, memory-mapped token store"),
-    ("data", "inspect"): ("encoderkit.data.prepare:InspectConfig:inspect", "counts and a decoded sample of a token store"),
+    ("quickstart",): ("encoderkit.quickstart:QuickstartConfig:run",
+                      "the whole pipeline on the stdlib's docstrings (no downloads)"),
+    ("doctor",): ("encoderkit.doctor:DoctorConfig:run",
+                  "this machine's hardware, measured matmul peaks, and the backend each stage picks"),
+    ("tokenizer", "train"): ("encoderkit.train.tokenizer:TokenizerConfig:run",
+                             "train a WordPiece or byte-level BPE tokenizer"),
+    ("data", "prepare"): ("encoderkit.data.prepare:PrepareConfig:run",
+                          "tokenize a corpus into a packed, memory-mapped token store"),
+    ("data", "inspect"): ("encoderkit.data.prepare:InspectConfig:inspect",
+                          "counts and a decoded sample of a token store"),
     ("pretrain",): ("encoderkit.train.pretrain:PretrainConfig:run", "MLM pretraining, from scratch or continued"),
-    ("quantize",): ("encoderkit.compress.levers:QuantizeConfig:run_quantize", "INT8/INT4 quantization: PTQ dynamic/static, QAT, GPTQ, RTN"),
-    ("prune",): ("encoderkit.compress.levers:PruneConfig:run_prune", "unstructured, 2:4 or structured (heads/FFN) pruning"),
-    ("distill",): ("encoderkit.compress.levers:DistillConfig:run_distill", "distil a teacher into a smaller student (task or DistilBERT-style)"),
-    ("compress",): ("encoderkit.compress.stack:CompressConfig:run", "run a compression recipe, re-measuring quality/size/speed per step"),
-    ("plan",): ("encoderkit.compress.plan:PlanConfig:run", "plan a compression recipe for a situation, with reasons; --run backs off"),
-    ("finetune",): ("encoderkit.train.finetune:FinetuneConfig:run", "train a task head: classify, ner, qa, rerank, embed"),
-    ("evaluate",): ("encoderkit.evaluate.run:EvaluateConfig:run", "task metrics of a model folder on labelled data (JSON)"),
-    ("export",): ("encoderkit.inference.export:ExportConfig:run", "export a task model to ONNX (fused, optional INT8), parity-checked"),
-    ("predict",): ("encoderkit.inference.predictor:PredictConfig:run", "run a task model over a .txt/.jsonl file into JSONL results"),
-    ("serve",): ("encoderkit.deploy.serve:ServeConfig:run", "HTTP service with micro-batching: classify/extract/answer/rerank/embed"),
-    ("label",): ("encoderkit.label.run:LabelConfig:run", "label texts with an OpenAI-compatible endpoint, an embedding model or an MLM"),
-    ("audit", "suspect"): ("encoderkit.label.suspicion:SuspectConfig:run", "score likely label errors (out-of-fold probabilities + cleanlab)"),
-    ("audit", "sample"): ("encoderkit.label.sample:SampleConfig:run", "a stratified review sheet (CSV) with an empty gold column"),
-    ("audit", "review"): ("encoderkit.label.review:ReviewConfig:run", "fill a sheet's gold column in the terminal (resumable)"),
-    ("audit", "report"): ("encoderkit.label.report:ReportConfig:run", "accuracy with Wilson intervals, confusion, cost per 1M requests"),
-    ("index",): ("encoderkit.retrieval.index:IndexConfig:run", "build or update a local semantic-search index (binary/int8/float16)"),
-    ("search",): ("encoderkit.retrieval.search:SearchConfig:run", "tiered search: binary -> int8/float rescoring -> BM25 fusion -> rerank"),
-    ("adapt",): ("encoderkit.adapt.run:AdaptConfig:run", "adapt an embedding model to a corpus without labels: generated queries, mined negatives"),
+    ("quantize",): ("encoderkit.compress.levers:QuantizeConfig:run_quantize",
+                    "INT8/INT4 quantization: PTQ dynamic/static, QAT, GPTQ, RTN"),
+    ("prune",): ("encoderkit.compress.levers:PruneConfig:run_prune",
+                 "unstructured, 2:4 or structured (heads/FFN) pruning"),
+    ("distill",): ("encoderkit.compress.levers:DistillConfig:run_distill",
+                   "distil a teacher into a smaller student (task or DistilBERT-style)"),
+    ("compress",): ("encoderkit.compress.stack:CompressConfig:run",
+                    "run a compression recipe, re-measuring quality/size/speed per step"),
+    ("plan",): ("encoderkit.compress.plan:PlanConfig:run",
+                "plan a compression recipe for a situation, with reasons; --run backs off"),
+    ("finetune",): ("encoderkit.train.finetune:FinetuneConfig:run",
+                    "train a task head: classify, ner, qa, rerank, embed"),
+    ("evaluate",): ("encoderkit.evaluate.run:EvaluateConfig:run",
+                    "task metrics of a model folder on labelled data (JSON)"),
+    ("export",): ("encoderkit.inference.export:ExportConfig:run",
+                  "export a task model to ONNX (fused, optional INT8), parity-checked"),
+    ("predict",): ("encoderkit.inference.predictor:PredictConfig:run",
+                   "run a task model over a .txt/.jsonl file into JSONL results"),
+    ("serve",): ("encoderkit.deploy.serve:ServeConfig:run",
+                 "HTTP service with micro-batching: classify/extract/answer/rerank/embed"),
+    ("label",): ("encoderkit.label.run:LabelConfig:run",
+                 "label texts with an OpenAI-compatible endpoint, an embedding model or an MLM"),
+    ("audit", "suspect"): ("encoderkit.label.suspicion:SuspectConfig:run",
+                           "score likely label errors (out-of-fold probabilities + cleanlab)"),
+    ("audit", "sample"): ("encoderkit.label.sample:SampleConfig:run",
+                          "a stratified review sheet (CSV) with an empty gold column"),
+    ("audit", "review"): ("encoderkit.label.review:ReviewConfig:run",
+                          "fill a sheet's gold column in the terminal (resumable)"),
+    ("audit", "report"): ("encoderkit.label.report:ReportConfig:run",
+                          "accuracy with Wilson intervals, confusion, cost per 1M requests"),
+    ("decide",): ("encoderkit.label.decide:DecideConfig:run",
+                  "an encoder or the LLM: break-even volume, cost and latency, a recommendation with reasons"),
+    ("index",): ("encoderkit.retrieval.index:IndexConfig:run",
+                 "build or update a local semantic-search index (binary/int8/float16)"),
+    ("search",): ("encoderkit.retrieval.search:SearchConfig:run",
+                  "tiered search: binary -> int8/float rescoring -> BM25 fusion -> rerank"),
+    ("adapt",): ("encoderkit.adapt.run:AdaptConfig:run",
+                 "adapt an embedding model to a corpus without labels: generated queries, mined negatives"),
 }
 
 
@@ -62,19 +92,20 @@ def _doc(obj: Any) -> str:
     return (obj.__doc__ or "").strip()
 
 
-OLD_DEST = "old_spelling:"  # argparse dest of a hidden flag that keeps an old spelling for one release
-
-
-def add_config_flags(parser: argparse.ArgumentParser, cfg_cls: type[StageConfig]) -> None:
-    """One flag per dataclass field; defaults are None so that only flags given override a file. An old
-    spelling (``cfg_cls.renamed``) is a hidden flag, or, told apart by value, extra hidden choices."""
+def add_config_flags(parser: argparse.ArgumentParser, cfg_cls: type[StageConfig],
+                     only: tuple[str, ...] | None = None) -> None:
+    """One flag per dataclass field (``only``: those fields); defaults are None so that only flags given override a
+    file."""
     hints = typing.get_type_hints(cfg_cls)
     main = parser.add_argument_group("settings")
     speed = parser.add_argument_group("speed settings (never change results beyond float tolerance)")
     for f in fields(cfg_cls):
+        if only is not None and f.name not in only:
+            continue
         hint = hints[f.name]
         meta = f.metadata
-        default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING else None)  # type: ignore[misc]
+        factory = f.default_factory
+        default = f.default if f.default is not MISSING else (factory() if factory is not MISSING else None)
         help_text = meta.get("help", "")
         if meta.get("required"):
             help_text += " (required)"
@@ -97,18 +128,11 @@ def add_config_flags(parser: argparse.ArgumentParser, cfg_cls: type[StageConfig]
                 kwargs["type"] = base
         else:
             kwargs["metavar"] = f.name.upper()
-        for old, r in cfg_cls.renamed.items():  # an old spelling: the same flag, hidden from --help
-            if r.new == f.name and old not in hints:
-                group.add_argument("--" + old.replace("_", "-"), **{**kwargs, "dest": OLD_DEST + old, "help": argparse.SUPPRESS})
-        old_meaning = cfg_cls.renamed.get(f.name)
-        if old_meaning is not None and "choices" in kwargs:  # the flag's old meaning, told apart by value
-            kwargs["choices"] = [*kwargs["choices"], *old_meaning.values]
-            kwargs["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
         group.add_argument(flag, **kwargs)
 
 
 def _base_type(hint: Any) -> Any:
-    if typing.get_origin(hint) in (typing.Union, __import__("types").UnionType):
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
         return inner[0]
     return hint
@@ -117,13 +141,14 @@ def _base_type(hint: Any) -> Any:
 def config_from_args(cfg_cls: type[StageConfig], ns: argparse.Namespace, seed: int | None = None) -> StageConfig:
     """The stage config from its flags over its ``--config`` file; a global ``seed`` fills the
     stage's own ``seed`` when neither gives one."""
-    data: dict[str, Any] = cfg_cls.new_keys(load_mapping(ns.config), ns.config) if getattr(ns, "config", None) else {}
+    data: dict[str, Any] = load_mapping(ns.config) if getattr(ns, "config", None) else {}
+    check_spellings(data, ns.config)
+    data = {key.replace("-", "_"): value for key, value in data.items()}  # so that a flag given replaces its key
     hints = typing.get_type_hints(cfg_cls)
-    given = {f.name: getattr(ns, f.name, None) for f in fields(cfg_cls)}
-    given.update({old: getattr(ns, OLD_DEST + old, None) for old in cfg_cls.renamed if old not in hints})
-    given = cfg_cls.new_keys({k: v for k, v in given.items() if v is not None}, "command line", flags=True)
-    for name, value in given.items():
-        data[name] = coerce(value, hints[name], "--" + name.replace("_", "-"))
+    for f in fields(cfg_cls):
+        value = getattr(ns, f.name, None)
+        if value is not None:
+            data[f.name] = coerce(value, hints[f.name], "--" + f.name.replace("_", "-"))
     if seed is not None and "seed" in hints and "seed" not in data:
         data["seed"] = seed
     return cfg_cls.from_dict(data, source=ns.config or "command line")
@@ -167,16 +192,49 @@ def _group_help(group: str) -> str:
     return "\n".join(lines)
 
 
-def build_parser(words: tuple[str, ...]) -> argparse.ArgumentParser:
-    """The parser of one stage: its flags come from its config dataclass (imported only now)."""
+def build_parser(words: tuple[str, ...], argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of one stage: its flags come from its config dataclass (imported only now). For ``--help`` with a
+    setting that narrows the flags (``distill --to static --help``: the config's ``FLAG_VIEWS``), only the flags that
+    apply are listed."""
     spec, summary = _spec(STAGES[words])
     cfg_cls, fn = _load(spec)
-    p = argparse.ArgumentParser(prog="encoderkit " + " ".join(words), description=_doc(fn) or summary,
+    description = _doc(fn) or summary
+    only = _flag_view(cfg_cls, argv or [])
+    if only is not None:
+        setting, value, only = only
+        description += (f"\n\nThe flags that apply with {setting} {value} (every flag: "
+                        f"`encoderkit {' '.join(words)} --help`).")
+    p = argparse.ArgumentParser(prog="encoderkit " + " ".join(words), description=description,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, metavar="FILE",
                    help="YAML or TOML file whose keys mirror these flags; flags given here win")
-    add_config_flags(p, cfg_cls)
+    add_config_flags(p, cfg_cls, only)
     return p
+
+
+def _flag_view(cfg_cls: type[StageConfig], argv: list[str]) -> tuple[str, str, tuple[str, ...]] | None:
+    """(flag, value, fields) when ``argv`` asks for help and names a value in ``cfg_cls.FLAG_VIEWS``, else None."""
+    if not any(a in ("-h", "--help") for a in argv):
+        return None
+    for name, views in cfg_cls.FLAG_VIEWS.items():
+        flag = "--" + name.replace("_", "-")
+        given = [a.partition("=")[2] for a in argv if a.startswith(flag + "=")]
+        given += [b for a, b in itertools.pairwise(argv) if a == flag]
+        if given and given[-1] in views:  # the last one given wins, as argparse reads it
+            return flag, given[-1], views[given[-1]]
+    return None
+
+
+def _named_paths(cfg: Any, output: str) -> list[str]:
+    """The strings of ``cfg``'s fields other than ``output`` (and its sibling output fields): the paths a run may
+    read; :func:`~encoderkit.io.refuse_input_as_output` looks only at those that exist."""
+    out: list[str] = []
+    for f in fields(cfg):
+        if f.name in ("out", "output"):
+            continue
+        v = getattr(cfg, f.name)
+        out += [v] if isinstance(v, str) else [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
+    return out
 
 
 class Terminated(KeyboardInterrupt):
@@ -189,9 +247,6 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one stage; SIGTERM (e.g. a scheduler's kill) unwinds like Ctrl-C, so nothing is left half-written."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return _main(argv)
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -222,24 +277,30 @@ def _main(argv: list[str] | None = None) -> int:
     glob.add_argument("--threads", type=int, default=None)
     glob.add_argument("--seed", type=int, default=None)
     g = glob.parse_args(argv[:end - len(words)])
-    parser = build_parser(words)
+    parser = build_parser(words, argv[end:])
     ns = parser.parse_args(argv[end:])
     try:
         if g.threads:
-            import torch
+            import torch  # noqa: PLC0415 - light path: `encoderkit --help` must not import torch
 
             torch.set_num_threads(g.threads)
         if g.seed is not None:
-            from encoderkit.seeding import seed_everything
-
             seed_everything(g.seed)
         cfg_cls, fn = _load(_spec(STAGES[words])[0])
         cfg = config_from_args(cfg_cls, ns, g.seed)
         if isinstance(getattr(cfg, "out", None), str) and cfg.out:
             check_writable(cfg.out)  # every stage: an unwritable --out is refused before the work, not after
+        for name in ("out", "output"):  # every stage: an output is never one of the run's inputs (nor holds one)
+            if isinstance(getattr(cfg, name, None), str) and getattr(cfg, name):
+                refuse_input_as_output(getattr(cfg, name), _named_paths(cfg, name), "--" + name, name == "out")
         result = fn(cfg)
     except EncoderkitError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file the run could not open that no stage's own check caught: said, not a traceback
+        if e.filename is None:
+            raise
+        print(f"error: {e.filename}: {input_problem(e.filename, e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}; nothing half-written was left "

@@ -1,26 +1,8 @@
-"""Typed stage configs: one dataclass per stage, documented field by field.
+"""Typed stage configs: one dataclass per stage, each field declared with :func:`arg` and its help text.
 
-Each field is declared with :func:`arg`, which stores its help text (and allowed choices) in the
-field metadata. The CLI builds its flags from these fields, and config files (YAML or TOML) use
-the same keys, so the three can never drift apart::
-
-    @dataclass
-    class PrepareConfig(StageConfig):
-        corpus: list[str] = arg(help="Text files, folders or globs.", required=True)
-        seq_len: int = arg(128, help="Tokens per packed block, [CLS] and [SEP] included.")
-
-        def validate(self) -> None:
-            check(self.seq_len >= 8, "seq_len must be at least 8")
-
-Settings that change results and settings that only change speed are kept apart by the
-``speed=True`` flag of :func:`arg` (dtype, threads, compile...): ``--help`` lists them in their own
-group, and ``result_dict()`` leaves them out, so a cache or resume check never trips on them.
-
-A renamed key keeps its old spelling for one release: the config class maps it to the new one in
-``renamed`` (``{"runtime": Renamed("backend")}``; ``Renamed("store", values=("local", "milvus"))``
-when only those values of the old key mean the new one, the old key being a field again with
-another meaning). Flags, config files, recipe steps and keyword arguments all go through
-:meth:`StageConfig.new_keys`, which says once, on stderr, what to write instead.
+The CLI's flags and the config files' keys (YAML, TOML) come from the same fields, so they cannot drift apart.
+``arg(speed=True)`` marks a setting that changes only speed: ``result_dict()`` leaves it out, so a cache or
+resume check never trips on it.
 """
 
 from __future__ import annotations
@@ -34,10 +16,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import tomllib
+import yaml
 
 from encoderkit.errors import EncoderkitError
-
-REQUIRED: Any = MISSING
+from encoderkit.io import write_text_atomic
 
 
 def arg(
@@ -63,39 +45,27 @@ def check(ok: bool, message: str) -> None:
         raise EncoderkitError(message)
 
 
-@dataclass(frozen=True)
-class Renamed:
-    """The new key of an old spelling; with ``values``, only those values of the old key mean it."""
-
-    new: str
-    values: tuple[Any, ...] = ()
-
-    def applies(self, value: Any) -> bool:
-        return not self.values or value in self.values
-
-
-SAID: set[str] = set()  # deprecations already printed by this process (each is said once)
-
-
-class _ConfigType(type):
-    """Old keyword spellings work in Python as well: ``IndexConfig(runtime="onnx-int8")``."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        if kwargs and cls.renamed:
-            kwargs = cls.new_keys(kwargs, cls.__name__)
-        return super().__call__(*args, **kwargs)
+def check_spellings(data: dict[str, Any], source: str = "config") -> None:
+    """Refuse a mapping that sets one key twice, as ``seq-len`` and as ``seq_len`` (``-`` reads as ``_``)."""
+    given: dict[str, str] = {}  # field name -> the key that set it, as written
+    for key in data:
+        name = key.replace("-", "_")
+        if name in given:
+            raise EncoderkitError(f"{source}: {given[name]!r} and {key!r} both set {name!r}; keep one of them")
+        given[name] = key
 
 
 @dataclass
-class StageConfig(metaclass=_ConfigType):
+class StageConfig:
     """Base of every stage config. Subclasses add fields with :func:`arg` and may override ``validate``.
 
     A config is read-only once built and checked: a stage that needs another value derives it (a
     local variable, a task's options object, ``dataclasses.replace`` for a new config) instead of
     writing it back, so the config a run records is the one it was given."""
 
-    # old key -> its new key, kept one release (see the module docstring)
-    renamed: ClassVar[dict[str, Renamed]] = {}
+    # a setting whose value narrows which of the others apply, e.g. {"to": {"static": ("teacher", "train", ...)}}:
+    # `--to static --help` lists only those fields' flags (the CLI reads it; parsing still accepts every flag)
+    FLAG_VIEWS: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {}
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -132,38 +102,8 @@ class StageConfig(metaclass=_ConfigType):
         return {f.name: _jsonable(getattr(self, f.name)) for f in fields(self) if not f.metadata.get("speed")}
 
     @classmethod
-    def new_keys(cls, data: dict[str, Any], source: str = "config", flags: bool = False) -> dict[str, Any]:
-        """``data`` with every old spelling replaced by its new key (``-`` read as ``_``; other keys
-        kept as written), each deprecation said once on stderr; ``flags``: from command-line flags."""
-        from encoderkit.progress import note
-
-        def spell(key: str, value: Any = None, ruled: bool = False) -> str:
-            if flags:
-                return f"{_flag(key)} {value}" if ruled else _flag(key)
-            return repr(f"{key}: {value}" if ruled else key)
-
-        out: dict[str, Any] = {}
-        given: dict[str, str] = {}  # field name -> the key that set it, as written
-        for key, value in data.items():
-            name = key.replace("-", "_")
-            r = cls.renamed.get(name)
-            new_key = key
-            if r is not None and r.applies(value):
-                old, new = spell(name, value, bool(r.values)), spell(r.new, value, bool(r.values))
-                message = f"{source}: {old} is deprecated, use {new} instead ({old} is removed in the next release)"
-                if message not in SAID:
-                    SAID.add(message)
-                    note(message)
-                name = new_key = r.new
-            if name in given:
-                raise EncoderkitError(f"{source}: {given[name]} and {spell(key)} both set {spell(name)}; keep "
-                                      f"{spell(name)} alone")
-            out[new_key], given[name] = value, spell(key)
-        return out
-
-    @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> StageConfig:
-        data = cls.new_keys(data, source)
+        check_spellings(data, source)
         known = {f.name: f for f in fields(cls)}
         unknown = [k for k in data if k.replace("-", "_") not in known]
         if unknown:
@@ -186,8 +126,6 @@ class StageConfig(metaclass=_ConfigType):
         return cls.from_dict(data, source=str(path))
 
     def save(self, path: str | Path) -> None:
-        from encoderkit.io import write_text_atomic
-
         write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
 
@@ -214,8 +152,6 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
         if p.suffix == ".toml":
             data = tomllib.loads(text)
         elif p.suffix in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text) or {}
         elif p.suffix == ".json":
             data = json.loads(text)
@@ -223,10 +159,8 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
             raise EncoderkitError(f"config file {p}: use .yaml, .yml, .toml or .json")
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise EncoderkitError(f"config file {p} is not valid: {e}") from e
-    except Exception as e:  # yaml.YAMLError without importing yaml at module level
-        if type(e).__module__.startswith("yaml"):
-            raise EncoderkitError(f"config file {p} is not valid YAML: {e}") from e
-        raise
+    except yaml.YAMLError as e:
+        raise EncoderkitError(f"config file {p} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
         raise EncoderkitError(f"config file {p} must hold a mapping of keys to values")
     return data

@@ -1,27 +1,26 @@
 """`encoderkit doctor`: what this machine is, how fast it multiplies matrices, and which backend
 each stage will pick here and why.
 
-    encoderkit --threads 1 doctor          # text
-    encoderkit doctor --json               # the same as JSON
-
-Three sections: the hardware line (:func:`encoderkit.hardware.describe`, the line every benchmark
-prints); measured matrix-multiply peaks (square ``size x size`` products, best of repeated runs for
-``seconds`` each: fp32 and bf16 ``torch.matmul``, int8 ``torch._int_mm`` and ONNX Runtime's
-``MatMulInteger``, the kernel the ONNX INT8 backends run), at torch's current thread count; and the
-backend choices of pretrain/finetune (bf16 autocast), predict/serve (ONNX FP32/INT8) and the
-compression planner (hardware kind and quantization lever).
+Peaks are measured on the kernels the backends run (fp32/bf16 ``torch.matmul``, int8 ``torch._int_mm`` and
+ONNX Runtime's ``MatMulInteger``), at torch's current thread count, so a choice can be checked on the machine.
 """
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+
 from encoderkit import hardware
+from encoderkit.compress.plan import PlanConfig, make_plan
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.hardware import Choice, Hardware
+from encoderkit.inference.policy import MEASURED, auto_by_cpu_class, cpu_class, serve_rule
 
 
 @dataclass
@@ -64,8 +63,6 @@ def _best_rate(fn: Callable[[], Any], ops: float, seconds: float, sync: Callable
 
 def matmul_rate(dtype: Any, n: int = 512, seconds: float = 0.3, device: str = "cpu") -> float:
     """FLOP/s of ``torch.matmul`` of two (n, n) matrices in ``dtype`` on ``device`` (best run)."""
-    import torch
-
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
@@ -74,8 +71,6 @@ def matmul_rate(dtype: Any, n: int = 512, seconds: float = 0.3, device: str = "c
 
 def torch_peaks(n: int, seconds: float, device: str = "cpu") -> list[Peak]:
     """fp32 and bf16 ``torch.matmul`` and int8 ``torch._int_mm`` (int32 out) of (n, n) @ (n, n)."""
-    import torch
-
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     g = torch.Generator().manual_seed(0)
     shape = f"({n}, {n}) @ ({n}, {n})"
@@ -95,11 +90,11 @@ def onnx_int8_peak(n: int, seconds: float, threads: int) -> Peak:
     """ONNX Runtime ``MatMulInteger`` (uint8 activations x int8 weights, as dynamic INT8 runs them)."""
     shape = f"({n}, {n}) @ ({n}, {n})"
     try:
-        import numpy as np
         import onnxruntime as ort
         from onnx import TensorProto, helper
     except ImportError:
-        return Peak("int8", "onnxruntime MatMulInteger", "cpu", shape, None, "onnxruntime not installed (pip install encoderkit[deploy])")
+        return Peak("int8", "onnxruntime MatMulInteger", "cpu", shape, None,
+                    "onnxruntime not installed (pip install encoderkit[deploy])")
     graph = helper.make_graph(
         [helper.make_node("MatMulInteger", ["A", "B"], ["Y"])], "matmul_integer",
         [helper.make_tensor_value_info("A", TensorProto.UINT8, [n, n]),
@@ -117,9 +112,6 @@ def onnx_int8_peak(n: int, seconds: float, threads: int) -> Peak:
 
 def backend_choices(hw: Hardware) -> dict[str, Choice]:
     """What each stage picks on ``hw`` and why (pure: no measurement, no files)."""
-    from encoderkit.compress.plan import PlanConfig, make_plan
-    from encoderkit.inference.engines import serve_rule
-
     device = "cuda" if hw.cuda else "cpu"
     bf16 = hardware.bf16_choice(hw, device)
     train = Choice(f"bf16 autocast {'on' if bf16.value else 'off'} ({device})", bf16.why)
@@ -127,8 +119,9 @@ def backend_choices(hw: Hardware) -> dict[str, Choice]:
     int8_why = ("INT8 matrix multiplies run on the CPU's VNNI/AMX int8 dot products here" if hw.vnni else
                 "this CPU has no VNNI/AMX: ONNX Runtime's u8 x s8 INT8 runs on AVX2 multiply-adds, gains less and "
                 "can saturate (quantizing with reduce_range is ONNX Runtime's advice for such CPUs)")
-    serve = Choice(serve_rule(hw),  # the engines' ``serve`` policy: what ``--backend auto`` runs
-                   "INT8 for embeddings, where it was measured to keep quality; for the other tasks where the "
+    serve = Choice(serve_rule(hw),  # the engine policy: what ``--backend auto`` runs
+                   "for embeddings the fastest faithful engine whose output does not depend on the batch (per CPU "
+                   "class below); INT8 for the other tasks where the "
                    "folder's own dev rows say INT8 and FP32 agree (each folder's reason: Predictor.backend_reason, "
                    f"serve's startup line; --backend onnx-int8 forces it); {int8_why}")
 
@@ -136,7 +129,8 @@ def backend_choices(hw: Hardware) -> dict[str, Choice]:
     plans = []
     for budget, teacher in (("none", False), ("some", True)):
         plan = make_plan(PlanConfig(budget=budget, teacher=teacher, goal="latency", hardware=kind.value))
-        steps = [s.lever + (f"({', '.join(f'{k}={v}' for k, v in s.params.items())})" if s is plan.quantization() else "")
+        quant = plan.quantization()
+        steps = [s.lever + (f"({', '.join(f'{k}={v}' for k, v in s.params.items())})" if s is quant else "")
                  for s in plan.steps]
         plans.append(f"budget {budget}{' + teacher' if teacher else ''}: {' -> '.join(steps)}")
     planner = Choice(f"--hardware auto = {kind.value}; " + "; ".join(plans), kind.why)
@@ -153,13 +147,20 @@ class DoctorResult:
     versions: dict[str, str] = field(default_factory=dict)
     as_json: bool = False
 
+    def by_cpu_class(self) -> list[dict[str, Any]]:
+        """What ``auto`` runs a plain embed folder on per CPU class, why, and its measured ratio to the best peer."""
+        here = cpu_class(self.hardware)
+        return [{"cpu_class": kind, "this_cpu": kind == here, "backend": c.value, "why": c.why,
+                 "against_best_peer": MEASURED[kind]} for kind, c in auto_by_cpu_class()]
+
     def to_dict(self) -> dict[str, Any]:
         return {"hardware": self.hardware.describe(), "details": self.hardware.as_dict(), "threads": self.threads,
                 "versions": self.versions,
                 "peaks": [{"dtype": p.dtype, "kernel": p.kernel, "device": p.device, "shape": p.shape,
                            "gops": None if p.ops_per_s is None else round(p.ops_per_s / 1e9, 1), "note": p.note}
                           for p in self.peaks],
-                "choices": {k: {"choice": c.value, "why": c.why} for k, c in self.choices.items()}}
+                "choices": {k: {"choice": c.value, "why": c.why} for k, c in self.choices.items()},
+                "embed_auto_by_cpu_class": self.by_cpu_class()}
 
     def text(self) -> str:
         lines = [f"hardware: {self.hardware.describe()}",
@@ -177,6 +178,12 @@ class DoctorResult:
         lines += ["", "backends each stage picks on this machine:"]
         for stage, c in self.choices.items():
             lines += [f"  {stage}: {c.value}", f"    why: {c.why}"]
+        lines += ["", ("embed --backend auto per CPU class (a plain weights folder; ratio: bench/embed_peers.py "
+                       "against the best peer, docs/deploy.md):")]
+        for row in self.by_cpu_class():
+            mark = " (this CPU)" if row["this_cpu"] else ""
+            lines += [(f"  {row['cpu_class']}{mark}: {row['backend']}; against the best peer: "
+                      f"{row['against_best_peer']}"), f"    because: {row['why'].split('; CPU class')[0]}"]
         return "\n".join(lines)
 
     def summary(self) -> dict[str, Any] | str:
@@ -184,8 +191,6 @@ class DoctorResult:
 
 
 def _versions() -> dict[str, str]:
-    import importlib.metadata as md
-
     out = {}
     for name in ("torch", "onnxruntime", "transformers"):
         try:
@@ -198,8 +203,6 @@ def _versions() -> dict[str, str]:
 def run(cfg: DoctorConfig) -> DoctorResult:
     """Print this machine's hardware line, measured matrix-multiply peaks (fp32, bf16, int8) and
     which backend each stage picks here and why; exits 0 on any machine."""
-    import torch
-
     hw = hardware.detect()
     threads = torch.get_num_threads()
     peaks = torch_peaks(cfg.size, cfg.seconds, "cpu") + [onnx_int8_peak(cfg.size, cfg.seconds, threads)]

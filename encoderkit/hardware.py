@@ -1,18 +1,8 @@
-"""The machine we run on, found rather than assumed: CPU model and instruction sets, usable
-threads, CUDA devices and whether they have 2:4 sparse tensor cores.
+"""The machine we run on, found rather than assumed: CPU model and instruction sets (``/proc/cpuinfo``, else
+torch's probes), usable threads, CUDA devices. Nothing here raises: an unknown machine is described as such.
 
-    from encoderkit import hardware
-    hardware.describe()   # "CPU Intel Xeon Processor | 2 threads | avx2 avx512f avx512_vnni avx512_bf16 amx | no CUDA"
-    hw = hardware.detect()
-    hw.bf16, hw.vnni, hw.sparse_gpu
-
-The instruction sets come from the ``flags`` line of ``/proc/cpuinfo`` on Linux; elsewhere (or
-when it cannot be read) from torch's own CPU probes (``torch.backends.cpu.get_cpu_capability()``
-and ``torch.cpu._is_*_supported``). Nothing here raises: an unknown machine is described as such.
-
-Every choice that depends on the hardware asks this module, so that the reasons agree:
-bf16 autocast in training (:func:`bf16_choice`), the planner's ``--hardware auto``
-(:func:`planner_hardware`), and what ``encoderkit doctor`` reports.
+Every hardware-dependent choice (bf16 autocast, the planner's ``--hardware auto``, ``encoderkit doctor``) asks
+this module, so that the reasons agree.
 """
 
 from __future__ import annotations
@@ -25,6 +15,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 # flag spellings of /proc/cpuinfo that decide something here, in the order they are printed
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
@@ -164,8 +156,6 @@ def usable_threads() -> int:
 
 def _torch_isa() -> frozenset[str]:
     try:
-        import torch
-
         cpu = getattr(torch, "cpu", None)
         found = {flag for probe, flag in TORCH_PROBES.items() if getattr(cpu, probe, lambda: False)()}
         cap = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
@@ -180,8 +170,6 @@ def _torch_isa() -> frozenset[str]:
 
 def _cuda_devices() -> tuple[CudaDevice, ...]:
     try:
-        import torch
-
         if not torch.cuda.is_available():
             return ()
         out = []
@@ -267,6 +255,6 @@ def planner_hardware(hw: Hardware) -> Choice:
         which = ", ".join(hw.vnni_names())
         return Choice("cpu-vnni", f"{no_sparse}the CPU has {which}: INT8 matrix multiplies run on int8 dot-product "
                                   "instructions")
-    return Choice("cpu", f"{no_sparse}the CPU has no VNNI/AMX int8 dot products "
-                         f"({'AVX2 only' if hw.avx2 and not hw.avx512 else 'AVX-512 without VNNI' if hw.avx512 else 'no AVX2'}): "
+    isa = "AVX2 only" if hw.avx2 and not hw.avx512 else "AVX-512 without VNNI" if hw.avx512 else "no AVX2"
+    return Choice("cpu", f"{no_sparse}the CPU has no VNNI/AMX int8 dot products ({isa}): "
                          "INT8 still cuts bytes, with a smaller speed-up")

@@ -1,12 +1,8 @@
 """Atomic output: nothing half-written ever appears under a final name.
 
-Every stage writes a new directory. :func:`output_dir` hands out a temporary sibling folder and
-renames it into place only when the stage finished; on an exception the temporary folder is
-removed and any previous output is left as it was. Single files are written to a temporary
-name in the same folder and renamed (``os.replace`` is atomic on POSIX).
-
-What a model folder holds, its ``encoderkit.json`` card included, is :mod:`encoderkit.models`'
-business (:mod:`encoderkit.models.card`); this module only writes outputs safely.
+Folders are written as a temporary sibling renamed into place when the stage finishes (:func:`output_dir`),
+files as a temporary sibling renamed with ``os.replace``. What a model folder holds is
+:mod:`encoderkit.models.card`'s business; this module only writes outputs safely.
 """
 
 from __future__ import annotations
@@ -20,11 +16,15 @@ import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from encoderkit.errors import EncoderkitError
+from encoderkit.progress import note
 
 
 def cache_dir(name: str) -> Path:
@@ -34,11 +34,8 @@ def cache_dir(name: str) -> Path:
 
 
 def cached_array(kind: str, key: str, rows: int, compute: Callable[[], Any], what: str) -> Any:
-    """``compute()``, a numpy array of ``rows`` rows, kept in ``cache_dir(kind)/key.npy``: returned from there
-    when present with that many rows, else computed and written atomically. Plain ``.npy``, read without
-    pickle. A cache that cannot be written costs time later, not this run: a note names ``what`` was not kept."""
-    import numpy as np
-
+    """``compute()``, a numpy array of ``rows`` rows, cached as ``cache_dir(kind)/key.npy`` (no pickle).
+    A cache that cannot be written costs time later, not this run: a note names ``what`` was not kept."""
     path = cache_dir(kind) / f"{key}.npy"
     if path.is_file():
         with contextlib.suppress(OSError, ValueError):
@@ -55,8 +52,6 @@ def cached_array(kind: str, key: str, rows: int, compute: Callable[[], Any], wha
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        from encoderkit.progress import note
-
         note(f"could not cache {what} in {path.parent} ({e.strerror or e}); continuing without the cache")
     return out
 
@@ -73,16 +68,16 @@ def check_output_dir(out: str | Path, overwrite: bool) -> Path:
 
 
 def check_writable(folder: str | Path, flag: str = "--out") -> None:
-    """Refuse ``folder`` (to be created, or replaced through a sibling as :func:`output_dir` does) when its
-    parent cannot be written: checked by creating and removing a probe folder in the nearest existing
-    ancestor, so that a long run fails before its first step rather than when it saves. (``os.access`` would
-    say yes to root on a read-only folder.)"""
+    """Refuse ``folder`` when its parent cannot be written, so a long run fails before its first step rather
+    than when it saves. Probes by creating a folder in the nearest existing ancestor (``os.access`` says yes
+    to root on a read-only folder)."""
     folder = Path(folder).absolute()
     base = folder.parent
     while not base.exists() and base != base.parent:
         base = base.parent
     if not base.is_dir():
-        raise EncoderkitError(f"{flag} {folder} cannot be created: {base} is a file, not a folder; choose another {flag}")
+        raise EncoderkitError(f"{flag} {folder} cannot be created: {base} is a file, not a folder; "
+                              f"choose another {flag}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".encoderkit-write-check-", dir=base))
     except OSError as e:
@@ -94,9 +89,9 @@ _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
 
 def write_failure(e: BaseException, where: Path | None = None) -> str | None:
-    """Why ``e`` is a failed write (disk full, quota, read-only or unwritable folder), or None when it is
-    something else. Safetensors raises its own ``SafetensorError`` and ``torch.save`` a ``RuntimeError`` for a
-    full disk, not an OSError. An OSError counts when it is a disk-full kind or names a file under ``where``."""
+    """Why ``e`` is a failed write (disk full, quota, read-only or unwritable folder), or None. An OSError counts
+    when it is a disk-full kind or names a file under ``where``; safetensors and ``torch.save`` raise their own
+    errors for a full disk."""
     if isinstance(e, OSError):
         inside = where is not None and e.filename is not None and str(e.filename).startswith(str(where))
         if e.errno in _FULL or inside:
@@ -150,13 +145,9 @@ def resumed_folder(out: str | Path) -> Path | None:
 
 @contextlib.contextmanager
 def resumable_dir(out: str | Path, overwrite: bool, resume: bool, retry: str = "rerun with --resume") -> Iterator[Path]:
-    """Like :func:`output_dir`, but the folder being written is ``.<name>.partial`` beside ``out`` and
-    outlives a failure: work that takes hours keeps what it finished. ``resume`` continues in an existing
-    one (or, when there is none, the finished ``out`` itself, which becomes the partial folder again);
-    without it a stale one is removed first. It becomes ``out`` only if the block finishes; a failure
-    leaves it (unless empty) and the error says so, ending with ``retry``."""
-    from encoderkit.progress import note
-
+    """Like :func:`output_dir`, but the folder being written, ``.<name>.partial``, outlives a failure (kept unless
+    empty; the error ends with ``retry``) so that hours of work are kept. ``resume`` continues it (or the finished
+    ``out``); without it a stale one is removed first."""
     out, partial = Path(out), partial_dir(out)
     out = check_output_dir(out, overwrite or resume and not partial.exists())
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -224,9 +215,9 @@ def _alive(pid: int) -> bool:
 
 def _new_sibling(path: Path, kind: str, create) -> Path:
     """Create ``.<name>.<kind>-<pid>-<random>`` beside ``path`` with ``create(p)`` (exclusively), and return it.
-    Unlike ``tempfile.mkdtemp`` / ``mkstemp`` (0700 / 0600, meant for private scratch files), the caller asks
-    for 0777 / 0666 and the umask applies, so a folder or file renamed into place gets the permissions of any
-    normal new one (0755 / 0644 under umask 022)."""
+    Not ``tempfile``'s 0700 / 0600: the caller asks for 0777 / 0666 under the umask, as for any normal new one.
+    Temporaries that a killed run (a pid that is gone) left under these names are removed first."""
+    sweep_stale(path)
     for _ in range(100):
         candidate = path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
         try:
@@ -237,10 +228,40 @@ def _new_sibling(path: Path, kind: str, create) -> Path:
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(path))
 
 
+_STALE_KINDS = ("tmp", "old")  # what _new_sibling and replace_dir name ``.<name>.<kind>-<pid>-...``
+
+
+def sweep_stale(path: str | Path) -> int:
+    """Remove the temporaries beside ``path`` (``.<name>.tmp-<pid>-*``, ``.<name>.old-<pid>-*``) whose process is
+    gone: what a run killed with SIGKILL left. A live process's (a concurrent writer's) are kept. Returns how many."""
+    path = Path(path)
+    removed = 0
+    try:
+        entries = list(path.parent.iterdir()) if path.parent.is_dir() else []
+    except OSError:
+        return 0
+    for entry in entries:
+        rest = entry.name.removeprefix(f".{path.name}.")
+        if rest == entry.name:
+            continue
+        kind, _, tail = rest.partition("-")
+        pid = tail.split("-", 1)[0]
+        if kind not in _STALE_KINDS or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed += 1
+    if removed:
+        note(f"removed {removed} temporary file(s) beside {path} left by a run that was killed")
+    return removed
+
+
 def normalize_modes(folder: Path) -> None:
-    """Give everything below ``folder`` the permissions of a normal new folder / file here (``folder``'s own mode,
-    made with 0777 under the umask: 0755 / 0644 under umask 022). Libraries differ (safetensors writes 0600,
-    torch.save 0644), and an output folder's files should not."""
+    """Give everything below ``folder`` the permissions of a normal new folder / file there (``folder``'s own
+    mode), whatever mode the library that wrote it chose (safetensors writes 0600)."""
     folder = Path(folder)
     dir_mode = stat.S_IMODE(folder.stat().st_mode)
     for root, dirs, files in os.walk(folder):
@@ -254,10 +275,50 @@ def normalize_modes(folder: Path) -> None:
                 os.chmod(p, want)
 
 
+def portable_path(path: str | Path, folder: str | Path) -> str:
+    """``path`` as a file written in ``folder`` records it: relative to ``folder`` (``../teacher``), so that the
+    folder can be copied or moved together with what it names and holds no absolute path. A source that is not a
+    file path (``hf:...``, ``builtin:...``) is kept as it is. :func:`recorded_path` reads it back."""
+    s = str(path)
+    if not s or _is_scheme(s):
+        return s
+    return os.path.relpath(os.path.realpath(s), os.path.realpath(folder))
+
+
+def recorded_path(value: str | Path, folder: str | Path) -> Path:
+    """A path a file in ``folder`` recorded (:func:`portable_path`), resolved against ``folder``; an absolute one
+    (written before paths were recorded relative) as it is."""
+    p = Path(value)
+    return p if p.is_absolute() or _is_scheme(str(value)) else Path(folder) / p
+
+
+def portable(value: Any, folder: str | Path) -> Any:
+    """``value`` (a config, a list, a mapping) with every absolute path in it made relative to ``folder``
+    (:func:`portable_path`); other values, relative paths as the user typed them included, unchanged."""
+    if isinstance(value, str):
+        return portable_path(value, folder) if _is_abs_path(value) else value
+    if isinstance(value, Path):
+        return portable_path(value, folder) if value.is_absolute() else str(value)
+    if isinstance(value, (list, tuple)):
+        return [portable(v, folder) for v in value]
+    if isinstance(value, dict):
+        return {k: portable(v, folder) for k, v in value.items()}
+    return value
+
+
+def _is_scheme(s: str) -> bool:
+    head, sep, _ = s.partition(":")
+    return bool(sep) and head.isalpha() and len(head) > 1  # hf:org/name, builtin:stdlib (not C:\ on Windows)
+
+
+def _is_abs_path(s: str) -> bool:
+    """An absolute path of this machine: absolute, one line, and its parent folder exists (not a URL's path)."""
+    return os.path.isabs(s) and "\n" not in s and len(s) < 4096 and Path(s.split("#")[0]).parent.is_dir()
+
+
 def relocate_paths(folder: Path, old: Path, new: Path) -> int:
-    """Rewrite paths under ``old`` to ``new`` in the JSON files below ``folder`` (cards, store
-    metadata), for stages that build sub-folders inside a temporary output folder. Returns how
-    many files changed."""
+    """Rewrite paths under ``old`` to ``new`` in the JSON files below ``folder`` (for stages that build
+    sub-folders inside a temporary output folder); returns how many files changed."""
     pairs = [(str(old.resolve()), str(new.resolve())), (str(old), str(new))]
 
     def fix(v: Any) -> Any:
@@ -301,8 +362,8 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` through a temporary sibling and a rename, with a normal new file's permissions (0644 under
-    umask 022). A failed write is an EncoderkitError naming ``path``."""
+    """Write ``path`` through a temporary sibling and a rename, with a normal new file's permissions; a failed
+    write is an EncoderkitError naming ``path``."""
     path = Path(path)
     try:
         with _sibling_file(path, binary=True) as (f, _):
@@ -311,14 +372,14 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         reason = write_failure(e, path.parent)
         if reason is None:
             raise
-        raise EncoderkitError(f"could not write {path} ({reason}); free disk space (or fix permissions) and rerun") from e
+        raise EncoderkitError(f"could not write {path} ({reason}); free disk space (or fix permissions) "
+                              "and rerun") from e
 
 
 @contextlib.contextmanager
 def open_text_atomic(path: Path) -> Iterator[Any]:
-    """A text file (UTF-8) to write ``path`` piece by piece: a temporary sibling, renamed onto ``path`` when the
-    block ends without an exception and removed when it raises, so a failure leaves no (and no half) ``path``.
-    For outputs too large to build in memory first; a failed write is an EncoderkitError naming ``path``."""
+    """A UTF-8 text file to write ``path`` piece by piece (outputs too large to build in memory): renamed onto
+    ``path`` when the block ends, removed when it raises; a failed write is an EncoderkitError naming ``path``."""
     path = Path(path)
     tmp: list[Path] = []
     try:
@@ -340,7 +401,8 @@ def _sibling_file(path: Path, binary: bool) -> Iterator[tuple[Any, list[Path]]]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fds: list[int] = []
-        tmp.append(_new_sibling(path, "tmp", lambda p: fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))))
+        tmp.append(_new_sibling(path, "tmp",
+                                lambda p: fds.append(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))))
         with os.fdopen(fds[0], "wb") if binary else os.fdopen(fds[0], "w", encoding="utf-8", newline="") as f:
             yield f, tmp
             f.flush()
@@ -392,7 +454,8 @@ def _lone_surrogate(value: Any, path: str = "") -> str | None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            return f"field {path or 'value'!r} has a lone surrogate (U+{ord(value[e.start]):04X}) at character {e.start}"
+            return (f"field {path or 'value'!r} has a lone surrogate (U+{ord(value[e.start]):04X}) "
+                    f"at character {e.start}")
         return None
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for k, v in items:
@@ -400,3 +463,139 @@ def _lone_surrogate(value: Any, path: str = "") -> str | None:
         if found:
             return found
     return None
+
+
+# -- inputs: one way to open a file a user names, and one line reader ----------------------------------
+def input_problem(path: str | Path, e: OSError) -> str:
+    """What happened when ``path`` could not be opened, in words (permission, missing, folder, ...)."""
+    if isinstance(e, PermissionError):
+        return "permission denied; fix its permissions (e.g. chmod u+r) or run as a user who may read it"
+    if isinstance(e, FileNotFoundError):
+        return "it does not exist; check the spelling and the current folder"
+    if isinstance(e, IsADirectoryError):
+        return "it is a folder, not a file; give a file"
+    return f"{e.strerror or e}; check the file and the disk"
+
+
+def check_input(path: str | Path, flag: str = "--input") -> Path:
+    """``path`` if it is a regular file this process may read, else an EncoderkitError saying what it is instead
+    (missing, a broken link, a folder, a device such as /dev/null, a pipe, unreadable). A pipe is refused without
+    being opened (opening one blocks until something writes to it)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        if p.is_symlink():
+            raise EncoderkitError(f"{flag} {p} is a link to {os.readlink(p)}, which does not exist; "
+                                  "give a file") from None
+        raise EncoderkitError(f"{flag} {p} does not exist; check the spelling and the current folder") from None
+    except OSError as e:
+        raise EncoderkitError(f"{flag} {p} cannot be read: {input_problem(p, e)}") from e
+    if stat.S_ISDIR(st.st_mode):
+        raise EncoderkitError(f"{flag} {p} is a folder, not a file; give a file inside it")
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                "a pipe" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a file")
+        raise EncoderkitError(f"{flag} {p} is {kind}, not a regular file; give a file (save the data to one first)")
+    try:
+        open(p, "rb").close()  # only asks whether it may be read
+    except OSError as e:
+        raise EncoderkitError(f"{flag} {p} cannot be read: {input_problem(p, e)}") from e
+    return p
+
+
+def lines_of(stream: Any, name: str, keep_ends: bool = False, fix: str = "convert it to UTF-8 (e.g. iconv -f latin1 "
+             "-t utf-8)", offset_kind: str = "byte offset") -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each line of a binary ``stream`` (named ``name`` in errors). Only ``\\n`` ends a
+    line (with ``\\r\\n``, the ``\\r`` is part of the ending): a U+2028, U+2029, form feed, U+0085 or a lone ``\\r``
+    inside a record is text, not a line break, as JSON and CSV read it. The ending is removed unless ``keep_ends``; a
+    leading UTF-8 BOM (Excel's "CSV UTF-8") is dropped. A byte that is not UTF-8 is an error naming the line and
+    the byte offset, and ``fix``."""
+    offset = 0
+    for number, raw in enumerate(stream, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise EncoderkitError(f"{name}:{number}: not UTF-8 ({offset_kind} {offset + e.start}); {fix}") from None
+        offset += len(raw)
+        if number == 1 and line.startswith("\ufeff"):
+            line = line[1:]
+        if not keep_ends and line.endswith("\n"):
+            line = line[:-2] if line.endswith("\r\n") else line[:-1]
+        yield number, line
+
+
+def read_lines(path: str | Path, flag: str = "--input", keep_ends: bool = False) -> Iterator[tuple[int, str]]:
+    """:func:`lines_of` of the file ``path`` (checked by :func:`check_input` when the first line is asked for)."""
+    p = check_input(path, flag)
+    try:
+        with open(p, "rb") as f:
+            yield from lines_of(f, str(p), keep_ends)
+    except OSError as e:
+        raise EncoderkitError(f"{flag} {p} could not be read: {input_problem(p, e)}") from e
+
+
+@dataclass
+class BlankLines:
+    """The blank lines a record reader skipped (how many, and the first's number): the one rule for blank lines
+    in a file of one record per line is to skip, count and report them; each result carries its record's line."""
+
+    count: int = 0
+    first: int | None = None
+
+
+def records(lines: Iterable[tuple[int, str]], name: str, blank: BlankLines | None = None) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of ``lines`` (one record each), with their numbers; blank (whitespace-only) lines are
+    counted in ``blank`` and reported once on stderr at the end."""
+    blank = blank if blank is not None else BlankLines()
+    for number, line in lines:
+        if line.strip():
+            yield number, line
+            continue
+        blank.count += 1
+        blank.first = blank.first or number
+    if blank.count:
+        note(f"{name}: skipped {blank.count} blank line(s) (the first is line {blank.first}); results name each "
+             "record's line")
+
+
+def check_output_file(out: str | Path, overwrite: bool, flag: str = "--output",
+                      inputs: Iterable[str | Path | None] = ()) -> Path:
+    """The one check of an output file before any work: not one of the run's ``inputs`` (even with --overwrite),
+    not a folder, not an existing file unless ``overwrite``, and in a folder that can be written."""
+    out = Path(out)
+    refuse_input_as_output(out, inputs, flag)
+    if out.is_dir():
+        raise EncoderkitError(f"{flag} {out} is a folder; give a file name (e.g. {out / 'out.jsonl'})")
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise EncoderkitError(f"{flag} {out} exists; pass --overwrite to replace it, or choose another {flag}")
+    check_writable(out, flag)
+    return out
+
+
+def refuse_input_as_output(out: str | Path, inputs: Iterable[str | Path | None], flag: str = "--out",
+                           folder: bool = False) -> None:
+    """An EncoderkitError when ``out`` is one of ``inputs`` (the same file, through links too) or, for a ``folder``
+    output (replaced whole), a folder holding one: writing it would destroy what the run reads, whatever --overwrite
+    says."""
+    o = Path(out).absolute()
+    ro = Path(os.path.realpath(o))
+    for given in inputs:
+        if not given or str(given).startswith(("hf:", "builtin:")):
+            continue
+        i = Path(given).absolute()
+        if not os.path.lexists(i):
+            continue
+        ri = Path(os.path.realpath(i))
+        same = ri == ro or (o.exists() and _same_file(o, i))
+        if same or (folder and ro.is_dir() and ro in ri.parents):
+            what = "is" if same else "holds"
+            raise EncoderkitError(f"{flag} {out} {what} the input {given}; writing it would destroy the input. "
+                                  f"Choose another {flag}")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

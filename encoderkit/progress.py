@@ -1,10 +1,7 @@
 """Progress on long work: a tqdm bar on a terminal, a plain line a minute in a log file.
 
-tqdm hides itself when stderr is not a terminal (``disable=None``), so a run under nohup, a
-scheduler or CI used to show nothing until it ended. :func:`progress` keeps the bar on a terminal
-and otherwise writes ``DESC 120/2104 (5.7%), loss=0.49, 1m02s elapsed, 35m left`` lines to
-stderr every ``every`` seconds (and at the end). Both support iteration, ``update``,
-``set_postfix``, ``close`` and ``with``.
+tqdm hides itself when stderr is not a terminal, so a run under nohup, a scheduler or CI gets
+``DESC 120/2104 (5.7%), loss=0.49, 1m02s elapsed, 35m left`` lines from :class:`LineProgress` instead.
 """
 
 from __future__ import annotations
@@ -13,6 +10,8 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+from tqdm.auto import tqdm
 
 LINE_EVERY = 60.0  # seconds between lines when stderr is not a terminal
 
@@ -76,17 +75,14 @@ def progress(iterable: Iterable[Any] | None = None, *, total: float | None = Non
              initial: float = 0, leave: bool = True, **tqdm_kw: Any) -> Any:
     """A tqdm bar on a terminal, else a :class:`LineProgress`."""
     if sys.stderr.isatty():
-        from tqdm.auto import tqdm
-
-        return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial, leave=leave, dynamic_ncols=True, **tqdm_kw)
+        return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial, leave=leave, dynamic_ncols=True,
+                    **tqdm_kw)
     return LineProgress(iterable, total=total, desc=desc, unit=unit, initial=initial)
 
 
 def note(message: str) -> None:
     """A message on stderr that does not tear a bar in progress."""
     if sys.stderr.isatty():
-        from tqdm.auto import tqdm
-
         tqdm.write(message, file=sys.stderr)
     else:
         print(message, file=sys.stderr, flush=True)

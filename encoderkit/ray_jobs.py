@@ -1,24 +1,14 @@
 """Corpus jobs on a Ray cluster: one model per actor, results in input order.
 
-    results = map_rows(texts, partial(Predictor.load, folder), Predictor.embed_raw, address="auto", actors=4, batch=256)
+    p = Predictor.load(folder)                  # the driver's engine choice, made once (encoderkit.inference.policy)
+    results = map_rows(texts, partial(Predictor.load, folder, backend=p.choice), Predictor.embed_raw, address="auto")
     for results in map_chunks(chunks, make, call, address="auto"): ...   # chunks: (rows, groups) pairs
 
-:func:`map_chunks` is what ``--ray ADDRESS`` runs: a stream of chunks of rows, each with its groups, in; each
-chunk's results out, in input order, from one pool of ``actors`` actors (``ray.util.ActorPool``), each of which
-builds its model once (``make()``) and then runs ``call(model, rows)`` once per group of rows. The stage passes
-the model calls its single-process run makes (``groups``, see :func:`encoderkit.inference.predictor.engine_batches`),
-and a block of about ``batch`` rows holds whole groups, never part of one, so each row is batched with the rows
-it has in one process (the same values under dynamic INT8 too, whose activation scale is one per call). The
-driver sends at most :data:`IN_FLIGHT` chunks ahead of the one it hands back and puts each chunk's results back
-in input order; an actor whose process dies is restarted and its block run again (:data:`RETRIES` times).
-``predict``, ``index``, ``label --labeller embed|cloze`` and ``audit suspect`` stream their input through it, a
-block of rows read when an earlier one is handed back; :func:`map_rows` is the same on one chunk of rows already
-read, with a progress bar advanced as blocks come back. Rows travel pickled (arbitrary records).
-
-Addresses: ``auto`` (the cluster this machine is part of, as ``ray start`` left it), ``local`` (start Ray on
-this machine for the job), ``HOST:PORT`` (a head node's GCS port, 6379 by default) or ``ray://HOST:10001``
-(Ray Client). A HOST:PORT that does not answer is an error within seconds, before any model is run. A
-process that already called ``ray.init`` (a notebook, the tests) keeps its connection.
+:func:`map_chunks`, what ``--ray ADDRESS`` runs, streams chunks of rows to a pool of actors that each build their
+model once. A chunk goes out in blocks of whole groups (the model calls of the single-process run), so every row is
+batched as in one process: the same values, under dynamic INT8 too. At most :data:`IN_FLIGHT` chunks are out; a dead
+actor is restarted and its block run again (:data:`RETRIES` times). Addresses: ``auto``, ``local``, ``HOST:PORT`` or
+``ray://HOST:10001``; one that does not answer fails before any model runs.
 """
 
 from __future__ import annotations
@@ -42,8 +32,8 @@ CONNECT_TIMEOUT = 5.0  # seconds to wait for a HOST:PORT to accept a connection
 
 def ray_address_arg() -> Any:
     return arg(None, help="Run the model on a Ray cluster: auto (the cluster `ray start` joined here), local (start "
-                          "Ray here), HOST:6379 or ray://HOST:10001; the same rows in the same order as without it (values under "
-                          "dynamic INT8: docs/deploy.md).",
+                          "Ray here), HOST:6379 or ray://HOST:10001; the same rows in the same order as without it "
+                          "(values under dynamic INT8: docs/deploy.md).",
                speed=True)
 
 
@@ -115,7 +105,8 @@ def connected(address: str) -> Iterator[Any]:
         yield ray
         return
     try:
-        ray.init(address=address, logging_level=logging.WARNING, include_dashboard=False if address == "local" else None)
+        ray.init(address=address, logging_level=logging.WARNING,
+                 include_dashboard=False if address == "local" else None)
     except ConnectionError as e:
         raise EncoderkitError(f"--ray {address}: could not connect ({e}); start a cluster with `ray start --head` "
                               "or pass --ray local. Nothing was written") from e
@@ -223,7 +214,7 @@ def map_chunks(chunks: Iterable[tuple[Sequence[Any], Sequence[Sequence[int]] | N
                 try:
                     results = pickle.loads(pool.get_next())
                 except Exception as e:
-                    user = _user_error(e)
+                    user = _user_error(e) or _actor_lost(e)
                     if user is None:
                         raise
                     raise user from e
@@ -271,6 +262,19 @@ def map_rows(rows: Sequence[Any], make: Callable[[], Any], call: Callable[[Any, 
             bar.close()
 
 
+def _actor_lost(e: BaseException) -> EncoderkitError | None:
+    """A message for an actor that died past its restarts (Ray's ActorDiedError / ActorUnavailableError, or a
+    worker process that crashed), or None for anything else."""
+    name = type(e).__name__
+    if name not in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
+                    "LocalRayletDiedError", "NodeDiedError", "OutOfMemoryError"):
+        return None
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return EncoderkitError(f"a Ray worker died {RETRIES} times in a row and was given up ({name}: {first}); nothing "
+                           "was written. Check the Ray cluster's memory and logs (ray status; a killed worker is "
+                           "usually out of memory: lower --ray-batch or --ray-actors) and rerun")
+
+
 def _user_error(e: BaseException) -> EncoderkitError | None:
     """The :class:`EncoderkitError` a worker raised (a wrong model folder, say), out of Ray's wrappers."""
     seen: set[int] = set()
@@ -280,7 +284,8 @@ def _user_error(e: BaseException) -> EncoderkitError | None:
         if x is None or id(x) in seen:
             continue
         seen.add(id(x))
-        inner = getattr(x, "cause", None)  # RayTaskError(EncoderkitError) is one too, with Ray's text: take the original
+        # RayTaskError(EncoderkitError) is one too, with Ray's text: take the original
+        inner = getattr(x, "cause", None)
         if isinstance(inner, EncoderkitError):
             return inner
         if isinstance(x, EncoderkitError):

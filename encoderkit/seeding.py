@@ -8,7 +8,7 @@ import numpy as np
 
 
 def seed_everything(seed: int) -> None:
-    import torch
+    import torch  # noqa: PLC0415 - light path: encoderkit.cli imports this module for `encoderkit --help`
 
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -20,7 +20,9 @@ from typing import Any
 def text_of(prompt: str) -> str:
     """The labelled text inside a prompt made from encoderkit's default template."""
     tail = prompt.rsplit("Text: ", 1)[-1]
-    return tail.rsplit("\nLabel:", 1)[0]
+    for cue in ("\nLabel:", "\nLabels:", "\nEntities:"):  # classify, multilabel, ner
+        tail = tail.rsplit(cue, 1)[0]
+    return tail
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -29,7 +31,8 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class ChatServer:
-    """``reply(text, n_for_text, body) -> str | ("status", code) | ("sleep", s, answer) | ("raw", dict) | ("hang",)``."""
+    """``reply(text, n_for_text, body) -> str | ("status", code) | ("sleep", s, answer) | ("raw", dict)
+    | ("hang",)``."""
 
     def __init__(self, reply: Callable[[str, int, dict], Any], port: int = 0) -> None:
         self.reply = reply

@@ -10,7 +10,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("ENCODERKIT_SHARED_DATA", REPO.parent / "shared" / "data"))
 
-WORDS = ["the", "a", "an", "of", "to", "and", "in", "is", "was", "it", "that", "he", "she", "they", "we", "you", "i", "for", "on", "with", "as", "his", "her", "at", "by", "this", "had", "not", "but", "from", "be", "have", "are", "were", "which", "one", "all", "so", "if", "my", "me", "there", "their", "what", "when", "up", "out", "no", "do", "said", "more", "about", "time", "like", "into", "them", "him", "could", "man", "two", "then", "than", "first", "good", "bad", "great", "movie", "film", "story", "love", "fun", "dull", "boring", "best", "worst", "python", "code", "data", "model"]
+WORDS = ["the", "a", "an", "of", "to", "and", "in", "is", "was", "it", "that", "he", "she", "they", "we", "you", "i",
+         "for", "on", "with", "as", "his", "her", "at", "by", "this", "had", "not", "but", "from", "be", "have", "are",
+         "were", "which", "one", "all", "so", "if", "my", "me", "there", "their", "what", "when", "up", "out", "no",
+         "do", "said", "more", "about", "time", "like", "into", "them", "him", "could", "man", "two", "then", "than",
+         "first", "good", "bad", "great", "movie", "film", "story", "love", "fun", "dull", "boring", "best", "worst",
+         "python", "code", "data", "model"]
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,8 @@ def make_task_model(root: Path, tokenizer_dir: Path, task: str, seed: int = 0) -
     if task == "rerank":
         kw = {"num_labels": 1}
     elif labels:
-        kw = {"num_labels": len(labels), "id2label": dict(enumerate(labels)), "label2id": {v: i for i, v in enumerate(labels)}}
+        kw = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+              "label2id": {v: i for i, v in enumerate(labels)}}
     torch.manual_seed(seed)
     model = getattr(transformers, TASK_CLASSES[task])(tiny_bert_config(len(tok), **kw))
     model.save_pretrained(out)

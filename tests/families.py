@@ -208,8 +208,10 @@ def predict_records(folder: Path, inputs: Path, backend: str, out: Path) -> list
     from encoderkit.inference.predictor import PredictConfig
     from encoderkit.inference.predictor import run as predict
 
-    predict(PredictConfig(model=str(folder), input=str(inputs), output=str(out), backend=backend))
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    predict(PredictConfig(model=str(folder), input=str(inputs), output=str(out), backend=backend, overwrite=True))
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r.pop("line") for r in records] == list(range(1, len(records) + 1))  # predict numbers its input lines
+    return records
 
 
 @pytest.fixture(scope="session")

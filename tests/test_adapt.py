@@ -121,11 +121,13 @@ def test_endpoint_queries_skip_empty_and_garbage_and_train_an_embed_folder(tmp_p
     assert {r["id"]: r["queries"] for r in logged}["d0"] == ["python data 0", "what movie story"]
     assert {r["status"] for r in logged if not r["queries"]} == {"empty", "unparsable"}
     rows = [json.loads(x) for x in (out / "adapt" / "train.jsonl").read_text().splitlines()]
-    assert len(rows) == g["queries"] and all(len(r["negatives"]) == 1 and r["negatives"][0] != r["positive"] for r in rows)
+    assert (len(rows) == g["queries"]
+            and all(len(r["negatives"]) == 1 and r["negatives"][0] != r["positive"] for r in rows))
     assert res.training["steps"] == 3 and res.training["loss"] == "mnrl"
     assert set(res.before) >= {"ndcg@10"} and set(res.after) >= {"ndcg@10"}
     card = json.loads((out / "encoderkit.json").read_text())
-    assert card["stage"] == "adapt" and card["task"] == "embed" and card["metrics"]["queries"]["queries"] == g["queries"]
+    assert (card["stage"] == "adapt" and card["task"] == "embed"
+            and card["metrics"]["queries"]["queries"] == g["queries"])
     # an embed folder that index and search accept, with other vectors than the model it started from
     texts = ["python data story", "dull film fun"]
     a = Predictor.load(embed_dir, backend="torch-fp32").embed(texts)

@@ -90,11 +90,13 @@ def test_adapt_trains_on_cloze_queries(tmp_path, tmp_path_factory, tiny_tokenize
 
 def test_refusals(tmp_path, tiny_bert_dir, tiny_mlm_dir):
     corpus = _corpus(tmp_path / "corpus.jsonl")
-    with pytest.raises(EncoderkitError, match=r"--offline-kinds cloze needs --cloze-model FOLDER: .*encoderkit pretrain"):
+    with pytest.raises(EncoderkitError,
+                       match=r"--offline-kinds cloze needs --cloze-model FOLDER: .*encoderkit pretrain"):
         _cfg(tiny_bert_dir, corpus, tmp_path / "o1", offline_kinds=["title", "cloze"])
     with pytest.raises(EncoderkitError, match="--cloze-model is read by --offline-kinds cloze"):
         _cfg(tiny_bert_dir, corpus, tmp_path / "o2", cloze_model=str(tiny_mlm_dir))
-    with pytest.raises(EncoderkitError, match=r"--cloze-model .* has no masked-LM head \(BertModel\); give .*encoderkit "
+    with pytest.raises(EncoderkitError, match=r"--cloze-model .* has no masked-LM head \(BertModel\); give "
+                                              r".*encoderkit "
                                               r"pretrain.*ForMaskedLM.*all-MiniLM-L6-v2 as shipped has no MLM head"):
         ClozeWriter(tiny_bert_dir)
     with pytest.raises(EncoderkitError, match="--offline-kinds cloze needs --cloze-model"):

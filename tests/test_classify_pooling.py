@@ -41,7 +41,8 @@ def test_mean_pooled_classifier_learns_and_every_loader_applies_it(tmp_path, tin
     model = apply_pooling(AutoModelForSequenceClassification.from_pretrained(res.out).eval())
     assert isinstance(model.bert.pooler, MaskedMeanPooler)
     alone = tok(["the movie was great"], return_tensors="pt")
-    both = tok(["the movie was great", "it was a dull film and the story was boring " * 4], return_tensors="pt", padding=True)
+    both = tok(["the movie was great", "it was a dull film and the story was boring " * 4], return_tensors="pt",
+               padding=True)
     with torch.no_grad():
         a, b = model(**alone).logits, model(**both).logits
         hidden = model.bert(**alone).last_hidden_state
@@ -94,7 +95,10 @@ def test_auto_pooling_is_the_first_token_unless_the_folder_is_a_mean_pooled_clas
     import shutil
 
     from encoderkit.models.folder import ModelFolder
-    from encoderkit.tasks.classify.options import resolve_pooling
+    from encoderkit.models.pooling import task_pooling
+
+    def resolve_pooling(asked, folder):
+        return task_pooling(folder, "classify", asked)
 
     assert resolve_pooling("auto", ModelFolder.open(tiny_bert_dir)) == "first"
     st = tmp_path / "st"
@@ -103,7 +107,8 @@ def test_auto_pooling_is_the_first_token_unless_the_folder_is_a_mean_pooled_clas
     (st / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     (st / "modules.json").write_text("[]")
     assert ModelFolder.open(st).pooling == "mean"  # the embedding's pooling ...
-    assert resolve_pooling("auto", ModelFolder.open(st)) == "first"  # ... is not the classifier's: HF pools the first token
+    # ... is not the classifier's: HF pools the first token
+    assert resolve_pooling("auto", ModelFolder.open(st)) == "first"
     assert resolve_pooling("mean", ModelFolder.open(st)) == "mean"
     clf = tmp_path / "clf"
     _tiny_classifier(tiny_bert_dir, "mean").save_pretrained(clf)
@@ -113,6 +118,7 @@ def test_auto_pooling_is_the_first_token_unless_the_folder_is_a_mean_pooled_clas
 def test_mean_pooling_is_refused_for_a_head_that_reads_the_first_token():
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
-    model = DistilBertForSequenceClassification(DistilBertConfig(vocab_size=50, dim=32, n_layers=1, n_heads=2, hidden_dim=64))
+    model = DistilBertForSequenceClassification(DistilBertConfig(vocab_size=50, dim=32, n_layers=1, n_heads=2,
+                                                                 hidden_dim=64))
     with pytest.raises(EncoderkitError, match="--pooling first"):
         set_pooling(model, "mean")

@@ -3,6 +3,8 @@ command with sub-commands lists them on ``--help``."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from encoderkit.cli import STAGES, add_config_flags, main
@@ -39,3 +41,27 @@ def test_a_percent_sign_in_a_help_string_is_shown_as_written():
     p = argparse.ArgumentParser(prog="demo")
     add_config_flags(p, Demo)
     assert "keep 97% of the quality; 80% stays 80%" in " ".join(p.format_help().split())
+
+
+def test_distill_to_static_help_lists_only_the_flags_that_apply(capsys):
+    """`distill --to static --help` lists the flags distill_static reads, not the task distillation's (issue 53);
+    plain `distill --help` still lists them all, and a run still parses any flag."""
+    from dataclasses import fields
+
+    from encoderkit.compress.distill import DistillConfig
+
+    for argv in (["distill", "--to", "static", "--help"], ["distill", "--help", "--to=static"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert "--teacher" in out and "--dims" in out and "--fit-texts" in out and "--weighting" in out
+        for flag in ("--mode", "--temperature", "--kl-weight", "--miner", "--layers", "--resume", "--matryoshka-dims"):
+            assert not re.search(rf"^  {flag}\b|\[{flag}\b", out, re.MULTILINE), flag  # an option, not a mention
+        assert "The flags that apply with --to static" in out
+    with pytest.raises(SystemExit):
+        main(["distill", "--help"])
+    full = capsys.readouterr().out
+    assert "--temperature" in full and "--miner" in full and "--dims" in full
+    static = DistillConfig.FLAG_VIEWS["to"]["static"]
+    assert set(static) <= {f.name for f in fields(DistillConfig)}  # a renamed field would vanish from the help

@@ -23,7 +23,8 @@ CPU_PTQ = Path(__file__).resolve().parents[1] / "recipes" / "cpu-ptq.yaml"
 
 def _qa(path: Path, n: int) -> Path:
     """A small SQuAD file, the same for every call with the same ``n``."""
-    return _squad(path, n, random.Random(0), ["the", "movie", "was", "good", "bad", "story", "time", "man", "film", "fun"], 2)
+    return _squad(path, n, random.Random(0),
+                  ["the", "movie", "was", "good", "bad", "story", "time", "man", "film", "fun"], 2)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,8 @@ def trained(tmp_path_factory, tiny_bert_dir) -> dict[str, tuple[Path, Path]]:
     """NER and QA folders fine-tuned for a few steps (non-trivial F1, windows with the card's strides),
     each with its dev file."""
     d = tmp_path_factory.mktemp("trained")
-    ner_train, ner_dev = _conll(d / "train.conll", 120, random.Random(0), "B"), _conll(d / "dev.conll", 30, random.Random(1), "B")
+    ner_train, ner_dev = (_conll(d / "train.conll", 120, random.Random(0), "B"),
+                          _conll(d / "dev.conll", 30, random.Random(1), "B"))
     qa_train, qa_dev = _qa(d / "train.json", 160), _qa(d / "dev.json", 24)
     common = ["--model", str(tiny_bert_dir), "--batch-size", "16", "--lr", "3e-3", "--seed", "0"]
     assert main(["finetune", *common, "--task", "ner", "--train", str(ner_train), "--out", str(d / "ner"),
@@ -108,7 +110,8 @@ def test_latency_is_in_the_unit_the_task_is_served_in(root, tiny_tokenizer_dir, 
 def test_rerank_on_a_beir_source_reranks_the_miners_candidates(root, tiny_tokenizer_dir, dev_data):
     folder = make_task_model(root, tiny_tokenizer_dir, "rerank")
     miner = make_task_model(root, tiny_tokenizer_dir, "embed")
-    figure = evaluate(EvaluateConfig(model=str(folder), data=str(dev_data["embed"]), miner=str(miner))).metrics["ndcg@10"]
+    figure = evaluate(EvaluateConfig(model=str(folder), data=str(dev_data["embed"]),
+                                     miner=str(miner))).metrics["ndcg@10"]
     row = StepMeasurer(str(dev_data["embed"]), runtime="torch", repeats=1, model=folder, miner=str(miner))(folder)
     assert row["metric"] == "ndcg@10" and row["quality"] == figure
     assert "first_stage_ndcg@10" in row["metrics"]
@@ -148,7 +151,7 @@ def test_report_quality_column_is_the_evaluate_figure(task, root, tiny_tokenizer
     assert rows[1]["runtime"] == "deploy onnx-int8" and rows[1]["quality"] == pytest.approx(figure, abs=0.1)
     assert rows[1]["params"] == rows[0]["params"]
     # the INT8 step's folder holds only its graph: `encoderkit evaluate` runs that graph, the measurer's figure
-    assert _figure(Path(rows[1]["folder"]), dev, task)[0] == rows[1]["quality"]
+    assert _figure(out / rows[1]["folder"], dev, task)[0] == rows[1]["quality"]
     md = (out / "report.md").read_text()
     assert f"| 0 | start | {figure:.4f} |" in md and "ms/request" in md
 
@@ -170,11 +173,13 @@ def test_dev_data_without_the_field_the_task_needs_is_refused_naming_task_field_
     assert "classify dev data" in err and "'label'" in err and "before step 1" in err
 
 
-def test_rerank_dev_without_a_first_stage_or_candidates_is_refused(root, tiny_tokenizer_dir, dev_data, tmp_path, capsys):
+def test_rerank_dev_without_a_first_stage_or_candidates_is_refused(root, tiny_tokenizer_dir, dev_data, tmp_path,
+                                                                   capsys):
     folder = make_task_model(root, tiny_tokenizer_dir, "rerank")
     err = _compress_error(capsys, folder, dev_data["embed"], tmp_path)
     assert "rerank dev data" in err and "'miner'" in err and "--miner" in err
-    no_candidates = _jsonl(tmp_path / "q.jsonl", [{"query": r["query"], "positive": r["positive"]} for r in _pairs(4, 0)])
+    no_candidates = _jsonl(tmp_path / "q.jsonl",
+                           [{"query": r["query"], "positive": r["positive"]} for r in _pairs(4, 0)])
     err = _compress_error(capsys, folder, no_candidates, tmp_path)
     assert "rerank dev data" in err and "'negatives'" in err
 
@@ -192,7 +197,8 @@ def test_measurer_reads_the_columns_the_card_recorded(tmp_path, tiny_bert_dir):
     (tmp_path / "train.tsv").write_text("\n".join(rows[:33]) + "\n")
     (tmp_path / "dev.tsv").write_text("\n".join([rows[0], *rows[33:]]) + "\n")
     out = tmp_path / "clf"
-    assert main(["finetune", "--model", str(tiny_bert_dir), "--task", "classify", "--train", str(tmp_path / "train.tsv"),
+    assert main(["finetune", "--model", str(tiny_bert_dir), "--task", "classify", "--train",
+                 str(tmp_path / "train.tsv"),
                  "--text-column", "review", "--label-column", "stars", "--out", str(out), "--max-steps", "2",
                  "--batch-size", "16"]) == 0
     card = json.loads((out / "encoderkit.json").read_text())

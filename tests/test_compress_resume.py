@@ -83,7 +83,8 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
 
-def test_an_interrupted_distillation_resumes_to_the_weights_of_an_uninterrupted_one(reranker, lists, tmp_path, monkeypatch):
+def test_an_interrupted_distillation_resumes_to_the_weights_of_an_uninterrupted_one(reranker, lists, tmp_path,
+                                                                                    monkeypatch):
     settings = {"teacher": str(reranker), "train": str(lists), "layers": "0", "candidates": 4, "max_steps": 6,
                 "batch_size": 8, "seq_len": 32, "bf16": False, "save_every": 2, "lr": 1e-3}
     stop_training_at(monkeypatch, 5)
@@ -102,7 +103,8 @@ def test_an_interrupted_distillation_resumes_to_the_weights_of_an_uninterrupted_
     assert not (tmp_path / ".student.run").exists()  # the checkpoints go once the student is written
 
 
-def test_a_fresh_distillation_replaces_stale_checkpoints_and_a_changed_one_cannot_resume_them(reranker, lists, tmp_path, monkeypatch):
+def test_a_fresh_distillation_replaces_stale_checkpoints_and_a_changed_one_cannot_resume_them(
+        reranker, lists, tmp_path, monkeypatch):
     settings = {"teacher": str(reranker), "train": str(lists), "layers": "0", "candidates": 4, "max_steps": 4,
                 "batch_size": 8, "seq_len": 32, "bf16": False, "save_every": 2}
     stop_training_at(monkeypatch, 3)
@@ -125,7 +127,8 @@ class Measured:
         from encoderkit.compress.measure import bytes_on_disk
 
         self.folders.append(Path(folder).name)
-        return {"quality": 1.0, "params": 1, "bytes": bytes_on_disk(folder), "latency_b1_ms": 1.0, "latency_b32_ms": 1.0}
+        return {"quality": 1.0, "params": 1, "bytes": bytes_on_disk(folder), "latency_b1_ms": 1.0,
+                "latency_b32_ms": 1.0}
 
 
 RECIPE = ("task: rerank\nsteps:\n"
@@ -172,7 +175,8 @@ def test_a_recipe_interrupted_twice_resumes_without_redoing_a_finished_step(rera
     assert str(partial) not in (out / "report.json").read_text()  # the report names the final folders
 
 
-def test_a_recipe_resumes_only_the_same_settings_and_reruns_only_its_edited_steps(reranker, lists, tmp_path, monkeypatch):
+def test_a_recipe_resumes_only_the_same_settings_and_reruns_only_its_edited_steps(reranker, lists, tmp_path,
+                                                                                  monkeypatch):
     import encoderkit.compress.prune as prune_mod
 
     recipe = tmp_path / "r.yaml"
@@ -199,7 +203,8 @@ def test_a_recipe_resumes_only_the_same_settings_and_reruns_only_its_edited_step
     assert ffn and all(shape[0] == round(distilled[k].shape[0] * 0.75) for k, shape in ffn.items())  # the new amount
 
     before = (out / "02-prune" / "model.safetensors").stat().st_mtime_ns
-    recipe.write_text(RECIPE.replace("amount: 0.5", "amount: 0.25").replace("dynamic-int8}", "dynamic-int8, per_channel: false}"))
+    recipe.write_text(RECIPE.replace("amount: 0.5", "amount: 0.25").replace("dynamic-int8}",
+                                                                            "dynamic-int8, per_channel: false}"))
     finished = Measured()  # a finished run continued: only its edited last step runs
     res = compress(CompressConfig(**cfg, resume=True), measure=finished)
     assert finished.folders == ["03-quantize"]
@@ -263,7 +268,8 @@ def test_a_step_finished_but_not_measured_is_measured_on_resume_not_run_again(re
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE)
-    cfg = {"recipe": str(recipe), "model": str(reranker), "dev": str(lists), "out": str(tmp_path / "out"), "train": str(lists)}
+    cfg = {"recipe": str(recipe), "model": str(reranker), "dev": str(lists), "out": str(tmp_path / "out"),
+           "train": str(lists)}
 
     class StopAtPrune(Measured):
         def __call__(self, folder: Path) -> dict:

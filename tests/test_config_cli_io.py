@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +14,8 @@ from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir
 from encoderkit.models.card import lineage, write_card
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -102,6 +107,34 @@ def test_cli_bad_config_exits_2_with_message(demo_stage, tmp_path, capsys):
     assert "unknown key(s) bogus" in err and str(f) in err
 
 
+def test_a_key_spelt_both_ways_is_refused_and_a_flag_replaces_a_dashed_key(demo_stage, tmp_path, capsys):
+    with pytest.raises(EncoderkitError, match="'seq-len' and 'seq_len' both set 'seq_len'"):
+        DemoConfig.from_dict({"corpus": ["a"], "seq-len": 16, "seq_len": 32})
+    f = tmp_path / "cfg.yaml"
+    f.write_text("corpus: [x]\nseq-len: 32\n")
+    assert cli.main(["demo", "--config", str(f), "--seq-len", "48"]) == 0
+    assert '"seq_len": 48' in capsys.readouterr().out
+    f.write_text("corpus: [x]\nseq-len: 32\nseq_len: 16\n")
+    assert cli.main(["demo", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "both set 'seq_len'" in err and str(f) in err
+
+
+@pytest.mark.parametrize("words,argv,old", [
+    (("index",), ["--model", "m", "--corpus", "c", "--out", "o"], ["--runtime", "torch-fp32"]),
+    (("index",), ["--model", "m", "--corpus", "c", "--out", "o"], ["--backend", "milvus"]),
+    (("search",), ["--index", "i", "--query", "q"], ["--runtime", "onnx-int8"]),
+    (("quantize",), [], ["--backend", "onnx"]),
+])
+def test_a_flag_says_one_thing(words, argv, old, capsys):
+    """``--backend`` is the Predictor backend, ``--store`` the vector store, ``--format`` the quantisation
+    format; no other spelling is read."""
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser(words).parse_args([*argv, *old])
+    assert e.value.code == 2
+    assert old[0] in capsys.readouterr().err
+
+
 def test_output_dir_is_atomic_and_refuses_existing(tmp_path):
     out = tmp_path / "model"
     with pytest.raises(RuntimeError), output_dir(out) as tmp:
@@ -169,12 +202,19 @@ def slow_write_run(cfg: SlowWriteConfig):
         (tmp / "never.bin").write_bytes(b"y")
 
 
-def test_sigterm_unwinds_and_leaves_nothing_half_written(monkeypatch, tmp_path, capsys):
-    import signal
-
-    monkeypatch.setitem(cli.STAGES, ("slowwrite",), f"{__name__}:SlowWriteConfig:slow_write_run")
-    before = signal.getsignal(signal.SIGTERM)
-    assert cli.main(["slowwrite", "--out", str(tmp_path / "o")]) == 143
-    assert "terminated" in capsys.readouterr().err
+def test_sigterm_unwinds_and_leaves_nothing_half_written(tmp_path):
+    """In a process of its own, as a scheduler's kill meets a CLI run (a pytest process that ran OpenVINO
+    inference earlier crashed on the signal, which a fresh process does not)."""
+    script = (
+        "import signal, sys\n"
+        "from encoderkit import cli\n"
+        "cli.STAGES[('slowwrite',)] = 'tests.test_config_cli_io:SlowWriteConfig:slow_write_run'\n"
+        "before = signal.getsignal(signal.SIGTERM)\n"
+        f"rc = cli.main(['slowwrite', '--out', {str(tmp_path / 'o')!r}])\n"
+        "assert signal.getsignal(signal.SIGTERM) is before, 'the handler is put back'\n"
+        "sys.exit(rc)\n")
+    done = subprocess.run([sys.executable, "-c", script], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143, done.stderr
+    assert "terminated" in done.stderr
     assert list(tmp_path.iterdir()) == []  # neither the output nor a hidden temporary folder
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back

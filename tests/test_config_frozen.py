@@ -102,7 +102,8 @@ def test_a_parsed_config_is_read_only(tmp_path):
 
 def _tsv(path: Path, n: int) -> Path:
     rng = random.Random(0)
-    lines = ["sentence\tlabel"] + [f"{'good fun' if (y := rng.randint(0, 1)) else 'dull bad'} movie {i}\t{y}" for i in range(n)]
+    lines = (["sentence\tlabel"]
+             + [f"{'good fun' if (y := rng.randint(0, 1)) else 'dull bad'} movie {i}\t{y}" for i in range(n)])
     path.write_text("\n".join(lines) + "\n")
     return path
 

@@ -28,7 +28,8 @@ def teacher_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     out = tmp_path_factory.mktemp("teacher")
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     torch.manual_seed(1)
-    cfg = tiny_bert_config(len(tok), num_hidden_layers=4, num_labels=2, id2label={0: "0", 1: "1"}, label2id={"0": 0, "1": 1})
+    cfg = tiny_bert_config(len(tok), num_hidden_layers=4, num_labels=2, id2label={0: "0", 1: "1"},
+                           label2id={"0": 0, "1": 1})
     model = BertForSequenceClassification(cfg)
     with torch.no_grad():
         model.classifier.weight.mul_(40.0)
@@ -81,7 +82,8 @@ def test_student_layers_are_exactly_the_chosen_teacher_layers(teacher_dir):
         assert torch.equal(s_state[k], t_state[k])
     # the teacher is left untouched and the student owns its tensors
     student.bert.embeddings.word_embeddings.weight.data.add_(1.0)
-    assert not torch.equal(student.bert.embeddings.word_embeddings.weight, teacher.bert.embeddings.word_embeddings.weight)
+    assert not torch.equal(student.bert.embeddings.word_embeddings.weight,
+                           teacher.bert.embeddings.word_embeddings.weight)
 
 
 def test_kl_is_zero_for_equal_logits_and_scaled_by_t_squared():
@@ -184,8 +186,8 @@ def test_task_distillation_lowers_the_kl_and_writes_a_card(teacher_dir, train_ts
     before, after = _kl_on_data(init, teacher_dir, train_tsv), _kl_on_data(out, teacher_dir, train_tsv)
     assert after < 0.5 * before, (before, after)
     card = json.loads((out / "encoderkit.json").read_text())
-    assert card["stage"] == "distill" and card["parent"] == str(teacher_dir.resolve())
-    assert card["config"]["student"] == str(init)
+    assert card["stage"] == "distill" and (out / card["parent"]).resolve() == teacher_dir.resolve()
+    assert (out / card["config"]["student"]).resolve() == init.resolve()  # paths recorded relative to the folder
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no temporary run folder left
 
 
@@ -193,8 +195,10 @@ def test_a_classifier_student_keeps_the_default_rate_when_none_is_given(teacher_
     import json
 
     out = tmp_path / "student"
-    distill(DistillConfig(teacher=str(teacher_dir), out=str(out), train=str(train_tsv), max_steps=1, batch_size=16, bf16=False))
-    assert json.loads((out / "encoderkit.json").read_text())["config"]["lr"] == 1e-4  # rerank: 3e-4 (test_distill_tasks)
+    distill(DistillConfig(teacher=str(teacher_dir), out=str(out), train=str(train_tsv), max_steps=1, batch_size=16,
+                          bf16=False))
+    # rerank: 3e-4 (test_distill_tasks)
+    assert json.loads((out / "encoderkit.json").read_text())["config"]["lr"] == 1e-4
     with pytest.raises(EncoderkitError, match="lr must be >= 0"):
         DistillConfig(teacher=str(teacher_dir), out=str(out), train=str(train_tsv), lr=-1.0)
 
@@ -209,7 +213,8 @@ def test_tokenizer_mismatch_is_a_clear_error(teacher_dir, train_tsv, tmp_path):
     BertTokenizerFast(vocab_file=str(other / "vocab.txt")).save_pretrained(other)
     with pytest.raises(EncoderkitError, match="different tokenizers"):
         check_same_tokenizer(teacher_dir, other)
-    cfg = DistillConfig(teacher=str(teacher_dir), out=str(tmp_path / "s"), train=str(train_tsv), student=str(other), max_steps=1)
+    cfg = DistillConfig(teacher=str(teacher_dir), out=str(tmp_path / "s"), train=str(train_tsv), student=str(other),
+                        max_steps=1)
     with pytest.raises(EncoderkitError, match="different tokenizers"):
         distill(cfg)
     assert not (tmp_path / "s").exists()
@@ -238,7 +243,8 @@ def test_agnostic_distillation_on_mlm_blocks(tiny_tokenizer_dir, tmp_path, monke
     torch.manual_seed(7)
     BertForMaskedLM(tiny_bert_config(len(tok), num_hidden_layers=2)).save_pretrained(init)
     tok.save_pretrained(init)
-    cfg = DistillConfig(teacher=str(teacher), out=str(tmp_path / "s"), mode="agnostic", data="unused", student=str(init),
+    cfg = DistillConfig(teacher=str(teacher), out=str(tmp_path / "s"), mode="agnostic", data="unused",
+                        student=str(init),
                         max_steps=30, lr=3e-3, batch_size=16, warmup=0.0, bf16=False)
     res = distill(cfg)
     assert set(res.train_logs) >= {"kl", "hard", "cos"}
@@ -266,8 +272,11 @@ def test_narrow_student_matches_hidden_states_through_a_projection(teacher_dir):
     state = torch.random.get_rng_state()
     build_narrow_student(teacher, 16, 2, generator_seed=1)
     assert torch.equal(state, torch.random.get_rng_state())  # the global RNG is left as it was
-    module = DistillModule(student, DistillLoss(LossWeights(kl=1.0, hard=0.5, cos=1.0), 16, teacher.config.hidden_size, mlm=False))
-    batch = {"input_ids": torch.tensor([[2, 10, 11, 3], [2, 12, 3, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+    module = DistillModule(student,
+                           DistillLoss(LossWeights(kl=1.0, hard=0.5, cos=1.0), 16, teacher.config.hidden_size,
+                                       mlm=False))
+    batch = {"input_ids": torch.tensor([[2, 10, 11, 3], [2, 12, 3, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
              "labels": torch.tensor([0, 1])}
     loss, parts = make_loss_fn(teacher, want_hidden=True)(module, batch)
     assert set(parts) == {"kl", "hard", "cos"} and torch.isfinite(loss)
@@ -285,7 +294,8 @@ def test_task_batches_group_similar_lengths(teacher_dir, tmp_path):
     from encoderkit.compress.distill import task_batches
 
     rng = random.Random(0)
-    lines = ["sentence\tlabel"] + [" ".join(rng.choices(WORDS, k=rng.randint(1, 40))) + f"\t{i % 2}" for i in range(400)]
+    lines = (["sentence\tlabel"]
+             + [" ".join(rng.choices(WORDS, k=rng.randint(1, 40))) + f"\t{i % 2}" for i in range(400)])
     tsv = tmp_path / "mixed.tsv"
     tsv.write_text("\n".join(lines) + "\n")
     tok = AutoTokenizer.from_pretrained(teacher_dir)

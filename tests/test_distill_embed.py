@@ -19,7 +19,8 @@ from tests.conftest import WORDS, tiny_bert_config
 
 def sentences(n: int, seed: int) -> list[str]:
     g = np.random.default_rng(seed)
-    return [" ".join(WORDS[j] for j in g.integers(0, len(WORDS), g.integers(4, 14))).capitalize() + "." for _ in range(n)]
+    return [" ".join(WORDS[j] for j in g.integers(0, len(WORDS), g.integers(4, 14))).capitalize() + "."
+            for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,8 @@ def test_distilled_student_matches_teacher_better_than_undistilled(tmp_path, emb
 
     tok = st_student.tokenizer
     undistilled = cosines(embed_teacher, encode(BiEncoder(base, "mean"), tok, held_out, 64), held_out)
-    assert distilled.mean() > undistilled.mean() + 0.5 * (1 - undistilled.mean()), (distilled.mean(), undistilled.mean())
+    assert distilled.mean() > undistilled.mean() + 0.5 * (1 - undistilled.mean()), (
+        distilled.mean(), undistilled.mean())
     import json
 
     card = json.loads((out / "encoderkit.json").read_text())
@@ -124,7 +126,8 @@ def test_minilm_three_layer_student_moves_towards_the_teacher(tmp_path, minilm_d
     train = tmp_path / "train.txt"
     train.write_text("\n\n".join(texts[:3000:10]) + "\n")
     out = tmp_path / "student"
-    distill(DistillConfig(teacher=str(minilm_dir), out=str(out), train=str(train), layers="0,3,5", max_steps=12, lr=2e-4,
+    distill(DistillConfig(teacher=str(minilm_dir), out=str(out), train=str(train), layers="0,3,5", max_steps=12,
+                          lr=2e-4,
                           batch_size=16, seq_len=128, warmup=2))
     teacher = SentenceTransformer(str(minilm_dir), device="cpu")
     ref = teacher.encode(held_out, normalize_embeddings=True)
@@ -140,9 +143,11 @@ def test_a_beir_source_gives_its_corpus_and_only_a_named_splits_queries(tmp_path
 
     beir = tmp_path / "beir"
     (beir / "qrels").mkdir(parents=True)
-    docs = {"d1": "Cells divide when the signal arrives. The signal is a protein.", "d2": "Aspirin lowers the risk of a stroke in adults."}
+    docs = {"d1": "Cells divide when the signal arrives. The signal is a protein.",
+            "d2": "Aspirin lowers the risk of a stroke in adults."}
     queries = {"q1": "Which protein signals cell division", "q2": "Does aspirin prevent strokes"}
-    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n" for k, v in docs.items()))
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n"
+                                               for k, v in docs.items()))
     (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
     (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
     (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq2\td2\t1\n")

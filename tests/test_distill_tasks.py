@@ -35,7 +35,8 @@ def save_tiny(cls_name: str, out: Path, tokenizer_dir: Path, head_scale: float, 
 
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(7)
-    model = getattr(transformers, cls_name)(tiny_bert_config(len(tok), num_hidden_layers=4, initializer_range=0.2, **cfg_kw))
+    model = getattr(transformers, cls_name)(tiny_bert_config(len(tok), num_hidden_layers=4, initializer_range=0.2,
+                                                             **cfg_kw))
     head = model.qa_outputs if hasattr(model, "qa_outputs") else model.classifier
     with torch.no_grad():
         head.weight.mul_(head_scale)
@@ -74,15 +75,18 @@ def test_rerank_student_orders_candidates_like_the_teacher(tmp_path, tiny_tokeni
 
     teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 30.0, num_labels=1)
     g = np.random.default_rng(0)
-    rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(5)]} for _ in range(96)]
+    rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(5)]}
+            for _ in range(96)]
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "student"
-    res = distill(DistillConfig(teacher=str(teacher), out=str(out), train=str(train), layers="0,2", loss=loss, candidates=6,
+    res = distill(DistillConfig(teacher=str(teacher), out=str(out), train=str(train), layers="0,2", loss=loss,
+                                candidates=6,
                                 epochs=8, lr=1e-3, batch_size=8, seq_len=48, bf16=False))
     assert res.layers == [0, 2]
     assert json.loads((out / "encoderkit.json").read_text())["task"] == "rerank"
-    assert "teacher scores 576/576 (100.0%)" in capsys.readouterr().err  # 96 lists of 6, the teacher's pass shows progress
+    # 96 lists of 6, the teacher's pass shows progress
+    assert "teacher scores 576/576 (100.0%)" in capsys.readouterr().err
     tok = AutoTokenizer.from_pretrained(teacher)
     g = np.random.default_rng(123)  # held-out lists
     lists = [(sentence(g, 2, 5), [sentence(g) for _ in range(6)]) for _ in range(30)]
@@ -97,17 +101,20 @@ def test_rerank_student_orders_candidates_like_the_teacher(tmp_path, tiny_tokeni
     assert distilled > undistilled + 0.1, (distilled, undistilled)
 
 
-def test_a_second_rerank_distillation_reuses_the_teachers_scores_until_the_teacher_changes(tmp_path, tiny_tokenizer_dir, capsys):
+def test_a_second_rerank_distillation_reuses_the_teachers_scores_until_the_teacher_changes(
+        tmp_path, tiny_tokenizer_dir, capsys):
     from safetensors.torch import load_file, save_file
 
     teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 30.0, num_labels=1)
     g = np.random.default_rng(0)
-    rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]} for _ in range(16)]
+    rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]}
+            for _ in range(16)]
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def run(out: str, **kw) -> str:
-        settings = {"layers": "0,2", "candidates": 4, "max_steps": 2, "batch_size": 8, "seq_len": 32, "bf16": False, **kw}
+        settings = {"layers": "0,2", "candidates": 4, "max_steps": 2, "batch_size": 8, "seq_len": 32, "bf16": False,
+                    **kw}
         distill(DistillConfig(teacher=str(teacher), out=str(tmp_path / out), train=str(train), **settings))
         return capsys.readouterr().err
 
@@ -116,31 +123,36 @@ def test_a_second_rerank_distillation_reuses_the_teachers_scores_until_the_teach
     assert json.loads((tmp_path / "a" / "encoderkit.json").read_text())["config"]["lr"] == 3e-4
     assert "teacher scores" not in run("b", layers="1,3", lr=1e-3)  # same teacher, same pairs: read from the cache
     assert "teacher scores" not in run("b2", candidates=3)  # shorter lists: pairs it has scored, each kept on its own
-    more = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]} for _ in range(4)]
+    more = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]}
+            for _ in range(4)]
     train.write_text("".join(json.dumps(r) + "\n" for r in rows + more))
     assert "teacher scores 16/16" in run("b3")  # only the 4 new lists' pairs
-    assert "teacher scores" in run("c", seq_len=12)  # other token ids (the pairs cut shorter; those under 12 are the same)
+    # other token ids (the pairs cut shorter; those under 12 are the same)
+    assert "teacher scores" in run("c", seq_len=12)
     weights = load_file(teacher / "model.safetensors")
     weights["classifier.bias"] = weights["classifier.bias"] + 1.0
     save_file(weights, teacher / "model.safetensors", metadata={"format": "pt"})
     assert "teacher scores 80/80" in run("d")  # the teacher changed: every pair of the 20 lists
 
 
-def test_a_student_card_keeps_the_teachers_task_facts_not_its_run_facts_and_can_teach_again(tmp_path, tiny_tokenizer_dir):
+def test_a_student_card_keeps_the_teachers_task_facts_not_its_run_facts_and_can_teach_again(
+        tmp_path, tiny_tokenizer_dir):
     teacher = save_tiny("BertForSequenceClassification", tmp_path / "ce", tiny_tokenizer_dir, 30.0, num_labels=1)
     (teacher / "encoderkit.json").write_text(json.dumps({
         "stage": "finetune", "parent": None, "config": {}, "metrics": {}, "created": "2026-01-01T00:00:00Z",
         "task": "rerank", "max_length": 32, "num_labels": 1, "loss": "listwise softmax", "steps": 114,
         "train_examples": 919, "stopped_early": False}))
     g = np.random.default_rng(0)
-    rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]} for _ in range(16)]
+    rows = [{"query": sentence(g, 2, 5), "positive": sentence(g), "negatives": [sentence(g) for _ in range(3)]}
+            for _ in range(16)]
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     settings = {"train": str(train), "candidates": 4, "max_steps": 2, "batch_size": 8, "bf16": False}
     distill(DistillConfig(teacher=str(teacher), out=str(tmp_path / "a"), layers="0,2", **settings))
     card = json.loads((tmp_path / "a" / "encoderkit.json").read_text())
     assert card["task"] == "rerank" and card["max_length"] == 32 and card["layers_from_teacher"] == [0, 2]
-    assert not {"loss", "steps", "train_examples", "stopped_early"} & set(card)  # the teacher's fine-tuning, not this run
+    # the teacher's fine-tuning, not this run
+    assert not {"loss", "steps", "train_examples", "stopped_early"} & set(card)
     assert card["metrics"]["steps"] == 2
     # the student teaches a smaller one (its card's layers_from_teacher is not passed on twice)
     distill(DistillConfig(teacher=str(tmp_path / "a"), out=str(tmp_path / "b"), layers="1", **settings))
@@ -192,7 +204,8 @@ def squad_file(path: Path, g: np.random.Generator, articles: int = 10, lo: int =
         paras = []
         for p in range(6):
             ctx = sentence(g, lo, hi)
-            qas = [{"id": f"{i}-{p}-{k}", "question": sentence(g, 3, 6), "answers": [{"text": ctx.split()[0], "answer_start": 0}]}
+            qas = [{"id": f"{i}-{p}-{k}", "question": sentence(g, 3, 6),
+                    "answers": [{"text": ctx.split()[0], "answer_start": 0}]}
                    for k in range(4)]
             paras.append({"context": ctx, "qas": qas})
         return {"title": f"a{i}", "paragraphs": paras}
@@ -212,7 +225,8 @@ def test_qa_student_picks_the_teachers_start_and_end(tmp_path, tiny_tokenizer_di
 
     tok = AutoTokenizer.from_pretrained(teacher)
     g = np.random.default_rng(77)
-    enc = tok([sentence(g, 3, 6) for _ in range(40)], [sentence(g, 12, 30) for _ in range(40)], padding=True, return_tensors="pt")
+    enc = tok([sentence(g, 3, 6) for _ in range(40)], [sentence(g, 12, 30) for _ in range(40)], padding=True,
+              return_tensors="pt")
     t_model = load_task_model(teacher)
 
     def agree(model) -> float:
@@ -233,14 +247,17 @@ def test_qa_distillation_reads_contexts_at_the_teachers_length_by_default(tmp_pa
     import encoderkit.compress.distill_tasks as dt
     from encoderkit.models.folder import ModelFolder
 
-    teacher = save_tiny("BertForQuestionAnswering", tmp_path / "qa", tiny_tokenizer_dir, 1.0, max_position_embeddings=96)
+    teacher = save_tiny("BertForQuestionAnswering", tmp_path / "qa", tiny_tokenizer_dir, 1.0,
+                        max_position_embeddings=96)
     squad = squad_file(tmp_path / "squad.json", np.random.default_rng(3), lo=120, hi=160)  # contexts past 96 tokens
     seen: list[int] = []
     rows = dt.token_rows
-    monkeypatch.setattr(dt, "token_rows", lambda cfg, task, tok: seen.extend(len(r["input_ids"]) for r in rows(cfg, task, tok))
+    monkeypatch.setattr(dt, "token_rows",
+                        lambda cfg, task, tok: seen.extend(len(r["input_ids"]) for r in rows(cfg, task, tok))
                         or rows(cfg, task, tok))
     out = tmp_path / "student"
-    distill(DistillConfig(teacher=str(teacher), out=str(out), train=str(squad), layers="0", max_steps=1, batch_size=16, bf16=False))
+    distill(DistillConfig(teacher=str(teacher), out=str(out), train=str(squad), layers="0", max_steps=1, batch_size=16,
+                          bf16=False))
     length = ModelFolder.open(teacher, tokenizer=False).max_length
     assert length == 96 and max(seen) == length
     assert json.loads((out / "encoderkit.json").read_text())["config"]["seq_len"] == length
@@ -260,7 +277,8 @@ def test_pseudo_queries_are_titles_else_first_sentences_seeded_and_never_a_split
     assert pq == {"pseudo:a": "Vitamin D lowers fracture risk",  # the title
                   "pseudo:c": "Smoking raises the risk of stroke in adults!"}  # a 2-word title: the first sentence
     # 'b': a 1-word first sentence and no title, 'd': too short: no query from either
-    assert list(pseudo_queries(data, 1, seed=3)) == list(pseudo_queries(data, 1, seed=3)) and len(pseudo_queries(data, 1)) == 1
+    assert (list(pseudo_queries(data, 1, seed=3)) == list(pseudo_queries(data, 1, seed=3))
+            and len(pseudo_queries(data, 1)) == 1)
     assert pseudo_queries(Retrieval({"a": ("", " ".join(["w"] * 50))}, {}, {}), 1)["pseudo:a"].count("w") == 32
 
 
@@ -270,9 +288,12 @@ def tiny_beir(tmp_path: Path, n_docs: int = 12) -> tuple[Path, dict[str, tuple[s
     (beir / "qrels").mkdir(parents=True)
     g = np.random.default_rng(5)
     docs = {f"d{i}": (sentence(g, 3, 5), sentence(g, 8, 14)) for i in range(n_docs)}
-    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": t, "text": x}) + "\n" for k, (t, x) in docs.items()))
-    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": sentence(g, 2, 4)}) + "\n" for i in range(5)))
-    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": t, "text": x}) + "\n"
+                                               for k, (t, x) in docs.items()))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": sentence(g, 2, 4)}) + "\n"
+                                                for i in range(5)))
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\n"
+                                              + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
     return beir, docs
 
 
@@ -330,11 +351,13 @@ def test_fresh_pseudo_queries_give_each_epoch_its_own_titles(tmp_path, tiny_toke
     capsys.readouterr()
     distill(DistillConfig(out=str(tmp_path / "one"), epochs=3, **base))
     err = capsys.readouterr().err
-    assert "teacher scores 32/32" in err and "each epoch" not in err  # (5 + 3) lists of 4, the same 3 titles every epoch
+    # (5 + 3) lists of 4, the same 3 titles every epoch
+    assert "teacher scores 32/32" in err and "each epoch" not in err
     res = distill(DistillConfig(out=str(tmp_path / "fresh"), epochs=3, fresh_pseudo_queries=True, **base))
     err = capsys.readouterr().err
     assert "5 queries of the split + 9 corpus documents' titles" in err and "a new 3 each epoch" in err
-    assert "teacher scores 32/32" not in err and err.count("teacher scores 12/12") == 2  # set 0 from the cache, sets 1, 2 scored
+    # set 0 from the cache, sets 1, 2 scored
+    assert "teacher scores 32/32" not in err and err.count("teacher scores 12/12") == 2
     assert res.steps == 6  # 8 lists per epoch, batches of 4, 3 epochs
     distill(DistillConfig(out=str(tmp_path / "steps"), max_steps=5, fresh_pseudo_queries=True, overwrite=True, **base))
     assert "9 corpus documents' titles" in capsys.readouterr().err  # 5 steps of 4 lists: 3 epochs begun
@@ -346,7 +369,8 @@ def test_pseudo_queries_on_a_file_of_lists_say_they_are_ignored(tmp_path, capsys
     from encoderkit.tasks.rerank.candidates import candidate_lists
 
     train = tmp_path / "lists.jsonl"
-    train.write_text("".join(json.dumps({"query": f"q{i}", "positive": "p", "negatives": ["n1", "n2"]}) + "\n" for i in range(3)))
+    train.write_text("".join(json.dumps({"query": f"q{i}", "positive": "p", "negatives": ["n1", "n2"]}) + "\n"
+                             for i in range(3)))
     assert len(candidate_lists(str(train), None, 4, pseudo_queries=5)) == 3
     assert "--pseudo-queries 5 ignored" in capsys.readouterr().err
     assert [len(c) for _, c in candidate_lists(str(train), None, 4)] == [3, 3, 3]  # the positive and 2 negatives
@@ -365,29 +389,3 @@ def test_a_deep_candidate_list_keeps_the_top_half_and_samples_the_ranks_below_in
     assert max(max(ranked.index(d) for d in got) for got in lists) >= 90  # the sample reaches the bottom of the list
     assert spread(ranked[:5], 16, np.random.default_rng(0)) == ranked[:5]
     assert spread(ranked, 16, np.random.default_rng(3)) == spread(ranked, 16, np.random.default_rng(3))
-
-
-def test_a_teacher_score_cache_of_whole_list_sets_from_before_is_read_without_scoring(tmp_path, tiny_tokenizer_dir):
-    import hashlib
-
-    from transformers import AutoTokenizer
-
-    from encoderkit.compress.distill_tasks import PairScores, teacher_scores
-    from encoderkit.io import cache_dir
-    from encoderkit.tasks.rerank.features import pair_rows
-
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    g = np.random.default_rng(5)
-    rows = pair_rows(tok, [sentence(g, 2, 4) for _ in range(6)], [sentence(g) for _ in range(6)], 32)
-    whole = hashlib.sha256(f"rerank fp pad=0 n={len(rows)}".encode())  # the format of one .npy per list set
-    for r in rows:
-        for k in ("input_ids", "token_type_ids"):
-            whole.update(k.encode() + np.ascontiguousarray(r[k], dtype=np.int64).tobytes())
-    (cache_dir("teacher-scores")).mkdir(parents=True)
-    earlier = np.arange(6, dtype=np.float32) / 3
-    np.save(cache_dir("teacher-scores") / f"{whole.hexdigest()}.npy", earlier)
-    # no teacher: scoring anything would fail; the set is read and folded into the pair-by-pair store
-    assert np.array_equal(teacher_scores(PairScores("fp", 0), None, rows, 0), earlier)
-    assert np.array_equal(teacher_scores(PairScores("fp", 0), None, rows[2:5], 0), earlier[2:5])  # now pair by pair
-    with pytest.raises(AttributeError):
-        teacher_scores(PairScores("other teacher", 0), None, rows, 0)

@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent('''
     out, grad_accum = sys.argv[1], int(sys.argv[2])
     blocks = np.random.default_rng(0).integers(5, 100, size=(64, 32))
     blocks[:, 0] = 2
-    masker = Masker(spec=MaskingSpec(rate=0.3), seed=1, mask_id=4, pad_id=0, special_ids=[0, 1, 2, 3, 4], vocab_size=100)
+    masker = Masker(spec=MaskingSpec(rate=0.3), seed=1, mask_id=4, pad_id=0, special_ids=[0, 1, 2, 3, 4], '''
+    '''vocab_size=100)
     source = IndexedBatches(len(blocks), 4, lambda idx, epoch: masker(blocks[idx], idx, epoch), seed=3)
     config = build_config(None, 100, 64, layers=2, hidden=32, heads=4, ffn=64, dropout=0.1)
     mlm = MaskedOnlyMLM(build_encoder(config, seed=0))
@@ -51,7 +52,8 @@ def test_two_gloo_processes_match_one_process(tmp_path) -> None:
                          capture_output=True, text=True, env=env, timeout=170, check=False)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), str(tmp_path / "two"), "1"], capture_output=True, text=True, env=env, timeout=170, check=False)
+                          str(script), str(tmp_path / "two"), "1"], capture_output=True, text=True, env=env,
+                         timeout=170, check=False)
     assert two.returncode == 0, two.stderr[-2000:]
     a, b = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
     init = load_file(tmp_path / "one.init.safetensors")

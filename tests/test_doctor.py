@@ -9,7 +9,7 @@ import pytest
 
 from encoderkit.doctor import backend_choices
 from encoderkit.hardware import CudaDevice, Hardware
-from encoderkit.inference.engines import openvino_ready
+from encoderkit.inference.engines import openvino_installed, openvino_ready
 from tests.test_hardware import AVX2_ONLY, BF16_AMX, VNNI_NO_BF16
 
 TRAIN, SERVE, PLAN = "pretrain / finetune / distill", "predict / serve (--backend auto)", "compress plan (latency goal)"
@@ -24,10 +24,15 @@ def test_choices_follow_the_cpu(text, bf16, kind):
     c = backend_choices(Hardware.from_cpuinfo(text, threads=2))
     assert c[TRAIN].value == f"bf16 autocast {bf16} (cpu)"
     openvino_class = text is VNNI_NO_BF16 and openvino_ready()  # AVX-512 VNNI without AMX: OpenVINO's static INT8
-    assert c[SERVE].value.startswith("OpenVINO static INT8 for embed" if openvino_class else "ONNX INT8 for embed")
-    measured = "for classify, ner, qa, rerank, multilabel ONNX INT8 where the folder's card records INT8 agreement"
+    precision = "bf16" if bf16 == "on" else "fp32"
+    elsewhere = f"OpenVINO {precision} for embed" if openvino_installed() else "ONNX FP32 for embed"
+    assert c[SERVE].value.startswith("OpenVINO static INT8 for embed" if openvino_class else
+                                     "ONNX INT8 one text at a time for embed" if text is VNNI_NO_BF16 else elsewhere)
+    measured = ("for classify, ner, qa, rerank, multilabel ONNX INT8 (one text at a time) where the folder's card "
+                "records INT8 agreement")
     assert (measured in c[SERVE].value) is (kind != "cpu")
-    assert ("ONNX FP32 for classify, ner, qa, rerank, multilabel (this CPU has no VNNI/AMX int8)" in c[SERVE].value) is (kind == "cpu")
+    no_vnni = "ONNX FP32 for classify, ner, qa, rerank, multilabel (this CPU has no VNNI/AMX int8)"
+    assert (no_vnni in c[SERVE].value) is (kind == "cpu")
     assert ("no VNNI/AMX" in c[SERVE].why) is (kind == "cpu")
     assert c[PLAN].value.startswith(f"--hardware auto = {kind};")
     assert "budget none: quantize(method=dynamic-int8" in c[PLAN].value and "2:4" not in c[PLAN].value
@@ -38,10 +43,12 @@ def test_doctor_names_the_openvino_install_where_it_is_the_faster_int8(monkeypat
 
     monkeypatch.setattr(engines, "openvino_ready", lambda: False)
     c = backend_choices(Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))
-    assert c[SERVE].value.startswith("ONNX INT8 for embed (OpenVINO's static INT8 is faster on this CPU: pip install")
+    assert c[SERVE].value.startswith("ONNX INT8 one text at a time for embed (CPU class AVX-512 VNNI")
     monkeypatch.setattr(engines, "openvino_ready", lambda: True)
-    assert backend_choices(Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))[SERVE].value.startswith("OpenVINO static INT8 for embed")
-    assert backend_choices(Hardware.from_cpuinfo(BF16_AMX, threads=2))[SERVE].value.startswith("ONNX INT8 for embed;")
+    monkeypatch.setattr(engines, "openvino_installed", lambda: True)
+    vnni, amx = (backend_choices(Hardware.from_cpuinfo(t, threads=2))[SERVE].value for t in (VNNI_NO_BF16, BF16_AMX))
+    assert vnni.startswith("OpenVINO static INT8 for embed")
+    assert amx.startswith("OpenVINO bf16 for embed (CPU class AMX;")
 
 
 def test_a_sparse_gpu_trains_in_bf16_and_plans_2_4():
@@ -59,9 +66,16 @@ def test_doctor_prints_every_section(capsys):
     text = capsys.readouterr().out
     assert text.startswith("hardware: CPU ") and "threads |" in text
     for line in ("fp32  torch.matmul", "bf16  torch.matmul", "int8  torch._int_mm", "int8  onnxruntime MatMulInteger",
-                 "(32, 32) @ (32, 32)", f"  {TRAIN}: bf16 autocast", f"  {SERVE}: ", " INT8 for embed", f"  {PLAN}: --hardware auto"):
+                 "(32, 32) @ (32, 32)", f"  {TRAIN}: bf16 autocast", f"  {SERVE}: ", " for embed",
+                 f"  {PLAN}: --hardware auto"):
         assert line in text, line
     assert text.count("    why: ") == 3
+    # every CPU class: auto's embed backend, why, and its measured ratio to the best peer (or "not measured")
+    for kind in ("AVX2", "AVX-512 VNNI", "AVX-512 BF16", "AMX"):
+        assert f"\n  {kind}" in text, kind
+    assert text.count("(this CPU)") == 1 and text.count("    because: ") == 4
+    assert "AVX2: openvino; against the best peer: not measured" in text or "AVX2: onnx-fp32; against" in text
+    assert "AVX-512 BF16" in text and "1.52-1.65x the best peer on passages" in text
 
     assert main(["--threads", "1", "doctor", "--size", "32", "--seconds", "0.01", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -69,3 +83,7 @@ def test_doctor_prints_every_section(capsys):
     rates = {(p["dtype"], p["kernel"]): p["gops"] for p in data["peaks"]}
     assert rates[("fp32", "torch.matmul")] > 0 and rates[("bf16", "torch.matmul")] > 0
     assert set(data["choices"]) == {TRAIN, SERVE, PLAN} and all(c["why"] for c in data["choices"].values())
+    rows = data["embed_auto_by_cpu_class"]
+    assert [r["cpu_class"] for r in rows] == ["AVX2", "AVX-512 VNNI", "AVX-512 BF16", "AMX"]
+    assert sum(r["this_cpu"] for r in rows) == 1 and all(r["why"] and r["against_best_peer"] for r in rows)
+    assert all(r["backend"] != "onnx-int8" or "one text at a time" in r["why"] for r in rows)

@@ -22,7 +22,8 @@ TEXTS = ["the movie python", "a story data", "good code and a great film about t
 
 @pytest.mark.slow  # fine-tunes, exports and serves twice (~30 s each on a quiet core)
 @pytest.mark.parametrize("pooling", ["first", "mean"])
-def test_embed_folder_pooled_either_way_exports_serves_and_loads_in_sentence_transformers(pooling, tmp_path, tiny_bert_dir):
+def test_embed_folder_pooled_either_way_exports_serves_and_loads_in_sentence_transformers(pooling, tmp_path,
+                                                                                          tiny_bert_dir):
     st = pytest.importorskip("sentence_transformers")
     train = _jsonl(tmp_path / "train.jsonl", _pairs(32, 0))
     ft, onnx = tmp_path / "ft", tmp_path / "onnx"
@@ -43,7 +44,8 @@ def test_embed_folder_pooled_either_way_exports_serves_and_loads_in_sentence_tra
     np.testing.assert_allclose(Predictor.load(ft, backend="torch-fp32").embed(TEXTS), ref, atol=1e-5)
 
     (tmp_path / "in.txt").write_text("\n".join(TEXTS) + "\n")
-    assert main(["predict", "--model", str(onnx), "--input", str(tmp_path / "in.txt"), "--output", str(tmp_path / "p.jsonl"),
+    assert main(["predict", "--model", str(onnx), "--input", str(tmp_path / "in.txt"), "--output",
+                 str(tmp_path / "p.jsonl"),
                  "--backend", "onnx-fp32"]) == 0
     got = [json.loads(line)["embedding"] for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     np.testing.assert_allclose(np.asarray(got), ref, atol=1e-4)
@@ -66,11 +68,13 @@ def test_module_embedder_pools_on_the_device_as_the_engine_path_pools(pooling, t
     engine_path = Embedder(ModuleEngine(model.encoder, ("last_hidden_state",)), tok, pooling, max_length=16)
     shapes: list[tuple[int, ...]] = []
     run = BiEncoderEngine.run
-    monkeypatch.setattr(BiEncoderEngine, "run", lambda self, inputs: shapes.append((out := run(self, inputs))[0].shape) or out)
+    monkeypatch.setattr(BiEncoderEngine, "run",
+                        lambda self, inputs: shapes.append((out := run(self, inputs))[0].shape) or out)
     got = encode(model, tok, texts, 16, batch_size=4)
     assert max(s[0] for s in shapes) == 4 and sum(s[0] for s in shapes) == 9 and {s[1:] for s in shapes} == {(32,)}
     np.testing.assert_allclose(got, engine_path.embed(texts), atol=1e-5)
-    np.testing.assert_allclose(Embedder.of_module(model, tok, 16).embed(texts, dim=8), engine_path.embed(texts, dim=8), atol=1e-5)
+    np.testing.assert_allclose(Embedder.of_module(model, tok, 16).embed(texts, dim=8), engine_path.embed(texts, dim=8),
+                               atol=1e-5)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1, atol=1e-5)
     shapes.clear()
     encode(Embedder.of_module(model, tok, 16, max_batch=64), tok, texts, 16, batch_size=2)

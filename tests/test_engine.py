@@ -179,3 +179,20 @@ def test_throughput_counts_the_real_tokens_of_plain_and_paired_batches():
               "p_input_ids": torch.zeros(2, 6), "p_attention_mask": torch.ones(2, 6, dtype=torch.long)}
     assert _batch_tokens(paired) == 5 + 12
     assert _batch_tokens({"input_ids": torch.zeros(3, 7)}) == 21
+
+
+def test_lr_scale_gives_named_parameters_their_own_rate(tmp_path) -> None:
+    """A first AdamW step moves every weight by about lr (the update is lr * sign(grad)): the head named in
+    ``lr_scale`` moves 30 times as far as the rest, and without ``lr_scale`` the two groups are as before."""
+    from encoderkit.train.engine import param_groups
+
+    model = toy_model()
+    plain = param_groups(model, 0.01)
+    assert [(len(g["params"]), g["weight_decay"], g["lr_scale"]) for g in plain] == [(2, 0.01, 1.0), (2, 0.0, 1.0)]
+    scaled = param_groups(model, 0.01, {"3": 30.0})  # "3": the last Linear of the Sequential
+    assert sorted((len(g["params"]), g["lr_scale"]) for g in scaled) == [(1, 1.0), (1, 1.0), (1, 30.0), (1, 30.0)]
+    start = weights(model)
+    fit(model, loss_fn, source(), settings(lr=1e-4, weight_decay=0.0, warmup=0, schedule="constant", epochs=1,
+                                           max_steps=1, grad_accum=1), tmp_path, lr_scale={"3": 30.0})
+    moved = [float((after - before).abs().median()) for after, before in zip(weights(model), start, strict=True)]
+    assert moved[0] == pytest.approx(1e-4, rel=0.05) and moved[2] == pytest.approx(3e-3, rel=0.05)

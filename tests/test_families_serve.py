@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from encoderkit.deploy.serve import BackgroundServer, create_app, load_models
-from encoderkit.inference.engines import serve_choice
-from encoderkit.models.folder import ModelFolder
+from encoderkit.inference.policy import resolve
 from tests import families
 from tests.families import FAMILIES, TASKS, numbers, predict_records, strings
 
@@ -67,7 +66,7 @@ def test_family_is_served_and_answers_like_predict(family, tuned, tmp_path, monk
                 load_models([f"{task}={folders[task][0]}"])
     able = [t for t in TASKS if (family, t) not in SERVE_REFUSED]
     models = load_models([f"{task}={folders[task][0]}" for task in able])  # as `encoderkit serve --model t=DIR ...`
-    embed_int8 = serve_choice(ModelFolder.open(folders["embed"][0])).value  # ONNX Runtime's, or OpenVINO's on its CPU class
+    embed_int8 = resolve(folders["embed"][0]).backend  # ONNX Runtime's, or OpenVINO's on its CPU class
     assert embed_int8 in ("onnx-int8", "openvino-int8")
     assert {t: m.backend for t, m in models.items()} == {t: embed_int8 if t == "embed" else "onnx-fp32" for t in able}
     with BackgroundServer(create_app(models)) as url, httpx.Client(base_url=url, timeout=60) as http:

@@ -15,7 +15,8 @@ import torch
 from encoderkit.errors import EncoderkitError
 from encoderkit.train.finetune import FinetuneConfig, run
 
-POS, NEG, FILL = ["good", "great", "best", "love", "fun"], ["bad", "worst", "dull", "boring"], ["the", "a", "movie", "film", "story", "was", "it"]
+POS, NEG, FILL = (["good", "great", "best", "love", "fun"], ["bad", "worst", "dull", "boring"],
+                  ["the", "a", "movie", "film", "story", "was", "it"])
 TOPICS = ["python", "data", "code", "movie", "love", "time", "man", "story"]
 
 
@@ -49,7 +50,8 @@ def _evaluate(model: Path, data: Path | str) -> dict:
 
 
 def _cfg(tmp_path: Path, model: Path, **kw) -> FinetuneConfig:
-    base = {"model": str(model), "out": str(tmp_path / "out"), "lr": 1e-3, "epochs": 3, "batch_size": 16, "eval_batch_size": 64, "seed": 0}
+    base = {"model": str(model), "out": str(tmp_path / "out"), "lr": 1e-3, "epochs": 3, "batch_size": 16,
+            "eval_batch_size": 64, "seed": 0}
     base.update(kw)
     return FinetuneConfig(**base)
 
@@ -119,7 +121,8 @@ def _squad(path: Path, n: int, rng: random.Random, fill: list[str], articles: in
         ctx = " ".join(words)
         paras.append({"context": ctx, "qas": [{"id": str(i), "question": "which one ?",
                                                "answers": [{"text": ans, "answer_start": ctx.index(ans)}]}]})
-    path.write_text(json.dumps({"data": [{"title": f"t{j}", "paragraphs": paras[j::articles]} for j in range(articles)]}))
+    path.write_text(json.dumps({"data": [{"title": f"t{j}", "paragraphs": paras[j::articles]}
+                                         for j in range(articles)]}))
     return path
 
 
@@ -186,7 +189,8 @@ def test_rerank_draws_fresh_negatives_each_epoch(tmp_path, tiny_bert_dir):
     from encoderkit.tasks.common import load_tokenizer
     from encoderkit.train.finetune import task_inputs
 
-    rows = [{"query": f"q{i}", "positive": f"pos {i}", "negatives": [f"neg {i} {j}" for j in range(12)]} for i in range(8)]
+    rows = [{"query": f"q{i}", "positive": f"pos {i}", "negatives": [f"neg {i} {j}" for j in range(12)]}
+            for i in range(8)]
     cfg = _cfg(tmp_path, tiny_bert_dir, task="rerank", train=str(_jsonl(tmp_path / "t.jsonl", rows)), max_length=16,
                num_negatives=2, batch_size=2)
     tok = load_tokenizer(tiny_bert_dir)
@@ -214,9 +218,12 @@ def _beir(tmp_path: Path) -> Path:
     (beir / "qrels").mkdir(parents=True)
     rows = _pairs(40, 1)
     docs = {f"d{i}": r["positive"] for i, r in enumerate(rows)}
-    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n" for k, v in docs.items()))
-    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": r["query"]}) + "\n" for i, r in enumerate(rows)))
-    qrels = [f"q{i}\td{j}\t1" for i, r in enumerate(rows) for j, s in enumerate(rows) if s["positive"].split()[-1] == r["query"]]
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n"
+                                               for k, v in docs.items()))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": r["query"]}) + "\n"
+                                                for i, r in enumerate(rows)))
+    qrels = [f"q{i}\td{j}\t1" for i, r in enumerate(rows) for j, s in enumerate(rows)
+             if s["positive"].split()[-1] == r["query"]]
     (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "\n".join(qrels) + "\n")
     return beir
 

@@ -22,7 +22,8 @@ def test_hessian_accumulates_in_chunks_like_one_pass() -> None:
     torch.testing.assert_close(acc.H, 2 * x.double().T @ x.double() / len(x))
 
 
-@pytest.mark.parametrize(("bits", "group", "act_order", "sym"), [(4, 16, True, True), (4, -1, False, False), (8, 32, True, True)])
+@pytest.mark.parametrize(("bits", "group", "act_order", "sym"),
+                         [(4, 16, True, True), (4, -1, False, False), (8, 32, True, True)])
 def test_gptq_beats_rtn_on_correlated_inputs(bits: int, group: int, act_order: bool, sym: bool) -> None:
     x = _correlated()
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
@@ -46,7 +47,8 @@ def test_int4_packing_is_two_codes_per_byte_and_round_trips() -> None:
     assert torch.equal(unpack_int4(packed, 7), codes)
 
 
-@pytest.mark.parametrize(("bits", "sym", "dtype", "cols"), [(8, True, torch.int8, 64), (8, False, torch.uint8, 64), (4, True, torch.uint8, 32)])
+@pytest.mark.parametrize(("bits", "sym", "dtype", "cols"),
+                         [(8, True, torch.int8, 64), (8, False, torch.uint8, 64), (4, True, torch.uint8, 32)])
 def test_storage_dtypes_and_round_trip(bits: int, sym: bool, dtype: torch.dtype, cols: int) -> None:
     w = torch.randn(16, 64)
     qt = rtn_quantize(w, QuantSpec(bits, 16, sym))

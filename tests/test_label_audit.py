@@ -25,7 +25,8 @@ def test_wilson_matches_hand_computed_intervals():
     lo, hi = wilson(0, 20)  # all wrong: the interval still has width, z^2/(n+z^2) = 3.8415/23.8415
     assert lo == 0.0 and hi == pytest.approx(0.1611, abs=1e-4)
     lo, hi = wilson(50, 100)
-    assert 0.5 - lo == pytest.approx(hi - 0.5) and hi == pytest.approx(0.5962, abs=1e-4)  # 1.96*sqrt(.0025+.000096)/1.038415
+    # 1.96*sqrt(.0025+.000096)/1.038415
+    assert 0.5 - lo == pytest.approx(hi - 0.5) and hi == pytest.approx(0.5962, abs=1e-4)
 
 
 def test_agreement_confusion_counts_by_hand():
@@ -104,13 +105,30 @@ def test_report_accuracy_on_audited_items_and_gold_outside_the_label_set(tmp_pat
     out = report(ReportConfig(input=str(tmp_path / "labeled.jsonl"), sheet=str(tmp_path / "sheet.csv"),
                               price_per_1k_tokens=0.5)).report
     lab = out["labeller"]
-    assert out["audited"] == 8 and lab["accuracy"] == 0.75 and (lab["ci_low"], lab["ci_high"]) == tuple(round(x, 4) for x in wilson(6, 8))
+    assert (out["audited"] == 8 and lab["accuracy"] == 0.75
+            and (lab["ci_low"], lab["ci_high"]) == tuple(round(x, 4) for x in wilson(6, 8)))
     assert lab["cost"] == {"requests_per_text": 1.0, "tokens_per_1M": 91_000_000, "seconds_per_1M": 500_000,
                            "cost_per_1M": 45_500.0}
     assert recs[0]["text"] == "text 0"
     fill(tmp_path / "sheet.csv", {int(rows[9]["row"]): "Positive"})
-    with pytest.raises(EncoderkitError, match=r"sheet.csv:11: gold label 'Positive' is not one of the labels \(neg, pos\)"):
+    with pytest.raises(EncoderkitError,
+                       match=r"sheet.csv:11: gold label 'Positive' is not one of the labels \(neg, pos\)"):
         report(ReportConfig(input=str(tmp_path / "labeled.jsonl"), sheet=str(tmp_path / "sheet.csv")))
+
+
+def test_encoder_cost_records_the_predictors_engine():
+    from encoderkit.inference.policy import EngineChoice
+    from encoderkit.label.report import encoder_cost
+
+    class Fake:
+        choice = EngineChoice("onnx-int8", None, "INT8: the embed task's rule")
+
+        def classify(self, texts):
+            return [{"label": "pos"} for _ in texts]
+
+    cost = encoder_cost(Fake(), ["a", "b", "c"], 0.0)
+    assert cost["engine"] == {"backend": "onnx-int8", "calibration": None, "reason": "INT8: the embed task's rule"}
+    assert "backend" not in cost and cost["measured_on"] == 3
 
 
 def test_training_rows_apply_audit_drop_unlabeled_and_suspects(tmp_path):
@@ -153,7 +171,8 @@ def test_suspicion_finds_flipped_labels(tmp_path):
         words = list(rng.choice(filler, 5)) + list(rng.choice(pos if lab == "pos" else neg, 2))
         flip = rng.random() < 0.1
         flipped.append(flip)
-        recs.append({"text": " ".join(rng.permutation(words)), "label": ("neg" if lab == "pos" else "pos") if flip else lab,
+        recs.append({"text": " ".join(rng.permutation(words)),
+                     "label": ("neg" if lab == "pos" else "pos") if flip else lab,
                      "confidence": None, "labeller": "sim"})
     (tmp_path / "l.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     res = suspect(SuspectConfig(input=str(tmp_path / "l.jsonl"), output=str(tmp_path / "s.jsonl")))

@@ -111,7 +111,8 @@ def test_label_stage_with_cloze_writes_records_with_the_inputs_fields(tmp_path, 
                           labeller="cloze", model=str(tiny_mlm), pattern=PATTERN, verbalizer=["0=bad", "1=good"]))
     recs = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["label"] for r in recs] == ["1", "0"] and [r["input_label"] for r in recs] == ["1", "0"]
-    assert recs[0]["text"] == recs[0]["sentence"] == "the great movie" and recs[0]["labeller"] == f"cloze:{tiny_mlm.name}"
+    assert (recs[0]["text"] == recs[0]["sentence"] == "the great movie"
+            and recs[0]["labeller"] == f"cloze:{tiny_mlm.name}")
     assert res.ledger["requests"] == 2 and json.loads((tmp_path / "out.jsonl.ledger.json").read_text())["texts"] == 2
 
 
@@ -126,11 +127,13 @@ def test_embed_labeller_zero_shot_and_seeds_on_minilm(minilm_dir):
     assert [r.label for r in lab.label(texts)] == ["positive", "negative", "positive", "negative"]
     seeded = EmbedLabeller(minilm_dir, ["negative", "positive"], desc, seeds=[("dreadful", "negative")],
                            backend="torch-fp32")
-    assert not np.allclose(seeded.prototypes[0], lab.prototypes[0]) and np.allclose(seeded.prototypes[1], lab.prototypes[1])
+    assert (not np.allclose(seeded.prototypes[0], lab.prototypes[0])
+            and np.allclose(seeded.prototypes[1], lab.prototypes[1]))
 
 
 def write_sheet(path: Path) -> None:
-    rows = [("0", "first text", "neg"), ("1", "second text", "neg"), ("2", "third text", "pos"), ("3", "fourth text", "pos")]
+    rows = [("0", "first text", "neg"), ("1", "second text", "neg"), ("2", "third text", "pos"),
+            ("3", "fourth text", "pos")]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["row", "text", "label", "confidence", "suspicion", "suspect", "gold"])

@@ -65,7 +65,8 @@ def import_edges(root: Path) -> list[Edge]:
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        nested_nodes = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        nested_nodes = {id(n) for f in ast.walk(tree)
+                        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
                         for n in ast.walk(f) if n is not f}
         for node in ast.walk(tree):
             targets: list[str] = []
@@ -182,7 +183,8 @@ def test_the_checker_catches_a_lower_layer_importing_a_higher_one(tmp_path):
     edges = import_edges(pkg)
     assert Edge("encoderkit.models.folder", "encoderkit.tasks.classify.features", 2, True) in edges
     found = violations(edges)
-    assert any(v.startswith("encoderkit.models.folder:2 (layer 1) imports encoderkit.tasks.classify.features (layer 3) inside a function")
+    assert any(v.startswith("encoderkit.models.folder:2 (layer 1) imports encoderkit.tasks.classify.features (layer 3) "
+                            "inside a function")
                for v in found)
     assert any("imports encoderkit.cli, which nothing may import" in v for v in found)  # a string for importlib counts
     assert cycles(edges) == [["encoderkit.models.folder", "encoderkit.tasks.classify.features"]]
@@ -209,7 +211,8 @@ def test_every_listed_prefix_is_a_top_level_folder_or_module():
     for prefixes in LAYERS:
         for p in prefixes:
             assert p.count(".") <= 1, f"{p} gives a module inside a folder a floor of its own"
-            assert p == "encoderkit" or (PACKAGE / p.split(".")[1]).is_dir() or (PACKAGE / f"{p.split('.')[1]}.py").is_file()
+            assert (p == "encoderkit" or (PACKAGE / p.split(".")[1]).is_dir()
+                    or (PACKAGE / f"{p.split('.')[1]}.py").is_file())
 
 
 @pytest.mark.parametrize("module,layer", [("encoderkit.deploy.serve", 6), ("encoderkit.metrics.scores", 1),

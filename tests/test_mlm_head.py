@@ -52,7 +52,8 @@ def test_wrapper_keeps_standard_state_dict_and_loads_in_transformers(tmp_path) -
     again = AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
     ids, attention, labels = _batch(100, seed=1)
     batch = [{"input_ids": ids, "attention_mask": attention, "labels": labels}]
-    assert evaluate_mlm(MaskedOnlyMLM(again), batch)["loss"] == pytest.approx(evaluate_mlm(mlm, batch)["loss"], abs=1e-6)
+    assert (evaluate_mlm(MaskedOnlyMLM(again), batch)["loss"]
+            == pytest.approx(evaluate_mlm(mlm, batch)["loss"], abs=1e-6))
 
 
 def test_evaluate_mlm_weights_by_tokens_and_counts_accuracy() -> None:
@@ -86,7 +87,8 @@ def test_load_encoder_adds_a_tied_fresh_head(tiny_bert_dir) -> None:
     from transformers import BertModel
 
     plain = BertModel.from_pretrained(tiny_bert_dir)
-    assert torch.equal(plain.encoder.layer[0].attention.self.query.weight, model.bert.encoder.layer[0].attention.self.query.weight)
+    assert torch.equal(plain.encoder.layer[0].attention.self.query.weight,
+                       model.bert.encoder.layer[0].attention.self.query.weight)
 
 
 def test_load_encoder_errors(tiny_bert_dir, tmp_path) -> None:

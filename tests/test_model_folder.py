@@ -11,7 +11,8 @@ from deploy_models import make_task_model, tiny_root
 
 from encoderkit.cli import main
 from encoderkit.errors import EncoderkitError
-from encoderkit.models.folder import ModelFolder, pooling_name, task_from_config
+from encoderkit.models.folder import ModelFolder, task_from_config
+from encoderkit.models.pooling import pooling_name
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -84,7 +85,8 @@ def test_a_head_registered_in_one_line_is_opened_checked_and_loaded(tmp_path_fac
     opened = ModelFolder.open(regression)
     assert (opened.task, opened.pooling, opened.require_task("regression")) == ("regression", "first", "regression")
     assert type(opened.load(task="regression")).__name__ == "BertForSequenceClassification"
-    wrong = ModelFolder.open(_retask(make_task_model(root, tiny_tokenizer_dir, "ner"), tmp_path / "wrong", "regression"))
+    wrong = ModelFolder.open(_retask(make_task_model(root, tiny_tokenizer_dir, "ner"), tmp_path / "wrong",
+                                     "regression"))
     with pytest.raises(EncoderkitError, match=r"a 'regression' model needs a \*ForSequenceClassification head"):
         wrong.require_task("regression")
 
@@ -138,7 +140,8 @@ def test_a_truncated_safetensors_file_is_named_by_every_stage(broken, capsys):
         "finetune": ["finetune", "--model", str(cut), "--task", "classify", "--train", str(broken["tsv"]),
                      "--out", str(base / "ft"), "--max-steps", "1"],
         "evaluate": ["evaluate", "--model", str(cut), "--data", str(broken["tsv"])],
-        "predict": ["predict", "--model", str(cut), "--input", str(broken["texts"]), "--output", str(base / "p2.jsonl")],
+        "predict":
+            ["predict", "--model", str(cut), "--input", str(broken["texts"]), "--output", str(base / "p2.jsonl")],
         "export": ["export", "--model", str(cut), "--out", str(base / "onnx2")],
     }
     for stage, argv in runs.items():
@@ -156,7 +159,7 @@ def test_evaluate_leaves_its_parsed_config_as_given(tmp_path_factory, tiny_token
     cfg = EvaluateConfig(model=str(folder), data=str(_tsv(tmp_path / "dev.tsv")), batch_size=4)
     before = dataclasses.asdict(cfg)
     assert run(cfg).task == "classify"
-    assert dataclasses.asdict(cfg) == before  # task, eval_batch_size, multi_label: read, never written back
+    assert dataclasses.asdict(cfg) == before  # task, batch_size, multi_label: read, never written back
 
 
 def test_loading_a_folder_prints_one_line_and_no_tensor_parallel_warning(tmp_path_factory, tiny_tokenizer_dir):

@@ -97,7 +97,8 @@ def test_distill_loss_switches_on_multi_label_and_drops_the_hard_part():
     w = LossWeights(kl=1.0, hard=0.5, cos=0.0, temperature=2.0)
     _, parts = DistillLoss(w, 32, 32, mlm=False)(SimpleNamespace(logits=s), SimpleNamespace(logits=t), batch)
     assert parts["kl"] < 1e-5 and "hard" in parts  # single-label: unchanged
-    loss, parts = DistillLoss(w, 32, 32, mlm=False, multi_label=True)(SimpleNamespace(logits=s), SimpleNamespace(logits=t), batch)
+    loss, parts = DistillLoss(w, 32, 32, mlm=False, multi_label=True)(SimpleNamespace(logits=s),
+                                                                      SimpleNamespace(logits=t), batch)
     assert set(parts) == {"kl"} and torch.allclose(loss, sigmoid_target_loss(s, t, 2.0))
     assert parts["kl"] > 0.5
 
@@ -110,7 +111,8 @@ def test_distilling_a_multilabel_teacher_uses_the_sigmoid_loss(teacher_dir, shif
     teacher = ModelFolder.open(teacher_dir).load(frozen=True)
     student = ModelFolder.open(shifted_dir).load(frozen=True)
     assert is_multi_label(teacher) and is_multi_label(student)
-    enc = ModelFolder.open(teacher_dir).tokenizer()(["the movie was great", "python code"], padding=True, return_tensors="pt")
+    enc = ModelFolder.open(teacher_dir).tokenizer()(["the movie was great", "python code"], padding=True,
+                                                    return_tensors="pt")
     with torch.no_grad():
         t, s = teacher(**enc).logits, student(**enc).logits
     assert soft_target_kl(s, t, 2.0) < 1e-4 and sigmoid_target_loss(s, t, 2.0) > 0.5

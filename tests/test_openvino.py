@@ -5,6 +5,7 @@ only runs its own; a graph OpenVINO cannot read and a missing OpenVINO are error
 from __future__ import annotations
 
 import builtins
+import re
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from deploy_models import export_task_model, make_task_model, tiny_root
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.predictor import Predictor
 
-TEXTS = ["the movie was great fun", "a dull and boring story", "love", "the worst plot of the year by far, said everyone"]
+TEXTS = ["the movie was great fun", "a dull and boring story", "love",
+         "the worst plot of the year by far, said everyone"]
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,7 @@ def test_openvino_int8_quantises_once_per_calibration_and_stays_close_to_fp32(nn
                                                                             tiny_tokenizer_dir, monkeypatch, capsys):
     from pathlib import Path
 
+    monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path_factory.mktemp("ov_cache")))  # graphs made by this test alone
     folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, task)
     calls = []
     quantize = nncf.quantize
@@ -194,7 +197,8 @@ def test_default_calibration_is_half_vocabulary_half_builtin_prose(tmp_path_fact
 def test_without_nncf_the_error_names_the_install(tmp_path_factory, tiny_tokenizer_dir, monkeypatch):
     folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
     _without("nncf", monkeypatch)
-    with pytest.raises(EncoderkitError, match=r'openvino-int8 needs OpenVINO and NNCF .*pip install "encoderkit\[openvino\]"'):
+    with pytest.raises(EncoderkitError,
+                       match=r'openvino-int8 needs OpenVINO and NNCF .*pip install "encoderkit\[openvino\]"'):
         Predictor.load(folder, backend="openvino-int8")
 
 
@@ -214,6 +218,41 @@ def test_lengths_are_padded_to_a_few_shapes_and_outputs_cut_back(ov, tmp_path_fa
         width = -(-length // OPENVINO_LENGTH_STEP) * OPENVINO_LENGTH_STEP
         assert feed["input_ids"].shape == feed["attention_mask"].shape == (2, width)
         assert feed["attention_mask"][:, length:].sum() == 0
-        (x,), (y,) = ours.engine.run({"input_ids": ids, "attention_mask": mask}), ref.engine.run({"input_ids": ids, "attention_mask": mask})
+        feed = {"input_ids": ids, "attention_mask": mask}
+        (x,), (y,) = ours.engine.run(feed), ref.engine.run(feed)
         assert x.shape == y.shape == (2, length, y.shape[-1])
         np.testing.assert_allclose(x[mask.astype(bool)], y[mask.astype(bool)], atol=tolerance(ours))
+
+
+def test_a_bent_openvino_int8_graph_is_refused_and_auto_falls_back(nncf, tmp_path_factory, tiny_tokenizer_dir,
+                                                                   monkeypatch):
+    """The static INT8 graph is checked against FP32 when it is made (cosine on check texts outside the calibration,
+    kept beside it); below 0.99 mean / 0.95 min an explicit --backend openvino-int8 is an error naming the figures and
+    --backend openvino, and auto runs OpenVINO's own graph instead, saying why."""
+    from encoderkit import hardware
+    from encoderkit.hardware import Hardware
+    from encoderkit.inference import engines
+    from encoderkit.inference.policy import resolve
+    from encoderkit.models.folder import ModelFolder
+    from tests.test_hardware import VNNI_NO_BF16
+
+    folder = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
+    graph, record = engines.openvino_int8_check(ModelFolder.open(folder))  # the real check, kept beside the graph
+    assert record["ok"] and record["texts"] == 64 and record["min"] >= 0.95
+    assert (graph.parent / engines.FIDELITY_FILE).is_file()
+    monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))
+    monkeypatch.setattr(engines, "openvino_ready", lambda: True)
+    good = resolve(folder)
+    assert good.backend == "openvino-int8" and "cosine to FP32 " in good.reason and "64 check texts" in good.reason
+
+    real = engines.fidelity
+    monkeypatch.setattr(engines, "CHECK_TEXTS", "bent")  # a new check (not the kept record), whose record says so
+    monkeypatch.setattr(engines, "fidelity", lambda *a, **k: {**real(*a, **k), "on": "bent", "mean": 0.98,
+                                                              "min": 0.5716, "ok": False})
+    figures = r"cosine to FP32 0\.9800 mean / 0\.5716 min on 64 check texts, below the 0\.99 mean / 0\.95 min kept"
+    with pytest.raises(EncoderkitError, match=rf"bends its outputs \({figures}\), so it is refused; use --backend "
+                                              "openvino"):
+        Predictor.load(folder, backend="openvino-int8", threads=1)
+    auto = Predictor.load(folder, threads=1)
+    assert auto.backend == "openvino" and auto.choice.calibration is None
+    assert re.search(rf"its static INT8 graph was refused for this folder \({figures}\)", auto.backend_reason)

@@ -50,7 +50,8 @@ def test_a_pretrained_model_folder_and_its_checkpoints_are_0755_and_0644(store, 
     assert "model/encoderkit.json" in files and "model-run/checkpoints/step-0000006/state.json" in files
 
 
-def test_export_copies_files_so_editing_one_folder_leaves_the_other(tmp_path_factory, tiny_tokenizer_dir, tmp_path, umask):
+def test_export_copies_files_so_editing_one_folder_leaves_the_other(tmp_path_factory, tiny_tokenizer_dir, tmp_path,
+                                                                    umask):
     from encoderkit.inference.export import ExportConfig, run
 
     umask(0o022)

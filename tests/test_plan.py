@@ -96,7 +96,7 @@ def test_no_plan_quantizes_twice(budget, hardware, goal, drop, calib):
 
 
 def test_sparse_gpu_memory_plan_takes_gptq_instead_of_int8_on_top():
-    plan = _plan(budget="some", teacher=True, hardware="gpu-sparse", goal="memory")
+    plan = _plan(budget="some", teacher=True, hardware="gpu-sparse", goal="memory", labels="no")  # INT4: GPTQ
     assert plan.levers() == ["distill", "prune", "vocab", "gptq"]
     why = _left_out(plan)["quantize dynamic-int8"]
     assert "already quantizes" in why and "alternatives" in why and "4-bit" in why
@@ -264,11 +264,13 @@ def test_rerank_seed_scenario_budget_teacher_sparse_gpu_is_distill_2_4_int8_per_
     assert plan.steps[1].params["method"] == "2:4" and plan.steps[2].params["method"] == "dynamic-int8"
     assert plan.latency_unit == (100, "one query's top 100 candidates (100 query-passage pairs in one batch)")
     assert "top 100 candidates" in plan.steps[0].reason and "top 100 candidates" in plan.steps[1].reason
-    # a cut cross-encoder starts from chance: it is trained back at 3e-4 (docs/compress.md), other tasks keep the default
+    # a cut cross-encoder starts from chance: it is trained back at 3e-4 (docs/compress.md), other tasks keep the
+    # default
     assert plan.steps[0].params["lr"] == 3e-4 and "no better than chance" in plan.steps[0].reason
     assert plan.steps[0].params["pseudo_queries"] == 1000 and plan.steps[0].params["fresh_pseudo_queries"] is True
     assert "new corpus titles each epoch as label-free queries" in plan.steps[0].reason
-    classify = make_plan(PlanConfig(task="classify", budget="some", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
+    classify = make_plan(PlanConfig(task="classify", budget="some", teacher=True, hardware="cpu", goal="latency"),
+                         hw=CPU_ONLY)
     assert "lr" not in classify.steps[0].params and "pseudo_queries" not in classify.steps[0].params
     text = plan.describe()
     assert "Task: rerank; latency planned per one query's top 100 candidates" in text and "(batch 100)" in text
@@ -281,11 +283,13 @@ def test_rerank_seed_scenario_budget_teacher_sparse_gpu_is_distill_2_4_int8_per_
 def test_rerank_on_a_cpu_with_budget_and_teacher_keeps_the_depth_and_is_taught_back_by_the_unpruned_model():
     """The seeds' scenario on a CPU: width pruning, then the recipe's start teaches the pruned model (the
     measured best: docs/compress.md, "Keep the depth, cut the width")."""
-    plan = make_plan(PlanConfig(task="rerank", budget="some", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
+    plan = make_plan(PlanConfig(task="rerank", budget="some", teacher=True, hardware="cpu", goal="latency"),
+                     hw=CPU_ONLY)
     assert plan.levers() == ["prune", "distill", "quantize"]
     prune, distill, quant = plan.steps
     assert prune.params["method"] == "structured" and (prune.params["heads"], prune.params["ffn"]) == (0.5, 0.75)
-    assert "recovery_steps" not in prune.params and distill.params["teacher"] == "start" and "layers" not in distill.params
+    assert ("recovery_steps" not in prune.params and distill.params["teacher"] == "start"
+            and "layers" not in distill.params)
     assert distill.params["lr"] == 3e-4 and distill.params["fresh_pseudo_queries"] is True
     assert quant.params["method"] == "dynamic-int8" and "top 100 candidates" in prune.reason
     assert [s.lever for s in validate_recipe(plan.recipe(), source="planned")] == plan.levers()
@@ -294,12 +298,14 @@ def test_rerank_on_a_cpu_with_budget_and_teacher_keeps_the_depth_and_is_taught_b
                                  max_quality_drop=0.005), hw=CPU_ONLY)
     assert tight.levers()[0] == "distill" and "teacher" not in tight.steps[0].params
     assert "heads" not in next(s for s in tight.steps if s.lever == "prune").params
-    classify = make_plan(PlanConfig(task="classify", budget="some", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
+    classify = make_plan(PlanConfig(task="classify", budget="some", teacher=True, hardware="cpu", goal="latency"),
+                         hw=CPU_ONLY)
     assert classify.levers()[0] == "distill" and "teacher" not in classify.steps[0].params
 
 
 def test_rerank_seed_scenario_no_budget_cpu_is_ptq_only():
-    plan = make_plan(PlanConfig(task="rerank", budget="none", teacher=True, hardware="cpu", goal="latency"), hw=CPU_ONLY)
+    plan = make_plan(PlanConfig(task="rerank", budget="none", teacher=True, hardware="cpu", goal="latency"),
+                     hw=CPU_ONLY)
     assert plan.levers() == ["quantize"] and plan.steps[0].params["method"] == "dynamic-int8"
     assert plan.latency_unit[0] == 100 and not plan.notes
 
@@ -327,7 +333,8 @@ def test_plan_run_measures_a_reranker_over_the_miners_candidates(tmp_path, tiny_
     from encoderkit.compress.plan import run_recipe_for_plan
 
     monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
-    ce, miner = make_task_model(tmp_path, tiny_tokenizer_dir, "rerank"), make_task_model(tmp_path, tiny_tokenizer_dir, "embed")
+    ce, miner = (make_task_model(tmp_path, tiny_tokenizer_dir, "rerank"),
+                 make_task_model(tmp_path, tiny_tokenizer_dir, "embed"))
     beir = f"{_beir(tmp_path)}#test"
     common = {"budget": "none", "hardware": "cpu", "run": True, "model": str(ce), "dev": beir, "max_quality_drop": 0.99}
     with pytest.raises(EncoderkitError, match="--miner"):
@@ -351,19 +358,23 @@ def test_an_embed_model_with_a_speed_goal_beyond_quantization_gets_the_static_ti
     (step,) = validate_recipe(plan.recipe())  # a recipe the runner takes, for embed models
     assert step.params["to"] == "static" and plan.recipe()["task"] == "embed"
     # without a training budget: no fit, and the floor must allow what that kept (61%)
-    assert "61%" in _left_out(_plan(task="embed", budget="none", hardware="cpu", speedup=30, max_quality_drop=0.05))["static tier"]
+    assert "61%" in _left_out(_plan(task="embed", budget="none", hardware="cpu", speedup=30,
+                                    max_quality_drop=0.05))["static tier"]
     cheap = _plan(task="embed", budget="none", hardware="cpu", speedup=30, max_quality_drop=0.4)
     assert cheap.levers() == ["distill"] and cheap.steps[0].params["fit_texts"] == 0
 
 
 @pytest.mark.parametrize(("kw", "why"), [
-    ({"task": "embed", "speedup": 30, "max_quality_drop": 0.03}, "below the floor of 97%: relax --max-quality-drop to 0.045"),
+    ({"task": "embed", "speedup": 30, "max_quality_drop": 0.03},
+     "below the floor of 97%: relax --max-quality-drop to 0.045"),
     ({"task": "embed", "speedup": 5, "max_quality_drop": 0.05}, "within what quantization"),
     ({"task": "classify", "speedup": 50, "max_quality_drop": 0.5}, "sentence-embedding model only"),
-    ({"task": "embed", "speedup": 30, "max_quality_drop": 0.05, "has_calibration_data": False}, "from in-domain text (--train), and there is none"),
+    ({"task": "embed", "speedup": 30, "max_quality_drop": 0.05, "has_calibration_data": False},
+     "from in-domain text (--train), and there is none"),
 ])
 def test_the_static_tier_is_left_out_with_the_reason(kw, why):
     plan = _plan(budget="some", teacher=True, hardware="cpu", **kw)
     assert "static tier" in _left_out(plan) and why in _left_out(plan)["static tier"]
     assert all(s.params.get("to") != "static" for s in plan.steps) and plan.steps
-    assert "static tier" not in _left_out(_plan(task="embed", budget="some", hardware="cpu"))  # no speed goal: not mentioned
+    # no speed goal: not mentioned
+    assert "static tier" not in _left_out(_plan(task="embed", budget="some", hardware="cpu"))

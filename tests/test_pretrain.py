@@ -35,7 +35,8 @@ def repetitive_store(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 
 
 def tiny_cfg(store: Path, out: Path, **kw) -> PretrainConfig:
-    base = {"data": str(store), "out": str(out), "layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "dropout": 0.0, "batch_size": 8,
+    base = {"data": str(store), "out": str(out), "layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "dropout": 0.0,
+            "batch_size": 8,
                 "lr": 5e-3, "max_steps": 12, "warmup": 2, "mask_rate": 0.2, "eval_blocks": 16, "bf16": "off"}
     return PretrainConfig(**{**base, **kw})
 
@@ -48,7 +49,8 @@ def test_overfit_output_is_a_standard_fill_mask_model(repetitive_store, tmp_path
     card = json.loads((tmp_path / "m" / "encoderkit.json").read_text())
     assert card["stage"] == "pretrain" and card["task"] == "mlm"
     assert card["metrics"]["heldout_loss"] < 0.3 * card["metrics"]["initial_heldout_loss"]
-    assert result.metrics["heldout_perplexity"] == pytest.approx(2.718281828 ** result.metrics["heldout_loss"], rel=1e-4)
+    assert (result.metrics["heldout_perplexity"]
+            == pytest.approx(2.718281828 ** result.metrics["heldout_loss"], rel=1e-4))
     model = AutoModelForMaskedLM.from_pretrained(tmp_path / "m")
     assert type(model).__name__ == "BertForMaskedLM"
     fill = pipeline("fill-mask", model=model, tokenizer=AutoTokenizer.from_pretrained(tmp_path / "m"))
@@ -124,7 +126,8 @@ def test_gutenberg_heldout_loss_falls(shared_data, minilm_dir, tmp_path) -> None
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "book.txt").write_text(text)
-    cfg = PretrainConfig(corpus=[str(corpus)], tokenizer=str(minilm_dir), seq_len=64, heldout=0.05, doc_split="blank_line",
+    cfg = PretrainConfig(corpus=[str(corpus)], tokenizer=str(minilm_dir), seq_len=64, heldout=0.05,
+                         doc_split="blank_line",
                          cache_dir=str(tmp_path / "cache"), out=str(tmp_path / "m"), layers=2, hidden=32, heads=4,
                          ffn=64, batch_size=16, max_steps=40, lr=1e-2, warmup=4, eval_blocks=64, bf16="off")
     result = run(cfg)
@@ -146,17 +149,20 @@ def test_evaluate_mlm_reproduces_the_heldout_metrics_and_checks_the_store(repeti
     from encoderkit.evaluate.run import run as evaluate
 
     result = run(tiny_cfg(repetitive_store, tmp_path / "m", max_steps=6))
-    ev = evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(repetitive_store), max_examples=16, batch_size=5, mask_rate=0.2))
+    ev = evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(repetitive_store), max_examples=16, batch_size=5,
+                                 mask_rate=0.2))
     assert ev.task == "mlm"  # read from the card
     from encoderkit.data.prepare import open_blocks
 
     assert ev.metrics["blocks"] == min(16, len(open_blocks(repetitive_store, "heldout")))
-    capped = evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(repetitive_store), max_examples=3, batch_size=2))
+    capped = evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(repetitive_store), max_examples=3,
+                                     batch_size=2))
     assert capped.metrics["blocks"] == 3
     # the same blocks and epoch-0 masks as pretrain's own held-out evaluation
     assert ev.metrics["loss"] == pytest.approx(result.metrics["heldout_loss"], rel=1e-5)
     assert ev.metrics["accuracy"] == pytest.approx(result.metrics["heldout_accuracy"])
-    other = evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(repetitive_store), max_examples=16, seed=1, mask_rate=0.2))
+    other = evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(repetitive_store), max_examples=16, seed=1,
+                                    mask_rate=0.2))
     assert other.metrics["loss"] != pytest.approx(ev.metrics["loss"], rel=1e-6)  # another seed, other masks
     with pytest.raises(EncoderkitError, match="not a token store"):
         evaluate(EvaluateConfig(model=str(tmp_path / "m"), data=str(tmp_path), task="mlm"))
@@ -171,7 +177,8 @@ def test_layers_with_model_continues_from_its_first_layers(repetitive_store, tin
 
     shallow = load_encoder(tiny_bert_dir, layers=1)
     assert len(shallow.bert.encoder.layer) == 1
-    assert "weights of the checkpoint not used (layer 1;" in capsys.readouterr().err  # the layer left out, in a few words
+    # the layer left out, in a few words
+    assert "weights of the checkpoint not used (layer 1;" in capsys.readouterr().err
     ref = load_file(tiny_bert_dir / "model.safetensors")
     for name, t in shallow.bert.encoder.layer[0].state_dict().items():  # the checkpoint's layer 0, unchanged
         assert torch.equal(t, ref[f"encoder.layer.0.{name}"]), name
@@ -183,7 +190,8 @@ def test_layers_with_model_continues_from_its_first_layers(repetitive_store, tin
     assert not any(".layer.1." in k for k in load_file(res.out / "model.safetensors"))
 
 
-def test_freeze_embeddings_keeps_the_vocabulary_matrix_and_trains_the_rest(repetitive_store, tiny_bert_dir, tmp_path) -> None:
+def test_freeze_embeddings_keeps_the_vocabulary_matrix_and_trains_the_rest(repetitive_store, tiny_bert_dir,
+                                                                           tmp_path) -> None:
     import torch
     from safetensors.torch import load_file
 

@@ -58,7 +58,7 @@ def test_continued_pretraining_keeps_the_family_head_and_loads_as_masked_lm(fami
     result = run(continued(folder, store, tmp_path / "out"))
     assert result.steps == 3
     card = json.loads((tmp_path / "out" / "encoderkit.json").read_text())
-    assert card["task"] == "mlm" and card["parent"] == str(folder)
+    assert card["task"] == "mlm" and (tmp_path / "out" / card["parent"]).resolve() == Path(folder).resolve()
     again = AutoModelForMaskedLM.from_pretrained(tmp_path / "out").eval()
     assert type(again).__name__ == MLM_CLASS[family]
     # the saved folder is the trained model: its masked-only loss is the one pretrain measured

@@ -45,7 +45,8 @@ def _cfg(**kw) -> QuantizeConfig:
 @pytest.mark.parametrize(("method", "bits", "dtype", "packed"), [("dynamic", 8, torch.int8, False),
                                                                 ("rtn", 4, torch.uint8, True),
                                                                 ("gptq", 4, torch.uint8, True)])
-def test_quantized_folder_stores_low_bit_weights_and_predicts(tiny_classifier, tmp_path, method, bits, dtype, packed) -> None:
+def test_quantized_folder_stores_low_bit_weights_and_predicts(tiny_classifier, tmp_path, method, bits, dtype,
+                                                              packed) -> None:
     out = tmp_path / "q"
     rep = quantize(tiny_classifier, _cfg(method=method, bits=bits, group_size=16), out, calib=TEXTS)
     assert not (out / "model.safetensors").exists()  # plain transformers must not load it silently
@@ -75,7 +76,8 @@ def test_gptq_folder_is_closer_to_fp32_than_rtn(tiny_classifier, tmp_path) -> No
 
 def test_int4_embeddings_shrink_the_file(tiny_classifier, tmp_path) -> None:
     a = quantize(tiny_classifier, _cfg(method="rtn", bits=4, group_size=16), tmp_path / "a", calib=TEXTS)
-    b = quantize(tiny_classifier, _cfg(method="rtn", bits=4, group_size=16, embeddings="int4"), tmp_path / "b", calib=TEXTS)
+    b = quantize(tiny_classifier, _cfg(method="rtn", bits=4, group_size=16, embeddings="int4"), tmp_path / "b",
+                 calib=TEXTS)
     vocab, hidden = 153, 32
     assert a.after["weight_bytes"] - b.after["weight_bytes"] >= vocab * hidden * 4 * 0.7
     with safe_open(str(tmp_path / "b" / QUANT_FILE), "pt") as f:
@@ -107,7 +109,8 @@ def test_bad_settings_are_clear_errors(tiny_classifier, tmp_path) -> None:
 def test_qat_trains_through_fake_quant_and_stores_int8(tiny_classifier, tmp_path) -> None:
     data = tmp_path / "train.tsv"
     data.write_text("sentence\tlabel\n" + "".join(f"{t}\t{i % 2}\n" for i, t in enumerate(TEXTS)))
-    rep = quantize(tiny_classifier, _cfg(method="qat", train_data=str(data), qat_steps=4, batch_size=8, lr=1e-3), tmp_path / "qat")
+    rep = quantize(tiny_classifier, _cfg(method="qat", train_data=str(data), qat_steps=4, batch_size=8, lr=1e-3),
+                   tmp_path / "qat")
     assert rep.details["qat"]["steps"] == 4 and rep.details["qat"]["kd_alpha"] == 0.5
     pure = quantize(tiny_classifier, _cfg(method="qat", train_data=str(data), qat_steps=2, batch_size=8, kd_alpha=1.0),
                     tmp_path / "qat-kd")
@@ -180,14 +183,16 @@ def test_onnx_int4_word_embeddings(tiny_classifier, tmp_path) -> None:
     outs = {}
     for emb in ("fp32", "int4"):
         outs[emb] = tmp_path / emb
-        quantize(tiny_classifier, QuantizeConfig(method="dynamic", format="onnx", embeddings=emb, group_size=16, measure=False),
+        quantize(tiny_classifier,
+                 QuantizeConfig(method="dynamic", format="onnx", embeddings=emb, group_size=16, measure=False),
                  outs[emb], calib=TEXTS)
     graph = onnx.load(str(outs["int4"] / "model.int8.onnx")).graph
     node = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
     packed = next(t for t in graph.initializer if t.name == node.input[0])
     vocab, hidden = packed.dims
     assert hidden == 32 and vocab > 100
-    assert packed.data_type == onnx.TensorProto.UINT4 and len(packed.raw_data) == vocab * hidden // 2  # two codes a byte
+    # two codes a byte
+    assert packed.data_type == onnx.TensorProto.UINT4 and len(packed.raw_data) == vocab * hidden // 2
     assert not any(t.name.startswith("bert.embeddings.word_embeddings.weight") and t.data_type == onnx.TensorProto.FLOAT
                    for t in graph.initializer if t.name != node.input[2])
     size = {k: (v / "model.int8.onnx").stat().st_size for k, v in outs.items()}
@@ -220,7 +225,8 @@ def test_cli_quantize_and_prune(tiny_classifier, tmp_path, capsys) -> None:
 def test_head_pruned_model_quantizes_and_reloads(tiny_classifier, tmp_path) -> None:
     from encoderkit.compress.prune import PruneConfig, prune
 
-    prune(tiny_classifier, PruneConfig(method="heads", amount=0.5, importance="magnitude", measure=False), tmp_path / "h")
+    prune(tiny_classifier, PruneConfig(method="heads", amount=0.5, importance="magnitude", measure=False),
+          tmp_path / "h")
     quantize(tmp_path / "h", _cfg(method="gptq", bits=4, group_size=16), tmp_path / "hq", calib=TEXTS)
     model = load_model(tmp_path / "hq")
     assert model.bert.encoder.layer[0].attention.self.query.weight.shape == (16, 32)
@@ -234,9 +240,11 @@ def test_head_and_ffn_pruned_model_goes_through_onnx_int8(tiny_classifier, tmp_p
 
     from encoderkit.compress.prune import PruneConfig, prune
 
-    prune(tiny_classifier, PruneConfig(method="heads", amount=0.5, importance="magnitude", measure=False), tmp_path / "h")
+    prune(tiny_classifier, PruneConfig(method="heads", amount=0.5, importance="magnitude", measure=False),
+          tmp_path / "h")
     prune(tmp_path / "h", PruneConfig(method="ffn", amount=0.5, importance="magnitude", measure=False), tmp_path / "hf")
-    rep = quantize(tmp_path / "hf", QuantizeConfig(method="dynamic", format="onnx", measure=False), tmp_path / "q", calib=TEXTS)
+    rep = quantize(tmp_path / "hf", QuantizeConfig(method="dynamic", format="onnx", measure=False), tmp_path / "q",
+                   calib=TEXTS)
     graph = onnx.load(str(tmp_path / "q" / "model.int8.onnx")).graph
     shapes = {tuple(t.dims) for t in graph.initializer if t.data_type == onnx.TensorProto.INT8}
     assert (32, 16) in shapes and (32, 32) in shapes  # Q/K/V: 2 of 4 heads kept; FFN 64 -> 32
@@ -254,6 +262,7 @@ def test_qat_simulation_matches_the_torch_int8_runtime() -> None:
     ref = lin(x)
     simulated = FakeQuantLinear(lin)(x)
     runtime = torch.ao.quantization.quantize_dynamic(
-        torch.nn.Sequential(lin), {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}, dtype=torch.qint8)(x)
+        torch.nn.Sequential(lin), {torch.nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig},
+        dtype=torch.qint8)(x)
     gap = (simulated - runtime).abs().mean() / (ref - runtime).abs().mean()
     assert gap < 0.4  # far closer to the runtime than fp32 is (with 0..255 activations it was 1.2: further)

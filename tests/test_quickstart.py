@@ -100,14 +100,16 @@ def test_quickstart_fast_writes_final_folders_atomically(quickstart_fast) -> Non
     root, res = quickstart_fast
     out = root / "qs"
     assert [p.name for p in root.iterdir()] == ["qs"]  # no temporary folder left beside it
-    assert {"corpus", "mlm-data", "mlm", "search", "classifier", "compressed", "README.md"} <= {p.name for p in out.iterdir()}
+    assert ({"corpus", "mlm-data", "mlm", "search", "classifier", "compressed", "README.md"}
+            <= {p.name for p in out.iterdir()})
     for path in out.rglob("*.json"):
         assert ".tmp-" not in path.read_text(), path
     card = json.loads((out / "mlm" / "encoderkit.json").read_text())
-    assert card["config"]["data"] == str(out / "mlm-data")  # the final folder, not the temporary one
+    assert card["config"]["data"] == "../mlm-data"  # relative to the card's folder: neither temporary nor absolute
     from encoderkit.data.prepare import open_blocks, read_meta
 
-    assert AutoModelForMaskedLM.from_pretrained(out / "mlm").config.vocab_size == read_meta(out / "mlm-data")["vocab_size"]
+    assert (AutoModelForMaskedLM.from_pretrained(out / "mlm").config.vocab_size
+            == read_meta(out / "mlm-data")["vocab_size"])
     assert open_blocks(out / "mlm-data", "heldout").shape[1] == 64
     assert (out / "README.md").read_text().strip().splitlines() == res.lines
 

@@ -109,7 +109,8 @@ def test_jsonl_and_jsonl_gz_from_real_lines(shared_data, tmp_path):
         assert docs[10].line == 12  # the blank line is counted
     array = tmp_path / "sst.json"
     array.write_text(json.dumps(records), encoding="utf-8")
-    assert [d.text for d in iter_documents(str(array), text_field="sentence")] == [r["sentence"].strip() for r in records]
+    assert ([d.text for d in iter_documents(str(array), text_field="sentence")]
+            == [r["sentence"].strip() for r in records])
 
 
 def test_crlf_and_bom_are_removed(tmp_path):

@@ -33,7 +33,8 @@ CHILD = textwrap.dedent('''
 @pytest.mark.timeout(180)
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, tiny_tokenizer_dir) -> None:
     store = make_store(tmp_path, tiny_tokenizer_dir, "\n".join([SENTENCE * 2, "the man said he was good"] * 40) + "\n")
-    settings = {"data": str(store), "layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "dropout": 0.1, "batch_size": 4, "grad_accum": 2,
+    settings = {"data": str(store), "layers": 2, "hidden": 32, "heads": 4, "ffn": 64, "dropout": 0.1, "batch_size": 4,
+                "grad_accum": 2,
                     "lr": 3e-3, "max_steps": 16, "warmup": 3, "save_every": 2, "eval_blocks": 8, "bf16": "off"}
     killed = dict(settings, out=str(tmp_path / "killed"))
     checkpoints = tmp_path / "killed-run" / "checkpoints"

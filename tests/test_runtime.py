@@ -15,7 +15,7 @@ from encoderkit.hardware import Hardware
 from encoderkit.inference.predictor import Predictor, finish_embeddings
 from encoderkit.tasks.batching import length_batches
 from encoderkit.tasks.inference import run_rows
-from tests.test_hardware import AVX2_ONLY
+from tests.test_hardware import VNNI_NO_BF16
 
 TEXTS = ["the movie was great fun", "dull", "a boring story that never ends , and the worst film of all time",
          "she said that he had a good time", "python code and data", "love it !"]
@@ -73,7 +73,8 @@ def test_run_rows_groups_by_the_engines_own_padding_step():
             seen.append(inputs["input_ids"].shape)
             return [inputs["input_ids"].astype(np.float32)]
 
-    rows = [{"input_ids": np.arange(1, n + 1), "attention_mask": np.ones(n, dtype=np.int64)} for n in (9, 16, 10, 15, 12)]
+    rows = [{"input_ids": np.arange(1, n + 1), "attention_mask": np.ones(n, dtype=np.int64)}
+            for n in (9, 16, 10, 15, 12)]
     out = run_rows(Padding(), rows, 0, 8, per_token=True)
     assert seen == [(5, 16)] and [len(o[0]) for o in out] == [9, 16, 10, 15, 12]
 
@@ -142,7 +143,8 @@ def test_extract_spans_and_striding(folders):
     got = ps["onnx-fp32"].extract(texts)
     assert [[(e["start"], e["end"], e["label"]) for e in ents] for ents in got] == \
         [[(e["start"], e["end"], e["label"]) for e in ents] for ents in ref]
-    assert all(abs(a["score"] - b["score"]) < 1e-5 for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=True))
+    assert all(abs(a["score"] - b["score"]) < 1e-5
+               for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=True))
     labels = {"PER", "LOC"}
     for text, ents in zip(texts, ref, strict=True):
         for e in ents:
@@ -198,8 +200,10 @@ def test_auto_runs_a_folder_holding_only_the_int8_graph_on_it(folders, tmp_path,
     from encoderkit.deploy.serve import load_models
 
     assert load_models([f"c={only}"])["c"].backend == "onnx-int8"  # `encoderkit serve --model c=DIR`
-    assert main(["predict", "--model", str(only), "--input", str(_txt(tmp_path)), "--output", str(tmp_path / "o.jsonl")]) == 0
-    assert [json.loads(x)["scores"] for x in (tmp_path / "o.jsonl").read_text().splitlines()] == [r["scores"] for r in ref]
+    assert main(["predict", "--model", str(only), "--input", str(_txt(tmp_path)),
+                 "--output", str(tmp_path / "o.jsonl")]) == 0
+    lines = (tmp_path / "o.jsonl").read_text().splitlines()
+    assert [json.loads(x)["scores"] for x in lines] == [r["scores"] for r in ref]
     assert main(["predict", "--model", str(only), "--backend", "onnx-fp32", "--input", str(_txt(tmp_path)),
                  "--output", str(tmp_path / "f.jsonl")]) == 2  # asked for FP32 explicitly: a clear refusal
     err = capsys.readouterr().err
@@ -233,10 +237,14 @@ def _txt(tmp_path):
 
 def test_auto_exports_a_plain_folder_once(tmp_path_factory, tiny_tokenizer_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("ENCODERKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(AVX2_ONLY, threads=2))  # auto: ONNX INT8
+    from encoderkit.inference import engines
+
+    # auto: ONNX INT8, one text at a time (AVX-512 VNNI without OpenVINO)
+    monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))
+    monkeypatch.setattr(engines, "openvino_ready", lambda: False)
     src = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "embed")
     p = Predictor.load(src)
-    assert p.backend == "onnx-int8"
+    assert p.backend == "onnx-int8" and p.engine.per_row
     cached = list((tmp_path / "cache" / "onnx").iterdir())
     assert len(cached) == 1 and (cached[0] / "model.int8.onnx").is_file() and (cached[0] / "model.onnx").is_file()
     Predictor.load(src, backend="onnx-fp32")
@@ -255,7 +263,8 @@ def test_predict_cli_txt_and_jsonl(folders, tmp_path):
                  "--output", str(out)]) == 2  # exists, no --overwrite
     qa_in = tmp_path / "qa.jsonl"
     qa_in.write_text(json.dumps({"id": 7, "question": "who ?", "context": "the man"}) + "\n")
-    assert main(["predict", "--model", str(folders["qa"]), "--input", str(qa_in), "--output", str(tmp_path / "qa.out")]) == 0
+    assert main(["predict", "--model", str(folders["qa"]), "--input", str(qa_in),
+                 "--output", str(tmp_path / "qa.out")]) == 0
     row = json.loads((tmp_path / "qa.out").read_text())
     assert row["id"] == 7 and "the man"[row["start"]:row["end"]] == row["answer"]
     bad = tmp_path / "bad.jsonl"
@@ -291,8 +300,8 @@ def read_ahead(monkeypatch, module, out):
     output file then; the list it fills."""
     real, ahead = module.iter_records, []
 
-    def counting(path, task):
-        for n, rec in enumerate(real(path, task), 1):
+    def counting(path, task, *rest):
+        for n, rec in enumerate(real(path, task, *rest), 1):
             tmp = list(out.parent.glob(f".{out.name}.tmp-*"))
             ahead.append(n - (len(tmp[0].read_text().splitlines()) if tmp else 0))
             yield rec

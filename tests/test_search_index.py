@@ -124,7 +124,7 @@ def test_updates_keep_ids_reembed_only_changed_and_really_delete(embed_dir, tmp_
     st = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs2), out)).stats
     assert (st["added"], st["changed"], st["deleted"], st["unchanged"]) == (1, 1, 1, 38)
     assert embedded and all(t in docs2["d3"] or t in docs2["new"] for t in embedded)  # only these were re-embedded
-    s = Searcher.open(out, runtime="torch-fp32")
+    s = Searcher.open(out, backend="torch-fp32")
     ids = {p["doc_id"] for p in s.gen.passages}
     assert "d5" not in ids and {"d3", "new"} <= ids
     assert '"doc_id": "d5"' not in (out / st["generation"] / "passages.jsonl").read_text()
@@ -142,11 +142,11 @@ def test_reload_after_restart_gives_identical_results(embed_dir, tmp_path):
     q = ["python movie fun", "dull story data"]
     settings = [SearchSettings(), SearchSettings(first_stage="float", rescore="none"), SearchSettings(rescore="float"),
                 SearchSettings(first_stage="int8", rescore="none"), SearchSettings(bm25=True)]
-    a = [Searcher.open(out, runtime="torch-fp32").search(q, st) for st in settings]
-    b = [Searcher.open(out, runtime="torch-fp32").search(q, st) for st in settings]
+    a = [Searcher.open(out, backend="torch-fp32").search(q, st) for st in settings]
+    b = [Searcher.open(out, backend="torch-fp32").search(q, st) for st in settings]
     assert a == b and all(len(r[0].hits) == 10 for r in a)
     # exact float over the float16 vectors equals a brute-force cosine ranking of best passages
-    s = Searcher.open(out, runtime="torch-fp32")
+    s = Searcher.open(out, backend="torch-fp32")
     qv = s.embed(q[:1]).vectors[0]
     sc = np.asarray(s.gen.arrays["float16"], dtype=np.float32) @ qv
     best: dict[str, float] = {}
@@ -158,10 +158,11 @@ def test_reload_after_restart_gives_identical_results(embed_dir, tmp_path):
 def test_query_from_another_model_is_refused(embed_dir, tmp_path, tmp_path_factory, tiny_tokenizer_dir):
     out = tmp_path / "idx"
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(10)}), out))
-    other = make_task_model(tmp_path / "other", tiny_tokenizer_dir, "embed", seed=1) if (tmp_path / "other").mkdir() is None else None
+    other = (make_task_model(tmp_path / "other", tiny_tokenizer_dir, "embed", seed=1)
+             if (tmp_path / "other").mkdir() is None else None)
     with pytest.raises(EncoderkitError, match="not the model index"):
-        Searcher.open(out, model=other, runtime="torch-fp32")
-    s = Searcher.open(out, runtime="torch-fp32")
+        Searcher.open(out, model=other, backend="torch-fp32")
+    s = Searcher.open(out, backend="torch-fp32")
     with pytest.raises(EncoderkitError, match="fingerprint"):
         s.search_vectors(QueryVectors(s.embed(["python"]).vectors, "0123456789abcdef"))
     with pytest.raises(EncoderkitError, match="pass --rebuild"):
@@ -174,7 +175,7 @@ def test_crash_mid_update_leaves_the_previous_index_readable(embed_dir, tmp_path
     out = tmp_path / "idx"
     docs = {f"d{i}": _doc(i) for i in range(20)}
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out))
-    before = Searcher.open(out, runtime="torch-fp32").search(["python data"])
+    before = Searcher.open(out, backend="torch-fp32").search(["python data"])
 
     real = np.save
 
@@ -186,7 +187,7 @@ def test_crash_mid_update_leaves_the_previous_index_readable(embed_dir, tmp_path
     with pytest.raises(KeyboardInterrupt):
         index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {**docs, "x": "new movie"}), out))
     monkeypatch.setattr(store.np, "save", real)
-    assert Searcher.open(out, runtime="torch-fp32").search(["python data"]) == before
+    assert Searcher.open(out, backend="torch-fp32").search(["python data"]) == before
     # a leftover temporary generation (SIGKILL) is cleared by the next write
     (out / ".gen-000009.tmp").mkdir()
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out))
@@ -201,20 +202,20 @@ def test_corrupt_or_partly_written_index_is_detected_on_open(embed_dir, tmp_path
     data[-1] ^= 0xFF
     (gen / "binary.npy").write_bytes(bytes(data))
     with pytest.raises(EncoderkitError, match=r"binary\.npy does not match its sha256"):
-        Searcher.open(out, runtime="torch-fp32")
+        Searcher.open(out, backend="torch-fp32")
     data[-1] ^= 0xFF
     (gen / "binary.npy").write_bytes(bytes(data))
     (gen / "int8.npy").write_bytes((gen / "int8.npy").read_bytes()[:100])
     with pytest.raises(EncoderkitError, match=r"int8\.npy has 100 bytes"):
-        Searcher.open(out, runtime="torch-fp32")
+        Searcher.open(out, backend="torch-fp32")
     (gen / "manifest.json").unlink()
     with pytest.raises(EncoderkitError, match="no manifest.json"):
-        Searcher.open(out, runtime="torch-fp32")
+        Searcher.open(out, backend="torch-fp32")
     (out / "CURRENT").unlink()
     with pytest.raises(EncoderkitError, match="no CURRENT"):
-        Searcher.open(out, runtime="torch-fp32")
+        Searcher.open(out, backend="torch-fp32")
     with pytest.raises(EncoderkitError, match="does not exist"):
-        Searcher.open(tmp_path / "nothing", runtime="torch-fp32")
+        Searcher.open(tmp_path / "nothing", backend="torch-fp32")
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -223,7 +224,8 @@ def test_empty_corpus_and_duplicate_ids_are_refused(embed_dir, tmp_path):
     with pytest.raises(EncoderkitError, match="holds no document"):
         index(_cfg(embed_dir, tmp_path / "empty.jsonl", tmp_path / "i1"))
     assert not (tmp_path / "i1" / "CURRENT").exists()
-    (tmp_path / "dup.jsonl").write_text('{"id": "a", "text": "python"}\n{"id": "b", "text": "movie"}\n{"id": "a", "text": "x"}\n')
+    (tmp_path / "dup.jsonl").write_text('{"id": "a", "text": "python"}\n{"id": "b", "text": "movie"}\n'
+                                        '{"id": "a", "text": "x"}\n')
     with pytest.raises(EncoderkitError, match=r"'a' appears twice \(.*dup.jsonl:1 and .*dup.jsonl:3\)"):
         index(_cfg(embed_dir, tmp_path / "dup.jsonl", tmp_path / "i2"))
 
@@ -236,7 +238,7 @@ def test_non_utf8_documents_are_skipped_named_and_counted(embed_dir, tmp_path):
     (folder / "latin1.txt").write_bytes("caf\xe9 story".encode("latin-1"))
     st = index(_cfg(embed_dir, folder, tmp_path / "idx")).stats
     assert st["documents"] == 2 and st["skipped"] == 1 and "latin1.txt: not UTF-8" in st["skipped_examples"][0]
-    ids = {p["doc_id"] for p in Searcher.open(tmp_path / "idx", runtime="torch-fp32").gen.passages}
+    ids = {p["doc_id"] for p in Searcher.open(tmp_path / "idx", backend="torch-fp32").gen.passages}
     assert ids == {"a.txt", "sub/b.txt"}  # stable ids: paths relative to the folder
     (tmp_path / "mixed.jsonl").write_bytes(b'{"id": "1", "text": "python"}\n{"id": "2", "text": "caf\xe9"}\n')
     st = index(_cfg(embed_dir, tmp_path / "mixed.jsonl", tmp_path / "idx2")).stats
@@ -260,7 +262,7 @@ def test_passages_overlap_and_map_back_to_documents(embed_dir, tmp_path):
     assert passage_spans(tok, "short text", 16, 4) == [(0, 10)]
     out = tmp_path / "idx"
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", {"long": text, "short": "python"}), out))
-    hits = Searcher.open(out, runtime="torch-fp32").search(["python"], SearchSettings(k=5))[0].hits
+    hits = Searcher.open(out, backend="torch-fp32").search(["python"], SearchSettings(k=5))[0].hits
     assert sorted(h.doc_id for h in hits) == ["long", "short"]  # a document appears once, as its best passage
     assert all(h.text in (text, "python") or h.text in text for h in hits)
 
@@ -275,7 +277,8 @@ def test_over_long_query_is_truncated_and_said(embed_dir, tmp_path, capsys):
     r = search(SearchConfig(index=str(out), query=long_q, backend="torch-fp32"))
     assert r.results[0]["truncated"] is True and len(r.results[0]["hits"]) == 10
     assert "truncated" in capsys.readouterr().err
-    assert search(SearchConfig(index=str(out), query="python movie", backend="torch-fp32")).results[0]["truncated"] is False
+    assert (search(SearchConfig(index=str(out), query="python movie", backend="torch-fp32")).results[0]["truncated"]
+            is False)
 
 
 # -- stages and the CLI --------------------------------------------------------------------------
@@ -287,7 +290,7 @@ def test_bm25_fusion_and_rerank_stages(embed_dir, tmp_path, tmp_path_factory, ti
     docs = {f"d{i}": _doc(i) for i in range(30)}
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out))
     ce = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "rerank")
-    s = Searcher.open(out, runtime="torch-fp32", rerank=ce)
+    s = Searcher.open(out, backend="torch-fp32", rerank=ce)
     q = "dull film story"
     dense = s.search([q], SearchSettings(k=20))[0].hits
     fused = s.search([q], SearchSettings(k=20, bm25=True))[0].hits
@@ -316,10 +319,12 @@ def test_search_cli_queries_file_to_jsonl(embed_dir, tmp_path):
 
     corpus = _corpus(tmp_path / "c.jsonl", {f"d{i}": _doc(i) for i in range(12)})
     out = tmp_path / "idx"
-    assert main(["index", "--model", str(embed_dir), "--corpus", str(corpus), "--out", str(out), "--backend", "torch-fp32",
+    assert main(["index", "--model", str(embed_dir), "--corpus", str(corpus), "--out", str(out), "--backend",
+                 "torch-fp32",
                  "--passage-tokens", "16", "--overlap", "4"]) in (0, None)
     (tmp_path / "q.jsonl").write_text('{"id": "a", "query": "python data"}\n{"id": "b", "query": "dull story"}\n')
-    assert main(["search", "--index", str(out), "--queries", str(tmp_path / "q.jsonl"), "--output", str(tmp_path / "o.jsonl"),
+    assert main(["search", "--index", str(out), "--queries", str(tmp_path / "q.jsonl"), "--output",
+                 str(tmp_path / "o.jsonl"),
                  "--k", "3", "--bm25"]) in (0, None)
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a", "b"] and all(len(r["hits"]) == 3 for r in rows)
@@ -348,7 +353,7 @@ def test_matryoshka_dims_and_the_approximate_first_stage(embed_dir, tmp_path, mo
     out = tmp_path / "idx"
     docs = {f"d{i}": _doc(i) for i in range(40)}
     st = index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, dims=16, ann_threshold=10)).stats
-    s = Searcher.open(out, runtime="torch-fp32")
+    s = Searcher.open(out, backend="torch-fp32")
     assert s.gen.arrays["binary"].shape == (st["passages"], 2) and s.gen.arrays["int8"].shape[1] == 16
     assert "binary.ivf" in st["bytes"] and s._ivf is not None
     assert s.embed(["python"]).vectors.shape == (1, 16)
@@ -558,20 +563,22 @@ def test_an_update_of_an_auto_openvino_index_keeps_the_default_calibration(embed
     from encoderkit import hardware
     from encoderkit.hardware import Hardware
     from encoderkit.inference import predictor as predictor_module
+    from encoderkit.inference.engines import DEFAULT_CALIBRATION
     from tests.test_hardware import VNNI_NO_BF16
 
     monkeypatch.setattr(hardware, "detect", lambda: Hardware.from_cpuinfo(VNNI_NO_BF16, threads=2))  # auto: OpenVINO
     seen = []
     load = predictor_module.Predictor.load.__func__
     monkeypatch.setattr(predictor_module.Predictor, "load",
-                        classmethod(lambda cls, *a, **k: seen.append((k.get("backend"), k.get("calibration"))) or load(cls, *a, **k)))
+                        classmethod(lambda cls, *a, **k: seen.append(k.get("backend")) or load(cls, *a, **k)))
     out = tmp_path / "idx"
     docs = {f"d{i}": _doc(i) for i in range(20)}
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, backend="auto"))
-    assert seen[-1] == ("auto", None)
+    built = seen[-1]  # the policy's choice, resolved once by index and handed to the Predictor
+    assert (built.backend, built.calibration) == ("openvino-int8", DEFAULT_CALIBRATION)
     more = {f"n{i}": _doc(i + 500) for i in range(10)} | docs
     index(_cfg(embed_dir, _corpus(tmp_path / "c2.jsonl", more), out, backend="openvino-int8"))
-    assert seen[-1] == ("openvino-int8", None)  # the build's default-calibrated graph, not the update's corpus head
+    assert seen[-1] == built  # the build's default-calibrated graph, not the update's corpus head
 
 
 def test_an_openvino_int8_index_calibrates_on_its_corpus_first_documents(embed_dir, tmp_path, monkeypatch):
@@ -584,17 +591,18 @@ def test_an_openvino_int8_index_calibrates_on_its_corpus_first_documents(embed_d
     load = predictor_module.Predictor.load.__func__
 
     def spy(cls, *args, **kwargs):
-        seen.append(kwargs.get("calibration"))
+        seen.append(kwargs.get("backend"))
         return load(cls, *args, **kwargs)
 
     monkeypatch.setattr(predictor_module.Predictor, "load", classmethod(spy))
     out = tmp_path / "idx"
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, backend="openvino-int8"))
-    assert seen[0] == list(docs.values())[:128]  # the first 128 documents, then every document is indexed
+    assert seen[0].texts == list(docs.values())[:128]  # the first 128 documents, then every document is indexed
     from encoderkit.retrieval.store import current_folder
 
     manifest = json.loads((current_folder(out) / "manifest.json").read_text())
-    assert manifest["model"]["backend"] == "openvino-int8" and manifest["model"]["calibration"] == seen[0]
+    assert manifest["engine"] == seen[0].to_dict() and manifest["engine"]["backend"] == "openvino-int8"
+    assert "backend" not in manifest["model"] and "runtime" not in manifest["model"]
     searcher = Searcher.open(out)
     assert seen[-1] == seen[0]  # queries run on the graph the passages ran on
     hits = searcher.search(["python data movie"], SearchSettings())[0].hits
@@ -606,4 +614,4 @@ def test_an_openvino_int8_index_calibrates_on_its_corpus_first_documents(embed_d
         index(_cfg(embed_dir, _corpus(tmp_path / "c2.jsonl", more), out, backend="onnx-fp32"))
     index(_cfg(embed_dir, _corpus(tmp_path / "c2.jsonl", more), out, backend="auto"))  # auto: the build's engine
     assert seen[-1] == seen[0]
-    assert Searcher.open(out, runtime="onnx-fp32").predictor.backend == "onnx-fp32" and seen[-1] is None
+    assert Searcher.open(out, backend="onnx-fp32").predictor.backend == "onnx-fp32" and seen[-1].calibration is None

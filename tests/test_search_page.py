@@ -23,14 +23,15 @@ def search_app(tmp_path, embed_dir, token: str | None = TOKEN, names: tuple[str,
                docs: dict[str, str] | None = None):
     """``serve``'s app over a tiny embed model and one index (by default of 20 documents, d3 holding HTML),
     served under each of ``names``."""
-    from encoderkit.deploy.serve import Limits, create_app
+    from encoderkit.deploy.guard import Limits
+    from encoderkit.deploy.serve import create_app
     from encoderkit.inference.predictor import Predictor
     from encoderkit.retrieval.http import search_routes
 
     out = tmp_path / "idx"
     docs = docs or {f"d{i}": _doc(i) for i in range(20)} | {"d3": HOSTILE}
     index(_cfg(embed_dir, _corpus(tmp_path / "c.jsonl", docs), out, passage_tokens=64, overlap=8))
-    hook = search_routes([f"{n}={out}" for n in names], runtime="torch-fp32")
+    hook = search_routes([f"{n}={out}" for n in names], backend="torch-fp32")
     app = create_app({"emb": Predictor.load(embed_dir, backend="torch-fp32")}, Limits(max_chars=500, token=token),
                      extra_routes=(hook,))
     return app, out
@@ -58,12 +59,13 @@ def test_search_page_needs_the_token_for_results_and_shows_the_searchers_hits(tm
     assert c.get("/search/results", params={"q": "python"}, headers={"Authorization": "Bearer no"}).status_code == 401
     r = c.get("/search/results", params={"q": "python data", "k": 20, "index": "docs"}, headers=AUTH)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    want = Searcher.open(out, runtime="torch-fp32").search(["python data"], SearchSettings(k=20))[0]
+    want = Searcher.open(out, backend="torch-fp32").search(["python data"], SearchSettings(k=20))[0]
     body = r.text
     positions = [body.index(f"<span class=doc>{h.doc_id} ") for h in want.hits]
     assert positions == sorted(positions) and len(positions) == 20
     assert f"<span class=score>{want.hits[0].score:.4f}</span>" in body
-    assert "<mark>python</mark> &lt;script&gt;alert(1)&lt;/script&gt; &amp; &lt;b&gt;<mark>data</mark>&lt;/b&gt;" in body
+    assert ("<mark>python</mark> &lt;script&gt;alert(1)&lt;/script&gt; &amp; &lt;b&gt;<mark>data</mark>&lt;/b&gt;"
+            in body)
     assert "<script>" not in body and "<b>data" not in body
     assert "index <b>docs</b>" in body and "data-index='other'" in body
     for params, code in [({"q": ""}, 422), ({"q": "x" * 501}, 422), ({"q": "x", "index": "nope"}, 404),

@@ -34,9 +34,10 @@ def slice_index(minilm_dir, shared_data, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        index(IndexConfig(model=str(minilm_dir), corpus=[str(corpus)], out=str(root / "idx"), float16=True, backend="torch-fp32",
+        index(IndexConfig(model=str(minilm_dir), corpus=[str(corpus)], out=str(root / "idx"), float16=True,
+                          backend="torch-fp32",
                           passage_tokens=-1))
-        s = Searcher.open(root / "idx", runtime="torch-fp32")
+        s = Searcher.open(root / "idx", backend="torch-fp32")
         qv = s.embed([data.queries[q] for q in qids])
     finally:
         torch.set_num_threads(threads)

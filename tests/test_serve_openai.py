@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from deploy_models import export_task_model, tiny_root
 
-from encoderkit.deploy.serve import BackgroundServer, Limits, create_app
+from encoderkit.deploy.guard import Limits
+from encoderkit.deploy.serve import BackgroundServer, create_app
 from encoderkit.inference.predictor import Predictor
 
 openai = pytest.importorskip("openai")
@@ -93,15 +94,12 @@ def test_unknown_model_is_a_404_in_openai_shape(client, http):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"input": ""}, "input[0]"),
     ({"input": []}, "input"),
-    ({"input": ["ok", "   "]}, "input[1]"),
     ({"input": 5}, "input"),
     ({"input": None}, "input"),
     ({"input": [1.5]}, "input"),
     ({"input": {"text": "x"}}, "input"),
-    ({"input": [[1, 2], [3]]}, "input"),                    # token arrays: refused with a clear message
-    ({"input": [101, 2023]}, "input"),
+    ({"input": [[1, 2]] * 9}, "input"),                     # token arrays: counted before they are decoded
     ({"input": ["x"] * 9}, "input"),                        # over max_texts
     ({"input": "a" * 301}, "input[0]"),                     # over max_chars
     ({"input": "\ud800 lone surrogate"}, "input[0]"),       # valid JSON, not encodable text
@@ -156,7 +154,6 @@ def test_rerank_both_shapes_give_the_same_order(http, predictors):
     {"query": "q"},                                          # neither documents nor passages
     {"query": "q", "documents": ["a"], "passages": ["a"]},
     {"query": "q", "documents": []},
-    {"query": "q", "documents": [""]},
     {"query": "", "documents": ["a"]},
     {"query": "q", "documents": [{"title": "a"}]},
     {"query": "q", "documents": [3]},
@@ -189,4 +186,5 @@ def test_metrics_count_the_new_routes_by_path(client, http):
     metrics = http.get("/metrics").text
     assert 'encoderkit_requests_total{path="/v1/embeddings",status="200"}' in metrics
     assert 'encoderkit_requests_total{path="/rerank",status="200"}' in metrics
-    assert 'encoderkit_batch_tokens_count{model="emb"}' in metrics and 'encoderkit_queue_seconds_count{model="rr"}' in metrics
+    assert ('encoderkit_batch_tokens_count{model="emb"}' in metrics
+            and 'encoderkit_queue_seconds_count{model="rr"}' in metrics)

@@ -16,7 +16,8 @@ from conftest import WORDS, tiny_bert_config
 
 from encoderkit.errors import EncoderkitError
 
-TOPICS = ["python code", "movie story", "love film", "data model", "great fun", "boring worst", "first time", "good man"]
+TOPICS = ["python code", "movie story", "love film", "data model", "great fun", "boring worst", "first time",
+          "good man"]
 
 
 def _pairs(n: int = 64, seed: int = 0) -> list[dict[str, str]]:
@@ -26,7 +27,8 @@ def _pairs(n: int = 64, seed: int = 0) -> list[dict[str, str]]:
     rows = []
     for i in range(n):
         topic = TOPICS[i % len(TOPICS)]
-        rows.append({"query": topic, "positive": " ".join(rng.sample(filler, 4) + topic.split() + rng.sample(filler, 3))})
+        rows.append({"query": topic,
+                     "positive": " ".join(rng.sample(filler, 4) + topic.split() + rng.sample(filler, 3))})
     return rows
 
 
@@ -169,7 +171,8 @@ def test_predict_and_serve_give_token_weights(sparse_dir, tmp_path):
 
     inp = tmp_path / "in.txt"
     inp.write_text("the python code\nlove film\n")
-    predict(PredictConfig(model=str(sparse_dir), input=str(inp), output=str(tmp_path / "out.jsonl"), backend="torch-fp32"))
+    predict(PredictConfig(model=str(sparse_dir), input=str(inp), output=str(tmp_path / "out.jsonl"),
+                          backend="torch-fp32"))
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     weights = list(rows[0]["terms"].values())
@@ -285,7 +288,8 @@ def test_bad_inputs_are_clear_errors(tmp_path, tiny_mlm_dir, tiny_tokenizer_dir)
     from transformers import AutoTokenizer, GPT2Config, GPT2Model
 
     gpt = tmp_path / "gpt2"
-    GPT2Model(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir)),
+    GPT2Model(GPT2Config(n_layer=1, n_head=2, n_embd=16,
+                         vocab_size=len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir)),
                          n_positions=64)).save_pretrained(gpt)
     AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(gpt)
     pairs = tmp_path / "pairs.jsonl"

@@ -98,8 +98,8 @@ def test_the_loss_target_is_the_cross_encoders_margins(tmp_path, tiny_mlm_dir, r
     mse = float(((student - torch.tensor(want)) ** 2).mean())
     assert logs["margin_mse"] == pytest.approx(mse, rel=1e-4) and "ce" not in logs
     lam = logs["flops_factor"]
-    assert float(loss) == pytest.approx(mse + lam * (options.flops_query * float(flops(q)) + options.flops_doc * float(flops(d))),
-                                        rel=1e-4)
+    assert float(loss) == pytest.approx(
+        mse + lam * (options.flops_query * float(flops(q)) + options.flops_doc * float(flops(d))), rel=1e-4)
 
 
 def _sparse_margins(folder: Path, rows: list[dict]) -> np.ndarray:
@@ -150,7 +150,8 @@ def test_distillation_moves_the_sparse_margins_toward_the_cross_encoders(tmp_pat
     w0, w1 = load_file(tiny_mlm_dir / "model.safetensors"), load_file(tmp_path / "distilled" / "model.safetensors")
     assert any(not torch.equal(w0[n], w1[n]) for n in w0 if n in w1)
     card = json.loads((tmp_path / "distilled" / "encoderkit.json").read_text())
-    assert card["distilled_from"]["loss"] == "margin_mse" and card["distilled_from"]["cross_encoder"].endswith("overlap-ce")
+    assert (card["distilled_from"]["loss"] == "margin_mse"
+            and card["distilled_from"]["cross_encoder"].endswith("overlap-ce"))
     assert card["config"]["cross_encoder"] == "overlap-ce"
     log = [json.loads(x) for x in (tmp_path / "distilled" / "metrics.jsonl").read_text().splitlines()]
     assert any("margin_mse" in x for x in log)

@@ -52,9 +52,11 @@ def dev_tsv(tmp_path_factory, classifier_dir) -> Path:
 @pytest.mark.parametrize(
     "steps, pattern",
     [
-        ([{"lever": "quantize", "method": "dynamic"}, {"lever": "shrink"}], r"step 2 \(lever 'shrink'\): unknown lever"),
+        ([{"lever": "quantize", "method": "dynamic"}, {"lever": "shrink"}],
+         r"step 2 \(lever 'shrink'\): unknown lever"),
         ([{"lever": "prune", "method": "heads", "amuont": 0.3}], r"step 1 \(lever 'prune'\): unknown field 'amuont'"),
-        ([{"lever": "prune", "method": "heads"}, {"lever": "quantize", "method": "int3"}], r"step 2 \(lever 'quantize'\).*method"),
+        ([{"lever": "prune", "method": "heads"}, {"lever": "quantize", "method": "int3"}],
+         r"step 2 \(lever 'quantize'\).*method"),
         ([{"lever": "prune", "method": "heads", "amount": 1.5}], r"step 1 \(lever 'prune'\).*amount"),
         ([{"lever": "distill", "model": "x"}], r"step 1 \(lever 'distill'\): field 'model' is set by the runner"),
         ([{"lever": "prune", "method": "structured"}], r"step 1 \(lever 'prune'\).*'heads' and/or 'ffn'"),
@@ -72,7 +74,8 @@ def test_shorthands_expand_to_lever_calls():
         {"lever": "prune", "method": "structured", "heads": 0.25, "ffn": 0.5, "recover_steps": 10},
         {"lever": "quantize", "method": "dynamic-int8"},
     ]})
-    assert steps[0].calls == [{"method": "heads", "amount": 0.25}, {"method": "ffn", "amount": 0.5, "recovery_steps": 10}]
+    assert steps[0].calls == [{"method": "heads", "amount": 0.25},
+                              {"method": "ffn", "amount": 0.5, "recovery_steps": 10}]
     assert steps[1].calls == [{"method": "dynamic", "format": "onnx"}]
     # one quantization step per recipe: gptq is checked in a recipe of its own
     assert validate_recipe({"steps": [{"lever": "gptq", "bits": 4}]})[0].calls == [{"method": "gptq", "bits": 4}]
@@ -110,7 +113,8 @@ def test_two_lever_stack_remeasures_every_step(classifier_dir, dev_tsv, tmp_path
     res = compress(CompressConfig(recipe=str(recipe), model=str(classifier_dir), dev=str(dev_tsv), out=str(out),
                                   runtime="torch", seq_len=64, repeats=2))
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["01-prune", "02-quantize", "progress.json", "report.json", "report.md", "report.png"]  # progress.json: what --resume continues
+    # progress.json: what --resume continues
+    assert names == ["01-prune", "02-quantize", "progress.json", "report.json", "report.md", "report.png"]
     rows = json.loads((out / "report.json").read_text())["steps"]
     assert [r["lever"] for r in rows] == ["start", "prune", "quantize"]
     # sizes shrink step by step and are the bytes of each step's own weights
@@ -125,10 +129,11 @@ def test_two_lever_stack_remeasures_every_step(classifier_dir, dev_tsv, tmp_path
         # latency of one request (a typical dev example, at most --seq-len sub-tokens) and of 32 requests
         assert r["latency_b1_ms"] > 0 and r["latency_b32_ms"] > 0 and 0 < r["seq_len"] <= 64 and r["dev_examples"] == 48
         assert r["latency_unit"] == "request" and r["metric"] == "accuracy" and r["task"] == "classify"
-    # lineage: step 2 -> step 1 -> the starting model, with the final paths
+    # lineage: step 2 -> step 1 -> the starting model, the parents recorded relative to each folder (portable)
     chain = lineage(out / "02-quantize")
-    assert [c["folder"] for c in chain[:2]] == [str(out / "02-quantize"), str((out / "01-prune").resolve())]
-    assert chain[1]["parent"] == str(classifier_dir.resolve())
+    assert [c["folder"] for c in chain[:2]] == [str(out / "02-quantize"), str(out / "01-prune")]
+    assert chain[0]["parent"] == "../01-prune" and not Path(chain[1]["parent"]).is_absolute()
+    assert (out / "01-prune" / chain[1]["parent"]).resolve() == classifier_dir.resolve()
     assert chain[0]["recipe_step"] == 2 and chain[0]["metrics"]["recipe_measurement"]["quality"] == rows[2]["quality"]
     assert "| 2 | quantize |" in (out / "report.md").read_text()
     assert res.rows[2]["quality"] == rows[2]["quality"]

@@ -41,7 +41,8 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def static_dir(teacher, corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("static") / "s"
-    res = run_distill(DistillConfig(teacher=str(teacher), out=str(out), to="static", train=str(corpus), dims=16, epochs=20,
+    res = run_distill(DistillConfig(teacher=str(teacher), out=str(out), to="static", train=str(corpus), dims=16,
+                                    epochs=20,
                                 batch_size=8))
     assert res.dims == 16 and res.documents == 40
     return out
@@ -70,7 +71,8 @@ def test_token_vectors_are_the_teachers_embedding_of_each_token_alone(teacher):
 
 def test_the_fit_brings_the_static_vectors_closer_to_the_teacher(static_dir, teacher, corpus, tmp_path):
     unfitted = tmp_path / "unfitted"
-    distill(DistillConfig(teacher=str(teacher), out=str(unfitted), to="static", train=str(corpus), dims=16, fit_texts=0))
+    distill(DistillConfig(teacher=str(teacher), out=str(unfitted), to="static", train=str(corpus), dims=16,
+                          fit_texts=0))
     want = Predictor.load(teacher, backend="torch-fp32").embed(_docs())
 
     def agreement(folder: Path) -> float:  # how well the static model's similarities follow the teacher's
@@ -84,13 +86,15 @@ def test_the_fit_brings_the_static_vectors_closer_to_the_teacher(static_dir, tea
 def test_fit_table_points_each_texts_mean_at_its_target():
     rng = np.random.default_rng(0)
     table = np.concatenate([rng.normal(size=(20, 8)), np.zeros((1, 8))]).astype(np.float32)
-    ids = [np.append(rng.choice(21, size=int(rng.integers(0, 5))), rng.integers(20)) for _ in range(64)]  # row 20: unseen
+    # row 20: unseen
+    ids = [np.append(rng.choice(21, size=int(rng.integers(0, 5))), rng.integers(20)) for _ in range(64)]
     truth = np.concatenate([rng.normal(size=(20, 8)), np.zeros((1, 8))])
     targets = np.stack([truth[r].mean(0) for r in ids]).astype(np.float32)  # reachable: the means of another table
 
     def mean_cos(t: np.ndarray) -> float:
         means = np.stack([t[r].mean(0) for r in ids])
-        return float(np.mean(np.sum(means * targets, 1) / np.linalg.norm(means, axis=1) / np.linalg.norm(targets, axis=1)))
+        return float(np.mean(np.sum(means * targets, 1) / np.linalg.norm(means, axis=1)
+                             / np.linalg.norm(targets, axis=1)))
 
     fitted = fit_table(table, ids, targets, epochs=200, lr=0.05, batch_size=16, seed=0)
     assert mean_cos(table) < 0.2 and mean_cos(fitted) > 0.8
@@ -152,7 +156,8 @@ def test_index_search_and_predict_run_on_the_static_folder(static_dir, tmp_path)
 def test_serve_embeds_with_the_static_folder(static_dir):
     import httpx
 
-    from encoderkit.deploy.serve import BackgroundServer, Limits, create_app
+    from encoderkit.deploy.guard import Limits
+    from encoderkit.deploy.serve import BackgroundServer, create_app
 
     p = Predictor.load(static_dir)
     app = create_app({"static": p}, Limits(max_texts=8, max_chars=300), max_batch=8, max_wait_ms=5)
@@ -252,7 +257,8 @@ def test_tiered_index_eager_codes_and_what_it_refuses(static_dir, teacher, tmp_p
 
     docs = _corpus_jsonl(tmp_path / "c.jsonl")
     corpus = [str(tmp_path / "c.jsonl")]
-    stats = index(IndexConfig(model=str(teacher), corpus=corpus, out=str(tmp_path / "idx"), first_stage_model=str(static_dir),
+    stats = index(IndexConfig(model=str(teacher), corpus=corpus, out=str(tmp_path / "idx"),
+                              first_stage_model=str(static_dir),
                               full_codes="eager")).stats
     assert stats["full_codes_kept"] == 40
     s = Searcher.open(tmp_path / "idx")
@@ -264,7 +270,8 @@ def test_tiered_index_eager_codes_and_what_it_refuses(static_dir, teacher, tmp_p
     with pytest.raises(EncoderkitError, match="is not a static embedding model"):
         index(IndexConfig(model=str(teacher), corpus=corpus, out=str(tmp_path / "b"), first_stage_model=str(teacher)))
     with pytest.raises(EncoderkitError, match="is a static embedding model; with --first-stage-model it is the full"):
-        index(IndexConfig(model=str(static_dir), corpus=corpus, out=str(tmp_path / "c"), first_stage_model=str(static_dir)))
+        index(IndexConfig(model=str(static_dir), corpus=corpus, out=str(tmp_path / "c"),
+                          first_stage_model=str(static_dir)))
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
@@ -279,7 +286,8 @@ def test_distill_to_static_refuses_bad_input_naming_the_file_and_the_fix(teacher
     def refused(match: str, **kw) -> None:
         out = tmp_path / "out"
         with pytest.raises(EncoderkitError, match=match):
-            distill(DistillConfig(**{"teacher": str(teacher), "train": str(good), "to": "static", "out": str(out), **kw}))
+            distill(DistillConfig(**{"teacher": str(teacher), "train": str(good), "to": "static", "out": str(out),
+                                     **kw}))
         assert not out.exists() and not list(tmp_path.glob(".out*"))  # nothing half-written
 
     (tmp_path / "empty").mkdir()
@@ -304,7 +312,8 @@ def test_distill_to_static_refuses_bad_input_naming_the_file_and_the_fix(teacher
     monkeypatch.setattr(files, "open", denied, raising=False)
     refused(f"--train {locked}: cannot read {locked}.*Permission denied.*; fix its permissions", train=str(locked))
     # the default --dims of a teacher narrower than 256 is the teacher's width (PCA: at most the kept tokens' count)
-    res = distill(DistillConfig(teacher=str(teacher), train=str(good), to="static", out=str(tmp_path / "ok"), fit_texts=0))
+    res = distill(DistillConfig(teacher=str(teacher), train=str(good), to="static", out=str(tmp_path / "ok"),
+                                fit_texts=0))
     assert res.dims == min(32, res.kept) and res.kept == 30
 
 
@@ -315,9 +324,11 @@ def _beir(tmp_path: Path) -> Path:
     docs = _docs()
     (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": f"d{i}", "title": "", "text": d}) + "\n"
                                                for i, d in enumerate(docs)))
-    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": " ".join(docs[i].split()[:3])}) + "\n"
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": f"q{i}", "text": " ".join(docs[i].split()[:3])})
+                                                + "\n"
                                                 for i in range(8)))
-    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(8)))
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n"
+                                             + "".join(f"q{i}\td{i}\t1\n" for i in range(8)))
     return beir
 
 
@@ -363,3 +374,22 @@ def test_plan_run_measures_the_static_tier_it_proposes(teacher, tmp_path):
     measured = evaluate(EvaluateConfig(model=str(folder), data=f"{beir}#test")).metrics["ndcg@10"]
     assert res.tried[0]["quality"] == pytest.approx(measured, abs=1e-6)  # measured on --dev, not the planner's 96%
     assert res.floor == pytest.approx(0.5 * start) and res.ok == (measured >= 0.5 * start)
+
+
+def test_static_folder_is_portable_and_model2vec_reads_whole_texts(static_dir, tmp_path):
+    """No absolute path in the folder's files, and model2vec (which cuts at 512 tokens unless the config says
+    otherwise) reads a long text whole, as encoderkit does, from a copy of the folder."""
+    import json
+    import shutil
+
+    for f in static_dir.rglob("*.json"):  # the card's parent too: recorded relative to the folder
+        assert str(static_dir.parent.parent) not in f.read_text(), f
+    config = json.loads((static_dir / "config.json").read_text())
+    assert config["max_length"] == config["seq_length"] and not Path(config["tokenizer_name"]).is_absolute()
+    model2vec = pytest.importorskip("model2vec", reason="optional: pip install model2vec")
+    copy = tmp_path / "copied"
+    shutil.copytree(static_dir, copy)
+    long = " ".join(TEXTS * 200)  # thousands of tokens
+    got = model2vec.StaticModel.from_pretrained(str(copy)).encode([long])
+    got = got / np.linalg.norm(got, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, Predictor.load(copy).embed([long]), atol=1e-5)

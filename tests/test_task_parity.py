@@ -35,20 +35,25 @@ def st_like_base(tmp_path_factory, tiny_bert_dir) -> Path:
     classify used to pick mean pooling, which plain transformers does not reproduce."""
     base = tmp_path_factory.mktemp("st") / "base"
     shutil.copytree(tiny_bert_dir, base)
-    (base / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                                                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (base / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "",
+                                                    "type": "sentence_transformers.models.Transformer"},
+                                                   {"idx": 1, "name": "1", "path": "1_Pooling",
+                                                    "type": "sentence_transformers.models.Pooling"}]))
     (base / "1_Pooling").mkdir()
-    (base / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}))
+    (base / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True,
+                                                                "pooling_mode_cls_token": False}))
     return base
 
 
 @pytest.mark.slow  # fine-tunes and exports a tiny model
-def test_classify_defaults_agree_with_the_transformers_pipeline_and_evaluate_equals_predict(tmp_path, st_like_base, capsys):
+def test_classify_defaults_agree_with_the_transformers_pipeline_and_evaluate_equals_predict(
+        tmp_path, st_like_base, capsys):
     from transformers import pipeline
 
     train, dev = _tsv(tmp_path / "train.tsv", 160, 0), _tsv(tmp_path / "dev.tsv", 48, 1)
     out = tmp_path / "clf"
-    _finetune("--model", str(st_like_base), "--task", "classify", "--train", str(train), "--out", str(out), "--max-steps", "40")
+    _finetune("--model", str(st_like_base), "--task", "classify", "--train", str(train), "--out", str(out),
+              "--max-steps", "40")
     assert "new classification head: 2 weights initialised" in capsys.readouterr().err  # not transformers' LOAD REPORT
     card = json.loads((out / "encoderkit.json").read_text())
     assert card["pooling"] == "first" and card["hf_compatible"] is True
@@ -64,11 +69,13 @@ def test_classify_defaults_agree_with_the_transformers_pipeline_and_evaluate_equ
     scored = classification_scores([names.index(g) for g in gold], [names.index(p["label"]) for p in torch_pred], 2)
     assert 0.5 < figure < 1.0 or figure == 1.0  # a trained head, not a constant answer
     assert scored["accuracy"] == figure  # exactly: the same features, the same model, the same metric
-    assert classification_scores([names.index(g) for g in gold], [names.index(h["label"]) for h in hf], 2)["accuracy"] == figure
+    assert (classification_scores([names.index(g) for g in gold], [names.index(h["label"]) for h in hf], 2)["accuracy"]
+            == figure)
 
     assert main(["export", "--model", str(out), "--out", str(tmp_path / "onnx")]) == 0
     onnx_pred = Predictor.load(tmp_path / "onnx", backend="onnx-fp32").classify(texts)
-    onnx_acc = classification_scores([names.index(g) for g in gold], [names.index(p["label"]) for p in onnx_pred], 2)["accuracy"]
+    onnx_acc = classification_scores([names.index(g) for g in gold], [names.index(p["label"]) for p in onnx_pred],
+                                     2)["accuracy"]
     assert onnx_acc == pytest.approx(figure, abs=1 / len(texts))  # at most one near-tie may flip
 
 
@@ -84,7 +91,8 @@ def test_mean_pooling_on_request_is_recorded_as_not_hf_compatible(tmp_path, st_l
 
 @pytest.mark.slow  # fine-tunes and exports a tiny model
 def test_ner_evaluate_equals_predictor_entities_scored(tmp_path, tiny_bert_dir):
-    train, dev = _conll(tmp_path / "train.conll", 120, random.Random(0), "B"), _conll(tmp_path / "dev.conll", 30, random.Random(1), "B")
+    train, dev = (_conll(tmp_path / "train.conll", 120, random.Random(0), "B"),
+                  _conll(tmp_path / "dev.conll", 30, random.Random(1), "B"))
     out = tmp_path / "ner"
     _finetune("--model", str(tiny_bert_dir), "--task", "ner", "--train", str(train), "--out", str(out),
               "--max-steps", "30", "--max-length", "16", "--stride", "4")
@@ -107,4 +115,5 @@ def test_ner_evaluate_equals_predictor_entities_scored(tmp_path, tiny_bert_dir):
 
     assert scored(Predictor.load(out, backend="torch-fp32").extract(texts)) == figure
     assert main(["export", "--model", str(out), "--out", str(tmp_path / "onnx")]) == 0
-    assert scored(Predictor.load(tmp_path / "onnx", backend="onnx-fp32").extract(texts)) == pytest.approx(figure, abs=0.02)
+    assert (scored(Predictor.load(tmp_path / "onnx", backend="onnx-fp32").extract(texts))
+            == pytest.approx(figure, abs=0.02))

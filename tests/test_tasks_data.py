@@ -32,7 +32,8 @@ def test_tables_tsv_csv_jsonl_and_errors(tmp_path):
 
 def test_triples_reader_errors(tmp_path):
     f = tmp_path / "t.jsonl"
-    f.write_text(json.dumps({"query": "q", "positive": "p", "negatives": ["n"]}) + "\n" + json.dumps({"query": "", "positive": "p"}) + "\n")
+    f.write_text(json.dumps({"query": "q", "positive": "p", "negatives": ["n"]}) + "\n"
+                 + json.dumps({"query": "", "positive": "p"}) + "\n")
     with pytest.raises(EncoderkitError, match=r"t.jsonl:2: needs non-empty 'query'"):
         read_triples(f)
 

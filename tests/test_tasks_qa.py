@@ -32,7 +32,8 @@ def test_offsets_map_back_to_answers_on_real_items(squad_zip, minilm_dir):
     examples, _ = read_squad(squad_zip, "heldout")
     examples = examples[::50][:40]
     f = featurize_qa(tok, [e.question for e in examples], [e.context for e in examples], max_length=128, doc_stride=32,
-                     answer_starts=[e.answers[0][1] for e in examples], answer_texts=[e.answers[0][0] for e in examples])
+                     answer_starts=[e.answers[0][1] for e in examples],
+                     answer_texts=[e.answers[0][0] for e in examples])
     assert f.input_ids.shape[0] > len(examples)  # long contexts give several windows
     found = set()
     for w in np.nonzero(f.start_positions)[0]:

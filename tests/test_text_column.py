@@ -21,7 +21,8 @@ def test_a_text_label_tsv_fine_tunes_and_evaluates_without_column_flags(tmp_path
     rows = [(f"the movie was {w}", lab) for w, lab in [("great", "pos"), ("dull", "neg")] * 8]
     data = _write(tmp_path / "train.tsv", ["text", "label"], rows)
     out = tmp_path / "out"
-    assert main(["finetune", "--model", str(tiny_bert_dir), "--task", "classify", "--train", str(data), "--dev", str(data),
+    assert main(["finetune", "--model", str(tiny_bert_dir), "--task", "classify", "--train", str(data), "--dev",
+                 str(data),
                  "--out", str(out), "--max-steps", "2", "--batch-size", "8"]) == 0
     err = capsys.readouterr().err
     assert f"{data}: text column 'text' (found by its name)" in err
@@ -32,9 +33,11 @@ def test_a_text_label_tsv_fine_tunes_and_evaluates_without_column_flags(tmp_path
 
 
 def test_the_only_text_column_is_found_and_ambiguity_is_an_error(tmp_path):
-    one = read_rows(_write(tmp_path / "a.tsv", ["id", "utterance_raw", "label"], [("1", "hello there", "greet"), ("2", "bye now", "bye")]))
+    one = read_rows(_write(tmp_path / "a.tsv", ["id", "utterance_raw", "label"],
+                           [("1", "hello there", "greet"), ("2", "bye now", "bye")]))
     assert find_text_column(one, "a.tsv", exclude=("label",)) == ("utterance_raw", "the only text column")
     two = read_rows(_write(tmp_path / "b.tsv", ["left", "right", "label"], [("a b", "c d", "x")]))
     with pytest.raises(EncoderkitError, match=r"several look like text \(left, right\)\); set --text-column"):
         find_text_column(two, "b.tsv", exclude=("label",))
-    assert find_text_column(read_rows(_write(tmp_path / "c.tsv", ["Review", "label"], [("ok", "1")])), "c.tsv") == ("Review", "found by its name")
+    assert (find_text_column(read_rows(_write(tmp_path / "c.tsv", ["Review", "label"], [("ok", "1")])), "c.tsv")
+            == ("Review", "found by its name"))

@@ -50,4 +50,5 @@ def test_without_gradient_no_gradient_buffer_is_made() -> None:
     with torch.no_grad():
         loss, _ = vocab_cross_entropy(logits, torch.zeros(5, dtype=torch.long))
     assert not loss.requires_grad
-    assert float(loss) == pytest.approx(float(F.cross_entropy(logits.detach(), torch.zeros(5, dtype=torch.long))), rel=1e-6)
+    assert float(loss) == pytest.approx(float(F.cross_entropy(logits.detach(), torch.zeros(5, dtype=torch.long))),
+                                        rel=1e-6)

@@ -100,12 +100,15 @@ def test_rerank_vocab_on_a_beir_source_keeps_every_corpus_document_and_query(tmp
     (beir / "qrels").mkdir(parents=True)
     docs = {f"d{i}": " ".join(WORDS[i:i + 5]) for i in range(5)} | {"d5": "python code data model"}
     queries = {f"q{i}": " ".join(WORDS[i:i + 2]) for i in range(5)} | {"q9": "movie film story"}
-    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n" for k, v in docs.items()))
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": k, "title": "", "text": v}) + "\n"
+                                               for k, v in docs.items()))
     (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": k, "text": v}) + "\n" for k, v in queries.items()))
-    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n"
+                                             + "".join(f"q{i}\td{i}\t1\n" for i in range(5)))
     model = make_task_model(tiny_root(tmp_path_factory), tiny_tokenizer_dir, "rerank")
     out = tmp_path / "v"
-    rep = prune(model, PruneConfig(method="vocab", measure=False), out, data=LeverData("rerank", {"train": f"{beir}#test"}))
+    rep = prune(model, PruneConfig(method="vocab", measure=False), out,
+                data=LeverData("rerank", {"train": f"{beir}#test"}))
     old, new = AutoTokenizer.from_pretrained(model), AutoTokenizer.from_pretrained(out)
     for text in (docs["d5"], queries["q9"]):  # the unjudged document, the query without judgements
         assert new.convert_ids_to_tokens(new(text)["input_ids"]) == old.convert_ids_to_tokens(old(text)["input_ids"])

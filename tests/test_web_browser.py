@@ -96,7 +96,8 @@ def test_review_page_keys_write_the_sheet_and_refusals_are_shown(browser, tmp_pa
     text = lambda: browser.find_element(By.ID, "text").text
     with BackgroundServer(app) as url:
         browser.get(url + "/")
-        token = wait_for(lambda: browser.find_element(By.ID, "token").is_displayed() and browser.find_element(By.ID, "token"),
+        token = wait_for(lambda: browser.find_element(By.ID, "token").is_displayed()
+                         and browser.find_element(By.ID, "token"),
                          "the token box")
         assert "type the token" in browser.find_element(By.ID, "msg").text
         assert "engrossing" not in browser.page_source  # no data before the token
@@ -165,7 +166,8 @@ def test_search_page_asks_for_the_token_and_marks_the_query_terms(browser, tmp_p
         box.send_keys("python data")
         browser.find_element(By.ID, "bm25").click()
         box.send_keys(Keys.ENTER)
-        token = wait_for(lambda: browser.find_element(By.ID, "token").is_displayed() and browser.find_element(By.ID, "token"),
+        token = wait_for(lambda: browser.find_element(By.ID, "token").is_displayed()
+                         and browser.find_element(By.ID, "token"),
                          "the token box after a 401")
         token.send_keys(TOKEN + Keys.ENTER)
         wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#results .hit")) == 5, "five hits")

@@ -65,13 +65,15 @@ def test_token_is_required_on_every_request_for_the_sheet_and_the_page_holds_no_
     c = client(sheet)
     page = c.get("/")
     assert page.status_code == 200 and "first text" not in page.text and "sheet.csv" not in page.text
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                    {"Authorization": f"Basic {TOKEN}"}):
         r = c.post("/api/next", json={"tab": "tab-aaaaaaaa"}, headers=headers)
         assert r.status_code == 401, headers
         assert r.headers["www-authenticate"] == "Bearer" and r.json()["error"]["code"] == "unauthorized"
     r = c.post("/api/answer", json={"tab": "tab-aaaaaaaa", "row": "10", "text_sha": "x", "label": "neg", "gold": "neg"})
     assert r.status_code == 401 and gold(sheet) == ["", "", "", ""]
-    assert c.post("/api/next", json={"tab": "tab-aaaaaaaa"}, headers={"Authorization": f"bearer {TOKEN}"}).status_code == 200
+    assert (c.post("/api/next", json={"tab": "tab-aaaaaaaa"}, headers={"Authorization": f"bearer {TOKEN}"}).status_code
+            == 200)
     assert client(sheet, token=None).post("/api/next", json={"tab": "tab-aaaaaaaa"}).status_code == 200
 
 
@@ -112,7 +114,8 @@ def test_a_row_held_by_one_reviewer_is_never_handed_to_another_until_its_lease_r
     assert post(c, "/api/next", tab="tab-aaaaaaaa").json()["row"] == "10"   # asking again renews, same row
     # bob answers alice's row without having been given it: refused, the holder named
     r = post(c, "/api/answer", tab="tab-bbbbbbbb", **shown(a), gold="neg")
-    assert r.status_code == 409 and r.json()["error"]["code"] == "held" and "held by alice" in r.json()["error"]["message"]
+    assert (r.status_code == 409 and r.json()["error"]["code"] == "held"
+            and "held by alice" in r.json()["error"]["message"])
     assert gold(sheet) == ["", "", "", ""]
     clock.t += 601                                                            # both leases ran out
     carol = post(c, "/api/next", tab="tab-cccccccc", who="carol").json()

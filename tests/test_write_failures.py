@@ -79,7 +79,8 @@ def test_full_disk_during_a_checkpoint_then_resume(store, tmp_path, monkeypatch,
     assert (out / "model.safetensors").is_file() and _leftovers(tmp_path) == []
 
 
-def test_full_disk_writing_the_output_keeps_the_checkpoints_for_resume(store, tmp_path, monkeypatch, capsys, one_thread):
+def test_full_disk_writing_the_output_keeps_the_checkpoints_for_resume(store, tmp_path, monkeypatch, capsys,
+                                                                       one_thread):
     import transformers.modeling_utils as mu
 
     out = tmp_path / "model"
@@ -183,7 +184,8 @@ def test_read_only_parent_is_refused_before_training(store, tmp_path, monkeypatc
     started = _count_steps(monkeypatch)
     assert main([*_pretrain_args(store, parent / "model"), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert f"--out {parent / 'model'} cannot be written: creating a folder in {parent} failed (Read-only file system)" in err
+    assert (f"--out {parent / 'model'} cannot be written: creating a folder in {parent} failed (Read-only file system)"
+            in err)
     assert started == [] and list(parent.iterdir()) == [] and not (tmp_path / "run").exists()
 
 

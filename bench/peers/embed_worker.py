@@ -39,7 +39,8 @@ import numpy as np
 
 
 def cpu_isa() -> str:
-    flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    flags = (Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace") if Path("/proc/cpuinfo").exists()
+             else "")
     return "avx512_vnni" if "avx512_vnni" in flags else "avx2"
 
 

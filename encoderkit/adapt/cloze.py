@@ -1,14 +1,9 @@
 """Cloze queries from a masked-LM (``--offline-kinds cloze --cloze-model FOLDER``).
 
-A sentence of the passage (picked as the ``sentence`` kind picks them, see :mod:`encoderkit.adapt.queries`) with
-a seeded :data:`CLOZE_RATE` of its content words masked, all at once, and each replaced by the masked-LM's top
-prediction among whole-word, alphabetic, non-stopword vocabulary entries other than the word it replaces: a
-paraphrase-like query that no longer matches the passage word for word. A content word is a word of one
-sub-token (a word split into pieces is left as it is), alphabetic, not a stopword and not a special token. A
-sentence with no content word, or whose rewrite reads as the sentence itself, gives no query (counted).
-
-Deterministic given the seed: which words are masked is drawn from the sentence's own seed (its passage id and
-``--seed``), and the masked-LM runs in eval mode, in batches of :data:`BATCH` sentences.
+A passage sentence with a seeded :data:`CLOZE_RATE` of its content words (one-sub-token, alphabetic, not
+stopwords) masked at once, each replaced by the masked-LM's top other whole-word prediction: a paraphrase that no
+longer matches the passage word for word. Deterministic given the sentence's seed; a sentence with nothing to
+replace gives no query (counted).
 """
 
 from __future__ import annotations
@@ -16,8 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder, task_from_config
+from encoderkit.models.tokenizer import token_surfaces, word_start_table
+from encoderkit.tasks.common import resolve_model
 
 CLOZE_RATE = 0.3  # share of a sentence's content words the masked-LM replaces
 BATCH = 32  # sentences per masked-LM forward pass
@@ -41,13 +40,6 @@ class ClozeWriter:
     """The masked-LM of ``--cloze-model`` and the vocabulary it may put in a query; counts what it made."""
 
     def __init__(self, name: str | Path, batch_size: int = BATCH) -> None:
-        import torch
-
-        from encoderkit.models.folder import ModelFolder, task_from_config
-        from encoderkit.models.tokenizer import token_surfaces, word_start_table
-        from encoderkit.tasks.common import resolve_model
-
-        self.torch = torch
         folder = ModelFolder.open(resolve_model(name))
         if task_from_config(folder.config) != "mlm":
             arch = ", ".join(folder.config.get("architectures") or []) or "no architectures in config.json"
@@ -92,7 +84,6 @@ class ClozeWriter:
 
     def rewrite(self, sentences: list[str], seeds: list[int]) -> list[str | None]:
         """Each sentence with its masked words replaced (see the module docstring); None where nothing could be."""
-        torch = self.torch
         plans = [self._masked(s, seed) for s, seed in zip(sentences, seeds, strict=True)]
         out: list[str | None] = [None] * len(sentences)
         todo = [i for i, (_, at) in enumerate(plans) if at]

@@ -1,16 +1,9 @@
 """Hard negatives for generated queries, mined with the model being adapted, and the MarginMSE wiring of GPL.
 
-Each query's candidates are the bi-encoder's top :data:`~encoderkit.tasks.embed.mining.MINE_TO` passages
-(:func:`~encoderkit.tasks.embed.mining.candidates`, its own passage left out). A candidate that scores almost as
-high as the positive is likely another answer to the query, not a negative: it is skipped when its cosine is
-within ``margin`` of the positive's, or, given a cross-encoder, when the cross-encoder's score is within
-``ce_margin`` of the positive's. ``num_negatives`` are drawn (seeded) from what is left, topped up with random
-passages when too few remain.
-
-GPL (Wang et al. 2022): with a cross-encoder, every (query, positive, negative) carries the cross-encoder's
-margin ``CE(q, pos) - CE(q, neg)``, and the bi-encoder learns it: MarginMSE, the mean squared error between
-``scale * (cos(q, pos) - cos(q, neg))`` and that margin (:func:`margin_build`; the cross-encoder, its margins and
-the loss are :mod:`encoderkit.tasks.margin_mse`'s, which the sparse task's distillation shares).
+Candidates are the bi-encoder's top :data:`~encoderkit.tasks.embed.mining.MINE_TO` passages; one scoring within
+``margin`` (cosine) or ``ce_margin`` (cross-encoder) of the positive is likely another answer, so it is skipped.
+With a cross-encoder each row also carries GPL's margins ``CE(q, pos) - CE(q, neg)``, which the bi-encoder learns
+by MarginMSE (:func:`margin_build`; the loss is :mod:`encoderkit.tasks.margin_mse`'s).
 """
 
 from __future__ import annotations
@@ -25,6 +18,12 @@ import numpy as np
 from encoderkit.adapt.passages import Passage
 from encoderkit.adapt.queries import positive_text
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
+from encoderkit.tasks import get_task
+from encoderkit.tasks.common import load_tokenizer
+from encoderkit.tasks.embed.exact import search
+from encoderkit.tasks.embed.features import encode, encode_cached, load_bi_encoder
+from encoderkit.tasks.embed.mining import MINE_TO
 from encoderkit.tasks.margin_mse import ce_margins, margin_mse, with_margins
 
 
@@ -39,19 +38,12 @@ class Mined:
 def doc_length(model: Path) -> int:
     """Sub-tokens per passage when ``model`` encodes the corpus (mining and evaluation alike, so they share the
     cached corpus embeddings): the folder's own length, cut to its positions."""
-    from encoderkit.models.folder import ModelFolder
-
     return ModelFolder.open(model, weights=False, tokenizer=False).max_length
 
 
 def mine(passages: list[Passage], queries: dict[str, list[str]], model: Path, *, num_negatives: int, margin: float,
          ce: tuple[Any, Any, int] | None, ce_margin: float, seed: int, max_query_length: int, batch_size: int) -> Mined:
     """Training rows for every generated query (see the module docstring)."""
-    from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.embed.exact import search
-    from encoderkit.tasks.embed.features import encode, encode_cached, load_bi_encoder
-    from encoderkit.tasks.embed.mining import MINE_TO
-
     by_id = {p.id: p for p in passages}
     doc_ids = [p.id for p in passages]
     pairs = [(pid, q) for pid in queries for q in queries[pid]]
@@ -105,8 +97,6 @@ def margin_build(margins: list[list[float]], scale: float) -> Callable[..., Any]
     """A ``build`` for ``finetune.run``: the embed task's own (its model, data, batches, saving), trained with
     :func:`~encoderkit.tasks.margin_mse.margin_mse` on ``margins`` (row i of the training file: one per negative)
     instead of in-batch negatives."""
-    from encoderkit.tasks import get_task
-
     def build(data: Any, options: Any, tokenizer: Any, folder: Any) -> Any:
         if data.max_train_examples:
             raise EncoderkitError("MarginMSE training reads every row of its file (no --max-train-examples)")
@@ -121,6 +111,7 @@ def margin_build(margins: list[list[float]], scale: float) -> Callable[..., Any]
             p = module(**{a[2:]: v for a, v in batch.items() if a.startswith("p_")})
             return margin_mse(q, p, batch["margins"], options.scale), {}
 
-        return replace(tr, loss_fn=loss_fn, source=replace(tr.source, make_batch=with_margins(tr.source.make_batch, margins, k)))
+        batches = with_margins(tr.source.make_batch, margins, k)
+        return replace(tr, loss_fn=loss_fn, source=replace(tr.source, make_batch=batches))
 
     return build

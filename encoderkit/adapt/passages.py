@@ -1,11 +1,7 @@
 """The passages a model is adapted to (id, title, text) and the judged queries it is measured on.
 
-Corpus sources: a BEIR folder (its ``corpus.jsonl``) or the SciFact export zip (its corpus), keeping titles;
-a ``.jsonl`` / ``.csv`` file of records (id, text, optional title: ``--id-field`` / ``--text-field`` /
-``--title-field``); any other file or folder as ``encoderkit index`` reads it (one document per file, no
-title). Evaluation: a BEIR source (``PATH#split``: its own corpus, queries and qrels), or a queries file
-(JSONL ``{_id|id, text}`` or TSV ``id<TAB>text``) with a qrels TSV (``query-id corpus-id score``, an optional
-header) whose documents are the corpus passages.
+Corpus: a BEIR folder or the SciFact zip (titles kept), a ``.jsonl``/``.csv`` of records, or files as ``index``
+reads them. Evaluation: a BEIR ``PATH#split``, or a queries file (JSONL or TSV) with a qrels TSV over the corpus ids.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from pathlib import Path
 
 from encoderkit.data.beir import Retrieval, load_retrieval, split_spec
 from encoderkit.errors import EncoderkitError
-from encoderkit.retrieval.corpus import record_fields
+from encoderkit.retrieval.corpus import read_corpus, record_fields
 
 
 @dataclass(frozen=True)
@@ -32,7 +28,8 @@ class Passage:
         return f"{self.title} {self.text}".strip()
 
 
-def read_passages(spec: str, id_field: str = "id", text_field: str = "text", title_field: str = "title") -> list[Passage]:
+def read_passages(spec: str, id_field: str = "id", text_field: str = "text",
+                  title_field: str = "title") -> list[Passage]:
     """The passages of ``spec`` (see the module docstring), in file order; empty ones left out; none at all
     is an error that says what was read."""
     path = Path(str(spec).partition("#")[0])
@@ -46,8 +43,6 @@ def read_passages(spec: str, id_field: str = "id", text_field: str = "text", tit
     elif path.suffix in (".jsonl", ".csv"):
         out = _records(path, id_field, text_field, title_field)
     else:
-        from encoderkit.retrieval.corpus import read_corpus
-
         try:
             docs = read_corpus([str(spec)]).docs
         except EncoderkitError as e:

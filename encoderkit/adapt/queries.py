@@ -1,21 +1,12 @@
 """Queries for each passage: asked of an LLM endpoint, or made offline from the passage itself.
 
-* ``endpoint``: the prompt (:data:`QUERY_TEMPLATE`, or ``--template`` with ``{text}`` and optionally ``{n}``)
-  goes through the labeller's OpenAI-compatible client (:class:`~encoderkit.label.endpoint.EndpointLabeller`:
-  retries, concurrency, the sqlite answer cache); :func:`parse_queries` reads up to ``n`` queries out of the
-  answer (one per line or a JSON list; numbering, bullets, quotes and a ``Query:`` prefix removed). An empty
-  answer, or one with no line that reads as a query, gives none: the passage is skipped and counted.
-* ``offline``: in the order of ``kinds``, the passage's title (three words or more), its first sentence, and
-  other sentences picked at random (seeded by the passage id): the inverse cloze task (Lee et al. 2019), a
-  sentence standing for a question the rest of the passage answers. The sentence is taken out of the positive
-  (:func:`positive_text`), else the model learns only to match a string. ``cloze``: other sentences (picked as
-  ``sentence`` picks them, with their own seed) rewritten by a masked-LM (:mod:`encoderkit.adapt.cloze`), batched
-  over :data:`CLOZE_CHUNK` passages; no longer a verbatim part of the passage, such a query keeps the whole
-  passage as its positive.
+* ``endpoint``: the prompt goes through the labeller's client (retries, concurrency, answer cache);
+  :func:`parse_queries` reads the queries out of the answer; a passage with none is skipped and counted.
+* ``offline``: the title, the first sentence, other sentences (the inverse cloze task, Lee et al. 2019: the
+  sentence is taken out of the positive, else the model learns only to match a string), or ``cloze`` rewrites.
 
-Every passage's result is appended to ``queries.jsonl`` in the run folder, one block of lines per write and
-fsync; a line torn by a kill is dropped on resume (:class:`QueryLog`), and a resumed run asks nothing again for
-a passage the log holds (nor, through the cache, for one answered in the block the kill lost).
+Results are appended to ``queries.jsonl`` a block at a time (:class:`QueryLog`), so a resumed run asks nothing
+again for a logged passage.
 """
 
 from __future__ import annotations
@@ -31,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from encoderkit.adapt.cloze import NEEDS_MODEL
 from encoderkit.adapt.passages import Passage
 from encoderkit.errors import EncoderkitError
 
@@ -43,8 +35,9 @@ CLOZE_CHUNK = 64  # passages whose cloze sentences go to the masked-LM together
 MIN_WORDS, MAX_WORDS = 2, 32
 PROMPT_CHARS = 4000  # a passage longer than this is cut in the prompt (the whole passage is still the positive)
 
-_BULLET = re.compile(r"^\s*(?:[-*\u2022>]+|\(?\d{1,2}[.):]|\(?[a-z][.)]|q\d*[.:)]|(?:search\s+)?query\s*\d*\s*[:.)-])\s*",
-                     re.IGNORECASE)
+_BULLET = re.compile(
+    r"^\s*(?:[-*\u2022>]+|\(?\d{1,2}[.):]|\(?[a-z][.)]|q\d*[.:)]|(?:search\s+)?query\s*\d*\s*[:.)-])\s*",
+    re.IGNORECASE)
 _QUOTES = "\"'`\u201c\u201d\u2018\u2019*"
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
 
@@ -116,8 +109,6 @@ def rewrite_clozes(plans: list[list[str | Cloze]], writer: Any) -> list[list[str
     in one batched call; None where it could not be."""
     asks = [c for plan in plans for c in plan if isinstance(c, Cloze)]
     if asks and writer is None:
-        from encoderkit.adapt.cloze import NEEDS_MODEL
-
         raise EncoderkitError(NEEDS_MODEL)
     got = iter(writer.rewrite([c.sentence for c in asks], [c.seed for c in asks]) if asks else [])
     return [[next(got) if isinstance(c, Cloze) else c for c in plan] for plan in plans]
@@ -205,7 +196,10 @@ def record(pid: str, answer: str | None, queries: list[str]) -> dict[str, Any]:
             "raw": (answer or "")[:500]}
 
 
-def generate(passages: list[Passage], log: QueryLog, make: Callable[[list[Passage], Callable[[int, str | None, list[str]], None]], int],
+Done = Callable[[int, str | None, list[str]], None]  # done(i, answer, queries), as each passage finishes
+
+
+def generate(passages: list[Passage], log: QueryLog, make: Callable[[list[Passage], Done], int],
              block: int, bar: Any) -> Generated:
     """Queries for every passage the log lacks, through ``make(todo, done)`` (which calls ``done(i, answer,
     queries)`` per passage as each finishes and returns the requests it sent); finished passages are logged

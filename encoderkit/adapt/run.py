@@ -1,13 +1,8 @@
 """``encoderkit adapt``: adapt an embedding model to a corpus with no labels (generated queries, mined hard
 negatives, fine-tuning), and report nDCG@10 before and after when judged queries are given.
 
-Steps, each kept in the run folder (``.<out>.partial`` until the end, so a killed run continues with
-``--resume``): queries per passage into ``adapt/queries.jsonl`` (:mod:`~encoderkit.adapt.queries`; the
-endpoint's answers also in ``adapt/cache.sqlite``), hard negatives into ``adapt/train.jsonl``
-(:mod:`~encoderkit.adapt.negatives`), then ``finetune --task embed`` on that file (its checkpoints in
-``.model.run``; in-batch negatives + the mined ones, or GPL's MarginMSE with ``--cross-encoder``). The output
-is the adapted embed folder itself (``index``, ``search``, ``serve`` take it), its ``encoderkit.json``
-holding the query counts, the training and the evaluation before and after.
+Each step keeps its result under ``adapt/`` in the run folder (``.<out>.partial`` until the end), so a killed
+run continues with ``--resume``. The output is the adapted embed folder itself.
 """
 
 from __future__ import annotations
@@ -20,9 +15,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from encoderkit.adapt.cloze import NEEDS_MODEL, ClozeWriter
+from encoderkit.adapt.negatives import doc_length, margin_build, mine
+from encoderkit.adapt.passages import eval_data, read_passages
+from encoderkit.adapt.queries import OFFLINE_KINDS, QUERY_TEMPLATE, QueryLog, endpoint_maker, generate, offline_maker
+from encoderkit.compress.distill_embed import check_plain_embedder
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import open_text_atomic, resumable_dir, write_json_atomic
+from encoderkit.label.cache import AnswerCache
+from encoderkit.label.endpoint import EndpointLabeller
+from encoderkit.label.prompt import load_template
+from encoderkit.metrics.ranking import retrieval_scores
+from encoderkit.models.card import card_facts, read_card, write_card
+from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import note, progress
+from encoderkit.tasks import TASKS, get_task
+from encoderkit.tasks.common import load_tokenizer, resolve_model, seeded_subset
+from encoderkit.tasks.embed.exact import retrieve
+from encoderkit.tasks.embed.features import load_bi_encoder
+from encoderkit.tasks.margin_mse import open_cross_encoder
+from encoderkit.train.finetune import FinetuneConfig
+from encoderkit.train.finetune import run as finetune
 
 GENERATORS = ("offline", "endpoint")
 
@@ -60,7 +74,8 @@ class AdaptConfig(StageConfig):
     # endpoint
     endpoint: str = arg("", help="endpoint: the server's base URL, e.g. http://127.0.0.1:8080/v1.")
     llm: str = arg("", help="endpoint: the model name the server expects.")
-    api_key_env: str = arg("OPENAI_API_KEY", help="endpoint: environment variable holding the API key (unset: none sent).")
+    api_key_env: str = arg("OPENAI_API_KEY",
+                           help="endpoint: environment variable holding the API key (unset: none sent).")
     template: str = arg("", help="endpoint: prompt template (a file or the text) with {text} and optionally {n} "
                                  "(the queries asked for); default: a short instruction, one query per line.")
     temperature: float = arg(0.7, help="endpoint: sampling temperature (some variety between the queries).")
@@ -71,7 +86,8 @@ class AdaptConfig(StageConfig):
     margin: float = arg(0.05, help="A candidate whose cosine to the query is within this of the positive's is a "
                                    "likely positive, not a negative: skipped.")
     cross_encoder: str = arg("", help="GPL: a cross-encoder (rerank folder) that scores (query, positive, negative); "
-                                      "the model is trained with MarginMSE on its margins instead of in-batch negatives.")
+                                      "the model is trained with MarginMSE on its margins instead of in-batch "
+                                      "negatives.")
     ce_margin: float = arg(0.0, help="--cross-encoder: a negative it scores within this of the positive is skipped.")
     lr: float = arg(2e-5, help="Peak learning rate (AdamW).")
     epochs: float = arg(1.0, help="Passes over the generated queries (ignored when --max-steps is set).")
@@ -92,7 +108,8 @@ class AdaptConfig(StageConfig):
     # speed
     concurrency: int = arg(4, help="endpoint: requests in flight at once.", speed=True)
     timeout: float = arg(60.0, help="endpoint: seconds to wait for one answer.", speed=True)
-    backoff: float = arg(1.0, help="endpoint: first retry delay in seconds (doubles each retry, at most 30).", speed=True)
+    backoff: float = arg(1.0, help="endpoint: first retry delay in seconds (doubles each retry, at most 30).",
+                         speed=True)
     block: int = arg(32, help="Passages per append to queries.jsonl (what a kill can lose; the endpoint's cache "
                               "keeps even those answers).", speed=True)
     batch_size_eval: int = arg(64, help="Texts per forward pass when encoding (mining, evaluation).", speed=True)
@@ -105,16 +122,14 @@ class AdaptConfig(StageConfig):
         check(self.num_negatives >= 0, "--num-negatives must be 0 or more")
         check(self.batch_size >= 2, "--batch-size must be at least 2 (in-batch negatives)")
         check(self.block >= 1, "--block must be at least 1")
-        from encoderkit.adapt.cloze import NEEDS_MODEL
-        from encoderkit.adapt.queries import OFFLINE_KINDS
 
         bad = [k for k in self.offline_kinds if k not in OFFLINE_KINDS]
         check(not bad and bool(self.offline_kinds),
               f"--offline-kinds {', '.join(bad) or '(none)'}: choose from {', '.join(OFFLINE_KINDS)}")
         cloze = self.generator == "offline" and "cloze" in self.offline_kinds
         check(not cloze or bool(self.cloze_model), NEEDS_MODEL)
-        check(cloze or not self.cloze_model, "--cloze-model is read by --offline-kinds cloze (with --generator offline) "
-                                             "only; add cloze to --offline-kinds, or drop the flag")
+        check(cloze or not self.cloze_model, "--cloze-model is read by --offline-kinds cloze (with --generator "
+                                             "offline) only; add cloze to --offline-kinds, or drop the flag")
         if self.generator == "endpoint":
             check(bool(self.endpoint), "--generator endpoint needs --endpoint URL (the server's base URL, e.g. "
                                        "http://127.0.0.1:8080/v1)")
@@ -145,11 +160,6 @@ class AdaptResult:
 
 def check_embed_model(name: str) -> Path:
     """The folder of ``--model`` (or ``minilm``), refused unless it is a transformer embedding model."""
-    from encoderkit.compress.distill_embed import check_plain_embedder
-    from encoderkit.models.folder import ModelFolder
-    from encoderkit.tasks import TASKS, get_task
-    from encoderkit.tasks.common import resolve_model
-
     path = resolve_model(name)
     info = ModelFolder.open(path)
     task = get_task(info.task) if info.task in TASKS else None
@@ -163,12 +173,6 @@ def check_embed_model(name: str) -> Path:
 
 def evaluate(model: Path, data: Any, max_query_length: int, batch_size: int) -> dict[str, float]:
     """nDCG@10 / MRR@10 / recall of exact search by ``model`` over ``data``'s corpus (embeddings cached)."""
-    from encoderkit.adapt.negatives import doc_length
-    from encoderkit.metrics.ranking import retrieval_scores
-    from encoderkit.tasks.common import load_tokenizer
-    from encoderkit.tasks.embed.exact import retrieve
-    from encoderkit.tasks.embed.features import load_bi_encoder
-
     ranked = retrieve(load_bi_encoder(model), load_tokenizer(model), data, doc_length(model),
                       max_query_length, batch_size, progress=True, cache_for=model)
     return {k: round(v, 4) for k, v in retrieval_scores(ranked, data.qrels).items()}
@@ -176,20 +180,12 @@ def evaluate(model: Path, data: Any, max_query_length: int, batch_size: int) -> 
 
 def run(cfg: AdaptConfig) -> AdaptResult:
     """Generate queries, mine negatives, fine-tune and write the adapted embed folder (see the module docstring)."""
-    from encoderkit.adapt.passages import eval_data, read_passages
-    from encoderkit.io import resumable_dir, write_json_atomic
-    from encoderkit.tasks.common import seeded_subset
-
     model = check_embed_model(cfg.model)
     ce = None
     if cfg.cross_encoder:
-        from encoderkit.tasks.margin_mse import open_cross_encoder
-
         ce = open_cross_encoder(cfg.cross_encoder)
     cloze = None
     if cfg.cloze_model:
-        from encoderkit.adapt.cloze import ClozeWriter
-
         cloze = ClozeWriter(cfg.cloze_model)
     passages = read_passages(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field)
     judged = eval_data(passages, cfg.eval, cfg.eval_queries, cfg.eval_qrels)
@@ -221,22 +217,19 @@ def run(cfg: AdaptConfig) -> AdaptResult:
 
 
 def _same_settings(path: Path, settings: dict[str, Any]) -> None:
-    from encoderkit.io import write_json_atomic
-
     want = {k: v for k, v in settings.items() if k not in ("resume", "overwrite")}
     if path.is_file():
         had = json.loads(path.read_text(encoding="utf-8"))
         changed = sorted(k for k in set(had) | set(want) if had.get(k) != want.get(k))
         if changed:
-            raise EncoderkitError(f"--resume: {path.parent.parent} was started with other settings ({', '.join(changed)}); "
-                                  "rerun with the same ones, or without --resume to start again")
+            raise EncoderkitError(f"--resume: {path.parent.parent} was started with other settings "
+                                  f"({', '.join(changed)}); rerun with the same ones, or without --resume to start "
+                                  "again")
     else:
         write_json_atomic(path, want)
 
 
 def _generate(cfg: AdaptConfig, passages: list[Any], state: Path, cloze: Any = None) -> Any:
-    from encoderkit.adapt.queries import QUERY_TEMPLATE, QueryLog, endpoint_maker, generate, offline_maker
-
     n = cfg.queries_per_passage
     if cfg.generator == "offline":
         settings = {"generator": "offline", "n": n, "kinds": list(cfg.offline_kinds), "seed": cfg.seed}
@@ -245,10 +238,6 @@ def _generate(cfg: AdaptConfig, passages: list[Any], state: Path, cloze: Any = N
         make = offline_maker(n, tuple(cfg.offline_kinds), cfg.seed, cloze)
         cache = labeller = None
     else:
-        from encoderkit.label.cache import AnswerCache
-        from encoderkit.label.endpoint import EndpointLabeller
-        from encoderkit.label.prompt import load_template
-
         template = load_template(cfg.template) if cfg.template else QUERY_TEMPLATE
         settings = {"generator": "endpoint", "n": n, "llm": cfg.llm, "template": template,
                     "temperature": cfg.temperature}
@@ -274,9 +263,6 @@ def _generate(cfg: AdaptConfig, passages: list[Any], state: Path, cloze: Any = N
 def _training_file(cfg: AdaptConfig, passages: list[Any], queries: dict[str, list[str]], model: Path, ce: Any,
                    path: Path) -> tuple[dict[str, int], list[list[float]] | None]:
     """``train.jsonl`` (finetune --task embed's {query, positive, negatives}), written once; its counts."""
-    from encoderkit.adapt.negatives import mine
-    from encoderkit.io import open_text_atomic
-
     counts_path = path.with_name("negatives.json")
     if not (path.is_file() and counts_path.is_file()):
         t0 = time.perf_counter()
@@ -289,8 +275,9 @@ def _training_file(cfg: AdaptConfig, passages: list[Any], queries: dict[str, lis
         with open_text_atomic(path) as f:
             for r in mined.rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        counts = {"rows": len(mined.rows), "skipped_likely_positives": mined.skipped_positives, "random_top_up": mined.topped_up,
-                  "dropped_without_scored_negatives": mined.dropped, "seconds": round(time.perf_counter() - t0, 1)}
+        counts = {"rows": len(mined.rows), "skipped_likely_positives": mined.skipped_positives,
+                  "random_top_up": mined.topped_up, "dropped_without_scored_negatives": mined.dropped,
+                  "seconds": round(time.perf_counter() - t0, 1)}
         counts_path.write_text(json.dumps(counts), encoding="utf-8")
     counts = json.loads(counts_path.read_text(encoding="utf-8"))
     margins = None
@@ -302,10 +289,6 @@ def _training_file(cfg: AdaptConfig, passages: list[Any], queries: dict[str, lis
 def _train(cfg: AdaptConfig, model: Path, train: Path, work: Path, margins: list[list[float]] | None) -> dict[str, Any]:
     """``finetune --task embed`` on ``train`` into ``work/model`` (resumed from its checkpoints), whose files
     then become ``work``'s own."""
-    from encoderkit.adapt.negatives import doc_length, margin_build
-    from encoderkit.train.finetune import FinetuneConfig
-    from encoderkit.train.finetune import run as finetune
-
     target = work / "model"
     done = work / "adapt" / "training.json"
     if not done.is_file():
@@ -332,9 +315,6 @@ def _train(cfg: AdaptConfig, model: Path, train: Path, work: Path, margins: list
 def _serve_length(folder: Path, length: int) -> None:
     """The adapted folder encodes passages at the length the model had (``--max-length`` is a training setting:
     a shorter one makes training cheaper without changing how the corpus is searched)."""
-    from encoderkit.io import write_json_atomic
-    from encoderkit.models.card import read_card
-
     st = folder / "sentence_bert_config.json"
     if st.is_file():
         write_json_atomic(st, {**json.loads(st.read_text(encoding="utf-8")), "max_seq_length": length})
@@ -345,8 +325,6 @@ def _serve_length(folder: Path, length: int) -> None:
 
 def _write_card(cfg: AdaptConfig, work: Path, model: Path, counts: dict[str, int], negatives: dict[str, int],
                 training: dict[str, Any], before: dict[str, float], after: dict[str, float]) -> None:
-    from encoderkit.models.card import card_facts, read_card, write_card
-
     facts = card_facts(read_card(work))  # finetune's: the task facts, and the steps it trained this folder for
     metrics: dict[str, Any] = {"queries": counts, "negatives": negatives, "training": training}
     if before:

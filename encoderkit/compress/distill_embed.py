@@ -1,26 +1,13 @@
-"""Embedding distillation: a smaller student reproduces the teacher's sentence embeddings.
-
-The sentence-transformers "model distillation" recipe (Reimers & Gurevych 2020): no labels, only
-text. The teacher embeds every training text once (its pooling and normalisation, fp32); the
-student (the teacher with fewer layers, or a given folder) is trained so that its embedding of
-the same text matches: the loss is ``sum_d ||s - t||^2`` over the unit vectors (= ``2 - 2 cos``),
-plus, for each ``matryoshka_dims`` size d, the same on the re-normalised leading d dimensions
-(so a truncated student embedding still points where the truncated teacher one does).
-
-Training texts come from any corpus :func:`encoderkit.data.readers.iter_documents` reads (text,
-JSONL, CSV/TSV, archives, folders, ``hf:``, ``builtin:``), or from the corpus of a BEIR source
-(a BEIR folder or the SciFact zip; ``PATH#split`` adds that split's queries, which the teacher's
-fine-tune may have shaped most); several sources are separated by commas.
-Each document is cut into sentences and the sentences into pieces of 1, 2 and 4 consecutive
-sentences in turn, so the student sees query-length and passage-length inputs
-(:func:`encoderkit.tasks.embed.texts.training_texts`, which compression also calibrates an embedder with).
-
-The student is saved as a sentence-transformers folder with the teacher's own module files
-(pooling, normalisation, max_seq_length), so ``SentenceTransformer(out)`` embeds like the teacher.
+"""Embedding distillation: a smaller student reproduces the teacher's sentence embeddings, from text alone (the
+sentence-transformers "model distillation" recipe). The loss is ``||s - t||^2`` of the unit vectors, plus the same
+on the re-normalised leading ``matryoshka_dims``; the texts are corpus pieces of 1, 2 and 4 sentences, so the
+student sees query- and passage-length inputs. The student keeps the teacher's sentence-transformers module files,
+so it embeds like the teacher.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +15,25 @@ import numpy as np
 import torch
 from torch import nn
 
+from encoderkit.compress.students import (
+    DistillResult,
+    build_student_from_teacher,
+    check_same_task,
+    check_same_tokenizer,
+    fit_and_save,
+    parse_layer_map,
+)
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.card import inherited_card
+from encoderkit.models.folder import ModelFolder
 from encoderkit.models.folder_files import copy_side_files
+from encoderkit.models.pooling import task_pooling
+from encoderkit.tasks.batching import BucketedBatches, encode_batch
+from encoderkit.tasks.embed.embedder import tokenize
+from encoderkit.tasks.embed.features import BiEncoder, encode, folder_max_length, save_sentence_transformers
 from encoderkit.tasks.embed.texts import training_texts
+from encoderkit.train.engine import native_bf16
 
 _PLAIN_MODULES = ("Transformer", "Pooling", "Normalize")
 
@@ -44,8 +46,6 @@ def check_plain_embedder(folder: Path) -> None:
     modules = folder / "modules.json"
     if not modules.is_file():
         return
-    import json
-
     for m in json.loads(modules.read_text(encoding="utf-8")):
         kind = str(m.get("type", "")).rsplit(".", 1)[-1]
         if kind not in _PLAIN_MODULES:
@@ -55,12 +55,10 @@ def check_plain_embedder(folder: Path) -> None:
 
 # -- loss and training -------------------------------------------------------------------------------
 
-def embedding_mse(student: torch.Tensor, teacher: torch.Tensor, dims: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
-    """``||s - t||^2`` of the unit vectors (mean over rows), for the full size and each Matryoshka size.
-
-    student: (B, H) raw pooled student vectors; teacher: (B, H) the teacher's unit embeddings.
-    Zero when the student's directions equal the teacher's.
-    """
+def embedding_mse(student: torch.Tensor, teacher: torch.Tensor,
+                  dims: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+    """``||s - t||^2`` of the unit vectors (mean over rows) for the full size and each Matryoshka size, of the
+    (B, H) raw pooled student vectors and the teacher's unit embeddings. Zero when the directions agree."""
     parts: dict[str, torch.Tensor] = {}
     for d in [student.shape[1]] + [d for d in dims if d < student.shape[1]]:
         s = nn.functional.normalize(student[:, :d].float(), dim=-1)
@@ -73,19 +71,14 @@ def embedding_mse(student: torch.Tensor, teacher: torch.Tensor, dims: list[int])
 @torch.no_grad()
 def teacher_embeddings(teacher: Any, tokenizer: Any, texts: list[str], max_length: int, batch_size: int = 64,
                        bf16: bool = False) -> np.ndarray:
-    """The teacher's unit embeddings (N, H) float32, computed once (eval mode). ``bf16``: under bf16
-    autocast (on MiniLM 2.5x faster on an AMX CPU; cosine to fp32 0.99998 on SciFact text)."""
-    from encoderkit.tasks.embed.features import encode
-
+    """The teacher's unit embeddings (N, H) float32, computed once (eval mode); ``bf16``: under bf16 autocast."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         return encode(teacher, tokenizer, texts, max_length, batch_size, progress=True)
 
 
-def embed_batches(tokenizer: Any, texts: list[str], targets: np.ndarray, seq_len: int, batch_size: int, seed: int) -> Any:
+def embed_batches(tokenizer: Any, texts: list[str], targets: np.ndarray, seq_len: int, batch_size: int,
+                  seed: int) -> Any:
     """A length-bucketed engine batch source: token ids of each text and its teacher embedding."""
-    from encoderkit.tasks.batching import BucketedBatches, encode_batch
-    from encoderkit.tasks.embed.embedder import tokenize
-
     rows = tokenize(tokenizer, texts, seq_len)
     for r, t in zip(rows, targets):
         r["target"] = t
@@ -99,25 +92,13 @@ def embed_batches(tokenizer: Any, texts: list[str], targets: np.ndarray, seq_len
 
 def run_embed(cfg: Any) -> Any:
     """Distil an embed teacher (see the module docstring); ``cfg`` is a DistillConfig."""
-    from encoderkit.compress.students import (
-        DistillResult,
-        build_student_from_teacher,
-        check_same_task,
-        check_same_tokenizer,
-        fit_and_save,
-        parse_layer_map,
-    )
-    from encoderkit.models.card import inherited_card
-    from encoderkit.models.folder import ModelFolder
-    from encoderkit.tasks.embed.features import BiEncoder, folder_max_length, save_sentence_transformers
-
     teacher_dir = Path(cfg.teacher)
     check(bool(cfg.train), "distilling an embed model needs --train: a corpus of plain text (no labels)")
     check(cfg.hidden_size is None, "--hidden-size is not supported for embed distillation; use --layers or --student")
     check_plain_embedder(teacher_dir)
     teacher_folder = ModelFolder.open(teacher_dir, tokenizer=False)
     card = inherited_card(teacher_folder.card)
-    pooling = teacher_folder.pooling or "mean"  # first/mean, from the card or the ST files
+    pooling = task_pooling(teacher_folder, "embed")  # the teacher's own, from its card or ST files
     max_length = card.get("max_length") or folder_max_length(teacher_dir) or 256
     tokenizer = teacher_folder.tokenizer()
     teacher_enc = teacher_folder.load(task="embed")  # a quantized or head-pruned teacher is rebuilt
@@ -139,8 +120,6 @@ def run_embed(cfg: Any) -> Any:
 
     texts = training_texts(cfg.train, cfg.limit, seed=cfg.seed)
     seq_len = min(cfg.seq_len, max_length)
-    from encoderkit.train.engine import native_bf16
-
     bf16 = native_bf16(torch.device("cpu")) if cfg.bf16 is None else bool(cfg.bf16)
     targets = teacher_embeddings(teacher, tokenizer, texts, seq_len, bf16=bf16)
     teacher_params = sum(p.numel() for p in teacher_enc.parameters())
@@ -163,4 +142,5 @@ def run_embed(cfg: Any) -> Any:
     facts = {"task": "embed", "pooling": pooling, "normalize": True, "max_length": max_length,
              "similarity": "cosine", **card, "matryoshka_dims": dims or card.get("matryoshka_dims", [])}
     res = fit_and_save(cfg, module, loss_fn, source, save, examples=len(texts), layers=layers, facts=facts)
-    return DistillResult(Path(cfg.out), layers, teacher_params, sum(p.numel() for p in student_enc.parameters()), res.steps, res.train_logs)
+    return DistillResult(Path(cfg.out), layers, teacher_params, sum(p.numel() for p in student_enc.parameters()),
+                         res.steps, res.train_logs)

@@ -1,27 +1,9 @@
 """`encoderkit distill --to static`: a static embedding model (one vector per token) from an embed teacher.
 
-The model2vec recipe, on the user's corpus:
-
-1. vocabulary: the teacher tokenizer's tokens that occur in the corpus (the corpus tokenised by the teacher's own
-   tokenizer, token ids counted); the tokenizer itself is kept whole, so any text still tokenises, and a token
-   the corpus never showed maps to a zero row (it adds nothing to a text's mean);
-2. token vectors: the teacher's pooled embedding of each kept token alone (``[CLS] token [SEP]``), run through the
-   Predictor's engine and :class:`~encoderkit.tasks.embed.embedder.Embedder` in batches (torch fp32);
-3. PCA to ``dims`` (centred, numpy SVD): fewer numbers per token, the leading directions kept;
-4. frequency weights, from the corpus counts: ``sif`` (``a / (a + p(token))``, a = :data:`SIF_A`: a token that
-   fills 1% of the corpus weighs 0.09, a rare one about 1) or ``zipf`` (``log(1 + rank)``, rank by corpus
-   frequency: model2vec's weighting of a frequency-sorted vocabulary); ``none`` keeps the raw vectors;
-5. fit (``fit_texts`` > 0; tokenlearn's idea): the teacher embeds that many corpus pieces (1, 2 or 4 sentences,
-   :func:`~encoderkit.tasks.embed.texts.training_texts`) and the weighted token table (at the teacher's width,
-   before PCA) is trained so that each piece's mean vector points where the teacher's embedding does
-   (loss ``1 - cos``, Adam); PCA then keeps the leading ``dims`` directions of the fitted table. On SciFact with
-   MiniLM this lifts nDCG@10 from 0.39 (steps 1-4 alone) to about 0.6 (bench/static_tier.py); the teacher's
-   pass over the pieces is most of the time.
-
-A text's embedding is the mean of its tokens' weighted vectors, L2-normalised; the folder
-(:mod:`encoderkit.models.static`) stores the vectors, the id -> row mapping and the weights, so
-sentence-transformers (whose ``EmbeddingBag`` takes a plain mean) and model2vec compute the same vectors.
-Special tokens get a zero row: sentence-transformers never adds them, encoderkit's engine skips them.
+The model2vec recipe on the user's corpus: the corpus's tokens (the tokenizer kept whole; unseen and special tokens
+get a zero row), the teacher's embedding of each token alone, PCA to ``dims``, frequency weights (``sif``/``zipf``),
+and optionally a fit of the table to the teacher's embeddings of corpus pieces (tokenlearn's idea). A text is the
+normalised mean of its tokens' weighted vectors, which sentence-transformers and model2vec compute alike.
 """
 
 from __future__ import annotations
@@ -32,9 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.predictor import Predictor
+from encoderkit.io import output_dir
+from encoderkit.models.card import write_card
+from encoderkit.models.folder import ModelFolder
+from encoderkit.models.pooling import STATIC, default_pooling
+from encoderkit.models.static import write_static_folder
+from encoderkit.progress import note, progress
+from encoderkit.tasks import TASKS, get_task
+from encoderkit.tasks.common import resolve_model
+from encoderkit.tasks.embed.embedder import Embedder
+from encoderkit.tasks.embed.texts import source_documents, training_texts
 
 SIF_A = 1e-3
 DEFAULT_DIMS = 256  # --dims 0: this, or the teacher's width if it is narrower
@@ -61,8 +55,6 @@ class StaticResult:
 def count_tokens(tokenizer: Any, sources: str) -> tuple[np.ndarray, int]:
     """(counts (V,) int64 of each token id over the documents of ``sources`` (comma-separated corpora, as
     ``--train`` reads them), number of documents). Special tokens are not added, so not counted."""
-    from encoderkit.tasks.embed.texts import source_documents
-
     counts = np.zeros(len(tokenizer), dtype=np.int64)
     n_docs = 0
     for spec in [s.strip() for s in sources.split(",") if s.strip()]:
@@ -93,8 +85,6 @@ def kept_tokens(tokenizer: Any, counts: np.ndarray) -> np.ndarray:
 def token_vectors(teacher: Any, ids: np.ndarray, batch: int = 256) -> np.ndarray:
     """The teacher's pooled, un-normalised embedding (K, H) of each token alone: ``[CLS] token [SEP]``
     (whatever the tokenizer puts around one token). ``teacher``: a loaded embed Predictor."""
-    from encoderkit.tasks.embed.embedder import Embedder
-
     prefix, suffix = special_affixes(teacher.tokenizer)
     rows = [{"input_ids": np.asarray(prefix + [int(i)] + suffix, dtype=np.int64)} for i in ids]
     if "token_type_ids" in teacher.tokenizer("a"):
@@ -126,7 +116,8 @@ def truncate(vectors: np.ndarray, dims: int) -> np.ndarray:
 
 
 def frequency_weights(counts: np.ndarray, method: str) -> np.ndarray:
-    """Weight (K,) of each kept token from its corpus count (K,): see the module docstring."""
+    """Weight (K,) of each kept token from its corpus count (K,): ``sif`` ``a / (a + p(token))`` with a =
+    :data:`SIF_A`, ``zipf`` ``log(1 + rank)`` by corpus frequency (model2vec's), or ``none`` (1)."""
     if method == "sif":
         p = counts / max(counts.sum(), 1)
         return (SIF_A / (SIF_A + p)).astype(np.float32)
@@ -143,10 +134,6 @@ def fit_table(table: np.ndarray, ids: list[np.ndarray], targets: np.ndarray, epo
               batch_size: int, seed: int) -> np.ndarray:
     """Train ``table`` (K + 1, H) (row K: unseen tokens, kept zero) so that the mean of each text's rows ``ids[i]``
     (int64 row numbers) has the direction of ``targets[i]`` (N, H); returns the fitted table (K + 1, H)."""
-    import torch
-
-    from encoderkit.progress import progress
-
     keep = [i for i, r in enumerate(ids) if len(r)]
     bag = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(table.copy()), freeze=False, mode="mean")
     opt = torch.optim.Adam(bag.parameters(), lr=lr)
@@ -173,17 +160,12 @@ def fit_table(table: np.ndarray, ids: list[np.ndarray], targets: np.ndarray, epo
 def open_teacher(name: str) -> Any:
     """The teacher (a folder, or ``minilm``) as a torch fp32 embed Predictor; refuses a folder that is not a
     transformer embed model."""
-    from encoderkit.inference.predictor import Predictor
-    from encoderkit.models.folder import ModelFolder
-    from encoderkit.tasks import TASKS, get_task
-    from encoderkit.tasks.common import resolve_model
-
     folder = resolve_model(name)
     try:
         info = ModelFolder.open(folder, tokenizer=False)
     except EncoderkitError as e:
-        raise EncoderkitError(f"distill --to static: --teacher {folder}: {e}; the teacher is a sentence-embedding model "
-                              "folder (e.g. minilm, or one made by finetune --task embed)") from e
+        raise EncoderkitError(f"distill --to static: --teacher {folder}: {e}; the teacher is a sentence-embedding "
+                              "model folder (e.g. minilm, or one made by finetune --task embed)") from e
     task = get_task(info.task) if info.task in TASKS else None
     if task is None or task.distill_kind != "embedding" or info.static_weights is not None:  # a sentence embedder
         what = "a static embedding model" if info.static_weights is not None else f"a {info.task!r} model"
@@ -207,8 +189,6 @@ def readable(source: str, read: Any) -> Any:
 
 def fit_pieces(cfg: Any) -> list[str]:
     """The corpus pieces the fit trains on; refused, saying what to do, when the corpus has none."""
-    from encoderkit.tasks.embed.texts import training_texts
-
     try:
         return readable(cfg.train, lambda: training_texts(cfg.train, cfg.fit_texts, seed=cfg.seed))
     except EncoderkitError as e:
@@ -221,12 +201,6 @@ def fit_pieces(cfg: Any) -> list[str]:
 def run_static(cfg: Any) -> StaticResult:
     """Distil ``cfg.teacher`` (an embed folder) into a static folder at ``cfg.out`` from the corpus ``cfg.train``;
     ``cfg``: a DistillConfig with ``to == "static"`` (``dims``, ``weighting``, ``overwrite``)."""
-    from encoderkit.io import output_dir
-    from encoderkit.models.card import write_card
-    from encoderkit.models.static import write_static_folder
-    from encoderkit.progress import note
-    from encoderkit.tasks.embed.embedder import Embedder
-
     start = time.perf_counter()
     check(cfg.dims >= 0, f"--dims must be at least 1 (0: {DEFAULT_DIMS} or the teacher's width), got {cfg.dims}")
     teacher = open_teacher(cfg.teacher)
@@ -239,8 +213,9 @@ def run_static(cfg: Any) -> StaticResult:
     counts, n_docs = readable(cfg.train, lambda: count_tokens(tokenizer, cfg.train))
     ids = kept_tokens(tokenizer, counts)
     if n_docs == 0 or len(ids) == 0:
-        raise EncoderkitError(f"--train {cfg.train}: {n_docs} passages with {int(counts.sum())} tokens; a static model "
-                              "needs a corpus of text to take its vocabulary from: pass the folder or file of your passages")
+        raise EncoderkitError(f"--train {cfg.train}: {n_docs} passages with {int(counts.sum())} tokens; a static "
+                              "model needs a corpus of text to take its vocabulary from: pass the folder or file of "
+                              "your passages")
     note(f"distill --to static: {n_docs} passages, {int(counts.sum())} tokens, {len(ids)} of {len(counts)} "
          f"vocabulary tokens seen; embedding each with {cfg.teacher}")
     mapping = np.full(len(counts), len(ids), dtype=np.int64)  # token id -> row; the last row: unseen tokens
@@ -250,7 +225,8 @@ def run_static(cfg: Any) -> StaticResult:
     texts = fit_pieces(cfg) if cfg.fit_texts else []  # read (and refused) before the teacher's passes
     vectors = token_vectors(teacher, ids)  # (K, H)
     if cfg.fit_texts:
-        note(f"distill --to static: fitting the token vectors to {cfg.teacher}'s embeddings of {len(texts)} corpus pieces")
+        note(f"distill --to static: fitting the token vectors to {cfg.teacher}'s embeddings of {len(texts)} "
+             "corpus pieces")
         targets = Embedder.of_runner(teacher).embed(texts, progress=True)  # (N, H) unit vectors
         rows = [mapping[np.asarray(r, dtype=np.int64)]
                 for r in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
@@ -261,7 +237,8 @@ def run_static(cfg: Any) -> StaticResult:
     else:
         vectors = pca(vectors, dims)  # (K, D)
     table = np.concatenate([vectors, np.zeros((1, vectors.shape[1]), dtype=np.float32)])
-    extra = {"tokenizer_name": str(teacher.folder.resolve()), "apply_pca": int(vectors.shape[1]),
+    # the teacher's folder name, not its path: the folder is copied between machines (its tokenizer is inside it)
+    extra = {"tokenizer_name": teacher.folder.resolve().name, "apply_pca": int(vectors.shape[1]),
              "apply_zipf": cfg.weighting == "zipf", "sif_coefficient": SIF_A if cfg.weighting == "sif" else None}
     with output_dir(cfg.out, cfg.overwrite) as tmp:
         write_static_folder(tmp, tokenizer, table, mapping, weights, extra)
@@ -269,5 +246,5 @@ def run_static(cfg: Any) -> StaticResult:
         write_card(tmp, "distill", teacher.folder, cfg.result_dict(),
                    {"kept_tokens": len(ids), "documents": n_docs, "corpus_tokens": int(counts.sum()),
                     "seconds": round(seconds, 1)},
-                   task="embed", kind="static", pooling="mean", normalize=True)
+                   task="embed", kind="static", pooling=default_pooling(STATIC), normalize=True)
     return StaticResult(Path(cfg.out), len(counts), len(ids), int(vectors.shape[1]), n_docs, int(counts.sum()), seconds)

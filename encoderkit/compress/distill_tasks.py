@@ -1,26 +1,16 @@
-"""Distillation of rerank, NER and QA teachers (the student built as in :mod:`encoderkit.compress.distill`).
+"""Distillation of rerank, NER and QA teachers; no label is used.
 
-- ``rerank``: each query comes with a list of candidate passages (:mod:`encoderkit.tasks.rerank.candidates`): a BEIR source's queries with the
-  top ``candidates`` of a first-stage bi-encoder (``miner``; with ``candidate_depth`` D, the top half of them
-  and a seeded sample of the rest of its top D, the list a reranker serves) (with ``pseudo_queries`` N, also N
-  corpus documents' titles as queries: more teacher-scored lists, still no label; with
-  ``fresh_pseudo_queries``, a new N each epoch), or JSONL rows ``{query, positive, negatives}`` (the
-  list is the positive and the negatives; no label is used). The teacher
-  cross-encoder scores every pair once (kept in the cache: a second distillation of the same teacher on the
-  same pairs skips that pass); the student learns the scores over each query's list:
-  ``loss=kl``: ``T^2 * KL(softmax(t / T) || softmax(s / T))`` (the order and the gaps within a
-  list, not the offset), ``loss=mse``: the squared error of the raw scores.
-- ``ner``: the teacher's per-token tag logits, ``T^2 * KL`` over every real token (padding left
-  out), on the sentences of a CoNLL or JSONL NER file (tags are not used).
-- ``qa``: the teacher's start and end logits over each (question, context) first window,
-  ``T^2 * KL`` of the start distribution plus that of the end distribution, halved; the
-  examples of a SQuAD JSON file's training articles (answers are not used).
+- ``rerank``: the student learns the teacher's scores over each query's candidate list
+  (:mod:`encoderkit.tasks.rerank.candidates`), by KL of the list's softmax (order and gaps, not the offset) or
+  MSE; the teacher's scores are cached pair by pair, so a second distillation skips that pass.
+- ``ner``: ``T^2 * KL`` of the per-token tag logits over real tokens; ``qa``: of the start and end logits, halved.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -30,11 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoderkit.compress.students import soft_target_kl
+from encoderkit.compress.students import DistillResult, fit_and_save, make_student, soft_target_kl
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import cache_dir, write_bytes_atomic
+from encoderkit.models.card import inherited_card
+from encoderkit.models.folder import ModelFolder
+from encoderkit.models.folder_files import model_fingerprint
+from encoderkit.progress import note
+from encoderkit.tasks.batching import BucketedBatches, RotatingBatches, encode_batch
 from encoderkit.tasks.protocol import Task
 from encoderkit.tasks.rerank.candidates import candidate_groups
+from encoderkit.tasks.rerank.features import pair_rows, score_rows
 
 NEG = -1e4  # logit given to padding before a softmax over positions
 
@@ -42,13 +39,8 @@ NEG = -1e4  # logit given to padding before a softmax over positions
 # -- rerank ------------------------------------------------------------------------------------------
 
 def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
-    """(batch source, loss_fn, number of lists per epoch): teacher scores computed once for every pair. With
-    ``fresh_pseudo_queries``, each epoch reads the split's lists and its own set of titles' lists (scored set by
-    set: a cache written before pairs had their own keys holds one file per set, and is still read)."""
-    from encoderkit.models.folder_files import model_fingerprint
-    from encoderkit.tasks.batching import RotatingBatches, encode_batch
-    from encoderkit.tasks.rerank.features import pair_rows
-
+    """(batch source, loss_fn, number of lists per epoch), the teacher scoring every pair once. With
+    ``fresh_pseudo_queries`` each epoch reads the split's lists and its own set of titles' lists."""
     def epochs_for(n_split: int) -> int:  # how many title sets the run reads (one per epoch begun)
         if not cfg.fresh_pseudo_queries:
             return 1
@@ -94,12 +86,8 @@ def rerank_setup(cfg: Any, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any
 
 
 def teacher_scores(store: PairScores, teacher: nn.Module, rows: list[dict[str, np.ndarray]], pad_id: int) -> np.ndarray:
-    """The teacher's score of every tokenised pair, from ``store`` (the teacher's cache, kept pair by pair) where
-    it has them; the rest scored and added. A later distillation of the same teacher scores only the pairs it has
-    not seen: none for other layers, rates or epochs over the same lists; the new half for lists drawn deeper
-    (``candidate_depth``) whose top half it scored before; a new title set's."""
-    from encoderkit.tasks.rerank.features import score_rows
-
+    """The teacher's score of every tokenised pair: from ``store`` where cached, the rest scored and added, so a
+    later distillation of the same teacher scores only the pairs it has not seen."""
     pairs = [b"".join(k.encode() + np.ascontiguousarray(r[k], dtype=np.int64).tobytes()
                       for k in ("input_ids", "token_type_ids") if k in r) for r in rows]
     keys = [hashlib.sha256(p).digest()[:16] for p in pairs]
@@ -107,10 +95,6 @@ def teacher_scores(store: PairScores, teacher: nn.Module, rows: list[dict[str, n
     missing = np.flatnonzero(np.isnan(scores))
     if not missing.size:
         return scores
-    earlier = store.whole_set(pairs)
-    if earlier is not None:
-        store.add(keys, earlier)
-        return earlier
     new = score_rows(teacher, [rows[int(i)] for i in missing], pad_id, 64, desc="teacher scores")
     scores[missing] = new
     store.add([keys[int(i)] for i in missing], new)
@@ -118,15 +102,12 @@ def teacher_scores(store: PairScores, teacher: nn.Module, rows: list[dict[str, n
 
 
 class PairScores:
-    """A teacher's scores cached pair by pair: ``$ENCODERKIT_CACHE/teacher-scores/<key>.npz``, one file per teacher
-    (``fingerprint``: :func:`encoderkit.models.folder_files.model_fingerprint`, its weights, config and tokenizer) holding ``keys``
-    ((N, 16) uint8: each pair's token-id hash) and ``scores`` ((N,) float32), read once, without pickle, and
-    rewritten atomically with each addition. A file that cannot be read is treated as empty; one that cannot be
-    written costs time later, not this run (a note says so)."""
+    """A teacher's scores cached pair by pair in ``$ENCODERKIT_CACHE/teacher-scores/``, one ``.npz`` per teacher
+    (``fingerprint``: its weights, config and tokenizer) of ``keys`` ((N, 16) uint8 token-id hashes) and
+    ``scores`` ((N,) float32), read without pickle and rewritten atomically. An unreadable file counts as empty;
+    an unwritable one costs time later, not this run."""
 
     def __init__(self, fingerprint: str, pad_id: int) -> None:
-        from encoderkit.io import cache_dir
-
         self.head = f"rerank {fingerprint} pad={pad_id}"
         self.path = cache_dir("teacher-scores") / f"{hashlib.sha256(self.head.encode()).hexdigest()[:32]}.npz"
         self.known: dict[bytes, float] = {}
@@ -137,25 +118,7 @@ class PairScores:
         """float32 scores of ``keys``, NaN where not cached."""
         return np.asarray([self.known.get(k, np.nan) for k in keys], dtype=np.float32)
 
-    def whole_set(self, pairs: list[bytes]) -> np.ndarray | None:
-        """The scores of exactly these pairs from a cache written before pairs had their own keys (one ``.npy``
-        per list set, keyed by all its pairs), else None."""
-        h = hashlib.sha256(f"{self.head} n={len(pairs)}".encode())
-        for p in pairs:
-            h.update(p)
-        with contextlib.suppress(OSError, ValueError):
-            earlier = np.load(self.path.parent / f"{h.hexdigest()}.npy", allow_pickle=False)
-            if earlier.shape == (len(pairs),):
-                return earlier.astype(np.float32)
-        return None
-
     def add(self, keys: list[bytes], scores: np.ndarray) -> None:
-        import io
-
-        from encoderkit.errors import EncoderkitError
-        from encoderkit.io import write_bytes_atomic
-        from encoderkit.progress import note
-
         self.known.update(zip(keys, np.asarray(scores, dtype=np.float32).tolist(), strict=True))
         buf = io.BytesIO()
         np.savez(buf, keys=np.frombuffer(b"".join(self.known), dtype=np.uint8).reshape(-1, 16),
@@ -168,7 +131,8 @@ class PairScores:
 
 # -- NER and QA ----------------------------------------------------------------------------------------
 
-def masked_token_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
+def masked_token_kl(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
     """``T^2 * KL`` of per-token class distributions (B, L, C), averaged over real tokens (mask (B, L))."""
     m = mask.bool()
     return soft_target_kl(student[m], teacher[m], temperature)
@@ -189,10 +153,9 @@ def token_rows(cfg: Any, task: Task, tokenizer: Any) -> list[dict[str, np.ndarra
 
 def token_setup(cfg: Any, task: Task, teacher: nn.Module, tokenizer: Any) -> tuple[Any, Any, int]:
     """(batch source, loss_fn, number of examples); the teacher runs under no_grad on each batch."""
-    from encoderkit.tasks.batching import BucketedBatches, encode_batch
-
     rows = token_rows(cfg, task, tokenizer)
-    check(len(rows) >= cfg.batch_size, f"--train {cfg.train}: {len(rows)} examples, fewer than one batch of {cfg.batch_size}")
+    check(len(rows) >= cfg.batch_size,
+          f"--train {cfg.train}: {len(rows)} examples, fewer than one batch of {cfg.batch_size}")
 
     def make_batch(idx: np.ndarray, epoch: int) -> dict[str, torch.Tensor]:
         return encode_batch([rows[int(i)] for i in idx], tokenizer.pad_token_id or 0)
@@ -217,15 +180,12 @@ def token_setup(cfg: Any, task: Task, teacher: nn.Module, tokenizer: Any) -> tup
 # -- the stage -----------------------------------------------------------------------------------------
 
 KINDS = ("lists", "tokens", "spans")  # the task distillations here (Task.distill_kind): rerank, NER, QA
-_TRAIN_HELP = {"lists": "a BEIR source with --miner, or JSONL {query, positive, negatives}"}  # else the task's data_help
+# what --train is, else the task's data_help
+_TRAIN_HELP = {"lists": "a BEIR source with --miner, or JSONL {query, positive, negatives}"}
 
 
 def run_task(cfg: Any, task: Task) -> Any:
-    """Distil a rerank, NER or QA teacher (``cfg`` is a DistillConfig); see the module docstring."""
-    from encoderkit.compress.students import DistillResult, fit_and_save, make_student
-    from encoderkit.models.card import inherited_card
-    from encoderkit.models.folder import ModelFolder
-
+    """Distil a rerank, NER or QA teacher (``cfg`` is a DistillConfig)."""
     if task.distill_kind not in KINDS:
         raise EncoderkitError(f"distill_tasks handles rerank, ner and qa teachers, not {task.name!r}")
     check(bool(cfg.train), f"distilling a {task.name} model needs --train "

@@ -1,16 +1,9 @@
-"""GPTQ weight-only quantization (Frantar et al., 2022, "GPTQ: Accurate Post-Training Quantization
-for Generative Pre-trained Transformers"), written out for the encoder's Linear layers.
+"""GPTQ weight-only quantization (Frantar et al., 2022) of the encoder's Linear layers.
 
-For a Linear with weight ``W (out, in)`` and calibration inputs ``X (in, n_tokens)`` GPTQ
-minimises ``||W X - Q X||^2`` column by column: with ``H = 2 X X^T`` (dampened) and the upper
-Cholesky factor ``U`` of ``H^-1``, each column ``j`` is rounded, and its error, scaled by
-``1 / U[j, j]``, is pushed onto the columns not yet quantized (``W[:, j:] -= err * U[j, j:]``).
-Updates are applied lazily in blocks of ``block_size`` columns; ``act_order`` quantizes columns
-in order of decreasing ``diag(H)`` (groups then follow that order, recorded in ``g_idx``).
-
-:func:`gptq_encoder` runs it layer by layer through the encoder: the Hessians of layer ``i`` are
-collected from a forward pass in which layers ``0..i-1`` already carry their quantized weights,
-so each layer corrects for the error its predecessors introduced.
+Each column of ``W (out, in)`` is rounded in turn and its error, scaled by the Cholesky factor of the inverse
+Hessian ``H = 2 X X^T`` of the calibration inputs, pushed onto the columns not yet quantized. :func:`gptq_encoder`
+goes layer by layer, collecting each layer's Hessians with the layers before it already quantized, so each layer
+corrects for its predecessors' error.
 """
 
 from __future__ import annotations
@@ -23,6 +16,7 @@ import torch
 
 from encoderkit.compress.packing import QTensor, QuantSpec, scale_zero
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.rebuild import encoder_layers
 from encoderkit.progress import progress
 
 
@@ -47,7 +41,9 @@ class HessianAccumulator:
 
 def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, spec: QuantSpec, *, act_order: bool = True,
                   damp: float = 0.01, block_size: int = 128) -> QTensor:
-    """Quantize ``weight (out, in)`` given the Hessian ``H (in, in)`` of its inputs; returns codes + scales."""
+    """Quantize ``weight (out, in)`` given the Hessian ``H (in, in)`` of its inputs; returns codes + scales.
+    Updates are applied lazily in blocks of ``block_size`` columns; ``act_order`` takes the columns by decreasing
+    ``diag(H)`` (the groups follow that order, recorded in ``g_idx``)."""
     W = weight.detach().float().clone()
     H = H.double().clone()
     out_f, in_f = W.shape
@@ -111,23 +107,17 @@ class _StopForward(Exception):
 
 def quantizable_linears(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Linear]]]:
     """Per encoder layer, the (state-dict prefix, Linear) pairs GPTQ/RTN quantize."""
-    from encoderkit.models.rebuild import encoder_layers
-
     names = {m: n for n, m in model.named_modules()}
-    return [[(names[m], m) for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in encoder_layers(model)]
+    return [[(names[m], m) for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+            for layer in encoder_layers(model)]
 
 
 @torch.no_grad()
 def gptq_encoder(model: torch.nn.Module, batches: Iterable[dict[str, torch.Tensor]], spec: QuantSpec, *,
                  act_order: bool = True, damp: float = 0.01, block_size: int = 128) -> dict[str, QTensor]:
-    """Quantize every Linear of every encoder layer with GPTQ, sequentially, in place.
-
-    ``batches`` are tokenised calibration batches (``input_ids (B, T)``, ``attention_mask (B, T)``).
-    After the call the model's Linear weights hold their dequantized values; the returned dict
-    maps ``"<module>.weight"`` to the codes to store. Padding tokens are left out of the Hessians.
-    """
-    from encoderkit.models.rebuild import encoder_layers
-
+    """Quantize every Linear of every encoder layer with GPTQ, sequentially, in place, on tokenised calibration
+    ``batches`` (padding left out of the Hessians). The Linear weights then hold their dequantized values; returns
+    ``"<module>.weight"`` -> the codes to store."""
     batches = list(batches)
     if not batches:
         raise EncoderkitError("GPTQ needs calibration data: pass --calib-data with at least one text")

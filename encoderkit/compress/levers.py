@@ -1,21 +1,9 @@
 """Every compression lever in one shape: model folder + its config + the data it declares -> folder + report.
 
-    lever = LEVERS["prune"]
-    calls = lever.calls({"method": "structured", "heads": 0.25, "ffn": 0.4})  # recipe settings -> config settings
-    needs = lever.needs(calls[0])                       # ('calib',): data fields it wants from the runner
-    data.require(needs, "recipe step 2")               # error naming task, field and step when missing
-    cfg = lever.config(calls[0], model, out, data)      # its StageConfig (PruneConfig)
-    report = lever.run(model, cfg, data, out)           # LeverReport (before / after / details)
-
-:class:`~encoderkit.compress.task_data.LeverData` carries the model's task and the data sources
-(``train``, ``calib``); each lever reads them through the task readers. The recipe runner
-(:mod:`encoderkit.compress.stack`) and the CLI stages (``encoderkit distill`` / ``prune`` /
-``quantize``: :func:`run_distill`, :func:`run_prune`, :func:`run_quantize`) call the same objects.
-
-Levers: ``distill`` (:class:`DistillConfig`, mode task, the previous model as teacher), ``prune``
-and ``vocab`` (:class:`PruneConfig`; vocabulary trimming is the prune method ``vocab``),
-``quantize``, ``gptq`` and ``qat`` (:class:`QuantizeConfig`). Each works for every task's
-folder (classify, ner, qa, rerank, embed) or refuses naming the task and the lever.
+A :class:`Lever` turns a recipe step's settings into calls (:meth:`Lever.calls`), names the data they need
+(:meth:`Lever.needs`), builds each call's config and runs it. The recipe runner (:mod:`encoderkit.compress.stack`)
+and the CLI stages (:func:`run_distill`, :func:`run_prune`, :func:`run_quantize`) call the same objects, so a
+lever works, or refuses naming the task, the same way in both.
 """
 
 from __future__ import annotations
@@ -81,11 +69,9 @@ class _Base:
 
 @dataclass(frozen=True)
 class DistillLever(_Base):
-    """Task distillation (the teacher's task picks the recipe: classify logits, rerank candidate-list scores,
-    NER/QA token and span logits, embed embeddings). The recipe key ``teacher`` says who teaches:
-    ``previous`` (default), the previous step's model, into a student cut from it (``layers``); ``start``,
-    the recipe's starting model, into the previous step's model as it is (e.g. after structured pruning:
-    the pruned model learns the unpruned one's outputs over the same lists a cut student would)."""
+    """Task distillation. The recipe key ``teacher`` says who teaches: ``previous`` (default), the previous step's
+    model, into a student cut from it; ``start``, the recipe's starting model, into the previous step's model as it
+    is (e.g. a structured-pruned one)."""
 
     config_class: type[StageConfig] = DistillConfig
     runner_fields: tuple[str, ...] = ("teacher", "out", "overwrite")
@@ -111,7 +97,8 @@ class DistillLever(_Base):
                   "'student' choose a new student: drop them, or use teacher 'previous'")
             teacher, settings["student"] = str(data.folder or "<the starting model>"), str(model)
         train = settings.get("train") or data.source("train")
-        if data.uses_miner and not settings.get("miner") and data.source("miner"):  # compress --miner, unless the step names its own
+        # compress --miner, unless the step names its own
+        if data.uses_miner and not settings.get("miner") and data.source("miner"):
             settings = {**settings, "miner": data.source("miner")}
         return DistillConfig.from_dict({**settings, "teacher": teacher, "out": str(out), "train": train})
 

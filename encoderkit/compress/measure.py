@@ -1,21 +1,9 @@
 """The one home of compression measurement: parameters, bytes on disk, latency, quality.
 
-Measured honestly (see DESIGN.md): size is the sum of the bytes of the files in the model
-folder (a sparse weight in a dense file is not smaller); parameters are counted by one rule for a
-torch folder and for its ONNX graph (:func:`folder_parameters`, the same number for both); latency
-is the median wall time of :data:`repeats` runs after one warm-up (:func:`median_ms`, the one
-timing loop); quality is the task's own metric computed by the task's evaluation path
-(:func:`encoderkit.evaluate.run.folder_metrics`, what ``encoderkit evaluate`` prints) with the engine
-of the folder being measured.
-
-* :func:`measure_folder` -- what a single lever reports before and after (random-token latency at
-  fixed batch sizes; quality from a caller's hook).
-* :class:`StepMeasurer` -- what the recipe runner and the planner report for every step: the task
-  (from the starting model's folder), its dev metric, and latency in the unit the task is served in
-  (the task object's ``unit``).
-
-:class:`LeverReport` is the common result of ``quantize(...)`` and ``prune(...)``; the recipe
-runner stacks them and prints ``before``/``after`` side by side.
+Size is the bytes of the folder's files (a sparse weight in a dense file is not smaller); parameters follow one
+rule for a torch folder and its ONNX graph; latency is :func:`median_ms`, the one timing loop; quality is the task's
+own metric as ``encoderkit evaluate`` computes it, run by the measured folder's engine. :func:`measure_folder` is
+what one lever reports, :class:`StepMeasurer` what the recipe runner and the planner report per step.
 """
 
 from __future__ import annotations
@@ -33,10 +21,17 @@ import torch
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
 from encoderkit.evaluate.run import EvaluateConfig, compressed_engine, folder_metrics
-from encoderkit.inference.engines import open_engine
-from encoderkit.models.folder import SERVABLE, ModelFolder
+from encoderkit.inference.agreement import int8_agreement, not_measured
+from encoderkit.inference.engines import cached_export, open_engine
+from encoderkit.inference.export import GraphEngine
+from encoderkit.inference.policy import resolve
+from encoderkit.io import portable, write_json_atomic
+from encoderkit.models.card import inherited_card, write_card
+from encoderkit.models.folder import ModelFolder
 from encoderkit.models.heads import HEADS
-from encoderkit.tasks import get_task
+from encoderkit.models.sparse import sparse_stats
+from encoderkit.models.static import static_parameters
+from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.inference import ModuleEngine, run_rows
 from encoderkit.tasks.protocol import Task
 
@@ -69,13 +64,10 @@ def finish_lever(tmp: Path, lever: str, method: str, model_dir: Path, out_dir: P
                  quality_fn: QualityFn | None) -> LeverReport:
     """Measure the lever's new folder ``tmp`` (to be renamed to ``out_dir``), write its card (the
     parent's task facts carried over) and ``report.json``, and return the report."""
-    from encoderkit.io import write_json_atomic
-    from encoderkit.models.card import inherited_card, write_card
-
     after = measure_folder(tmp, latency=latency, quality_fn=quality_fn)
     report = LeverReport(lever, method, str(model_dir), str(out_dir), before, after, details)
     write_card(tmp, lever, model_dir, config, after, **inherited_card(model_dir))
-    write_json_atomic(tmp / "report.json", report.summary())
+    write_json_atomic(tmp / "report.json", portable(report.summary(), tmp))  # paths relative to the folder
     return report
 
 
@@ -123,13 +115,9 @@ _WEIGHT_TYPES = (1, 2, 3, 10, 11, 16, 21, 22)  # FLOAT UINT8 INT8 FLOAT16 DOUBLE
 
 
 def onnx_parameters(path: str | Path) -> int:
-    """Weights of an ONNX graph, counted as :func:`count_parameters` counts the torch model it was
-    exported from: every use of a weight tensor (an initializer or ``Constant`` of 1+ dimensions, float
-    or quantized codes) by a node counts its elements; quantization scales and zero points, shape
-    constants (int64) and scalars are not weights. Counting uses, not stored tensors, gives the same
-    number for an optimised graph (fused QKV), an INT8 graph and a graph whose exporter merged equal
-    tensors (the ones/zeros of untrained LayerNorms) as for the torch folder; a tied weight used twice
-    (an MLM decoder) counts twice."""
+    """Weights of an ONNX graph, counted as :func:`count_parameters` counts its torch model: the elements of every
+    use of a weight tensor by a node (not scales, zero points, int64 shapes or scalars). Counting uses, not stored
+    tensors, gives the torch number for fused, INT8 and deduplicated graphs alike."""
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -162,8 +150,6 @@ def folder_parameters(folder: str | Path | ModelFolder, model: torch.nn.Module |
     same number for a model and its export."""
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder, tokenizer=False)
     if mf.static_weights is not None:  # a static embedding model: its token table and weights
-        from encoderkit.models.static import static_parameters
-
         return static_parameters(mf.path)
     if model is None and mf.torch_weights is not None:
         model = mf.load()
@@ -211,17 +197,14 @@ _MEASURED: dict[tuple[Any, ...], dict[str, Any]] = {}
 def measure_folder(folder: str | Path, *, latency: bool = True, seq_len: int = 128,
                    batch_sizes: tuple[int, ...] = (1, 32), quality_fn: QualityFn | None = None,
                    repeats: int = 5) -> dict[str, Any]:
-    """Parameters, nonzero parameters, bytes on disk, latency at ``batch_sizes`` and quality.
-
-    The model is loaded by :class:`encoderkit.models.folder.ModelFolder` (quantized and
-    head-pruned folders included) and timed in PyTorch on CPU at ``torch.get_num_threads()``.
-    Results are remembered per folder state (path, file sizes and times) within the process, so
-    a lever's "before" reuses the previous lever's "after" in a stack.
-    """
+    """Parameters, nonzero parameters, bytes on disk, torch CPU latency at ``batch_sizes`` and quality. Results
+    are remembered per folder state within the process, so a lever's "before" reuses the previous one's "after"."""
     if not Path(folder).is_dir():
         raise EncoderkitError(f"model folder {folder} does not exist")
-    files = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(folder).iterdir() if p.is_file()))
-    key = (str(Path(folder).resolve()), files, latency, seq_len, batch_sizes, quality_fn, repeats, torch.get_num_threads())
+    files = tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                         for p in Path(folder).iterdir() if p.is_file()))
+    key = (str(Path(folder).resolve()), files, latency, seq_len, batch_sizes, quality_fn, repeats,
+           torch.get_num_threads())
     if key not in _MEASURED:
         _MEASURED[key] = _measure(Path(folder), latency, seq_len, batch_sizes, quality_fn, repeats)
     return dict(_MEASURED[key])
@@ -267,7 +250,8 @@ def _measure_onnx(path: Path, latency: bool, seq_len: int, batch_sizes: tuple[in
     opts.intra_op_num_threads = torch.get_num_threads()
     sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     names = [i.name for i in sess.get_inputs()]
-    out["latency"] = {"seq_len": seq_len, "threads": torch.get_num_threads(), "runtime": f"onnxruntime-cpu ({path.name})"}
+    out["latency"] = {"seq_len": seq_len, "threads": torch.get_num_threads(),
+                      "runtime": f"onnxruntime-cpu ({path.name})"}
     rng = np.random.default_rng(0)
     for b in batch_sizes:
         feed = {n: (rng.integers(5, vocab_size, (b, seq_len)) if n == "input_ids" else
@@ -288,18 +272,12 @@ _COUNTS = ("examples", "sentences", "questions", "queries")
 
 
 class StepMeasurer:
-    """Measures one model folder of the task of the starting model (``model``; else the first folder
-    measured): dev quality, parameters, weight bytes, latency in the task's serving unit (its ``unit``).
+    """Measures a model folder of the starting model's task (``model``, else the first folder measured): dev
+    quality (``encoderkit evaluate``'s metric with the starting card's columns), parameters, weight bytes and
+    latency in the task's serving unit on real dev examples, tokenisation excluded.
 
-    Quality is :func:`encoderkit.evaluate.run.folder_metrics` -- the function ``encoderkit evaluate``
-    runs, with the columns and feature settings the starting model's card recorded at fine-tuning --
-    run by the folder's engine: the folder's own INT8 ONNX graph (ONNX Runtime, the deploy
-    Predictor's engine); an ONNX-only folder's FP32 graph; with ``runtime="deploy"`` a plain torch
-    folder's FP32 export (cached); else torch (fp32 as ``evaluate`` loads it, 8-bit folders with INT8
-    kernels). Each row says which runtime measured it. Latency: :func:`median_ms` of running the engine
-    on the unit's feature rows (real dev examples, tokenisation excluded, padded per batch as served),
-    at ``torch.get_num_threads()`` threads (ONNX Runtime gets the same count); ``seq_len`` > 0 caps the
-    timed examples' length.
+    Each folder runs on its own engine, and each row names it: its INT8 graph, an ONNX-only folder's FP32 graph,
+    with ``runtime="deploy"`` a plain folder's cached FP32 export, else torch.
     """
 
     def __init__(self, dev: str, seq_len: int = 0, runtime: str = "deploy", dev_limit: int = 0, repeats: int = 5, *,
@@ -320,14 +298,15 @@ class StepMeasurer:
         (errors name the task, the field and the step: the starting model is measured before step 1)."""
 
         task = start.task
-        if task not in SERVABLE:
-            raise EncoderkitError(f"{start.path} is {'a ' + repr(task) if task else 'a'} model whose task compression cannot "
-                                  f"measure; the starting model must be one of {', '.join(SERVABLE)} (fine-tune it first)")
+        if task not in TASKS:
+            raise EncoderkitError(f"{start.path} is {'a ' + repr(task) if task else 'a'} model whose task "
+                                  f"compression cannot measure; the starting model must be one of {', '.join(TASKS)} "
+                                  "(fine-tune it first)")
         where = f"compress: {task} dev data {self.dev} (read to measure the starting model, before step 1)"
         cols = get_task(task).eval_columns(start.path)
         self.eval_cfg = EvaluateConfig(model=str(start.path), data=self.dev, task=task, max_examples=self.dev_limit,
                                        miner=self.miner, candidates=self.candidates, batch_size=self.batch_size,
-                                       eval_batch_size=self.batch_size, qa_split=self.qa_split, **cols)
+                                       qa_split=self.qa_split, **cols)
         self.task = task
         try:
             self.samples = self._samples(start)
@@ -352,8 +331,8 @@ class StepMeasurer:
         if self.task is None:
             self.setup(opened)
         if opened.task is not None and opened.task != self.task:  # two folders' tasks, not a task's name
-            raise EncoderkitError(f"{folder} is a {opened.task!r} model but the starting model is a {self.task!r} model; "
-                                  "every step of a recipe keeps the task")
+            raise EncoderkitError(f"{folder} is a {opened.task!r} model but the starting model is a {self.task!r} "
+                                  "model; every step of a recipe keeps the task")
         try:
             return self._measure(opened)
         except EncoderkitError as e:
@@ -365,8 +344,9 @@ class StepMeasurer:
         threads = torch.get_num_threads()
         plain = mf.quantization is None and mf.kept_heads is None
         if mf.onnx_int8 is not None or (self.runtime == "deploy" and plain):
-            engine, backend = open_engine(mf, "graph", threads=threads)
-            return engine, engine, f"deploy {backend}"
+            choice = resolve(mf, "graph")
+            engine = open_engine(mf, choice, threads=threads)
+            return engine, engine, f"deploy {choice.backend}"
         engine, runtime = compressed_engine(mf, self.task, threads, MAX_BATCH)  # what `evaluate` runs on this folder
         if engine is None:
             return None, ModuleEngine(mf.load(task=self.task), self.spec.outputs), runtime
@@ -376,8 +356,12 @@ class StepMeasurer:
         quality_engine, engine, runtime = self._engine(mf)
         model = engine.module if hasattr(engine, "module") and not runtime.startswith("torch int8") else None
         row: dict[str, Any] = {"task": self.task, "params": folder_parameters(mf, model),
-                               "folder_bytes": bytes_on_disk(mf.path), "bytes": weight_file_bytes(mf), "runtime": runtime,
-                               "threads": torch.get_num_threads()}
+                               "folder_bytes": bytes_on_disk(mf.path), "bytes": weight_file_bytes(mf),
+                               "runtime": runtime, "threads": torch.get_num_threads()}
+        if mf.sparse is not None and mf.torch_weights is not None:  # pruned matrices stored packed
+            packed = sparse_stats(mf.torch_weights)
+            row.update(bytes_per_nonzero=packed["bytes_per_nonzero"], packed_bytes=packed["packed_bytes"],
+                       packed_dense_bytes=packed["dense_bytes"], packed_nonzero=packed["nonzero"])
         cfg = dataclasses.replace(self.eval_cfg, model=str(mf.path))
         _, metrics = folder_metrics(mf, cfg, quality_engine)
         wanted = self.spec.primary_metrics
@@ -420,7 +404,8 @@ class StepMeasurer:
 
 
 def _sig(x: float) -> float:
-    """``x`` to 4 significant digits (a reranker serves ~0.2 queries/s: one decimal would make ratios coarse)."""
+    """``x`` to 4 significant digits (a reranker serves under one query a second: one decimal would make ratios
+    coarse)."""
     return float(f"{x:.4g}")
 
 
@@ -437,16 +422,11 @@ def weight_file_bytes(mf: ModelFolder) -> int:
 
 
 def step_int8_agreement(src: Path, dst: Path, cfg: Any) -> dict[str, Any] | None:
-    """The card's ``int8_agreement`` (:mod:`encoderkit.inference.agreement`) of the INT8 graph a recipe step wrote in
-    ``dst`` against the FP32 graph of the folder it was made from (``src``: its own, else exported once from its
-    weights), on the recipe's dev data (``cfg``: the CompressConfig's ``dev``, ``dev_limit``, ``miner``,
-    ``candidates``, ``qa_split``); None when ``dst`` has no INT8 graph or its task is not measured so (embed)."""
-    from encoderkit.inference.agreement import int8_agreement, not_measured
-    from encoderkit.inference.engines import cached_export
-    from encoderkit.inference.export import GraphEngine
-
+    """The card's ``int8_agreement`` of the INT8 graph a recipe step wrote in ``dst`` against the FP32 graph of
+    ``src``, on the recipe's dev data (``cfg``: a CompressConfig); None when ``dst`` has no INT8 graph or its task
+    is not measured so."""
     made = ModelFolder.open(dst, tokenizer=False)
-    if made.onnx_int8 is None or made.task not in SERVABLE or get_task(made.task).agreement_measure is None:
+    if made.onnx_int8 is None or made.task not in TASKS or get_task(made.task).agreement_measure is None:
         return None
     parent = ModelFolder.open(src, tokenizer=False)
     if parent.onnx_fp32 is None and parent.torch_weights is None:

@@ -1,11 +1,9 @@
 """4-bit word embeddings inside an ONNX graph (ONNX Runtime's ``GatherBlockQuantized``).
 
-A BERT's word-embedding matrix is half of MiniLM's parameters, and ORT's dynamic quantization
-stores it as per-tensor uint8. This swaps the ``Gather(word_embeddings, input_ids)`` node of an
-fp32 export for ``com.microsoft.GatherBlockQuantized``: rows stored as packed uint4 (two per byte)
-in blocks of ``block_size`` columns, each block with an fp16 scale and a uint4 zero point
-(asymmetric round-to-nearest), dequantized on the fly for the looked-up rows only. Run this on
-the fp32 graph before ``quantize_dynamic``, which leaves the new node alone.
+The word-embedding matrix is a large share of a small encoder, and ORT's dynamic quantization stores it as
+per-tensor uint8. This swaps the fp32 export's ``Gather(word_embeddings, input_ids)`` for packed uint4 blocks with
+an fp16 scale and a uint4 zero point each, dequantized for the looked-up rows only. Run it before
+``quantize_dynamic``, which leaves the new node alone.
 """
 
 from __future__ import annotations
@@ -41,11 +39,8 @@ def _pack(codes: np.ndarray) -> bytes:
 
 
 def int4_word_embeddings(src: str | Path, dst: str | Path, block_size: int = 64) -> dict[str, float]:
-    """Rewrite ``src`` (an fp32 ONNX export) into ``dst`` with 4-bit word embeddings.
-
-    The word-embedding Gather is the one whose data is an initializer fed by the ``input_ids``
-    graph input. Returns what changed (rows, block size, the mean absolute dequantization error).
-    """
+    """Rewrite ``src`` (an fp32 ONNX export) into ``dst`` with 4-bit word embeddings (the Gather of an initializer
+    by ``input_ids``); returns the rows, the block size and the mean absolute dequantization error."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -54,9 +49,11 @@ def int4_word_embeddings(src: str | Path, dst: str | Path, block_size: int = 64)
     model = onnx.load(str(src))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    node = next((n for n in graph.node if n.op_type == "Gather" and n.input[0] in inits and n.input[1] == "input_ids"), None)
+    node = next((n for n in graph.node
+                 if n.op_type == "Gather" and n.input[0] in inits and n.input[1] == "input_ids"), None)
     if node is None:
-        raise EncoderkitError(f"{src}: no Gather of an embedding matrix by input_ids; cannot store the embeddings in int4")
+        raise EncoderkitError(f"{src}: no Gather of an embedding matrix by input_ids; cannot store the embeddings "
+                              "in int4")
     weight = numpy_helper.to_array(inits[node.input[0]])
     v, h = weight.shape
     if h % block_size:
@@ -71,7 +68,8 @@ def int4_word_embeddings(src: str | Path, dst: str | Path, block_size: int = 64)
         helper.make_tensor(f"{name}_zero", TensorProto.UINT4, [v, nb], _pack(zero), raw=True),
     ])
     half = f"{node.output[0]}_fp16"
-    gbq = helper.make_node("GatherBlockQuantized", [f"{name}_uint4", node.input[1], f"{name}_scale", f"{name}_zero"], [half],
+    gbq = helper.make_node("GatherBlockQuantized",
+                           [f"{name}_uint4", node.input[1], f"{name}_scale", f"{name}_zero"], [half],
                            name=f"{node.name}_int4", domain="com.microsoft", gather_axis=0, quantize_axis=1,
                            block_size=block_size)
     cast = helper.make_node("Cast", [half], [node.output[0]], name=f"{node.name}_cast", to=TensorProto.FLOAT)

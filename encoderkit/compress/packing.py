@@ -1,9 +1,7 @@
 """Low-bit weight storage (INT8 / packed INT4 with scales and zero points): the writing side.
 
-The folder format and the reading side (:func:`from_storage`, :func:`unpack_int4`) live in
-:mod:`encoderkit.models.rebuild`, the loader (:func:`load_model`, which rebuilds quantized and
-head-pruned models) in :mod:`encoderkit.models.folder`, so that the deploy layer can load these
-folders too; they are re-exported here for the levers.
+The reading side and the loader live in :mod:`encoderkit.models.rebuild` and :mod:`encoderkit.models.folder`, so
+the deploy layer can load these folders too; they are re-exported here for the levers.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import load_model, read_config  # noqa: F401 -- the one loader, re-exported for the levers
@@ -27,6 +26,7 @@ from encoderkit.models.rebuild import (  # noqa: F401 -- re-exported for the lev
     shrink_heads,
     unpack_int4,
 )
+from encoderkit.models.sparse import SPARSE_FILE
 
 
 def scale_zero(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,7 +88,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def to_storage(name: str, qt: QTensor) -> dict[str, torch.Tensor]:
-    """The safetensors entries of one quantized matrix (see the module docstring)."""
+    """The safetensors entries of one quantized matrix (the format of :mod:`encoderkit.models.rebuild`)."""
     q = qt.q
     if qt.spec.bits == 8:
         stored = q.to(torch.int8) if qt.spec.symmetric else q.to(torch.uint8)
@@ -104,10 +104,9 @@ def to_storage(name: str, qt: QTensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_quantized(model: torch.nn.Module, src_dir: Path, out: Path, qtensors: dict[str, QTensor], info: dict[str, Any]) -> None:
+def save_quantized(model: torch.nn.Module, src_dir: Path, out: Path, qtensors: dict[str, QTensor],
+                   info: dict[str, Any]) -> None:
     """Write ``model`` to ``out`` with the matrices in ``qtensors`` (state-dict names) stored low-bit."""
-    from safetensors.torch import save_file
-
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
@@ -136,5 +135,6 @@ def is_quantized(folder: str | Path) -> bool:
     weights can still be quantized.
     """
     folder = Path(folder)
-    onnx_only = (folder / "model.int8.onnx").is_file() and not (folder / "model.safetensors").is_file()
+    onnx_only = (folder / "model.int8.onnx").is_file() and not any(
+        (folder / name).is_file() for name in ("model.safetensors", SPARSE_FILE))
     return QUANT_KEY in read_config(folder) or (folder / QUANT_FILE).is_file() or onnx_only

@@ -1,21 +1,10 @@
 """Quantization lever: model folder + :class:`QuantizeConfig` -> new model folder + report.
 
-Methods (``method=``):
-
-- ``dynamic``: post-training dynamic INT8. ``format=torch`` stores per-channel INT8 weights with
-  their scales (real int8 tensors in safetensors; activations quantized at run time by
-  ``torch.ao`` dynamic quantization when served); ``format=onnx`` exports ONNX and runs ORT
-  ``quantize_dynamic(per_channel=True)``, writing ``model.int8.onnx``.
-- ``static``: INT8 weights *and* activations with a calibration set (ORT QDQ ``quantize_static``,
-  MinMax / Entropy / Percentile calibration), with a per-layer fallback to fp32 for the MatMuls
-  whose quantization hurts the output most (``fallback_layers``, also for dynamic ONNX).
-- ``qat``: quantization-aware fine-tuning with straight-through fake quantization of Linear
-  weights (and activations), then stored as real INT8.
-- ``gptq``: weight-only 8/4-bit GPTQ (Hessian from calibration inputs, error feedback, groups,
-  act_order), layer by layer through the encoder; see :mod:`encoderkit.compress.gptq`.
-- ``rtn``: round-to-nearest at the same bits/groups, the baseline GPTQ is compared against.
-
-Every method refuses a model that is already quantized.
+``dynamic`` INT8 (torch int8 safetensors, or an ORT ``model.int8.onnx``), ``static`` INT8 (ORT QDQ with calibrated
+activations), ``qat`` (straight-through fake quantization, then real INT8, or weight-only int4 with ``bits=4``),
+``gptq`` (:mod:`encoderkit.compress.gptq`) and ``rtn`` (round-to-nearest, GPTQ's baseline). Every method refuses a
+model that is already quantized; the torch methods find the encoder's blocks through the family's anatomy
+(:mod:`encoderkit.models.anatomy`).
 """
 
 from __future__ import annotations
@@ -24,13 +13,14 @@ import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
+from encoderkit.compress.gptq import gptq_encoder, quantizable_linears
 from encoderkit.compress.measure import LeverReport, QualityFn, finish_lever, measure_folder, text_batches
-from encoderkit.compress.onnx_embeddings import BLOCK_SIZES
+from encoderkit.compress.onnx_embeddings import BLOCK_SIZES, int4_word_embeddings
 from encoderkit.compress.packing import (
     QTensor,
     QuantSpec,
@@ -38,18 +28,22 @@ from encoderkit.compress.packing import (
     load_model,
     rtn_quantize,
     save_quantized,
+    scale_zero,
 )
+from encoderkit.compress.recovery import recover
 from encoderkit.compress.task_data import LeverData
-from encoderkit.config import Renamed, StageConfig, arg, check
+from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.export import export_onnx, ort_session
 from encoderkit.io import output_dir
-from encoderkit.models.folder import ModelFolder
+from encoderkit.models.anatomy import anatomy_of
+from encoderkit.models.folder import ONNX_FP32, ONNX_INT8, ModelFolder
 from encoderkit.models.folder_files import copy_side_files
+from encoderkit.models.pooling import task_pooling
 from encoderkit.progress import progress
 
 METHODS = ("dynamic", "static", "qat", "gptq", "rtn")
-# GPTQ-4 on the SST-2 MiniLM teacher: 128 calibration sentences 0.8899 dev accuracy, 512 0.8922, 4096 0.9014
-# (RTN-4 0.8956): a Hessian per Linear (up to 1536 x 1536) needs tens of thousands of tokens.
+# a Hessian per Linear (up to 1536 x 1536) needs tens of thousands of tokens (docs/compress.md: GPTQ calibration)
 CALIB_DEFAULT = {"gptq": 4096}
 
 
@@ -57,33 +51,36 @@ CALIB_DEFAULT = {"gptq": 4096}
 class QuantizeConfig(StageConfig):
     """Settings of the quantization lever (CLI: ``encoderkit quantize``; recipe step ``lever: quantize``)."""
 
-    renamed: ClassVar[dict[str, Renamed]] = {"backend": Renamed("format")}  # until the next release
-
     model: str = arg("", help="Model folder to quantize (given by the recipe runner inside a recipe)")
     out: str = arg("", help="Output folder for the quantized model (given by the recipe runner inside a recipe)")
     method: str = arg("dynamic", help="dynamic | static | qat | gptq | rtn", choices=METHODS)
-    format: str = arg("torch", help="dynamic: 'torch' (int8 safetensors) or 'onnx' (ORT int8 model.int8.onnx); static always uses onnx",
-                      choices=("torch", "onnx"))
-    bits: int = arg(8, help="Weight bits: 8 or 4 (4 only for gptq/rtn)")
+    format: str = arg("torch", help="dynamic: 'torch' (int8 safetensors) or 'onnx' (ORT int8 model.int8.onnx); static "
+                      "always uses onnx", choices=("torch", "onnx"))
+    bits: int = arg(8, help="Weight bits: 8 or 4 (4 for gptq, rtn and qat: weight-only int4 in groups of "
+                    "--group-size)")
     group_size: int = arg(128, help="Input columns sharing one scale (gptq/rtn); -1 = one scale per output row")
     symmetric: bool = arg(True, help="Symmetric quantization (no zero point); False stores uint zero points (gptq/rtn)")
     act_order: bool = arg(True, help="gptq: quantize columns in order of decreasing Hessian diagonal")
     damp: float = arg(0.01, help="gptq: dampening added to the Hessian diagonal, as a fraction of its mean")
     block_size: int = arg(128, help="gptq: columns per lazy batch update")
     per_channel: bool = arg(True, help="dynamic/static/qat: one weight scale per output channel (else per tensor)")
-    embeddings: str = arg("fp32", help="torch/gptq/rtn: also store word/position embeddings and the pooler in int8/int4 (rows "
-                                       "quantized, RTN, int4 in groups of --group-size). onnx: 'int4' stores the word embeddings "
-                                       "as packed uint4 blocks of --group-size columns (ORT GatherBlockQuantized); ORT dynamic "
-                                       "INT8 already stores them in uint8",
+    embeddings: str = arg("fp32", help="torch/gptq/rtn: also store word/position embeddings and the pooler in "
+                                       "int8/int4 (rows quantized, RTN, int4 in groups of --group-size). onnx: 'int4' "
+                                       "stores the word embeddings as packed uint4 blocks of --group-size columns (ORT "
+                                       "GatherBlockQuantized); ORT dynamic INT8 already stores them in uint8",
                           choices=("fp32", "int8", "int4"))
-    calib_data: str = arg("", help="Calibration inputs: the task's data file, read by the task's reader (or a .txt of texts): static/gptq")
+    calib_data: str = arg("", help="Calibration inputs: the task's data file, read by the task's reader (or a .txt of "
+                          "texts): static/gptq")
     calib_samples: int = arg(0, help="Number of calibration texts (0: the method's default: gptq 4096, a Hessian per "
                                      "Linear needs many tokens and short texts give few; static/qat 128)")
-    calib_seq_len: int = arg(0, help="Max tokens per calibration / QAT text (0: the model's max length, the length it serves at)")
-    calib_method: str = arg("minmax", help="static: activation range calibration", choices=("minmax", "entropy", "percentile"))
-    fallback_layers: int = arg(0, help="static, and dynamic with --format onnx: keep this many most sensitive MatMuls in "
-                                        "fp32 (each quantized alone, measured by the output error on calibration inputs)")
-    train_data: str = arg("", help="qat: the task's training data for the quantization-aware fine-tuning (read by the task's reader)")
+    calib_seq_len: int = arg(0, help="Max tokens per calibration / QAT text (0: the model's max length, the length it "
+                             "serves at)")
+    calib_method: str = arg("minmax", help="static: activation range calibration",
+                            choices=("minmax", "entropy", "percentile"))
+    fallback_layers: int = arg(0, help="static, and dynamic with --format onnx: keep this many most sensitive MatMuls "
+                               "in fp32 (each quantized alone, measured by the output error on calibration inputs)")
+    train_data: str = arg("", help="qat: the task's training data for the quantization-aware fine-tuning (read by the "
+                          "task's reader)")
     qat_steps: int = arg(200, help="qat: optimisation steps")
     lr: float = arg(2e-5, help="qat: learning rate")
     kd_alpha: float = arg(0.5, help="qat: loss = alpha * KD from the fp32 model's outputs + (1 - alpha) * label loss "
@@ -95,8 +92,8 @@ class QuantizeConfig(StageConfig):
 
     def validate(self) -> None:
         check(self.bits in (4, 8), f"bits must be 8 or 4, got {self.bits}")
-        check(self.bits == 8 or self.method in ("gptq", "rtn"),
-              f"bits={self.bits} is only supported by method gptq or rtn; {self.method} is INT8 only")
+        check(self.bits == 8 or self.method in ("gptq", "rtn", "qat"),
+              f"bits={self.bits} is only supported by method gptq, rtn or qat; {self.method} is INT8 only")
         check(self.group_size == -1 or self.group_size >= 8, f"group_size must be -1 or >= 8, got {self.group_size}")
         check(0 <= self.damp < 1, f"damp must be in [0, 1), got {self.damp}")
         check(self.calib_samples >= 0 and (self.calib_seq_len == 0 or self.calib_seq_len >= 8),
@@ -123,15 +120,10 @@ def needs_calibration(cfg: QuantizeConfig) -> bool:
     return cfg.method in ("gptq", "static") or cfg.fallback_layers > 0
 
 
-def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
-             calib: list[Any] | None = None, quality_fn: QualityFn | None = None, data: LeverData | None = None) -> LeverReport:
-    """Quantize the model in ``model_dir`` as ``config`` says and write the result to ``out_dir``.
-
-    ``calib`` (texts or text pairs) overrides the calibration data; ``data`` is where the declared
-    data fields come from (default: ``config``'s own files, read as the model's task's data);
-    ``quality_fn(folder) -> dict`` is measured before and after. Returns the :class:`LeverReport`
-    (also saved in the card).
-    """
+def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path, calib: list[Any] | None = None,
+             quality_fn: QualityFn | None = None, data: LeverData | None = None) -> LeverReport:
+    """Quantize the model in ``model_dir`` as ``config`` says into ``out_dir``; ``calib`` overrides the calibration
+    inputs, ``data`` gives the declared data fields (default: ``config``'s own files)."""
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if is_quantized(model_dir):
@@ -140,7 +132,8 @@ def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
     data = (data or LeverData.for_model(model_dir)).with_sources(train=config.train_data, calib=config.calib_data)
     folder = ModelFolder.open(model_dir)
     cfg = config if config.calib_seq_len else dataclasses.replace(config, calib_seq_len=folder.max_length)  # as served
-    onnx_check = cfg.method == "dynamic" and cfg.format == "onnx" and data.source("calib")  # the INT8 graph's output error
+    # the INT8 graph's output error
+    onnx_check = cfg.method == "dynamic" and cfg.format == "onnx" and data.source("calib")
     if calib is None and (needs_calibration(cfg) or onnx_check):
         calib = calibration_texts(cfg, None, data, model_dir)
     before = measure_folder(model_dir, latency=cfg.measure, quality_fn=quality_fn)
@@ -148,10 +141,8 @@ def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
     model = folder.load()
     details: dict[str, Any] = {}
     onnx = cfg.method == "dynamic" and cfg.format == "onnx" or cfg.method == "static"
-    if not onnx:  # torch methods walk BERT's layer list: another family is refused by name before any work
-        from encoderkit.models.rebuild import encoder_layers
-
-        encoder_layers(model, f"quantize --method {cfg.method} --format torch")
+    if not onnx:  # torch methods walk the family's blocks: a family without an anatomy is refused by name, first
+        anatomy_of(model, f"quantize --method {cfg.method} --format torch")
     with output_dir(out_dir, cfg.overwrite) as tmp:
         if onnx:
             details = _quantize_onnx(model, tokenizer, cfg, model_dir, tmp, calib)
@@ -159,9 +150,10 @@ def quantize(model_dir: str | Path, config: QuantizeConfig, out_dir: str | Path,
             if cfg.method in ("gptq", "rtn", "dynamic"):
                 qtensors, details = _weight_only(model, tokenizer, cfg, calib)
             else:
-                qtensors, details = _qat(model, model_dir, tokenizer, cfg, data, folder.pooling or "mean")
+                qtensors, details = _qat(model, model_dir, tokenizer, cfg, data, task_pooling(folder, "embed"))
             qtensors.update(_embedding_codes(model, cfg))
-            runtime = "torch-int8" if cfg.method in ("dynamic", "qat") else "dequantized-fp32"
+            runtime = "torch-int8" if cfg.method == "dynamic" or cfg.method == "qat" and cfg.bits == 8 \
+                else "dequantized-fp32"
             info = {"method": cfg.method, "bits": cfg.bits, "group_size": cfg.group_size, "runtime": runtime}
             save_quantized(model, model_dir, tmp, qtensors, info)
         report = finish_lever(tmp, "quantize", cfg.method, model_dir, out_dir, cfg.result_dict(), before, details,
@@ -187,8 +179,6 @@ def calibration_texts(cfg: QuantizeConfig, calib: list[Any] | None, data: LeverD
 
 
 def _encoder_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    from encoderkit.compress.gptq import quantizable_linears
-
     return [pair for layer in quantizable_linears(model) for pair in layer]
 
 
@@ -196,8 +186,6 @@ def _encoder_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]
 def _weight_only(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig,
                  calib: list[Any] | None) -> tuple[dict[str, QTensor], dict[str, Any]]:
     """GPTQ / RTN / dynamic-INT8 codes of the encoder's Linear weights (model updated in place)."""
-    from encoderkit.compress.gptq import gptq_encoder
-
     if cfg.method == "dynamic":
         spec = QuantSpec(8, -1 if cfg.per_channel else 0, True)
     else:
@@ -211,7 +199,8 @@ def _weight_only(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig,
         qtensors = {}
         for name, lin in _encoder_linears(model):
             flat = rtn_quantize(lin.weight.reshape(1, -1), QuantSpec(8, -1, True))
-            qtensors[f"{name}.weight"] = QTensor(flat.q.reshape(lin.weight.shape), flat.scale.expand(lin.weight.shape[0], 1).clone(),
+            qtensors[f"{name}.weight"] = QTensor(flat.q.reshape(lin.weight.shape),
+                                                 flat.scale.expand(lin.weight.shape[0], 1).clone(),
                                                  None, None, QuantSpec(8, -1, True))
             lin.weight.copy_(qtensors[f"{name}.weight"].dequantize())
         return qtensors, {"layers": len(qtensors), "per_channel": False}
@@ -224,25 +213,24 @@ def _weight_only(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig,
 
 
 class FakeQuantLinear(torch.nn.Module):
-    """A Linear that trains through INT8 rounding (straight-through estimator).
-
-    Weights: symmetric per-channel (or per-tensor) INT8 with the scales :func:`rtn_quantize` will
-    store; activations ``x (..., in)``: per-tensor asymmetric from the batch's range with
-    ``ACT_LEVELS`` steps, as ``torch.ao`` dynamic quantization does at run time (its x86 kernels
-    quantize activations with ``reduce_range=True``: 0..127, not 0..255). Rounding is skipped in
-    the backward pass.
-    """
+    """A Linear that trains through INT8 rounding (straight-through estimator): weights with the scales
+    :func:`rtn_quantize` will store, activations per tensor over ``ACT_LEVELS`` steps as ``torch.ao``'s x86 dynamic
+    kernels quantize them (``reduce_range=True``: 0..127). With ``low_bit`` (an int4 :class:`QuantSpec`) it trains
+    through the weight-only int4 codes that :func:`rtn_quantize` will store, in groups, and leaves the activations
+    in float (the int4 runtime dequantizes the weights)."""
 
     ACT_LEVELS = 127
 
-    def __init__(self, linear: torch.nn.Linear, per_channel: bool = True, activations: bool = True) -> None:
+    def __init__(self, linear: torch.nn.Linear, per_channel: bool = True, activations: bool = True,
+                 low_bit: QuantSpec | None = None) -> None:
         super().__init__()
-        self.linear, self.per_channel, self.activations = linear, per_channel, activations
+        self.linear, self.per_channel, self.activations, self.low_bit = linear, per_channel, activations, low_bit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from encoderkit.compress.packing import scale_zero
-
         w = self.linear.weight
+        if self.low_bit is not None:
+            w_q = w + (rtn_quantize(w.detach(), self.low_bit).dequantize().to(w.dtype) - w).detach()
+            return torch.nn.functional.linear(x, w_q, self.linear.bias)
         rows = w if self.per_channel else w.reshape(1, -1)
         scale, _ = scale_zero(rows.detach(), QuantSpec(8, -1, True))
         scale = scale[:, None] if self.per_channel else scale
@@ -256,36 +244,35 @@ class FakeQuantLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, w_q, self.linear.bias)
 
 
-def _swap_linears(model: torch.nn.Module, wrap: bool, per_channel: bool = True) -> None:
-    """Wrap the encoder's Linear layers in :class:`FakeQuantLinear` (``wrap``) or unwrap them."""
+def _swap_linears(model: torch.nn.Module, wrap: bool, per_channel: bool = True,
+                  low_bit: QuantSpec | None = None) -> None:
+    """Wrap the Linear layers of the encoder's blocks in :class:`FakeQuantLinear` (``wrap``) or unwrap them."""
+    inside = {id(m) for block in anatomy_of(model).blocks(model) for m in block.modules()} if wrap else set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if wrap and isinstance(child, torch.nn.Linear) and ".encoder.layer." in f".{_path(model, child)}":
-                setattr(parent, name, FakeQuantLinear(child, per_channel))
+            if wrap and isinstance(child, torch.nn.Linear) and id(child) in inside:
+                setattr(parent, name, FakeQuantLinear(child, per_channel, low_bit=low_bit))
             elif not wrap and isinstance(child, FakeQuantLinear):
                 setattr(parent, name, child.linear)
 
 
-def _path(model: torch.nn.Module, module: torch.nn.Module) -> str:
-    return next(n for n, m in model.named_modules() if m is module)
-
-
 def _qat(model: torch.nn.Module, model_dir: Path, tokenizer: Any, cfg: QuantizeConfig,
          data: LeverData, pooling: str) -> tuple[dict[str, QTensor], dict[str, Any]]:
-    """Quantization-aware fine-tuning (KD from the fp32 model + label loss), then real INT8 codes."""
-    from encoderkit.compress.recovery import recover
-
+    """Quantization-aware fine-tuning (KD from the fp32 model + label loss), then real codes: INT8 (per channel, as
+    the dynamic INT8 runtime runs them) or, with ``bits=4``, weight-only int4 in groups of ``group_size``."""
     if not data.source("train"):
         raise EncoderkitError(f"quantize method=qat needs --train-data FILE (the {data.task} model's training data)")
     inputs = data.inputs("train", model_dir)
     teacher = load_model(model_dir)
-    _swap_linears(model, wrap=True, per_channel=cfg.per_channel)
+    low_bit = QuantSpec(4, cfg.group_size, cfg.symmetric) if cfg.bits == 4 else None
+    _swap_linears(model, wrap=True, per_channel=cfg.per_channel, low_bit=low_bit)
     try:
         log = recover(model, teacher, tokenizer, inputs, cfg, {}, cfg.qat_steps, [], pooling)
     finally:
         _swap_linears(model, wrap=False)
-    qtensors, details = _weight_only(model, tokenizer, QuantizeConfig(method="dynamic", per_channel=cfg.per_channel,
-                                                                      measure=False), None)
+    final = QuantizeConfig(method="rtn", bits=4, group_size=cfg.group_size, symmetric=cfg.symmetric, measure=False) \
+        if low_bit is not None else QuantizeConfig(method="dynamic", per_channel=cfg.per_channel, measure=False)
+    qtensors, details = _weight_only(model, tokenizer, final, None)
     return qtensors, {**details, "qat": log}
 
 
@@ -330,14 +317,16 @@ class _CalibReader:
         self.i = 0
 
 
-def _feeds(tokenizer: Any, texts: list[Any], input_names: list[str], seq_len: int, batch_size: int) -> list[dict[str, np.ndarray]]:
+def _feeds(tokenizer: Any, texts: list[Any], input_names: list[str], seq_len: int,
+           batch_size: int) -> list[dict[str, np.ndarray]]:
     """Calibration feeds padded to ``seq_len``: ORT's histogram calibrators need equal shapes."""
     out = []
     for i in range(0, len(texts), batch_size):
         chunk = list(texts[i:i + batch_size])
         if isinstance(chunk[0], (tuple, list)):
             a, b = zip(*chunk)
-            batch = tokenizer(list(a), list(b), truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
+            batch = tokenizer(list(a), list(b), truncation=True, max_length=seq_len, padding="max_length",
+                              return_tensors="pt")
         else:
             batch = tokenizer(chunk, truncation=True, max_length=seq_len, padding="max_length", return_tensors="pt")
         out.append({n: batch[n].numpy().astype(np.int64) if n in batch else np.zeros_like(batch["input_ids"].numpy())
@@ -347,8 +336,6 @@ def _feeds(tokenizer: Any, texts: list[Any], input_names: list[str], seq_len: in
 
 def _output_error(ref_path: Path, q_path: Path, feeds: list[dict[str, np.ndarray]]) -> float:
     """Relative error ``||y_q - y|| / ||y||`` of the first graph output over ``feeds``."""
-    from encoderkit.inference.export import ort_session
-
     ref, q = ort_session(ref_path), ort_session(q_path)
     num = den = 0.0
     for f in feeds:
@@ -370,18 +357,11 @@ def _weight_matmuls(path: Path) -> list[str]:
 
 def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, model_dir: Path, out: Path,
                    calib: list[Any] | None) -> dict[str, Any]:
-    """Export ``model_dir`` to ONNX (the deploy exporter) and write ``out/model.int8.onnx``.
-
-    dynamic: ORT ``quantize_dynamic`` (per-channel INT8 weights, activations scaled at run time).
-    static: ORT QDQ ``quantize_static`` (U8 activations / S8 weights) with the chosen calibration
-    method. Either: with ``fallback_layers=N`` the N weight MatMuls whose quantization alone hurts
-    the output most on the calibration inputs stay in fp32 (``nodes_to_exclude``).
-    """
+    """Export ``model_dir`` to ONNX and write ``out/model.int8.onnx`` with ORT ``quantize_dynamic`` or QDQ
+    ``quantize_static``; with ``fallback_layers=N`` the N weight MatMuls whose quantization alone hurts the output
+    most on the calibration inputs stay in fp32."""
     import onnxruntime as ort
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
-
-    from encoderkit.inference.export import export_onnx
-    from encoderkit.models.folder import ONNX_FP32, ONNX_INT8
 
     details: dict[str, Any] = {"runtime": "onnxruntime"}
     with tempfile.TemporaryDirectory(prefix="encoderkit-onnx-") as work:
@@ -389,8 +369,6 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
         details["export"] = export_onnx(model_dir, work)
         fp32 = src = work / ONNX_FP32
         if cfg.embeddings == "int4":
-            from encoderkit.compress.onnx_embeddings import int4_word_embeddings
-
             src = work / "model.emb4.onnx"
             details.update(int4_word_embeddings(fp32, src, cfg.group_size))
         names = [i.name for i in ort.InferenceSession(str(fp32), providers=["CPUExecutionProvider"]).get_inputs()]
@@ -408,7 +386,8 @@ def _quantize_onnx(model: torch.nn.Module, tokenizer: Any, cfg: QuantizeConfig, 
             quantize_static(str(src), str(dst), _CalibReader(use or feeds), quant_format=QuantFormat.QDQ,
                             op_types_to_quantize=["MatMul", "Gemm"], per_channel=cfg.per_channel,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                            nodes_to_quantize=nodes_to_quantize, nodes_to_exclude=exclude or [], calibrate_method=method)
+                            nodes_to_quantize=nodes_to_quantize, nodes_to_exclude=exclude or [],
+                            calibrate_method=method)
 
         excluded: list[str] = []
         if cfg.fallback_layers > 0:

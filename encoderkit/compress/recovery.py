@@ -1,20 +1,7 @@
-"""Recovery training after pruning (and QAT): the compressed model learns the uncompressed one's
-outputs on the task's inputs, whatever the task's head.
-
-The outputs matched, by what the model returns:
-
-- QA (``start_logits``/``end_logits`` (B, L)): ``T^2 * KL`` of the start and of the end distribution
-  over real positions, halved;
-- NER (``logits`` (B, L, C)): ``T^2 * KL`` of each real token's tag distribution;
-- classify (``logits`` (B, C), C > 1): ``T^2 * KL`` of the class distribution, plus the
-  cross-entropy on gold labels when the data has them (weights ``kd_alpha`` / ``1 - kd_alpha``);
-- multi-label (``problem_type`` ``multi_label_classification``: a sigmoid per label):
-  :func:`~encoderkit.compress.students.sigmoid_target_loss` of each label's probability, no gold labels;
-- rerank (``logits`` (B, 1)): squared error of the raw scores (a softmax over one score is constant);
-- embed (``last_hidden_state`` (B, L, H)): ``||s - t||^2`` of the pooled unit vectors (= 2 - 2 cos).
-
-:func:`self_target_loss` is the label-free loss Taylor importance scores differentiate: the model
-against its own (detached) predictions in the same terms.
+"""Recovery training after pruning (and QAT): the compressed model learns the uncompressed one's outputs on
+the task's inputs, whatever the head (:func:`output_kd`: KL for QA positions, NER tags and classes, MSE for a
+single score, the pooled unit vectors for an embedding). :func:`self_target_loss` is the label-free loss Taylor
+importance scores differentiate.
 """
 
 from __future__ import annotations
@@ -30,20 +17,21 @@ from encoderkit.compress.distill_tasks import NEG, masked_token_kl, position_kl
 from encoderkit.compress.students import is_multi_label, sigmoid_target_loss, soft_target_kl
 from encoderkit.compress.task_data import TaskInputs
 from encoderkit.config import check
+from encoderkit.models.pooling import SENTENCE, default_pooling, pool
+from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.classify.features import featurize
+from encoderkit.train import engine
 
 
 def _pooled(out: Any, mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    from encoderkit.models.pooling import pool
-
     return F.normalize(pool(out.last_hidden_state.float(), mask, pooling), dim=-1)
 
 
-def output_kd(s_out: Any, t_out: Any, mask: torch.Tensor, temperature: float, pooling: str = "mean",
+def output_kd(s_out: Any, t_out: Any, mask: torch.Tensor, temperature: float, pooling: str = default_pooling(SENTENCE),
               multi_label: bool = False) -> torch.Tensor:
-    """The distance of student outputs ``s_out`` to teacher outputs ``t_out`` (see the module docstring);
-    ``mask`` (B, L) is the attention mask; ``multi_label``: a sigmoid per label (:func:`is_multi_label`).
-    Zero when the outputs agree."""
+    """The distance of student outputs ``s_out`` to teacher outputs ``t_out``, by what the model returns: ``T^2 *
+    KL`` of QA start and end positions (halved), NER tags or classes; each label's sigmoid with ``multi_label``;
+    squared error of a single score or of the pooled unit vectors. Zero when the outputs agree."""
     if getattr(s_out, "start_logits", None) is not None:
         return (position_kl(s_out.start_logits, t_out.start_logits, mask, temperature)
                 + position_kl(s_out.end_logits, t_out.end_logits, mask, temperature)) / 2
@@ -60,11 +48,9 @@ def output_kd(s_out: Any, t_out: Any, mask: torch.Tensor, temperature: float, po
 
 
 def self_target_loss(out: Any, mask: torch.Tensor, multi_label: bool = False) -> torch.Tensor:
-    """A label-free loss of a model's outputs against their own detached values, whose gradient is
-    not zero (for Taylor importance): cross-entropy to the argmax for classes, tags and QA positions,
-    the squared score for a single score, the squared last hidden state for an embedding model; with
-    ``multi_label`` (a sigmoid per label) the binary cross-entropy to each label's own decision
-    (its sigmoid thresholded at 0.5)."""
+    """A label-free loss of a model's outputs against their own detached values, with a non-zero gradient (for
+    Taylor importance): cross-entropy to the argmax for classes, tags and QA positions (binary, to each label's own
+    decision, with ``multi_label``); else the squared score or last hidden state."""
     if getattr(out, "start_logits", None) is not None:
         pad = ~mask.bool()
         parts = [F.cross_entropy(x.float().masked_fill(pad, NEG), x.detach().masked_fill(pad, NEG).argmax(-1))
@@ -78,7 +64,8 @@ def self_target_loss(out: Any, mask: torch.Tensor, multi_label: bool = False) ->
         flat = logits[m]
         return F.cross_entropy(flat.float(), flat.detach().argmax(-1))
     if multi_label:
-        return F.binary_cross_entropy_with_logits(logits.float(), (torch.sigmoid(logits.detach().float()) >= 0.5).float())
+        decided = (torch.sigmoid(logits.detach().float()) >= 0.5).float()
+        return F.binary_cross_entropy_with_logits(logits.float(), decided)
     if logits.shape[-1] == 1:
         return logits.float().pow(2).mean()
     return F.cross_entropy(logits.float(), logits.detach().argmax(-1))
@@ -87,8 +74,6 @@ def self_target_loss(out: Any, mask: torch.Tensor, multi_label: bool = False) ->
 def input_batches(tokenizer: Any, inputs: TaskInputs, seq_len: int, batch_size: int, seed: int,
                   with_labels: bool = True) -> Any:
     """A length-bucketed engine batch source over ``inputs`` (``labels`` (B,) when labelled)."""
-    from encoderkit.tasks.batching import BucketedBatches, encode_batch
-
     singles = not isinstance(inputs.texts[0], (tuple, list))
     texts = list(inputs.texts) if singles else [a for a, _ in inputs.texts]
     rows = featurize(tokenizer, texts, None if singles else [b for _, b in inputs.texts], seq_len)
@@ -103,16 +88,10 @@ def input_batches(tokenizer: Any, inputs: TaskInputs, seq_len: int, batch_size: 
 
 def recover(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, inputs: TaskInputs, cfg: Any,
             masks: dict[str, torch.Tensor], steps: int, linears: list[tuple[str, torch.nn.Linear]],
-            pooling: str = "mean") -> dict[str, Any]:
-    """Fine-tune ``model`` for ``steps`` with the training engine on ``inputs``: ``kd_alpha`` * the
-    output distance to ``teacher`` + (1 - ``kd_alpha``) * cross-entropy on gold labels (classify
-    data with labels; KD only otherwise).
-
-    Pruned weights stay zero: the gradients of the ``linears`` named in ``masks`` are masked, so
-    Adam never moves them.
-    """
-    from encoderkit.train.engine import TrainSettings, fit
-
+            pooling: str = default_pooling(SENTENCE)) -> dict[str, Any]:
+    """Fine-tune ``model`` for ``steps`` on ``inputs``: ``kd_alpha`` * the output distance to ``teacher`` +
+    (1 - ``kd_alpha``) * cross-entropy on gold labels (labelled classify data; KD only otherwise). The gradients of
+    the ``linears`` named in ``masks`` are masked, so pruned weights stay zero."""
     seq_len = getattr(cfg, "seq_len", None) or getattr(cfg, "calib_seq_len", 128)
     multi = is_multi_label(teacher)
     labelled = inputs.labels is not None and not multi  # only single-label classify data carries class ids
@@ -134,10 +113,10 @@ def recover(model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any, in
             loss = loss + (1 - alpha) * F.cross_entropy(out.logits.float(), labels.reshape(-1))
         return loss, {"kd": float(kd.detach())}
 
-    settings = TrainSettings(lr=cfg.lr, max_steps=steps, batch_size=cfg.batch_size, warmup=0.1, seed=cfg.seed)
+    settings = engine.TrainSettings(lr=cfg.lr, max_steps=steps, batch_size=cfg.batch_size, warmup=0.1, seed=cfg.seed)
     try:
         with tempfile.TemporaryDirectory(prefix="encoderkit-recovery-") as run_dir:
-            result = fit(model, loss_fn, source, settings, run_dir)
+            result = engine.fit(model, loss_fn, source, settings, run_dir)
     finally:
         for h in hooks:
             h.remove()

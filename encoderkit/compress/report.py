@@ -1,23 +1,14 @@
 """Tables and plots for compression recipes: one row per step, each measured on that step's model.
 
-A row is a plain dict (what ``report.json`` stores), with these keys::
-
-    {"step": 0, "lever": "baseline", "folder": "steps/00-baseline",
-     "quality": 0.912, "metric": "accuracy", "params": 22_700_000, "bytes": 90_900_000,
-     "latency_ms": 6.1, "latency_unit": "request", "batch_ms": 120.0, "batch_unit": "32 requests",
-     "throughput": 266.0, "seq_len": 128, "threads": 2, "note": "..."}
-
-Latency is in the unit the task is served in (:data:`encoderkit.compress.measure.UNITS`): the
-column headers name it (``ms/request``, ``ms/query (top 100)``...). Rows with only the older
-``latency_b1_ms`` / ``latency_b32_ms`` / ``throughput_b32`` keys read as one request / 32 requests.
-
-``quality`` is the metric re-measured on the dev set for that step's model (never a sum of
-per-lever deltas). Ratios against the first row (the starting model) are derived here, so the
-table and the plot always agree with the stored numbers.
+A row is a plain dict (what ``report.json`` stores: ``step``, ``lever``, ``quality``, ``metric``, ``params``,
+``bytes``, ``latency_ms`` per ``latency_unit``, ``batch_ms`` per ``batch_unit``, ``throughput``...; a sparse step's
+``bytes_per_nonzero`` of its packed matrices), latency in the unit the task is served in. Ratios against the first
+row (the starting model) are derived here, so the table and the plot always agree with the stored numbers.
 """
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
@@ -27,7 +18,8 @@ from encoderkit.io import write_bytes_atomic, write_json_atomic, write_text_atom
 
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Copy of ``rows`` with ratios against row 0: ``quality_kept`` (fraction of the starting
-    quality), ``bytes_saved`` (fraction of bytes removed) and ``speedup_b32`` (throughput ratio)."""
+    quality), ``bytes_saved`` (fraction of bytes removed) and ``speedup_b32`` (throughput ratio). Rows with only the
+    older ``latency_b1_ms`` / ``latency_b32_ms`` / ``throughput_b32`` keys read as one request / 32 requests."""
     if not rows:
         return []
     base = rows[0]
@@ -39,10 +31,12 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         r["bytes_saved"] = None if kept_bytes is None else 1.0 - kept_bytes
         r["speedup_b32"] = _ratio(r.get("throughput_b32"), base.get("throughput_b32"))
         r["speedup_b1"] = _ratio(base.get("latency_b1_ms"), r.get("latency_b1_ms"))
-        for key, old in (("latency_ms", "latency_b1_ms"), ("batch_ms", "latency_b32_ms"), ("throughput", "throughput_b32")):
+        for key, old in (("latency_ms", "latency_b1_ms"), ("batch_ms", "latency_b32_ms"),
+                         ("throughput", "throughput_b32")):
             if r.get(key) is None and r.get(old) is not None:
                 r[key] = r[old]
-        fused = (r.get("metrics") or {}).get(f"fused_{r.get('metric')}")  # a reranker's order fused with its first stage's
+        # a reranker's order fused with its first stage's
+        fused = (r.get("metrics") or {}).get(f"fused_{r.get('metric')}")
         if r.get("fused") is None and fused is not None:
             r["fused"] = fused
         out.append(r)
@@ -79,7 +73,9 @@ def _fmt(value: Any, kind: str) -> str:
         return f"{value:.1f}"
     if kind == "q":
         return f"{value:.4f}"
-    if kind == "int":  # a count per second: whole numbers, or 3 significant digits under 100 (0.204 queries/s)
+    if kind == "f2":
+        return f"{value:.2f}"
+    if kind == "int":  # a count per second: whole numbers, or 3 significant digits under 100 (a slow reranker)
         return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
     return str(value)
 
@@ -93,6 +89,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("params", "params", "m"),
     ("bytes", "MB on disk", "mb"),
     ("bytes_saved", "bytes saved", "pct"),
+    ("bytes_per_nonzero", "bytes/non-zero weight (packed)", "f2"),
     ("latency_ms", "ms/{unit}", "ms"),
     ("speedup", "speed-up", "x"),
     ("batch_ms", "ms/{batch}", "ms"),
@@ -108,7 +105,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     unit, batch = units(rows)
     items = batch.split(" ", 1)[-1] if batch else "queries"
     fused = any(r.get("fused") is not None for r in rows)  # a reranker's rows: the first stage's order fused in
-    cols = [c for c in COLUMNS if (batch or c[0] != "batch_ms") and (fused or c[0] != "fused")]
+    packed = any(r.get("bytes_per_nonzero") is not None for r in rows)  # a sparse step's packed matrices
+    cols = [c for c in COLUMNS if (batch or c[0] != "batch_ms") and (fused or c[0] != "fused")
+            and (packed or c[0] != "bytes_per_nonzero")]
     head = "| " + " | ".join(title.format(unit=unit, batch=batch, items=items) for _, title, _ in cols) + " |"
     rule = "|" + "|".join("---" for _ in cols) + "|"
     body = ["| " + " | ".join(_fmt(r.get(key), kind) for key, _, kind in cols) + " |" for r in rows]
@@ -139,10 +138,9 @@ def quality_limits(shares: list[float], floor: float) -> tuple[float, float]:
 
 def label_groups(xs: list[float], ys: list[float], names: list[str], ylim: tuple[float, float],
                  near: float = 0.06) -> list[tuple[float, float, str]]:
-    """One label per group of points closer than ``near`` of the panel's width and height (x spans
-    the data, y ``ylim``), at the group's first point, its steps' names joined: a vocabulary step
-    that changes neither quality nor time sits on the distillation's point and shares its label
-    instead of printing over it."""
+    """One label per group of points closer than ``near`` of the panel's width and height, at the group's first
+    point, its steps' names joined, so steps that change nothing share a label instead of printing over each
+    other."""
     xspan = (max(xs) - min(xs) if xs else 0.0) or 1.0
     yspan = (ylim[1] - ylim[0]) or 1.0
     groups: list[list[int]] = []
@@ -162,8 +160,6 @@ def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "", floo
     batch-32 latency per sequence; one labelled point per step, joined in recipe order. The y axis
     always spans the allowed floor (``floor``, a share of the starting quality, drawn as a line)
     and 100%. Returns the matplotlib ``Figure``."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -208,12 +204,8 @@ def plot_tradeoffs(rows: list[dict[str, Any]], path: Path, title: str = "", floo
 
 
 def write_report(folder: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Path]:
-    """Write ``report.md``, ``report.json`` and ``report.png`` into ``folder``.
-
-    ``meta`` holds what the numbers depend on (dev file, sequence length, threads, batch sizes,
-    the recipe) and is printed above the table so a reader knows how they were measured; its
-    ``floor`` or ``max_quality_drop`` is the line drawn on the plot (:func:`floor_share`).
-    """
+    """Write ``report.md``, ``report.json`` and ``report.png`` into ``folder``; ``meta`` (what the numbers depend
+    on) is printed above the table, its floor drawn on the plot (:func:`floor_share`)."""
     folder = Path(folder)
     rows_r = with_ratios(rows)
     lines = [f"# {meta.get('title', 'Compression report')}", ""]

@@ -1,52 +1,44 @@
 """`encoderkit compress --recipe FILE`: run compression levers in order, re-measuring after each.
 
-A recipe is YAML (or TOML/JSON) with a list of steps, each a lever and its settings::
-
-    task: rerank            # optional: the model must be of this task
-    steps:
-      - {lever: distill, layers: every-other, epochs: 3}
-      - {lever: prune, method: structured, heads: 0.3, ffn: 0.4, recover_steps: 500}
-      - {lever: quantize, method: dynamic-int8}
-
-The levers (:mod:`encoderkit.compress.levers`) all have one shape: model folder + their config +
-the data they declare -> model folder + report. Their settings are the lever configs' own fields
-(``encoderkit prune --help`` ...): ``distill`` (:class:`~encoderkit.compress.distill.DistillConfig`,
-mode task, the previous step's model as teacher; ``teacher: start``: the recipe's starting model teaches
-the previous step's model as it is, e.g. a width-pruned one), ``prune`` / ``vocab``
-(:class:`~encoderkit.compress.prune.PruneConfig`), ``quantize`` / ``gptq`` / ``qat``
-(:class:`~encoderkit.compress.quantize.QuantizeConfig`). Shorthands: ``prune method: structured``
-with ``heads``/``ffn`` fractions runs the heads and FFN pruning one after the other (recovery after
-the last); ``recover_steps`` is ``recovery_steps``; ``quantize method: dynamic-int8`` is dynamic
-INT8 through ONNX Runtime. Model and output paths are filled in by the runner; the data a step
-declares (``train``, ``calib``: :mod:`encoderkit.compress.task_data`) comes from ``--train`` /
-``--calib`` unless the step names its own file, read by the model's task's readers.
-
-The whole recipe is validated before anything runs: an unknown lever or field, or a bad value,
-is an error naming the step (number and lever) and the field, and so is a second quantizing step
-(``quantize``, ``gptq``, ``qat``: each refuses an already quantized model), a step whose declared
-data was not given (naming the task, the field and the step), a lever that does not handle the
-model's task, and a model of another task than the recipe's ``task``. Everything is written into
-one output folder (``NN-lever/`` per step, ``report.md``, ``report.json``, ``report.png``) that
-appears only when the whole recipe finished. Until then the work lies in ``.<out>.partial`` beside it:
-the finished steps' folders, their measurements (``progress.json``) and a running distillation's
-checkpoints, so that ``--resume`` after a crash or a reboot reruns none of what was finished. The
-finished folder keeps ``progress.json`` too: ``--resume`` with a recipe whose later steps were edited
-(another quantization after hours of distillation) runs only the steps from the first edited one.
+A recipe (YAML, TOML or JSON) lists steps, each a lever of :mod:`encoderkit.compress.levers` and its settings, e.g.
+``{lever: prune, method: structured, heads: 0.3, ffn: 0.4}``; it is validated whole before anything runs. The output
+folder appears only when the recipe finished; until then the work lies in ``.<out>.partial``, so ``--resume`` reruns
+none of the finished steps (after an edit of the recipe, only the steps from the first edited one).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import yaml
+
 from encoderkit.compress.levers import LEVERS, QUANT_LEVERS, check_task
 from encoderkit.compress.measure import latency_meta, make_measure, step_int8_agreement
+from encoderkit.compress.report import markdown_table, write_report
 from encoderkit.compress.task_data import LeverData
-from encoderkit.config import StageConfig, arg, check, load_mapping
+from encoderkit.config import StageConfig, arg, check, check_spellings, load_mapping
 from encoderkit.errors import EncoderkitError
+from encoderkit.hardware import describe
+from encoderkit.inference.agreement import verdict
+from encoderkit.io import (
+    partial_dir,
+    portable,
+    portable_path,
+    read_json,
+    relocate_paths,
+    resumable_dir,
+    resumed_folder,
+    write_json_atomic,
+)
+from encoderkit.models.card import card_facts, read_card, write_card
+from encoderkit.progress import note, progress
+from encoderkit.tasks import TASKS
 
 __all__ = ["QUANT_LEVERS", "CompressConfig", "RecipeStep", "load_recipe", "run", "run_steps", "validate_recipe"]
 RECIPE_KEYS = {"steps", "name", "description", "task"}
@@ -84,9 +76,8 @@ def validate_recipe(data: Any, source: str = "recipe") -> list[RecipeStep]:
     steps = data.get("steps") if isinstance(data, dict) else data
     if isinstance(data, dict):
         extra = sorted(set(data) - RECIPE_KEYS)
-        check(not extra, f"{source}: unknown top-level key(s) {extra}; a recipe holds 'steps' (and optional 'task', 'name', 'description')")
-        from encoderkit.tasks import TASKS
-
+        check(not extra, f"{source}: unknown top-level key(s) {extra}; a recipe holds 'steps' (and optional 'task', "
+                         "'name', 'description')")
         task = recipe_task(data)
         check(task is None or task in TASKS, f"{source}: task {task!r} is not one of {', '.join(TASKS)}")
     check(isinstance(steps, list) and len(steps) > 0, f"{source}: expected a non-empty list under 'steps'")
@@ -99,12 +90,15 @@ def validate_recipe(data: Any, source: str = "recipe") -> list[RecipeStep]:
         if name not in LEVERS:
             raise EncoderkitError(f"{where}: unknown lever; known levers: {', '.join(LEVERS)}")
         lever = LEVERS[name]
-        params = lever.config_class.new_keys({k: v for k, v in raw.items() if k != "lever"}, where)
+        params = {k: v for k, v in raw.items() if k != "lever"}
+        check_spellings(params, where)
         known = lever.recipe_keys()
         for key in params:
             field_name = key.replace("-", "_")
-            if field_name not in known and (field_name in lever.runner_fields or field_name in ("model", "out", "teacher")):
-                raise EncoderkitError(f"{where}: field '{key}' is set by the runner (the previous step's model and the step folder); remove it")
+            if field_name not in known and (field_name in lever.runner_fields
+                                            or field_name in ("model", "out", "teacher")):
+                raise EncoderkitError(f"{where}: field '{key}' is set by the runner (the previous step's model and the "
+                                      "step folder); remove it")
             if field_name not in known:
                 raise EncoderkitError(f"{where}: unknown field '{key}'; known fields: {', '.join(sorted(known))}")
         params = {k.replace("-", "_"): v for k, v in params.items()}
@@ -120,7 +114,8 @@ def validate_recipe(data: Any, source: str = "recipe") -> list[RecipeStep]:
         if earlier is not None:
             raise EncoderkitError(f"{where}: step {earlier.index} ({earlier.lever}) already quantizes the model and a "
                                   "quantized model is never quantized again; keep one quantization step (they are "
-                                  "alternatives: gptq/rtn for bytes, dynamic-int8/static for CPU speed, qat for quality)")
+                                  "alternatives: gptq/rtn for bytes, dynamic-int8/static for CPU speed, qat for "
+                                  "quality)")
         out.append(RecipeStep(i, name, params, calls))
     return out
 
@@ -129,8 +124,6 @@ def read_recipe(path: str | Path) -> Any:
     """The mapping of a recipe file (YAML, TOML or JSON)."""
     p = Path(path)
     if p.suffix in (".yaml", ".yml"):
-        import yaml
-
         if not p.is_file():
             raise EncoderkitError(f"recipe file {p} does not exist")
         try:
@@ -150,8 +143,8 @@ class CompressConfig(StageConfig):
     """Settings of `encoderkit compress`."""
 
     recipe: str = arg(help="Recipe file (YAML/TOML/JSON) with the levers to run in order.", required=True)
-    model: str = arg(help="Fine-tuned model folder to compress (classify, ner, qa, rerank or embed: the task and the data "
-                          "columns are read from its encoderkit.json).", required=True)
+    model: str = arg(help="Fine-tuned model folder to compress (classify, ner, qa, rerank or embed: the task and the "
+                          "data columns are read from its encoderkit.json).", required=True)
     dev: str = arg(help="Dev data on which the task's own metric is re-measured after every step, in the task's format "
                         "(what `encoderkit evaluate --data` takes): classify a labelled .tsv/.csv/.jsonl (accuracy); "
                         "ner a CoNLL file (entity F1); qa a SQuAD file (F1; see --qa-split); rerank a BEIR source "
@@ -159,20 +152,21 @@ class CompressConfig(StageConfig):
                         "candidates {query, positive, negatives} (MRR@10); embed a BEIR source (nDCG@10, recall@100).",
                      required=True)
     out: str = arg(help="Output folder: one model folder per step plus report.md/json/png.", required=True)
-    train: str | None = arg(None, help="The task's training data (read by the task's reader, with the columns of the model's card) "
-                                       "for distillation, recovery training and calibration.")
-    calib: str | None = arg(None, help="In-domain inputs for calibration and vocabulary, the task's data or a .txt of texts (default: --train).")
+    train: str | None = arg(None, help="The task's training data (read by the task's reader, with the columns of the "
+                                       "model's card) for distillation, recovery training and calibration.")
+    calib: str | None = arg(None, help="In-domain inputs for calibration and vocabulary, the task's data or a .txt of "
+                                       "texts (default: --train).")
     # -- measurement (encoderkit.compress.measure) --
-    seq_len: int = arg(0, help="Longest timed example in sub-tokens (0: the model's max length). Latency is timed on real "
-                               "dev examples in the unit the task is served in: classify/ner/qa one request (a typical "
-                               "dev example) and 32 requests; rerank one query's top 100 candidates; embed one query "
-                               "and a batch of 32 documents.")
-    runtime: str = arg("deploy", choices=("deploy", "torch"), help="Runtime for latency and quality: 'deploy' (ONNX Runtime, "
-                       "the deploy Predictor's engine: a folder's INT8 graph, else an FP32 export; torch for folders it "
-                       "cannot load) or 'torch' (folders with an INT8 graph still run it). Quality is `encoderkit "
-                       "evaluate`'s figure run by that engine.")
-    dev_limit: int = arg(0, help="Measure quality on a seeded subset of N dev examples (rerank/embed: N judged queries, "
-                                 "the whole corpus searched) (0: all).")
+    seq_len: int = arg(0, help="Longest timed example in sub-tokens (0: the model's max length). Latency is timed on "
+                               "real dev examples in the unit the task is served in: classify/ner/qa one request (a "
+                               "typical dev example) and 32 requests; rerank one query's top 100 candidates; embed one "
+                               "query and a batch of 32 documents.")
+    runtime: str = arg("deploy", choices=("deploy", "torch"), help="Runtime for latency and quality: 'deploy' (ONNX "
+                       "Runtime, the deploy Predictor's engine: a folder's INT8 graph, else an FP32 export; torch for "
+                       "folders it cannot load) or 'torch' (folders with an INT8 graph still run it). Quality is "
+                       "`encoderkit evaluate`'s figure run by that engine.")
+    dev_limit: int = arg(0, help="Measure quality on a seeded subset of N dev examples (rerank/embed: N judged "
+                                 "queries, the whole corpus searched) (0: all).")
     repeats: int = arg(5, speed=True, help="Timed repetitions per latency figure (the median is reported).")
     miner: str = arg("", help="rerank on a BEIR --dev: the first stage, a bi-encoder folder (or 'minilm') whose top "
                               "--candidates per query the reranker reorders (required there). On a BEIR --train it is "
@@ -187,14 +181,14 @@ class CompressConfig(StageConfig):
                                   "report.png (0.03: at least 97%% of the starting model's quality).")
     batch_size: int = arg(32, speed=True, help="Inference batch size of the quality measurement.")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
-    resume: bool = arg(False, speed=True, help="Continue an interrupted recipe (its work is kept in .<out>.partial beside "
-                       "--out) or a finished one (--out): the steps it finished and measured are not run again, a distill "
-                       "step continues from its latest checkpoint; a recipe edited from step k on keeps steps 1 to k-1 and "
-                       "runs the rest; other measurement settings (--dev, --dev-limit, --candidates, --qa-split, "
-                       "--seq-len, --runtime) measure every kept step again without running it. The other settings "
-                       "must be the same.")
-    save_every: int = arg(100, speed=True, help="Checkpoint a distill step every N training steps, so --resume loses at "
-                                                "most N (0: only at the end).")
+    resume: bool = arg(False, speed=True, help="Continue an interrupted recipe (its work is kept in .<out>.partial "
+                       "beside --out) or a finished one (--out): the steps it finished and measured are not run "
+                       "again, a distill step continues from its latest checkpoint; a recipe edited from step k on "
+                       "keeps steps 1 to k-1 and runs the rest; other measurement settings (--dev, --dev-limit, "
+                       "--candidates, --qa-split, --seq-len, --runtime) measure every kept step again without running "
+                       "it. The other settings must be the same.")
+    save_every: int = arg(100, speed=True, help="Checkpoint a distill step every N training steps, so --resume loses "
+                          "at most N (0: only at the end).")
 
 
 # settings that change how a step is measured, not what it builds: --resume with other values re-measures
@@ -208,8 +202,6 @@ class CompressResult:
     rows: list[dict[str, Any]]
 
     def summary(self) -> str:
-        from encoderkit.compress.report import markdown_table
-
         return f"{markdown_table(self.rows)}\n\nreport: {self.out / 'report.md'}"
 
 
@@ -234,29 +226,22 @@ def lever_notes(details: dict[str, Any]) -> str:
 def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: Path,
               measure: Any = None, task: str | None = None, done: list[dict[str, Any]] | None = None,
               on_row: Any = None) -> list[dict[str, Any]]:
-    """Run ``steps`` from ``cfg.model`` into ``work/NN-lever`` folders, measuring each; returns the
-    report rows (row 0 is the starting model). ``final`` is where ``work`` will be renamed to,
-    so that lineage in the step cards points at the final folders. ``measure(folder) -> row``
-    defaults to :func:`encoderkit.compress.measure.make_measure` (the task's own metric on ``cfg.dev``);
-    ``task`` is the recipe's task, if it names one. ``done``: the rows of a resumed run (the start and
-    the steps it finished, whose folders are in ``work``), not run again; ``on_row(rows)`` is called
-    after every measurement."""
-    from encoderkit.inference.agreement import verdict
-    from encoderkit.models.card import card_facts, read_card, write_card
-    from encoderkit.progress import note, progress
-
+    """Run ``steps`` from ``cfg.model`` into ``work/NN-lever`` folders, measuring each; returns the report rows (row
+    0: the starting model; each row's ``folder`` relative to ``final``, where ``work`` will be renamed to); ``done``
+    are a resumed run's rows, not run again; ``on_row(rows)`` is called after every measurement."""
     data = LeverData.for_model(cfg.model, train=cfg.train, calib=cfg.calib, miner=cfg.miner)
     check_steps(steps, data, str(cfg.recipe), task)
     measure = measure or make_measure(cfg)
     on_row = on_row or (lambda rows: None)
     rows = list(done or [])
     if not rows:
-        rows.append({"step": 0, "lever": "start", "folder": str(Path(cfg.model).resolve()), **measure(Path(cfg.model))})
+        start = portable_path(cfg.model, final)  # rows name folders relative to final
+        rows.append({"step": 0, "lever": "start", "folder": start, **measure(Path(cfg.model))})
         on_row(rows)
-    cur, cur_final = Path(cfg.model), Path(cfg.model).resolve()
+    cur = Path(cfg.model)
     if len(rows) > 1:
         last = steps[len(rows) - 2]
-        cur, cur_final = work / last.name, final / last.name
+        cur = work / last.name
         note(f"resuming after step {last.index} ({last.lever}): {len(rows) - 1} of {len(steps)} steps were finished")
     for step in progress(steps[len(rows) - 1:], desc="recipe", unit="step"):
         dst = work / step.name
@@ -286,28 +271,25 @@ def run_steps(steps: list[RecipeStep], cfg: CompressConfig, work: Path, final: P
         if "int8_agreement" not in extra and (agreement := step_int8_agreement(cur, dst, cfg)):  # an INT8 graph's
             extra["int8_agreement"] = agreement  # agreement with FP32 on the dev rows, which --backend auto reads
             note(f"step {step.index} ({step.lever}): {verdict(agreement)[1]}")
-        row = {"step": step.index, "lever": step.lever, "folder": str(final / step.name), **measure(dst)}
+        row = {"step": step.index, "lever": step.lever, "folder": step.name, **measure(dst)}  # relative to final
         if any(notes):
             row["note"] = "; ".join(n for n in notes if n)
-        write_card(dst, card.get("stage", step.lever), cur_final, card.get("config", step.params),
-                   {**card.get("metrics", {}), "recipe_measurement": {k: v for k, v in row.items() if k not in ("step", "folder")}},
+        # the parent as seen from dst (``../01-prune``, or the start model beside ``final``): what it is from final
+        write_card(dst, card.get("stage", step.lever), cur, card.get("config", step.params),
+                   {**card.get("metrics", {}),
+                    "recipe_measurement": {k: v for k, v in row.items() if k not in ("step", "folder")}},
                    **{**extra, "recipe_step": step.index, "recipe_params": step.params})
         rows.append(row)
         on_row(rows)
-        note(f"step {step.index} ({step.lever}): {row.get('metric', 'quality')} {row.get('quality')} params {row.get('params')} "
-             f"bytes {row.get('bytes')} {row.get('latency_ms')} ms per {row.get('latency_unit')}")
-        cur, cur_final = dst, final / step.name
+        note(f"step {step.index} ({step.lever}): {row.get('metric', 'quality')} {row.get('quality')} "
+             f"params {row.get('params')} bytes {row.get('bytes')} {row.get('latency_ms')} ms per "
+             f"{row.get('latency_unit')}")
+        cur = dst
     return rows
 
 
 def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     """Run a compression recipe step by step; re-measure quality, size and speed after each step."""
-    import torch
-
-    from encoderkit.compress.report import write_report
-    from encoderkit.hardware import describe
-    from encoderkit.io import partial_dir, relocate_paths, resumable_dir, resumed_folder, write_json_atomic
-
     recipe = read_recipe(cfg.recipe)
     steps = validate_recipe(recipe, source=str(cfg.recipe))
     check(Path(cfg.model).is_dir(), f"--model {cfg.model} is not a folder")
@@ -318,16 +300,19 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
     if cfg.resume:  # checked before anything moves: a refused resume leaves a finished --out where it is
         earlier = resumed_folder(out) or partial_dir(out)
         if earlier == out and not (out / PROGRESS_FILE).is_file():
-            raise EncoderkitError(f"cannot resume {out}: it has no {PROGRESS_FILE} (not a recipe's output, or one written "
-                                  "before finished runs kept it); pass --overwrite instead of --resume to run it again")
+            raise EncoderkitError(f"cannot resume {out}: it has no {PROGRESS_FILE} (not a recipe's output, or one "
+                                  "written before finished runs kept it); pass --overwrite instead of --resume to run "
+                                  "it again")
         done, same = resumed_rows(earlier / PROGRESS_FILE, identity)
     with resumable_dir(out, cfg.overwrite, cfg.resume, retry="rerun the same command with --resume") as tmp:
         if cfg.resume:
             _clear_steps_after(tmp, same)
         rows = run_steps(steps, cfg, tmp, out.resolve(), measure, task=recipe_task(recipe), done=done,
-                         on_row=lambda rows: write_json_atomic(tmp / PROGRESS_FILE, {"identity": identity, "rows": rows}))
+                         on_row=lambda rows: write_json_atomic(tmp / PROGRESS_FILE,
+                                                               {"identity": identity, "rows": rows}))
         meta = {"title": f"Compression report: {Path(cfg.recipe).name} on {Path(cfg.model).name}",
-                "model": str(Path(cfg.model).resolve()), "recipe": str(cfg.recipe), "dev": str(cfg.dev),
+                "model": portable_path(cfg.model, out), "recipe": portable(str(cfg.recipe), out),
+                "dev": portable(str(cfg.dev), out),
                 **latency_meta(rows), "threads": torch.get_num_threads(),
                 "runtime": cfg.runtime, "max_quality_drop": cfg.max_quality_drop, "hardware": describe(),
                 "steps_config": [s.params | {"lever": s.lever} for s in steps]}
@@ -339,9 +324,8 @@ def run(cfg: CompressConfig, measure: Any = None) -> CompressResult:
 def run_identity(cfg: CompressConfig, steps: list[RecipeStep]) -> dict[str, Any]:
     """What a resumed recipe must share with the run it continues: its steps and the settings that change
     results (not where the recipe file or the output lie)."""
-    import json
-
     settings = {k: v for k, v in cfg.result_dict().items() if k not in ("recipe", "out", "overwrite")}
+    settings = portable(settings, cfg.out)  # absolute paths as seen from --out: a moved run resumes
     return json.loads(json.dumps({"steps": [{"lever": s.lever, **s.params} for s in steps], "settings": settings}))
 
 
@@ -349,9 +333,6 @@ def resumed_rows(path: Path, identity: dict[str, Any]) -> tuple[list[dict[str, A
     """The rows an earlier run measured (``[]`` when it measured none) that this run keeps, and how many
     leading steps it shares with this recipe, after checking that it ran with the same settings. A
     recipe edited from step k on keeps the rows of the steps before k."""
-    from encoderkit.io import read_json
-    from encoderkit.progress import note
-
     if not path.is_file():
         note(f"--resume: {path.parent} holds no finished step, so the recipe starts from the beginning")
         return [], 0
@@ -394,7 +375,5 @@ def _clear_unfinished(work: Path, step: RecipeStep) -> None:
 
 def _saved_details(folder: Path) -> dict[str, Any]:
     """The details a lever wrote in its folder's report.json (none for a distillation)."""
-    import json
-
     path = folder / "report.json"
     return json.loads(path.read_text()).get("details", {}) if path.is_file() else {}

@@ -1,13 +1,12 @@
-"""Students for every distillation recipe: a student built from chosen teacher layers, a narrower random
-one, or a given folder; the shared soft-target KL; and the result every recipe returns.
-
-:mod:`encoderkit.compress.distill` (classify, task-agnostic MLM), :mod:`encoderkit.compress.distill_embed`
-and :mod:`encoderkit.compress.distill_tasks` all build on this module, so none of them imports another.
+"""Students for every distillation recipe (from chosen teacher layers, narrower and random, or a given folder),
+the shared soft-target losses and the result every recipe returns. The distill modules all build on this one,
+so none of them imports another.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,13 @@ from torch import nn
 
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import check_output_dir, output_dir
+from encoderkit.models.card import write_card
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import apply_pooling
+from encoderkit.models.tokenizer import load_tokenizer
+from encoderkit.train import engine
+from encoderkit.train.checkpoint import run_dir_beside
 
 # -- student construction --------------------------------------------------------------------------
 
@@ -27,11 +31,8 @@ _LAYER_KEY = re.compile(r"(^|\.)layers?\.(\d+)\.")  # encoder.layer.N (BERT-like
 
 
 def parse_layer_map(spec: str | list[int] | None, n_teacher: int) -> list[int]:
-    """Teacher layer indices the student keeps, in order.
-
-    ``"every-other"`` keeps layers 0, 2, 4, ... (DistilBERT: half the depth, spread over the
-    whole stack); ``"0,2,5"`` or ``[0, 2, 5]`` keeps exactly those layers.
-    """
+    """Teacher layer indices the student keeps, in order: ``"every-other"`` (0, 2, 4, ...: DistilBERT's half
+    depth spread over the stack), or exactly the layers of ``"0,2,5"`` / ``[0, 2, 5]``."""
     if spec is None or spec == "every-other":
         return list(range(0, n_teacher, 2))
     if isinstance(spec, str):
@@ -39,7 +40,8 @@ def parse_layer_map(spec: str | list[int] | None, n_teacher: int) -> list[int]:
         try:
             layers = [int(p) for p in parts]
         except ValueError as e:
-            raise EncoderkitError(f"layers={spec!r}: expected 'every-other' or teacher layer numbers like '0,2,4'") from e
+            raise EncoderkitError(f"layers={spec!r}: expected 'every-other' or teacher layer numbers "
+                                  "like '0,2,4'") from e
     else:
         layers = [int(x) for x in spec]
     check(len(layers) > 0, "layers: the student needs at least one layer")
@@ -110,8 +112,6 @@ def build_narrow_student(teacher: nn.Module, hidden_size: int, num_layers: int, 
 
 def check_same_tokenizer(teacher_dir: str | Path, student_dir: str | Path) -> None:
     """Raise unless both folders hold the same vocabulary (same tokens at the same ids)."""
-    from encoderkit.models.tokenizer import load_tokenizer
-
     t, s = load_tokenizer(teacher_dir), load_tokenizer(student_dir)
     tv, sv = t.get_vocab(), s.get_vocab()
     if tv != sv:
@@ -125,7 +125,8 @@ def check_same_tokenizer(teacher_dir: str | Path, student_dir: str | Path) -> No
             "the teacher's tokenizer (copy its tokenizer files) or let distill build the student"
         )
     if getattr(t, "do_lower_case", None) != getattr(s, "do_lower_case", None):
-        raise EncoderkitError(f"teacher {teacher_dir} and student {student_dir} differ in lower-casing; use the same tokenizer")
+        raise EncoderkitError(f"teacher {teacher_dir} and student {student_dir} differ in lower-casing; "
+                              "use the same tokenizer")
 
 
 def check_same_task(teacher_dir: str | Path, student_dir: str | Path) -> None:
@@ -142,11 +143,8 @@ def check_same_task(teacher_dir: str | Path, student_dir: str | Path) -> None:
 # -- losses ----------------------------------------------------------------------------------------
 
 def soft_target_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher_T || student_T) * T^2, averaged over rows.
-
-    student_logits, teacher_logits: (N, C). The T^2 factor keeps the gradient scale independent
-    of the temperature (Hinton et al. 2015). Zero when the logits are equal.
-    """
+    """KL(teacher_T || student_T) * T^2 of (N, C) logits, averaged over rows; T^2 keeps the gradient scale
+    independent of the temperature (Hinton et al. 2015). Zero when the logits are equal."""
     if student_logits.numel() == 0:
         return student_logits.sum() * 0.0
     t = temperature
@@ -168,11 +166,8 @@ def is_multi_label(model_or_config: Any) -> bool:
 
 
 def sigmoid_target_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The multi-label counterpart of :func:`soft_target_kl`: ``T^2`` * the mean over rows and labels of
-    ``BCE(s/T, sigmoid(t/T)) - BCE(t/T, sigmoid(t/T))`` (each label's Bernoulli KL).
-
-    student_logits, teacher_logits: (N, C), one independent sigmoid per label. Zero when the logits
-    are equal; unlike a softmax KL it sees a shift of all logits together."""
+    """The multi-label counterpart of :func:`soft_target_kl` on (N, C) logits, a sigmoid per label: ``T^2`` * the
+    mean of each label's Bernoulli KL. Zero when the logits are equal; it sees a shift of all logits together."""
     if student_logits.numel() == 0:
         return student_logits.sum() * 0.0
     t = temperature
@@ -207,7 +202,8 @@ def make_student(cfg: Any, teacher: nn.Module) -> tuple[nn.Module, list[int] | N
         check_same_task(cfg.teacher, cfg.student)
         student = ModelFolder.open(cfg.student, tokenizer=False).load()
         check(type(student) is type(teacher),
-              f"student {cfg.student} is a {type(student).__name__} but the teacher a {type(teacher).__name__}; use the same head")
+              f"student {cfg.student} is a {type(student).__name__} but the teacher a {type(teacher).__name__}; "
+              "use the same head")
         return student, None
     if cfg.hidden_size:
         n = len(parse_layer_map(cfg.layers, n_teacher))
@@ -218,31 +214,22 @@ def make_student(cfg: Any, teacher: nn.Module) -> tuple[nn.Module, list[int] | N
 
 def fit_and_save(cfg: Any, module: nn.Module, loss_fn: Any, source: Any, save: Any, *, examples: int,
                  layers: list[int] | None, facts: dict[str, Any]) -> Any:
-    """The tail every recipe shares: train ``module`` with ``cfg``'s settings, write the student with
-    ``save(folder)`` and a distill card carrying ``facts``; returns the engine's fit result.
-
-    The run's checkpoints (every ``cfg.save_every`` steps) live in ``.<out>.run`` beside ``cfg.out``: an
-    interrupted run keeps them and ``cfg.resume`` continues from the latest (same settings, same lists, no
-    replay); a fresh start removes a stale one; a finished run removes its own."""
-    import shutil
-
-    from encoderkit.io import check_output_dir, output_dir
-    from encoderkit.models.card import write_card
-    from encoderkit.train.checkpoint import run_dir_beside
-    from encoderkit.train.engine import TrainSettings, fit
-
-    settings = TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
+    """The tail every recipe shares: train ``module``, write the student with ``save(folder)`` and a distill
+    card carrying ``facts``; returns the fit result. Checkpoints live in ``.<out>.run`` beside ``cfg.out`` until
+    the run finishes, so ``cfg.resume`` continues an interrupted run."""
+    settings = engine.TrainSettings(lr=cfg.lr, warmup=cfg.warmup, max_steps=cfg.max_steps, epochs=cfg.epochs,
                              batch_size=cfg.batch_size, seed=cfg.seed, bf16=cfg.bf16, log_every=10,
                              save_every=getattr(cfg, "save_every", 0))
     out = check_output_dir(cfg.out, cfg.overwrite)
     resume = getattr(cfg, "resume", False)
     identity = {k: v for k, v in cfg.result_dict().items() if k != "overwrite"}
     with run_dir_beside(out, resume) as run_dir:
-        res = fit(module, loss_fn, source, settings, run_dir, fingerprint={"stage": "distill", **identity}, resume=resume)
+        res = engine.fit(module, loss_fn, source, settings, run_dir, fingerprint={"stage": "distill", **identity},
+                         resume=resume)
     with output_dir(out, cfg.overwrite, retry=f"rerun with --resume (the checkpoints are kept in {run_dir})") as tmp:
         save(tmp)
         metrics = {"train_" + k: v for k, v in res.train_logs.items()}
-        write_card(tmp, "distill", cfg.teacher, cfg.result_dict(), {**metrics, "examples": examples, "steps": res.steps},
-                   layers_from_teacher=layers, **facts)
+        write_card(tmp, "distill", cfg.teacher, cfg.result_dict(),
+                   {**metrics, "examples": examples, "steps": res.steps}, layers_from_teacher=layers, **facts)
     shutil.rmtree(run_dir, ignore_errors=True)
     return res

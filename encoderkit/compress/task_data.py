@@ -1,33 +1,9 @@
-"""The data a compression lever reads, through the TASK readers and the columns in the model's card.
+"""The data a compression lever reads, through the task readers and the columns in the model's card.
 
-Every lever declares the data fields it needs (:data:`FIELDS`); the recipe runner (or a lever's
-CLI stage) builds one :class:`LeverData` for the model's task and hands it over, so that no lever
-reads files itself:
-
-- ``train``: the task's training data as the task reads it (distillation, recovery, QAT);
-- ``calib``: in-domain inputs for calibration, importance scores and vocabulary (default: ``train``).
-
-Inputs of each task, read by the task's own reader (its object's ``compress_inputs``):
-
-- classify: :func:`encoderkit.tasks.tabular.read_rows`; the text column the model was fine-tuned on
-  (its card's ``text_column``), the pair and label columns of the fine-tuning config in its lineage
-  (else found as ``finetune`` finds them); labels become the model's class ids;
-- ner: :func:`encoderkit.tasks.ner.data.read_ner` (the words of a sentence joined by spaces);
-- qa: :func:`encoderkit.tasks.qa.data.read_squad`, the training articles, (question, context) pairs;
-- rerank: a BEIR source (:func:`encoderkit.data.beir.load_retrieval`: each judged
-  (query, document) pair; with a ``miner``, each judged query with its top
-  :data:`~encoderkit.tasks.rerank.candidates.MINED_PAIRS`
-  documents from that bi-encoder, the pairs a reranker serves on, as distillation reads them) or
-  JSONL triples (:func:`~encoderkit.data.beir.read_triples`: the query with its positive and
-  each negative);
-- embed: a BEIR source's documents and queries; a table's text column (found as classify finds it);
-  any other corpus cut into sentence pieces as embedding distillation reads it.
-
-A ``.txt`` file (one input per line, no labels) is read the same way for every task.
-
-Vocabulary (:func:`vocabulary_texts`) reads the same inputs, except that a rerank model's (``uses_miner``) BEIR
-source gives every document of its corpus and every query of its split: the documents a reranker
-serves are the corpus, not only the ones a training query judged or mined.
+Every lever declares the data fields it needs (:data:`FIELDS`: ``train``, ``calib``, ``miner``); the recipe runner
+(or a lever's CLI stage) builds one :class:`LeverData` for the model's task and hands it over, so no lever reads
+files itself. Each task reads its own inputs (its object's ``compress_inputs``); a ``.txt`` file (one input per
+line, no labels) works for every task.
 """
 
 from __future__ import annotations
@@ -36,15 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from encoderkit.data.beir import is_beir_source
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
 from encoderkit.models.heads import PRETRAINED
 from encoderkit.tasks import TASKS, get_task
+from encoderkit.tasks.embed.texts import beir_texts
 from encoderkit.tasks.protocol import Task, TaskInputs
 
 FIELDS = {
     "train": "the task's training data (--train)",
     "calib": "in-domain inputs for calibration (--calib, else --train)",
-    "miner": "rerank: the first-stage bi-encoder whose top candidates of a BEIR source's queries are the pairs (--miner)",
+    "miner": ("rerank: the first-stage bi-encoder whose top candidates of a BEIR source's queries are the pairs "
+              "(--miner)"),
 }
 OTHER_DATA = {PRETRAINED: "a text file"}  # what an MLM model's data is (the pretrained head has no task object)
 
@@ -63,7 +43,7 @@ def data_help(task: str | None) -> str:
 def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None, folder: str | Path | None = None,
                      label2id: dict[str, int] | None = None, limit: int = 0, seed: int = 0,
                      miner: str | None = None) -> TaskInputs:
-    """Inputs (and classify labels) of ``spec`` read as ``task``'s data (see the module docstring).
+    """Inputs (and classify labels) of ``spec`` read as ``task``'s data, or the lines of a ``.txt`` file.
 
     ``folder``: the model whose card names the classify columns; ``label2id``: its classes (classify
     labels are read only when it is given); ``miner``: rerank's first stage on a BEIR source."""
@@ -88,12 +68,10 @@ def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None
 
 def vocabulary_texts(spec: str, task: str, **kwargs: Any) -> list[Any]:
     """The texts whose tokens the vocabulary lever keeps: :func:`read_task_inputs`' inputs, or for a rerank
-    model's BEIR source, every document of the corpus and every query of the split (as embed reads it)."""
-    from encoderkit.data.beir import is_beir_source
-    from encoderkit.tasks.embed.texts import beir_texts
-
+    model's BEIR source, every document of the corpus and every query of the split (as embed reads it): the
+    documents a reranker serves are the corpus, not only the judged or mined ones."""
     task_object = _task(task)
-    if task_object is not None and task_object.uses_miner and is_beir_source(spec):  # judged or mined pairs: not the corpus
+    if task_object is not None and task_object.uses_miner and is_beir_source(spec):
         return beir_texts(spec)
     return read_task_inputs(spec, task, **kwargs).texts
 
@@ -112,8 +90,6 @@ class LeverData:
 
     @classmethod
     def for_model(cls, model: str | Path, **sources: str | None) -> LeverData:
-        from encoderkit.models.folder import ModelFolder
-
         mf = ModelFolder.open(model, weights=False, tokenizer=False)
         if mf.task is None:
             raise EncoderkitError(f"{model}: cannot tell the model's task; set 'task' in its encoderkit.json")
@@ -145,8 +121,6 @@ class LeverData:
 
     def inputs(self, name: str, model: str | Path, limit: int = 0, seed: int = 0) -> TaskInputs:
         """The inputs of field ``name`` read as the task's data, with classify labels as ``model``'s class ids."""
-        from encoderkit.models.folder import ModelFolder
-
         spec = self.source(name)
         if not spec:
             self.require((name,), f"{self.task} data")

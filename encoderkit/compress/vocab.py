@@ -1,18 +1,9 @@
 """Vocabulary pruning: keep only the tokens a task's data produces (plus the special tokens).
 
-MiniLM's 30,522 x 384 word-embedding matrix is over half of its 22.7 M parameters, while one
-task's data uses a few thousand distinct tokens. This lever tokenises the task files, keeps the
-ids that occur (and the specials, and optionally the first ``keep_tokens`` ids), renumbers them
-in their old order, and rewrites:
-
-- the tokenizer: ``tokenizer.json`` (WordPiece vocab, special-token ids of the post-processor and
-  added tokens) and ``vocab.txt``;
-- the model: the rows of the word-embedding matrix (and of a tied MLM decoder and its bias),
-  ``config.vocab_size`` and ``config.pad_token_id``.
-
-Tokenisation of the task data is unchanged: WordPiece takes the longest vocabulary match at each
-position, and every token the old vocabulary chose for these texts is still there while no
-longer match was added. Text outside the task data may fall back to ``[UNK]`` more often.
+The word-embedding matrix is over half of a small encoder's parameters, while one task's data uses a few thousand
+tokens. The kept ids are renumbered in their old order in the tokenizer and the embedding rows. The task data
+tokenises as before (WordPiece's longest match is still there, and no longer one was added); other text may fall
+back to ``[UNK]`` more often.
 """
 
 from __future__ import annotations
@@ -86,7 +77,8 @@ def shrink_embeddings(model: torch.nn.Module, kept: list[int]) -> None:
     model.set_input_embeddings(new)
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if out is not None:
-        out.weight = new.weight if getattr(model.config, "tie_word_embeddings", True) else torch.nn.Parameter(out.weight[idx].clone())
+        tied = getattr(model.config, "tie_word_embeddings", True)
+        out.weight = new.weight if tied else torch.nn.Parameter(out.weight[idx].clone())
         out.out_features = len(kept)
     for mod in model.modules():  # vocab-sized biases (the MLM head's output bias)
         b = getattr(mod, "bias", None)
@@ -132,8 +124,3 @@ def prune_vocab(model_dir: str | Path, cfg: Any, out_dir: str | Path, quality_fn
                               latency=cfg.measure, quality_fn=quality_fn)
     return report
 
-
-def remap_ids(old_ids: list[int], kept: list[int]) -> list[int]:
-    """Old token ids -> new ids (for checks: the pruned tokenizer must produce exactly these)."""
-    new_id = {o: n for n, o in enumerate(kept)}
-    return [new_id[i] for i in old_ids]

@@ -1,17 +1,8 @@
 """Retrieval data: BEIR folders, the SciFact CSV export, and (query, positive, negatives) JSONL.
 
-A BEIR source is ``PATH#SPLIT``:
-
-* ``PATH`` a BEIR folder: ``corpus.jsonl`` (``_id``, ``title``, ``text``), ``queries.jsonl``
-  (``_id``, ``text``) and ``qrels/SPLIT.tsv`` (header, then ``query-id corpus-id score``);
-* ``PATH`` the SciFact export zip (``scifact_hf_export.zip``): the corpus is ``corpus_train.csv``,
-  whose ``abstract`` is a numpy-style list repr of quoted sentences (parsed literal by literal
-  with :func:`ast.literal_eval`, joined with spaces as BEIR does); queries and qrels come from
-  ``claims_SPLIT.csv`` (``train``, ``validation``; ``test`` means ``validation``, which equals
-  BEIR's SciFact test set: 300 queries, 339 judgments), one relevant document per cited doc id.
-
-A document's text for encoding is ``title + " " + text`` (what BEIR's sentence-transformers
-wrapper encodes).
+A BEIR source is ``PATH#SPLIT``: a BEIR folder (``corpus.jsonl``, ``queries.jsonl``, ``qrels/SPLIT.tsv``) or the
+SciFact export zip, whose ``test`` is its ``validation`` split (BEIR's SciFact test set). A document is encoded as
+``title + " " + text``, as BEIR's sentence-transformers wrapper does.
 """
 
 from __future__ import annotations
@@ -82,7 +73,8 @@ def load_retrieval(spec: str) -> Retrieval:
     data = _scifact_zip(path, split) if path.suffix == ".zip" else _beir_folder(path, split)
     missing = {d for rels in data.qrels.values() for d in rels if d not in data.corpus}
     if missing:
-        raise EncoderkitError(f"{spec}: {len(missing)} judged document id(s) are not in the corpus (e.g. {sorted(missing)[:3]})")
+        raise EncoderkitError(f"{spec}: {len(missing)} judged document id(s) are not in the corpus "
+                              f"(e.g. {sorted(missing)[:3]})")
     data.qrels = {q: r for q, r in data.qrels.items() if q in data.queries}
     if not data.qrels:
         raise EncoderkitError(f"{spec}: no query has a relevance judgment")
@@ -108,7 +100,8 @@ def _scifact_zip(path: Path, split: str) -> Retrieval:
         need = ["corpus_train.csv", f"claims_{split}.csv"]
         for n in need:
             if n not in names:
-                raise EncoderkitError(f"{path}: no {n} inside (has {', '.join(sorted(names))}); is this the SciFact export?")
+                raise EncoderkitError(f"{path}: no {n} inside (has {', '.join(sorted(names))}); is this the SciFact "
+                                      "export?")
 
         def rows(name: str) -> list[dict[str, str]]:
             return list(csv.DictReader(io.TextIOWrapper(zf.open(names[name]), encoding="utf-8", newline="")))
@@ -129,7 +122,8 @@ def _scifact_zip(path: Path, split: str) -> Retrieval:
 def _beir_folder(path: Path, split: str) -> Retrieval:
     for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
         if not (path / name).is_file():
-            raise EncoderkitError(f"{path}: no {name}; a BEIR folder holds corpus.jsonl, queries.jsonl and qrels/<split>.tsv")
+            raise EncoderkitError(f"{path}: no {name}; a BEIR folder holds corpus.jsonl, queries.jsonl and "
+                                  "qrels/<split>.tsv")
     corpus = {}
     for n, rec in _jsonl(path / "corpus.jsonl"):
         corpus[str(rec["_id"])] = (rec.get("title", "") or "", rec.get("text", "") or "")

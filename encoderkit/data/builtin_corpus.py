@@ -1,12 +1,8 @@
 """Built-in corpora that need no download: ``builtin:stdlib``.
 
-``builtin:stdlib`` is the docstrings of the running interpreter's standard library: every module,
-class and function docstring of the ``.py`` files under ``sysconfig.get_paths()["stdlib"]``, read
-with :mod:`ast` (nothing is imported, so no module's import-time side effects run). One document
-per module, its docstrings joined by blank lines. Files are visited in sorted order, so two runs
-on the same Python give the same corpus; test suites, ``site-packages`` and the IDLE/turtle demos
-are left out. It is English technical prose, a few MB: enough for a quickstart tokenizer and a
-tiny MLM run.
+``builtin:stdlib``: the docstrings of the running interpreter's standard library, one document per module, read
+with :mod:`ast` (nothing is imported, so no import-time side effects run) in sorted file order, so the same Python
+gives the same corpus: English technical prose, enough for a quickstart tokenizer and a tiny MLM run.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Opening corpus files: archives (zip/tar members), gzip, and UTF-8 decoding with line numbers.
 
-The byte-level half of :mod:`encoderkit.data.readers`: every reader gets its lines from
-:func:`decoded_lines`, so a bad byte is reported the same way everywhere (file, line, byte offset,
-what to do), and :func:`first_bad_utf8_offset` lets ``--skip-bad-encoding`` check a file before
-reading it.
+The byte-level half of :mod:`encoderkit.data.readers`: every reader gets its lines from :func:`decoded_lines`,
+so a bad byte is reported the same way everywhere (file, line, byte offset, what to do).
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
+import os
 import struct
 import tarfile
 import zipfile
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import check_input, input_problem, lines_of
 
 ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
 MEMBER_SEP = "::"  # an archive member's source name: ARCHIVE::MEMBER
@@ -69,37 +70,28 @@ def _open_binary(path: str, opener: Opener | None = None) -> BinaryIO:
 
 
 def decoded_lines(path: str, keep_ends: bool = False, opener: Opener | None = None) -> Iterator[tuple[int, str]]:
-    """Yield ``(line_number, text)`` for each line of a (possibly gzipped) UTF-8 file, with the line
-    ending (``\\n`` or ``\\r\\n``) removed unless ``keep_ends``, and a leading BOM dropped. A byte that is not UTF-8 raises
-    :class:`EncoderkitError` with its line and byte offset (in the uncompressed stream)."""
-    offset = 0
+    """Yield ``(line_number, text)`` for each line of a (possibly gzipped) UTF-8 file: :func:`encoderkit.io.lines_of`,
+    the one line reader (only ``\\n`` / ``\\r\\n`` end a line, the ending removed unless ``keep_ends``, a leading BOM
+    dropped). A byte that is not UTF-8 raises :class:`EncoderkitError` with its line and byte offset (in the
+    uncompressed stream); a file that cannot be opened says why (missing, folder, device, permission)."""
+    if opener is None:
+        check_input(path, "corpus file")
+    where = "uncompressed byte offset" if path.lower().endswith(".gz") else "byte offset"
     try:
         with _open_binary(path, opener) as f:
-            for number, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise _encoding_error(path, number, offset + e.start) from e
-                offset += len(raw)
-                if number == 1 and line.startswith("\ufeff"):
-                    line = line[1:]
-                yield number, line if keep_ends or not line.endswith("\n") else line.rstrip("\r\n")
+            yield from lines_of(f, path, keep_ends, fix=_ENCODING_FIX, offset_kind=where)
     except (OSError, EOFError, gzip.BadGzipFile, zipfile.BadZipFile, tarfile.TarError) as e:
-        raise EncoderkitError(f"cannot read {path}: {e}; check that the file is complete (a .gz file "
-                              "must be a gzip stream)") from e
+        why = input_problem(path, e) if isinstance(e, OSError) and e.errno is not None else (
+            f"{e}; check that the file is complete (a .gz file must be a gzip stream)")
+        raise EncoderkitError(f"cannot read {path}: {why}") from e
 
 
-def _encoding_error(path: str, line: int, offset: int) -> EncoderkitError:
-    where = "uncompressed byte offset" if path.lower().endswith(".gz") else "byte offset"
-    return EncoderkitError(f"{path}:{line}: not UTF-8 ({where} {offset}); convert it (e.g. iconv -f latin1 -t utf-8) "
-                           "or pass --skip-bad-encoding to leave such files out")
+_ENCODING_FIX = "convert it (e.g. iconv -f latin1 -t utf-8) or pass --skip-bad-encoding to leave such files out"
 
 
 def first_bad_utf8_offset(path: str, opener: Opener | None = None) -> int | None:
     """Byte offset (uncompressed) of the first invalid UTF-8 byte of a file, or ``None`` if it is clean.
     Reads in 1 MiB chunks with an incremental decoder, so no line is held twice."""
-    import codecs
-
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0  # bytes of the stream handed to the decoder so far
     try:
@@ -128,3 +120,43 @@ def _uncompressed_size(path: Path) -> int:
 def source_bytes(path: str) -> int:
     """Uncompressed bytes of a file or an archive's members (for progress bars; a .gz size is an estimate)."""
     return _archive_bytes(Path(path)) if is_archive(path) else _uncompressed_size(Path(path))
+
+
+# -- folders ---------------------------------------------------------------------------------------
+def folder_files(folder: str | Path, follow_links: bool = False) -> tuple[list[Path], list[Path]]:
+    """(every non-hidden file below ``folder``, sorted by relative path; the links left out). A corpus is what is
+    inside its folder: a symbolic link whose target lies outside it (or is missing) is left out, unless
+    ``follow_links``; a link to a folder is not entered unless ``follow_links`` (each real folder once)."""
+    folder = Path(folder)
+    root = Path(os.path.realpath(folder))
+    kept: list[tuple[str, Path]] = []
+    left: list[Path] = []
+    seen: set[str] = set()
+    for dirpath, dirs, files in os.walk(folder, followlinks=follow_links):
+        real = os.path.realpath(dirpath)
+        if real in seen:  # a link cycle, or a folder reached twice through links
+            dirs[:] = []
+            continue
+        seen.add(real)
+        here = Path(dirpath)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and _keep_link(here / d, root, follow_links, left))
+        for name in files:
+            p = here / name
+            if name.startswith(".") or not _keep_link(p, root, follow_links, left) or not p.is_file():
+                continue
+            kept.append((p.relative_to(folder).as_posix(), p))
+    return [p for _, p in sorted(kept)], sorted(left)
+
+
+def _keep_link(p: Path, root: Path, follow_links: bool, left: list[Path]) -> bool:
+    """Whether ``p`` (a file or folder below ``root``) is read: anything that is not a link; a link whose target
+    is inside ``root`` (a folder link only with ``follow_links``, as its files are already read there); any link
+    that resolves with ``follow_links``. A link left out that leaves the folder (or dangles) is added to ``left``."""
+    if not p.is_symlink():
+        return True
+    target = Path(os.path.realpath(p))
+    inside = target == root or root in target.parents
+    if not target.exists() or (not inside and not follow_links):
+        left.append(p)
+        return False
+    return follow_links or not target.is_dir()

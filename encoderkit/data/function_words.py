@@ -1,9 +1,8 @@
 """Function words: the words MLM masking can be told never to pick (``pretrain --mask-skip-words``).
 
-A short run that masks every kind of token learns the frequent ones first (punctuation, "the", "of"),
-so its fill-mask answers those. Skipping them, with punctuation and digits
-(``--mask-words-only``), trains the model on the words a fill-mask prompt asks for: content words.
-``english`` is built in; any other language is a text file with one word per line.
+A short run that masks every kind of token learns the frequent ones first ("the", "of"); skipping them trains the
+model on the content words a fill-mask prompt asks for. ``english`` is built in; any other language is a text file
+with one word per line.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """MLM masking: pure, seeded, vectorised.
 
-Two entry points share one core:
-
-* :func:`mask_tokens` draws its randomness from a ``torch.Generator`` (one call, one batch);
-* :class:`Masker` draws it from a counter-based hash of ``(seed, epoch, block index, position)``,
-  so the mask of a block depends on nothing else: the same seed gives the same masks, a new
-  epoch gives new ones (dynamic masking), a run resumed mid-epoch reproduces them exactly
-  without saving RNG state, and neither the batch size nor the sharding of blocks across
-  processes changes any mask.
-
-How many tokens are picked: per sequence, ``rate * n_eligible`` rounded stochastically (floor
-plus a Bernoulli on the fraction), so the expected picked fraction equals the rate even for
-short padded sequences. Eligible tokens are all but special tokens and padding. Among picked
-tokens, ``mask_frac`` become ``[MASK]``, ``random_frac`` a random non-special token, the rest
-stay as they are. With ``whole_word`` whole words are picked in random order until the budget
-is reached (a word is a word-start token plus the continuation tokens after it; a continuation
-token with no start before it in the sequence starts its own word); a word is never split.
-With ``words_only`` only tokens of words of letters (any script) are eligible: punctuation, digits
-and symbols are never picked; ``skip_words`` (lower-case words) are never picked either (a token that
-begins a word and spells one of them): with both, the model learns to predict content words.
+:func:`mask_tokens` draws from a ``torch.Generator``; :class:`Masker` from a counter-based hash of ``(seed, epoch,
+block, position)``, so a block's mask depends on nothing else: a resumed run reproduces it without saving RNG state,
+and neither the batch size nor the sharding across processes changes it. Per sequence ``rate * n_eligible`` tokens
+are picked, rounded stochastically so the expected fraction is the rate even for short sequences.
 """
 
 from __future__ import annotations
@@ -32,6 +17,7 @@ import torch
 
 from encoderkit.config import check
 from encoderkit.data.prepare import splitmix64  # kept there so tokenising worker processes never import torch
+from encoderkit.models.tokenizer import token_surfaces, word_start_table
 
 IGNORE_INDEX = -100
 
@@ -117,8 +103,9 @@ def apply_masking(
     n_eligible = eligible.sum(dim=1).double()  # (B,)
     exact = spec.rate * n_eligible
     budget = (exact.floor() + (draws[1][:, 0].double() < exact - exact.floor()).double()).long()  # (B,)
-    check(not spec.whole_word or word_start is not None, "whole-word masking needs word_start (B, L): which tokens "
-                                                            "begin a word (encoderkit.models.tokenizer.word_start_table)")
+    check(not spec.whole_word or word_start is not None,
+          "whole-word masking needs word_start (B, L): which tokens begin a word "
+          "(encoderkit.models.tokenizer.word_start_table)")
     if spec.whole_word:
         picked = _pick_whole_words(eligible, word_start.bool(), draws[0], budget)
     else:
@@ -159,8 +146,6 @@ def never_pick_table(tokenizer: Any, spec: MaskingSpec, word_start: np.ndarray |
     whose text is not all letters (a byte-level piece of a multi-byte character counts as letters);
     with ``skip_words`` every word-start token (``word_start``, the tokenizer's table) spelling one of
     them (any case)."""
-    from encoderkit.models.tokenizer import token_surfaces
-
     surfaces = token_surfaces(tokenizer)
     never = np.zeros(len(surfaces), dtype=bool)
     if spec.words_only:
@@ -236,7 +221,6 @@ class Masker:
         check(tokenizer.mask_token_id is not None,
               f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no mask token; MLM needs one "
               "(train a tokenizer with `encoderkit tokenizer train`, which adds [MASK])")
-        from encoderkit.models.tokenizer import word_start_table
 
         starts = word_start_table(tokenizer) if spec.whole_word or spec.skip_words else None
         never = never_pick_table(tokenizer, spec, starts) if spec.words_only or spec.skip_words else None

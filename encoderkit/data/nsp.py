@@ -1,21 +1,9 @@
 """Segment pairs for BERT's next-sentence objective: pure, seeded, read from a token store.
 
-Each document of a split is cut into consecutive windows of ``seq_len - 3`` tokens (room for
-[CLS] A [SEP] B [SEP]); a window of fewer than two tokens is left out (it cannot hold both A and
-B). Window ``i`` gives one example per epoch::
-
-    [CLS] A [SEP] B [SEP] [PAD] ...      token types 0 for [CLS] A [SEP], 1 for B [SEP], 0 for padding
-
-A is the window's first ``a`` tokens, ``a`` uniform in ``1 .. n-1`` (n: the window's length).
-With probability 1/2 B is the rest of the window (the true next segment, label 0); otherwise
-(label 1) B is ``n - a`` tokens from a random position of a random OTHER document of the pool
-(never A's document; fewer tokens where that document is shorter), so that the pair's length does
-not tell the label. Segments are cut at token positions: the store keeps no sentence boundaries.
-
-Every draw is a counter-based hash of ``(seed, epoch, window index)`` (like
-:class:`~encoderkit.data.masking.Masker`), so an example depends on nothing else: the same seed
-and epoch give the same pairs whatever the batch or process layout, and static data (BERT's
-recipe) is epoch 0 every epoch.
+Each document is cut into windows of ``seq_len - 3`` tokens, one ``[CLS] A [SEP] B [SEP]`` example each: A the
+window's head, B its rest (label 0) or, half the time, as many tokens of another document (label 1), so the pair's
+length does not tell the label. Every draw hashes ``(seed, epoch, window)``, as the
+:class:`~encoderkit.data.masking.Masker` does: the same pairs whatever the batch or process layout.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """The token store: ``encoderkit data prepare`` and ``encoderkit data inspect``.
 
-``data prepare`` streams a corpus (files, folders, globs, ``hf:``, ``builtin:stdlib``; see
-:mod:`encoderkit.data.readers`), tokenises it in batches (no special tokens), appends the ids to
-an on-disk token file and packs each split into fixed-length blocks::
-
-    [CLS] t t t [SEP] t t t t [SEP] t t ...        (seq_len ids per block)
-
-The documents of a split are concatenated into one stream, each followed by [SEP]; block ``k``
-is [CLS] plus the stream's tokens ``k*(L-1) .. (k+1)*(L-1)``. Blocks are never padded inside;
-the **last partial block of a split is kept, padded at its end with [PAD]** (so no text is lost
-and a small held-out split is never empty; the masker gives padding attention 0 and never
-masks it). Nothing holds the corpus in RAM: the token file grows by appends and is read back
-through ``np.memmap``; blocks are written through memory-mapped ``.npy`` files.
-
-The output folder::
-
-    meta.json          tokenizer (source path + hash), vocab size, special ids, dtype, seq_len,
-                       counts per split, fingerprint, inputs
-    tokens.bin         every document's ids, back to back (uint16 if the vocab fits, else uint32)
-    doc_offsets.npy    (n_docs + 1,) int64: document i is tokens[off[i]:off[i+1]]
-    doc_split.npy      (n_docs,) uint8: 0 train, 1 heldout (a seeded hash of the document index)
-    train.npy, heldout.npy   (N, seq_len) blocks
-    tokenizer files    (so the store is self-describing), encoderkit.json (the stage card)
-
-Cache: the fingerprint hashes every input file's path, size and mtime, the tokenizer files'
-contents and every result-changing setting. Re-running with the same fingerprint does nothing
-("cache hit"); a different one rebuilds (an existing ``--out`` needs ``--overwrite``).
-:func:`ensure_prepared` keeps stores under ``cache_root/<fingerprint>`` for the pretraining stage.
+A split's documents are one stream, each followed by [SEP], packed into ``[CLS]`` + ``seq_len - 1`` token blocks;
+the last partial block is kept, padded with [PAD], so no text is lost. Nothing holds the corpus in RAM. The store:
+``meta.json``, ``tokens.bin`` (every document's ids), ``doc_offsets.npy``, ``doc_split.npy`` (1: held out),
+``train.npy`` / ``heldout.npy`` (blocks) and the tokenizer. A rerun with the same fingerprint (inputs, tokenizer,
+settings) does nothing ("cache hit").
 """
 
 from __future__ import annotations
@@ -35,6 +13,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import multiprocessing
 import sys
 from array import array
 from collections import deque
@@ -45,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.data.readers import (
@@ -56,7 +36,7 @@ from encoderkit.data.readers import (
     resolve_sources,
 )
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import output_dir, read_json, write_json_atomic
+from encoderkit.io import output_dir, portable, portable_path, read_json, write_json_atomic
 from encoderkit.models.card import write_card
 from encoderkit.models.tokenizer import TOKENIZER_FILES, load_tokenizer
 from encoderkit.progress import note, progress
@@ -163,8 +143,6 @@ _worker_tokenizer: Any = None
 
 def _init_worker(tokenizer_json: str) -> None:
     global _worker_tokenizer  # one tokenizer per worker process, built once
-    from tokenizers import Tokenizer
-
     _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
 
 
@@ -183,7 +161,6 @@ def encode_batches(backend: Any, batches: Iterable[list[str]], num_workers: int)
         for texts in batches:
             yield _encode(backend, texts)
         return
-    import multiprocessing
 
     with ProcessPoolExecutor(num_workers, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_init_worker, initargs=(backend.to_str(),)) as pool:
@@ -368,8 +345,8 @@ def run(cfg: PrepareConfig) -> PrepareResult:
         meta = {"format": FORMAT_VERSION, "fingerprint": fp, "seq_len": cfg.seq_len, "dtype": dtype.name,
                 "vocab_size": vocab_size, "special_ids": ids,
                 "all_special_ids": [int(i) for i in tokenizer.all_special_ids],
-                "last_block": "padded", "tokenizer": {"source": str(Path(cfg.tokenizer).resolve()), "sha256": tok_hash},
-                "counts": counts, "inputs": inputs, "config": cfg.result_dict()}
+                "last_block": "padded", "tokenizer": {"source": portable_path(cfg.tokenizer, tmp), "sha256": tok_hash},
+                "counts": counts, "inputs": portable(inputs, tmp), "config": portable(cfg.result_dict(), tmp)}
         write_json_atomic(tmp / "meta.json", meta)
         write_card(tmp, stage="prepare", parent=None, config=cfg.to_dict(), metrics={"counts": counts})
     return PrepareResult(out, meta, cache_hit=False)
@@ -377,8 +354,6 @@ def run(cfg: PrepareConfig) -> PrepareResult:
 
 def _fresh_backend(tokenizer: Any) -> Any:
     """A private copy of the fast tokenizer's backend with truncation and padding off."""
-    from tokenizers import Tokenizer
-
     check(getattr(tokenizer, "is_fast", False), "data prepare needs a fast (Rust) tokenizer; "
                                                 "save the tokenizer with tokenizer.json")
     backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())

@@ -1,28 +1,9 @@
 """Corpus readers: turn files, folders, globs, HF datasets and the built-in corpus into documents.
 
-One entry point, :func:`iter_documents`, streams :class:`Document` objects (text plus where it
-came from) so that nothing holds a whole corpus in memory. A *source* is one of:
-
-- a file. Its format comes from its extension, after an optional ``.gz``:
-  ``.jsonl``/``.ndjson``/``.json`` (one JSON object per line, text in ``text_field``; a ``.json``
-  file that starts with ``[`` is read as one array of objects), ``.csv`` (the ``csv`` module, text in
-  ``text_column``), ``.tsv`` (split on tabs with no quoting, because GLUE files hold unbalanced
-  ``"``; text in ``text_column``), ``.parquet`` (pyarrow, column ``text_column``). A ``text_column`` that is a number
-  means a CSV/TSV file without a header row, and the column of that 0-based index. **Any other
-  extension is read as plain UTF-8 text**, split into documents by ``doc_split``: ``"file"`` (the
-  whole file is one document), ``"blank_line"`` (paragraphs separated by blank lines) or ``"line"``.
-- an archive (``.zip``, ``.tar``, ``.tar.gz``, ``.tgz``): every non-hidden member, read by its own
-  extension as above and named ``ARCHIVE::MEMBER`` in documents and errors (zip members in sorted
-  order, tar members in archive order);
-- a folder: every non-hidden file below it, recursively, in sorted order;
-- a glob (``data/**/*.txt``), expanded in sorted order; it must match something;
-- ``hf:NAME[:CONFIG][:SPLIT]``: a dataset through ``datasets.load_dataset`` (streamed from the hub),
-  or ``hf:PATH[:SPLIT]`` for a local json/csv/tsv/parquet/text file or a folder saved with
-  ``save_to_disk``; the text is in ``text_field``;
-- ``builtin:stdlib``: the docstrings of the running interpreter's standard library
-  (:mod:`encoderkit.data.builtin_corpus`), a few MB that need no download.
-
-Problems raise :class:`EncoderkitError` naming the file, the line (or byte offset) and what to do.
+:func:`iter_documents` streams :class:`Document` objects, so nothing holds a whole corpus in memory. A source is a
+file (format by extension after an optional ``.gz``: JSONL, CSV, TSV without quoting, as GLUE files need, Parquet;
+any other extension is plain UTF-8 text split by ``doc_split``), an archive, a folder, a glob (all in sorted
+order), ``hf:NAME[:CONFIG][:SPLIT]`` or ``builtin:stdlib``. Errors name the file, the line and what to do.
 """
 
 from __future__ import annotations
@@ -42,12 +23,15 @@ from encoderkit.data.files import (
     Opener,
     decoded_lines,
     first_bad_utf8_offset,
+    folder_files,
     is_archive,
     iter_archive,
     source_bytes,
 )
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import json_line
+from encoderkit.io import check_input, json_line
+from encoderkit.io import records as record_lines
+from encoderkit.progress import note
 
 DOC_SPLITS = ("file", "blank_line", "line")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -67,15 +51,20 @@ class ReadStats:
     files: int = 0
     skipped_files: int = 0
     text_bytes: int = 0
+    skipped_links: int = 0  # links that leave a corpus folder, left out (no --follow-links)
+    blank_lines: int = 0  # blank lines of JSONL / table files, skipped
 
 
 # -- resolving sources ---------------------------------------------------------------------------
-def resolve_sources(sources: str | Path | Iterable[str | Path]) -> list[str]:
+def resolve_sources(sources: str | Path | Iterable[str | Path], follow_links: bool = False,
+                    stats: ReadStats | None = None) -> list[str]:
     """Expand folders and globs into a deterministic list of files (plus ``hf:``/``builtin:`` specs).
 
-    Raises :class:`EncoderkitError` for a missing path, a glob that matches nothing, an empty folder
-    or an empty list of sources.
+    A folder means what is inside it: links that leave it are left out (counted in ``stats.skipped_links`` and
+    reported on stderr) unless ``follow_links``. Raises :class:`EncoderkitError` for a missing path, a glob that
+    matches nothing, an empty folder or an empty list of sources.
     """
+    links: list[Path] = []
     if isinstance(sources, (str, Path)):
         sources = [sources]
     items = [str(s) for s in sources]
@@ -97,30 +86,34 @@ def resolve_sources(sources: str | Path | Iterable[str | Path]) -> list[str]:
                 raise EncoderkitError(f"corpus glob {item!r} matches no file; check the pattern (quote it so "
                                       "the shell does not expand it) and the current folder")
             for m in matches:
-                out.extend(_expand_path(Path(m)) if Path(m).is_dir() else [m])
+                out.extend(_expand_path(Path(m), follow_links, links) if Path(m).is_dir() else [m])
         else:
             p = Path(item)
             if not p.exists():
                 raise EncoderkitError(f"corpus path {item} does not exist; check the spelling or pass a folder/glob")
             if p.is_dir():
-                files = _expand_path(p)
+                files = _expand_path(p, follow_links, links)
                 if not files:
                     raise EncoderkitError(f"corpus folder {item} holds no (non-hidden) file")
                 out.extend(files)
             else:
+                check_input(item, "corpus file")
                 out.append(item)
+    if links:
+        if stats is not None:
+            stats.skipped_links = len(links)
+        note(f"skipped {len(links)} link(s) that leave their corpus folder (e.g. {links[0]}); pass --follow-links "
+             "to read them")
     return out
 
 
-def _expand_path(folder: Path) -> list[str]:
-    """Every non-hidden file under ``folder``, sorted by relative path (hidden folders skipped too)."""
-    files = []
-    for p in folder.rglob("*"):
-        rel = p.relative_to(folder)
-        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
-            continue
-        files.append(rel.as_posix())
-    return [str(folder / f) for f in sorted(files)]
+def _expand_path(folder: Path, follow_links: bool = False, links: list[Path] | None = None) -> list[str]:
+    """Every non-hidden file under ``folder``, sorted by relative path (hidden folders skipped too); links that
+    leave it are added to ``links`` instead, unless ``follow_links``."""
+    files, left = folder_files(folder, follow_links)
+    if links is not None:
+        links.extend(left)
+    return [str(p) for p in files]
 
 
 def source_format(path: str) -> str:
@@ -156,6 +149,7 @@ def iter_documents(
     skip_bad_encoding: bool = False,
     on_skip: SkipCallback | None = None,
     stats: ReadStats | None = None,
+    follow_links: bool = False,
 ) -> Iterator[Document]:
     """Stream the non-empty documents of ``sources`` in a deterministic order.
 
@@ -167,9 +161,9 @@ def iter_documents(
     """
     if doc_split not in DOC_SPLITS:
         raise EncoderkitError(f"doc_split={doc_split!r} is not one of {', '.join(DOC_SPLITS)}")
-    files = resolve_sources(sources)
-    return _iter_resolved(files, doc_split, text_field, text_column, skip_bad_encoding, on_skip,
-                          stats if stats is not None else ReadStats())
+    stats = stats if stats is not None else ReadStats()
+    files = resolve_sources(sources, follow_links, stats)
+    return _iter_resolved(files, doc_split, text_field, text_column, skip_bad_encoding, on_skip, stats)
 
 
 def _iter_resolved(files: list[str], doc_split: str, text_field: str, text_column: str,
@@ -270,9 +264,7 @@ def read_jsonl(path: str, text_field: str = "text", opener: Opener | None = None
             if text_value:
                 yield Document(text_value, path, i)
         return
-    for number, line in _chain([first], lines):
-        if not line.strip():
-            continue
+    for number, line in record_lines(_chain([first], lines), path):
         rec = json_line(line, f"{path}:{number}")
         text_value = _field(rec, text_field, f"{path}:{number}")
         if text_value:
@@ -361,7 +353,7 @@ def _column_index(columns: list[str], name: str, path: str) -> tuple[int, bool]:
 def read_parquet(path: str, text_column: str = "text", opener: Opener | None = None) -> Iterator[Document]:
     """Rows of a Parquet file (needs ``pyarrow``), read in record batches; ``line`` is the row number."""
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # noqa: PLC0415 - optional: pyarrow comes with the hub extra (datasets)
     except ImportError as e:
         raise EncoderkitError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from e
     pf = pq.ParquetFile(opener() if opener else path)

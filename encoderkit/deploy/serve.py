@@ -1,32 +1,18 @@
 """``encoderkit serve``: an HTTP service over one or more task models, with micro-batching.
 
-Endpoints (JSON in, JSON out; OpenAPI page at ``/docs``):
-
-* ``POST /v1/classify`` ``{"texts": [...], "text_pairs": [...]?}`` -> ``{"results": [{label, score, scores}]}``
-* ``POST /v1/extract``  ``{"texts": [...]}`` -> ``{"results": [[{entity, label, start, end, score}]]}``
-* ``POST /v1/answer``   ``{"questions": [...], "contexts": [...]}`` -> ``{"results": [{answer, start, end, score}]}``
-* ``POST /v1/rerank``   ``{"query": "...", "passages": [...], "top_k": n?}`` -> ``{"results": [{index, score}]}``, or the
-  Cohere/Jina shape ``{"query", "documents", "top_n"}`` (also at ``/rerank``; see ``openai_api.py``)
-* ``POST /v1/embed``    ``{"texts": [...], "dim": n?, "normalize": bool?}`` -> ``{"embeddings": [[...]]}``
-* ``POST /v1/embed_sparse`` ``{"texts": [...], "top_k": n?, "threshold": x?}`` -> ``{"results": [{token: weight}]}``
-  (a ``--task sparse`` model; TEI's route name)
-* ``POST /v1/embeddings`` (OpenAI), ``GET /v1/models``: see ``encoderkit/deploy/openai_api.py``.
-* ``GET /health``, ``GET /metrics`` (Prometheus text format).
-
-Every body may name a ``model`` (needed when several served models do the same task). Bad input
-gets a 4xx JSON ``{"error": {"code", "message"}}``, never a 5xx: a wrong or missing token (401,
-checked before any of the body is read), invalid JSON or UTF-8 (400), an unknown task or model (404),
-a body that stalls (408), a body over ``max_body_bytes`` (413), wrong types, empty strings, too many
-or too long texts, and texts the tokenizer cannot take (a lone surrogate: 422 naming ``field[i]``,
-before the text joins a batch shared with other requests). A connection must send its request head
-within ``--head-timeout-s``; ``--max-connections`` bounds open connections (503 above).
+Routes: ``POST /v1/`` classify, extract, answer, rerank, embed and embed_sparse (bodies below; OpenAPI at
+``/docs``), the peers' routes of :mod:`~encoderkit.deploy.openai_api`, ``/health`` and ``/metrics``. Bad input gets
+a 4xx JSON ``{"error": {"code", "message"}}``, never a 5xx, before it joins a batch shared with other requests.
+Token and body limits are :mod:`~encoderkit.deploy.guard`'s, connection limits :mod:`~encoderkit.deploy.protocol`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import gc
+import math
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,41 +29,17 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.exceptions import HTTPException
 
 from encoderkit.config import StageConfig, arg, check, named_folders
-from encoderkit.deploy.batching import BatchStats, MicroBatcher, token_counts
-from encoderkit.deploy.openai_api import error_type, openai_router
-from encoderkit.deploy.text_checks import text_problem
+from encoderkit.deploy.batching import MicroBatcher, QueueFull, token_counts
+from encoderkit.deploy.guard import ApiError, Limits, RequestGuard, error_body
+from encoderkit.deploy.metrics import REFUSALS, Metrics
+from encoderkit.deploy.openai_api import openai_router
+from encoderkit.deploy.protocol import server_options
+from encoderkit.deploy.text_checks import count_problem, item_problem, text_problem
 from encoderkit.errors import EncoderkitError
-from encoderkit.inference.engines import AUTO_HELP
+from encoderkit.inference.policy import AUTO_HELP
 from encoderkit.inference.predictor import BACKENDS, Predictor, describe, finish_embeddings
+from encoderkit.retrieval.http import search_routes
 from encoderkit.tasks import TASKS, get_task
-from encoderkit.web.auth import token_ok as _token_ok
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-
-
-@dataclass
-class Limits:
-    """Per-request limits and the optional bearer token."""
-
-    max_body_bytes: int = 1_000_000
-    max_texts: int = 256
-    max_chars: int = 20_000
-    token: str | None = None
-    body_timeout_s: float = 30.0
-
-
-# /search: the search page's shell (a form, no data); its results come from /search/results, behind the token
-PUBLIC_PATHS = frozenset({"/health", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/search"})
-
-
-class ApiError(HTTPException):
-    """A client error with a JSON body; an HTTPException so FastAPI's body parsing passes it through."""
-
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(status_code=status, detail=message, headers=headers)
-        self.code = code
 
 
 # -- request bodies (strict types: a number where a string belongs is a 422, not a coercion) -----------
@@ -101,108 +64,16 @@ class AnswerBody(_Body):
 
 class EmbedBody(_Body):
     texts: list[StrictStr]
-    dim: StrictInt | None = Field(None, ge=1, description="Keep the first dim dimensions (Matryoshka), then renormalise.")
+    dim: StrictInt | None = Field(None, ge=1,
+                                  description="Keep the first dim dimensions (Matryoshka), then renormalise.")
     normalize: StrictBool | None = Field(None, description="L2-normalise (default: the model's setting).")
 
 
 class SparseBody(_Body):
     texts: list[StrictStr]
     top_k: StrictInt | None = Field(None, ge=1, description="Keep each text's top_k heaviest terms (default: all).")
-    threshold: float = Field(0.0, ge=0, description="Keep terms whose weight is over this (default 0: every non-zero one).")
-
-
-# -- metrics -----------------------------------------------------------------------------------
-class Metrics:
-    """Prometheus metrics of one app (its own registry, so two apps in a process never mix counts):
-    requests by path and status, request latency, and per model call its items, padded tokens and
-    the time its requests waited in the queue."""
-
-    def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("encoderkit_requests", "HTTP requests by path and status.", ["path", "status"], registry=r)
-        self.latency = Histogram("encoderkit_request_seconds", "Request latency in seconds.", ["path"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("encoderkit_batch_size", "Items per batched model call.", ["model"],
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.batch_tokens = Histogram("encoderkit_batch_tokens", "Padded tokens (longest item x items) per batched "
-                                      "model call.", ["model"], buckets=TOKEN_BUCKETS, registry=r)
-        self.queue = Histogram("encoderkit_queue_seconds", "Seconds a request waited in the queue for its first "
-                               "model call.", ["model"], buckets=LATENCY_BUCKETS, registry=r)
-
-    def observe_request(self, path: str, status: int, seconds: float) -> None:
-        self.requests.labels(path, str(status)).inc()
-        self.latency.labels(path).observe(seconds)
-
-    def observe_batch(self, model: str, stats: BatchStats) -> None:
-        self.batch_size.labels(model).observe(stats.items)
-        self.batch_tokens.labels(model).observe(stats.tokens)
-        queue = self.queue.labels(model)
-        for w in stats.waits:
-            queue.observe(w)
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
-
-
-class _Guard:
-    """Outermost ASGI layer: the bearer token (401 before any of the body is read or parsed, so an unauthenticated
-    client learns nothing of the schema), body-size limit (413), body read timeout (408: a client that sends its
-    headers and stalls), and request metrics (path, status, latency)."""
-
-    def __init__(self, app, limits: Limits, metrics: Metrics, known_paths: set[str]) -> None:
-        self.app, self.limits, self.metrics, self.known = app, limits, metrics, known_paths
-        self.token = limits.token.encode() if limits.token else None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, status = time.perf_counter(), [500]
-        path = scope["path"] if scope["path"] in self.known else "other"
-        limit = self.limits.max_body_bytes
-        headers = dict(scope.get("headers") or [])
-        declared = headers.get(b"content-length")
-
-        async def send_and_record(message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        received, body_done = 0, False
-
-        async def limited_receive():
-            nonlocal received, body_done
-            if body_done:  # a later receive waits for the disconnect, for as long as the request runs
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), self.limits.body_timeout_s)
-            except asyncio.TimeoutError:
-                raise ApiError(408, "request_timeout", f"the request body did not arrive within "
-                                                       f"{self.limits.body_timeout_s:g} s", {"Connection": "close"}) from None
-            body_done = message["type"] != "http.request" or not message.get("more_body", False)
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise ApiError(413, "body_too_large", f"request body is over the {limit}-byte limit")
-            return message
-
-        try:
-            if self.token and scope["path"] not in PUBLIC_PATHS and not _token_ok(headers, self.token):
-                await JSONResponse(_error_body("unauthorized", "missing or wrong bearer token (header "
-                                               "'Authorization: Bearer <token>')", 401),
-                                   status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_and_record)
-                return
-            if declared is not None and (not declared.isdigit() or int(declared) > limit):
-                await JSONResponse(_error_body("body_too_large", f"request body is over the {limit}-byte limit", 413),
-                                   status_code=413)(scope, receive, send_and_record)
-                return
-            await self.app(scope, limited_receive, send_and_record)
-        finally:
-            self.metrics.observe_request(path, status[0], time.perf_counter() - start)
+    threshold: float = Field(0.0, ge=0,
+                             description="Keep terms whose weight is over this (default 0: every non-zero one).")
 
 
 class FastJSONResponse(JSONResponse):
@@ -213,10 +84,19 @@ class FastJSONResponse(JSONResponse):
         return orjson.dumps(content)
 
 
-def _error_body(code: str, message: str, status: int) -> dict[str, Any]:
-    """Every error's body: encoderkit's ``code`` and ``message`` plus OpenAI's ``type`` and ``param``, so a client of
-    either shape (the openai client included) reads errors raised before any route runs (401, 408, 413) too."""
-    return {"error": {"code": code, "message": message, "type": error_type(status), "param": None}}
+class JsonBody:
+    """ASGI layer: a request body is read as JSON whatever content type the client declares. Every route takes JSON,
+    and ``curl -d`` (as many clients) sends ``application/x-www-form-urlencoded``, which FastAPI would otherwise
+    read as form fields and refuse."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 @dataclass
@@ -227,19 +107,27 @@ class _Served:
 
 
 def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_batch: int = 32,
-               max_wait_ms: float = 5.0, max_batch_tokens: int | None = 16384, extra_routes: tuple = ()) -> FastAPI:
+               max_wait_ms: float = 5.0, max_batch_tokens: int | None = 16384, extra_routes: tuple = (), *,
+               max_queue_texts: int | None = None, max_queue_wait_s: float | None = None,
+               fair_tokens: int = 256) -> FastAPI:
     """The ASGI app serving ``models`` (name -> Predictor); wrap-free, ready for uvicorn. A model call
     holds at most ``max_batch`` items and ``max_batch_tokens`` padded tokens (longest item x items). Each of
     ``extra_routes`` is called as ``add(app, check_texts)`` (e.g. /v1/search); the outermost layer has already
-    checked the token of every request that reaches a route."""
+    checked the token of every request that reaches a route. Each model's queue holds at most ``max_queue_texts``
+    texts and ``max_queue_wait_s`` seconds of waiting (503 with Retry-After above), shared between clients with
+    ``fair_tokens`` of credit per batch each (:mod:`~encoderkit.deploy.batching`)."""
     limits = limits or Limits()
     metrics = Metrics()
     served: dict[str, _Served] = {}
     for name, p in models.items():
         # the batched call, serve(p, items): the task's own, on items as its route parses them (texts or tuples)
-        batcher = MicroBatcher(partial(get_task(p.task).serve, p), max_batch, max_wait_ms, name=name, max_batch_tokens=max_batch_tokens,
+        batcher = MicroBatcher(partial(get_task(p.task).serve, p), max_batch, max_wait_ms, name=name,
+                               max_batch_tokens=max_batch_tokens, max_queue_items=max_queue_texts,
+                               max_queue_wait_s=max_queue_wait_s, fair_tokens=fair_tokens,
                                on_batch=lambda stats, m=name: metrics.observe_batch(m, stats),
-                               cost=lambda items, p=p: token_counts(getattr(p, "tokenizer", None), items, p.max_length))
+                               # counted up to one token past what the model reads: more means truncated
+                               cost=lambda items, p=p: token_counts(getattr(p, "tokenizer", None), items,
+                                                                    p.max_length + 1))
         served[name] = _Served(name, p, batcher)
 
     @contextlib.asynccontextmanager
@@ -257,17 +145,27 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = getattr(exc, "code", None) or {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(
             exc.status_code, "error")
-        return JSONResponse(_error_body(code, str(exc.detail), exc.status_code), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(error_body(code, str(exc.detail), exc.status_code), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(QueueFull)
+    async def _busy(request: Request, exc: QueueFull) -> JSONResponse:
+        client = request.client.host if request.client else None
+        REFUSALS.note("requests refused by a full queue (503)", client)
+        return JSONResponse(error_body("overloaded", str(exc), 503), status_code=503,
+                            headers={"Retry-After": str(max(1, min(60, math.ceil(exc.retry_after))))})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return JSONResponse(_error_body("invalid_json", "the request body is not valid JSON", 400), status_code=400)
-        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}" for e in errors[:5]]
-        return JSONResponse(_error_body("invalid_request", "; ".join(parts), 422), status_code=422)
+            return JSONResponse(error_body("invalid_json", "the request body is not valid JSON", 400), status_code=400)
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                 for e in errors[:5]]
+        return JSONResponse(error_body("invalid_request", "; ".join(parts), 422), status_code=422)
 
-    endpoint_of = {s.name: get_task(s.predictor.task).endpoint for s in served.values()}  # a route serves its tasks' models
+    # a route serves its tasks' models
+    endpoint_of = {s.name: get_task(s.predictor.task).endpoint for s in served.values()}
     accepted = ", ".join(f"/v1/{endpoint_of[s.name]} (model {s.name})" for s in served.values())  # for error messages
 
     def pick(endpoint: str, name: str | None) -> _Served:
@@ -291,62 +189,107 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         if problem is not None:
             raise ApiError(422, "invalid_request" if problem.code == "empty_input" else problem.code, problem.message)
 
-    async def run_batch(s: _Served, items: list[Any]) -> list[Any]:
-        try:
-            return await s.batcher.submit(items)
+    def sort_out(columns: dict[str, list[str]]) -> tuple[list[int], list[dict[str, Any]]]:
+        """The request's item count checked (--max-texts), then each item's texts: the indices of the items to run,
+        and an error entry for each other one. One bad item fails alone; when every item is bad, the request does."""
+        for field, texts in columns.items():
+            problem = count_problem(field, texts, limits.max_texts)
+            if problem is not None:
+                raise ApiError(422, "invalid_request" if problem.code == "empty_input" else problem.code,
+                               problem.message)
+        ok: list[int] = []
+        errors: list[dict[str, Any]] = []
+        for i in range(len(next(iter(columns.values())))):
+            problem = next((q for f, texts in columns.items()
+                            if (q := item_problem(f, i, texts[i], limits.max_chars)) is not None), None)
+            if problem is None:
+                ok.append(i)
+            else:
+                errors.append({"index": i, "param": problem.param, "code": problem.code, "message": problem.message})
+        if not ok:
+            more = f" (and {len(errors) - 1} more items)" if len(errors) > 1 else ""
+            raise ApiError(422, errors[0]["code"], errors[0]["message"] + more)
+        return ok, errors
+
+    async def answer(s: _Served, items: list[Any], ok: list[int]) -> tuple[list[Any], list[int]]:
+        """Results of ``items[i]`` for ``i`` in ``ok`` in their places (None elsewhere), and the indices of the items
+        longer than the model reads (truncated to it)."""
+        run = [items[i] for i in ok]
+        limit = s.predictor.max_length
+        try:  # a large request is tokenized only once computed (MicroBatcher.submit_counted)
+            got, counts = await s.batcher.submit_counted(run, limit)
         except EncoderkitError as e:
             raise ApiError(422, "invalid_request", str(e)) from e
+        out: list[Any] = [None] * len(items)
+        for i, r in zip(ok, got, strict=True):
+            out[i] = r
+        return out, [i for i, c in zip(ok, counts, strict=True) if c > limit]
 
     @app.post("/v1/classify")
     async def classify(body: ClassifyBody) -> dict[str, Any]:
+        """``results[i]``: text i's labels (None for a bad item, described in ``errors``); ``truncated``: the items
+        longer than the model reads, cut to it."""
         s = pick("classify", body.model)
-        check_texts("texts", body.texts)
+        columns = {"texts": body.texts}
         items: list[Any] = list(body.texts)
         if body.text_pairs is not None:
-            check_texts("text_pairs", body.text_pairs)
             if len(body.text_pairs) != len(body.texts):
                 raise ApiError(422, "invalid_request", f"{len(body.text_pairs)} text_pairs for {len(body.texts)} texts")
+            columns["text_pairs"] = body.text_pairs
             items = list(zip(body.texts, body.text_pairs, strict=True))
-        return {"model": s.name, "results": await run_batch(s, items)}
+        ok, errors = sort_out(columns)
+        results, truncated = await answer(s, items, ok)
+        return {"model": s.name, "results": results, "truncated": truncated, "errors": errors}
 
     @app.post("/v1/extract")
     async def extract(body: ExtractBody) -> dict[str, Any]:
+        """Long texts are read in overlapping windows, never truncated."""
         s = pick("extract", body.model)
-        check_texts("texts", body.texts)
-        return {"model": s.name, "results": await run_batch(s, list(body.texts))}
+        ok, errors = sort_out({"texts": body.texts})
+        results, _ = await answer(s, list(body.texts), ok)
+        return {"model": s.name, "results": results, "errors": errors}
 
     @app.post("/v1/answer")
-    async def answer(body: AnswerBody) -> dict[str, Any]:
+    async def answer_route(body: AnswerBody) -> dict[str, Any]:
+        """Long contexts are read in overlapping windows, never truncated."""
         s = pick("answer", body.model)
-        check_texts("questions", body.questions)
-        check_texts("contexts", body.contexts)
         if len(body.questions) != len(body.contexts):
             raise ApiError(422, "invalid_request", f"{len(body.questions)} questions but {len(body.contexts)} contexts")
-        return {"model": s.name, "results": await run_batch(s, list(zip(body.questions, body.contexts, strict=True)))}
+        ok, errors = sort_out({"questions": body.questions, "contexts": body.contexts})
+        results, _ = await answer(s, list(zip(body.questions, body.contexts, strict=True)), ok)
+        return {"model": s.name, "results": results, "errors": errors}
 
     @app.post("/v1/embed")
     async def embed(body: EmbedBody) -> JSONResponse:
+        """``embeddings[i]``: text i's vector (None for a bad item, described in ``errors``); ``truncated``: the
+        texts longer than the model reads, cut to it."""
         s = pick("embed", body.model)
-        check_texts("texts", body.texts)
-        import numpy as np
-
-        raw = np.stack(await run_batch(s, list(body.texts)))
+        ok, errors = sort_out({"texts": body.texts})
+        rows, truncated = await answer(s, list(body.texts), ok)
+        raw = np.stack([rows[i] for i in ok])
         if body.dim is not None and body.dim > raw.shape[1]:
             raise ApiError(422, "invalid_request", f"dim={body.dim} is over the model's {raw.shape[1]} dimensions")
         normalize = s.predictor.info.normalize if body.normalize is None else body.normalize
-        vectors = finish_embeddings(raw, body.dim, normalize)
-        # a ready response skips FastAPI's per-float jsonable_encoder walk, and orjson writes 384 floats per text
-        # ~20x faster than json.dumps (which was ~40% of the app's CPU per one-text request)
-        return FastJSONResponse({"model": s.name, "dim": int(vectors.shape[1]), "embeddings": vectors.tolist()})
+        vectors: list[Any] = [None] * len(body.texts)
+        for i, v in zip(ok, finish_embeddings(raw, body.dim, normalize).tolist(), strict=True):
+            vectors[i] = v
+        # a ready response skips FastAPI's per-float jsonable_encoder walk, and orjson writes the floats far faster
+        # than json.dumps
+        return FastJSONResponse({"model": s.name, "dim": body.dim or int(raw.shape[1]), "embeddings": vectors,
+                                 "truncated": truncated, "errors": errors})
 
     @app.post("/v1/embed_sparse")
     async def embed_sparse(body: SparseBody) -> JSONResponse:
-        """Learned sparse vectors (a ``--task sparse`` model) as ``{token: weight}`` per text, heaviest first."""
+        """Learned sparse vectors (a ``--task sparse`` model) as ``{token: weight}`` per text, heaviest first (None
+        for a bad item, described in ``errors``)."""
         s = pick("embed_sparse", body.model)
-        check_texts("texts", body.texts)
-        rows = await run_batch(s, list(body.texts))
-        terms = get_task(s.predictor.task).terms(s.predictor, rows, body.top_k or 0, body.threshold)
-        return FastJSONResponse({"model": s.name, "results": terms})
+        ok, errors = sort_out({"texts": body.texts})
+        rows, truncated = await answer(s, list(body.texts), ok)
+        terms = get_task(s.predictor.task).terms(s.predictor, [rows[i] for i in ok], body.top_k or 0, body.threshold)
+        results: list[Any] = [None] * len(body.texts)
+        for i, t in zip(ok, terms, strict=True):
+            results[i] = t
+        return FastJSONResponse({"model": s.name, "results": results, "truncated": truncated, "errors": errors})
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -360,78 +303,15 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
 
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    peer_routes = openai_router(served, None, limits.max_texts, limits.max_chars)  # _Guard checked the token
+    peer_routes = openai_router(served, None, limits.max_texts, limits.max_chars)  # RequestGuard checked the token
     app.include_router(peer_routes)
     for add in extra_routes:
         add(app, check_texts)
     known = {r.path for r in [*app.routes, *peer_routes.routes] if hasattr(r, "path")}
-    app.add_middleware(_Guard, limits=limits, metrics=metrics, known_paths=known)
+    app.add_middleware(JsonBody)  # inside the guard: the token is checked first
+    app.add_middleware(RequestGuard, limits=limits, metrics=metrics, known_paths=known)
     app.state.metrics = metrics
     return app
-
-
-def guarded_protocol(head_timeout_s: float, max_head_bytes: int) -> type:
-    """uvicorn's HTTP/1.1 protocol (httptools when installed, else h11) with what it lacks: a connection must
-    send a complete request head within ``head_timeout_s`` of connecting (or of its previous response), in at
-    most ``max_head_bytes``, or it is closed. Without this a client that connects and sends nothing, or trickles
-    its headers, holds its connection (and a slot of ``limit_concurrency``) for ever; uvicorn's keep-alive timer
-    only runs between requests and any byte cancels it."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-        _head_timer: asyncio.TimerHandle | None = None
-        _head_bytes = 0
-
-        def _in_request(self) -> bool:
-            cycle = getattr(self, "cycle", None)
-            return cycle is not None and not cycle.response_complete
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._head_bytes = 0
-            self._head_timer = self.loop.call_later(head_timeout_s, self._head_timeout)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_timeout(self) -> None:
-            self._head_timer = None
-            if not self._in_request() and not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self._in_request():
-                self._disarm()
-            else:
-                self._head_bytes += len(data)
-                if self._head_bytes > max_head_bytes and not self.transport.is_closing():
-                    self.transport.close()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-    return GuardedHTTPProtocol
-
-
-def server_options(head_timeout_s: float = 10.0, keep_alive_s: float = 5.0, max_connections: int = 1000,
-                   max_head_bytes: int = 65_536) -> dict[str, Any]:
-    """The uvicorn settings that bound what slow or idle clients can hold (for ``uvicorn.run`` / ``Config``):
-    head timeout and size (:func:`guarded_protocol`), keep-alive, and a connection limit (503 above it)."""
-    return {"http": guarded_protocol(head_timeout_s, max_head_bytes), "timeout_keep_alive": keep_alive_s,
-            "limit_concurrency": max_connections, "h11_max_incomplete_event_size": max_head_bytes}
 
 
 def parse_models(specs: list[str]) -> dict[str, Path]:
@@ -446,23 +326,45 @@ class ServeConfig(StageConfig):
     model: list[str] = arg(help="Model folders, as DIR or name=DIR; repeat for several.", required=True)
     host: str = arg("127.0.0.1", help="Address to listen on (0.0.0.0 exposes the service to the network).")
     port: int = arg(8000, help="TCP port.")
-    backend: str = arg("auto", help="Inference backend for every model; " + AUTO_HELP, choices=BACKENDS)
-    max_body_bytes: int = arg(1_000_000, help="Largest accepted request body (413 above).")
-    max_texts: int = arg(256, help="Most texts per request (422 above).")
-    max_chars: int = arg(20_000, help="Most characters per text (422 above).")
+    backend: str = arg("auto", help="Inference backend for every model, and for the queries of every --index (auto: "
+                                    "the engine the index was built with); " + AUTO_HELP, choices=BACKENDS)
+    max_body_bytes: int = arg(32_000_000, help="Largest accepted request body (413 above): a guard of memory.")
+    max_texts: int = arg(2048, help="Most texts per request (OpenAI's own limit; 4xx above); a request is split into "
+                                    "model calls of --max-batch texts.")
+    max_chars: int = arg(1_000_000, help="Most characters per text: a guard of memory only (that text alone fails "
+                                         "above it). Longer texts than the model reads are truncated, and the "
+                                         "response lists them in 'truncated'.")
     token_env: str = arg("ENCODERKIT_TOKEN", help="Environment variable holding the bearer token; unset = no auth.")
     max_batch: int = arg(32, help="Most texts per batched model call.", speed=True)
     max_wait_ms: float = arg(5.0, help="How long a batch waits for more requests.", speed=True)
     max_batch_tokens: int = arg(16384, help="Most padded tokens (longest text x texts) per batched model call; "
                                             "requests are batched oldest first within it.", speed=True)
     threads: int | None = arg(None, help="onnxruntime intra-op threads per model.", speed=True)
-    head_timeout_s: float = arg(10.0, help="Seconds a connection has to send a complete request head (after "
-                                           "connecting, or after its previous response); then it is closed.")
+    head_timeout_s: float = arg(3.0, help="Seconds a new connection has to send a complete request head (until "
+                                          "then it has not authenticated either); then it is closed. After a "
+                                          "response the next head has the larger of this and --keep-alive-s.")
     body_timeout_s: float = arg(30.0, help="Seconds to wait for each part of a request body; a stalled body gets 408.")
     keep_alive_s: float = arg(5.0, help="Seconds an idle keep-alive connection stays open between requests.")
-    max_connections: int = arg(1000, help="Most open connections (and requests in progress); more get 503.")
+    max_connections: int = arg(1000, help="Most open connections; at the limit the connection that has waited "
+                                          "longest for a request head is closed to make room, else a new one gets "
+                                          "503.")
+    max_connections_per_client: int = arg(100, help="Most open connections from one client address (503 above; 0: "
+                                                    "no limit). Behind a reverse proxy every client has the proxy's "
+                                                    "address: raise it to --max-connections there.")
+    max_queue_texts: int = arg(8192, help="Most texts waiting in each model's queue, counted as the fair scheduler "
+                                          "serves them (other clients' queues up to this request's size): above, a "
+                                          "request gets 503 with Retry-After at once.")
+    max_queue_wait_s: float = arg(10.0, help="Most seconds a request may wait in its model's queue, estimated at "
+                                             "arrival from the model's recent speed (503 with Retry-After at once "
+                                             "above), and enforced: one not started by then gets 503.")
+    fair_tokens: int = arg(256, help="Tokens of batch credit each client connection gets per model call while "
+                                     "several are active (deficit round robin): smaller favours small requests' "
+                                     "latency over large ones' throughput.", speed=True)
     max_head_bytes: int = arg(65_536, help="Largest request head (request line and headers); a longer one is closed.")
     index: list[str] = arg([], help="Search index folders (encoderkit index), as DIR or name=DIR: POST /v1/search.")
+    rerank: list[str] = arg([], help="Cross-encoder (rerank) folders, as DIR or name=DIR: served like --model, and "
+                                     "what /v1/search's rerank_top reorders with (the request's 'rerank_model' "
+                                     "names one when several rerank models are served).")
     access_log: bool = arg(False, help="Log one line per request (off by default: it costs CPU per request, and "
                                        "/metrics counts requests by path and status).")
 
@@ -471,25 +373,27 @@ class ServeConfig(StageConfig):
         check(self.max_batch_tokens >= 1, "--max-batch-tokens must be positive")
         check(self.max_batch >= 1 and self.max_texts >= 1 and self.max_chars >= 1 and self.max_body_bytes >= 1,
               "--max-batch, --max-texts, --max-chars and --max-body-bytes must be positive")
+        check(self.max_queue_texts >= self.max_texts and self.max_queue_wait_s > 0 and self.fair_tokens >= 1
+              and self.max_connections_per_client >= 0,
+              "--max-queue-texts must be at least --max-texts, --max-queue-wait-s and --fair-tokens positive, and "
+              "--max-connections-per-client 0 or more")
         check(min(self.head_timeout_s, self.body_timeout_s, self.keep_alive_s) > 0
               and self.max_connections >= 1 and self.max_head_bytes >= 1024,
               "--head-timeout-s, --body-timeout-s and --keep-alive-s must be positive, --max-connections at least 1 "
               "and --max-head-bytes at least 1024")
 
 
-def load_models(specs: list[str], backend: str = "auto", threads: int | None = None, max_batch: int = 32) -> dict[str, Predictor]:
+def load_models(specs: list[str], backend: str = "auto", threads: int | None = None,
+                max_batch: int = 32) -> dict[str, Predictor]:
     return {name: Predictor.load(folder, backend=backend, threads=threads, max_batch=max_batch, spin=False)
             for name, folder in parse_models(specs).items()}
 
 
 def _freeze_startup_heap() -> None:
-    """Move every object alive after loading (transformers, onnxruntime, tokenizers, the app: ~240k objects
-    with MiniLM) out of the cyclic garbage collector's view. Left in, each full (gen-2) collection under
-    load walks them all and stops the event loop and the batch worker for 0.3-2 s (measured on 2 shared
-    cores): every request in flight waits, which was the long tail (p99 ~7x p50 at 64 clients). Only
+    """Move every object alive after loading (transformers, onnxruntime, tokenizers, the app) out of the cyclic
+    garbage collector's view: left in, each full collection under load walks them all and stalls the event loop
+    and the batch worker, and every request in flight waits (docs/results/deploy-log.md, issue 37). Only
     ``serve``'s own process does this; it owns the process, as the CLI does threads."""
-    import gc
-
     gc.collect()
     gc.freeze()
 
@@ -501,31 +405,43 @@ def run(cfg: ServeConfig) -> None:
     """
     import uvicorn
 
+    # one thread per tokenizer call (the model call's, a large request's count): Rust's thread pool would take every
+    # core the model calls need; set before the tokenizers are loaded, as the process is serve's alone
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     models = load_models(cfg.model, cfg.backend, cfg.threads, cfg.max_batch)
+    cross = load_models(cfg.rerank, cfg.backend, cfg.threads, cfg.max_batch) if cfg.rerank else {}
+    for name, p in cross.items():
+        if name in models:
+            raise EncoderkitError(f"--rerank {name}=...: the name {name!r} is already a --model's; name it otherwise")
+        if not get_task(p.task).scores_pairs:
+            raise EncoderkitError(f"--rerank {p.folder} is a {p.task!r} model, not a cross-encoder (a rerank model)")
+    models.update(cross)
     limits = Limits(cfg.max_body_bytes, cfg.max_texts, cfg.max_chars, os.environ.get(cfg.token_env) or None,
                     cfg.body_timeout_s)
     extra = ()
-    if cfg.index:
-        from encoderkit.retrieval.http import search_routes
-
-        extra = (search_routes(cfg.index, threads=cfg.threads),)
-    app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms, cfg.max_batch_tokens, extra)
+    if cfg.index:  # queries on --backend too; rerank_top with a served rerank model (--rerank, or a --model)
+        extra = (search_routes(cfg.index, backend=cfg.backend, threads=cfg.threads,
+                               rerankers={n: p for n, p in models.items()
+                                          if n in cross or get_task(p.task).endpoint == "rerank"}),)
+    app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms, cfg.max_batch_tokens, extra,
+                     max_queue_texts=cfg.max_queue_texts, max_queue_wait_s=cfg.max_queue_wait_s,
+                     fair_tokens=cfg.fair_tokens)
     for name, p in models.items():
         print(f"serving {name}: {p.task} from {p.folder} on {p.backend} ({p.backend_reason})")
     _freeze_startup_heap()
-    # loop "auto": uvloop when installed (uvicorn[standard]); the protocol is uvicorn's auto choice (httptools, else h11)
+    # loop "auto": uvloop when installed (uvicorn[standard]); the protocol is uvicorn's auto choice (httptools,
+    # else h11) with the head deadline added (encoderkit.deploy.protocol)
     uvicorn.run(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=30, log_level="info",
                 access_log=cfg.access_log, loop="auto",
-                **server_options(cfg.head_timeout_s, cfg.keep_alive_s, cfg.max_connections, cfg.max_head_bytes))
+                **server_options(cfg.head_timeout_s, cfg.keep_alive_s, cfg.max_connections, cfg.max_head_bytes,
+                                 cfg.max_connections_per_client))
 
 
 class BackgroundServer:
     """A real uvicorn server on 127.0.0.1 in a thread (tests, benchmarks): ``with BackgroundServer(app) as url:``.
-    ``options``: uvicorn settings, by default :func:`server_options`'s."""
+    ``options``: uvicorn settings, by default :func:`server_options`'s and a 10 s graceful-shutdown deadline."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, **options: Any) -> None:
-        import socket
-
         import uvicorn
 
         if port == 0:
@@ -533,8 +449,8 @@ class BackgroundServer:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=10, **{**server_options(), **options}))
+        options = {"timeout_graceful_shutdown": 10, **server_options(), **options}
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:

@@ -1,9 +1,8 @@
 """``encoderkit evaluate``: the task metrics of a model folder on labelled data, printed as JSON.
 
-The task comes from ``--task``, else from the folder by the one rule of
-:class:`encoderkit.models.folder.ModelFolder` (its ``encoderkit.json``, else a sentence-transformers
-folder is embed, else its architecture: ``*ForSequenceClassification`` with one label is rerank). Feature settings saved with the model (max length, strides) are reused; an explicit
-``--max-length`` overrides the saved one (e.g. to score a reranker on longer passages than it saw).
+The task comes from ``--task``, else from the folder (:class:`encoderkit.models.folder.ModelFolder`'s one rule).
+Feature settings saved with the model are reused; an explicit ``--max-length`` overrides the saved one. ``--pooling``
+applies to an embed model only (:func:`encoderkit.models.pooling.task_pooling`).
 """
 
 from __future__ import annotations
@@ -14,12 +13,16 @@ from typing import Any
 
 from encoderkit.config import arg
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.engines import TORCH_INT8, open_engine
+from encoderkit.inference.policy import resolve
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.heads import PRETRAINED
+from encoderkit.models.pooling import task_pooling
 from encoderkit.progress import note
 from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.common import EvalData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
+from encoderkit.train.pretrain import evaluate_folder
 
 
 @dataclass
@@ -30,15 +33,14 @@ class EvaluateConfig(TaskDataOptions):
                     "masked-LM loss/accuracy/perplexity on a token store from `encoderkit data prepare` (--data STORE; "
                     "--max-examples caps the blocks).", choices=("",) + TASKS + (PRETRAINED,))
     model: str = arg(help="Model folder to evaluate ('minilm' = all-MiniLM-L6-v2).", required=True)
-    data: str = arg(help="Labelled data in the task's format (see `encoderkit finetune --help`); mlm: a token store folder.",
-                    required=True)
+    data: str = arg(help="Labelled data in the task's format (see `encoderkit finetune --help`); mlm: a token store "
+                         "folder.", required=True)
     tokenizer: str = arg("", help="Tokenizer folder (default: the model folder's own).")
-    max_examples: int = arg(0, help="Evaluate a seeded random subset of this many examples (0: all); rerank/embed: of the judged "
-                                "queries, searching the whole corpus.")
+    max_examples: int = arg(0, help="Evaluate a seeded random subset of this many examples (0: all); rerank/embed: "
+                                    "of the judged queries, searching the whole corpus.")
     mask_rate: float = arg(0.15, help="mlm: fraction of tokens picked for prediction (80/10/10 as in pretraining).")
     miner: str = arg("minilm", help="rerank: bi-encoder that proposes the top-100 candidates on a BEIR source.")
     batch_size: int = arg(64, help="Inference batch size.", speed=True)
-    eval_batch_size: int = arg(64, help="(same as --batch-size; kept for shared task code)", speed=True)
 
 
 @dataclass
@@ -50,7 +52,8 @@ class EvaluateResult:
     seconds: float
 
     def summary(self) -> dict[str, Any]:
-        return {"model": self.model, "task": self.task, "data": self.data, "seconds": round(self.seconds, 1), **self.metrics}
+        return {"model": self.model, "task": self.task, "data": self.data, "seconds": round(self.seconds, 1),
+                **self.metrics}
 
 
 def run(cfg: EvaluateConfig) -> EvaluateResult:
@@ -66,19 +69,16 @@ def run(cfg: EvaluateConfig) -> EvaluateResult:
     return EvaluateResult(str(folder.path), task, cfg.data, metrics, time.perf_counter() - t0)
 
 
-def compressed_engine(folder: ModelFolder, task: str | None, threads: int | None = None, max_batch: int = 32) -> tuple[Any, str]:
-    """How a compressed folder's quality is measured, by ``evaluate`` and the compression measurer alike:
-    ONNX Runtime on its graph when it has no torch weights (an ONNX INT8 step's folder); torch's dynamic
-    INT8 model when its weights are INT8 (``quantize --format torch``: int8 weights, activations
-    quantized at run time, not the weights dequantized to FP32); else ``(None, "torch fp32")``: the
-    folder's torch model as it loads. The rule is the engines' ``evaluate`` policy
-    (:func:`encoderkit.inference.engines.open_engine`); ``max_batch`` is the caller's, not the engine's."""
-    from encoderkit.inference.engines import TORCH_INT8, open_engine
-
-    engine, backend = open_engine(folder, "evaluate", task=task, threads=threads)
-    if backend is None:
+def compressed_engine(folder: ModelFolder, task: str | None, threads: int | None = None,
+                      max_batch: int = 32) -> tuple[Any, str]:
+    """(engine, what it is) that measures a compressed folder, for ``evaluate`` and the compression measurer alike:
+    the engine policy's ``evaluate`` rule (:func:`encoderkit.inference.policy.pick_backend`); ``(None, "torch
+    fp32")`` for the folder's torch model as it loads. ``max_batch`` is the caller's, not the engine's."""
+    choice = resolve(folder, "evaluate", task=task)
+    if choice.backend is None:
         return None, "torch fp32"
-    return engine, backend if backend == TORCH_INT8 else f"deploy {backend}"
+    engine = open_engine(folder, choice, task=task, threads=threads)
+    return engine, choice.backend if choice.backend == TORCH_INT8 else f"deploy {choice.backend}"
 
 
 def folder_metrics(folder: ModelFolder, cfg: EvaluateConfig, engine: Any = None) -> tuple[str, dict[str, Any]]:
@@ -95,10 +95,10 @@ def folder_metrics(folder: ModelFolder, cfg: EvaluateConfig, engine: Any = None)
     if task is None:
         raise EncoderkitError(f"{folder.path}: cannot tell the task from encoderkit.json or config.json "
                               f"(architectures {folder.config.get('architectures') or 'missing'}); pass --task")
+    # --pooling: an embedding is scored pooled as asked; a classifier or static table only as it records
+    task_pooling(folder, task, cfg.pooling, scoring=True)
     tokenizer = folder.tokenizer(cfg.tokenizer or None)
     if task == PRETRAINED:  # no task object: the held-out masked-LM figures are pretraining's own
-        from encoderkit.train.pretrain import evaluate_folder
-
         if engine is not None:
             raise EncoderkitError(f"{folder.path}: an MLM model is measured with its torch weights only")
         return task, evaluate_folder(folder, tokenizer, cfg.data, cfg)

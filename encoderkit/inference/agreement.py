@@ -2,7 +2,7 @@
 terms (the task object's ``agreement``: classify the predicted label, multilabel the label set, ner each word's
 tag, qa the answer span, rerank each query's top-1 passage). ``encoderkit export --dev`` and ``encoderkit compress
 --dev`` record it in the card (``int8_agreement``), and ``--backend auto`` reads it there
-(:func:`encoderkit.inference.engines.serve_choice`): INT8 from :data:`INT8_MIN_AGREEMENT` on a VNNI/AMX CPU.
+(:func:`encoderkit.inference.policy.serve_choice`): INT8 from :data:`INT8_MIN_AGREEMENT` on a VNNI/AMX CPU.
 
     {"int8_agreement": {"value": 0.997, "rows": 872, "units": 872, "measure": "label", "file": "dev.tsv",
                         "threshold": 0.995}}
@@ -67,7 +67,8 @@ def int8_agreement(info: ModelFolder, fp32: Any, int8: Any, dev: str, *, limit: 
     except EncoderkitError as e:
         raise EncoderkitError(f"--dev {dev}: {e}") from e
     if not records:
-        raise EncoderkitError(f"--dev {dev} holds no {info.task} rows to measure INT8 agreement on; give the task's dev data")
+        raise EncoderkitError(f"--dev {dev} holds no {info.task} rows to measure INT8 agreement on; give the task's "
+                              "dev data")
     tokenizer = info.tokenizer()
     ref, got = (AgreementRunner(info, tokenizer, engine, max_batch) for engine in (fp32, int8))
     a = task.agreement(ref, got, records)

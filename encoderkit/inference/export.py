@@ -17,15 +17,18 @@ from __future__ import annotations
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.inference.agreement import CARD_KEY, int8_agreement, not_measured, verdict
+from encoderkit.inference.agreement import CARD_KEY, INT8_MIN_AGREEMENT, int8_agreement, not_measured, verdict
 from encoderkit.io import output_dir
 from encoderkit.models.card import inherited_card, write_card
 from encoderkit.models.folder import ONNX_FP32, ONNX_INT8, ModelFolder
@@ -54,11 +57,12 @@ class ExportConfig(StageConfig):
     tolerance: float = arg(1e-3, help="Largest allowed |ONNX fp32 - PyTorch| on the sample inputs.")
     int8_min_cosine: float = arg(0.95, help="Smallest allowed mean cosine between INT8 and PyTorch outputs "
                                             "(embed/ner/qa; classify/rerank: probabilities within 0.1).")
-    dev: str = arg("", help="The task's dev data (what `encoderkit evaluate --data` takes; rerank: JSONL {query, positive, "
-                            "negatives}, or a BEIR source with --miner): the INT8 graph's agreement with FP32 on its "
-                            "rows, in the task's terms (classify: the label; multilabel: the label set; ner: each word's "
-                            "tag; qa: the answer span; rerank: each query's top-1 passage), is recorded in the card, "
-                            "where --backend auto reads it: INT8 from 99.5%% on a CPU with VNNI/AMX int8, else FP32.")
+    dev: str = arg("", help="The task's dev data (what `encoderkit evaluate --data` takes; rerank: JSONL {query, "
+                            "positive, negatives}, or a BEIR source with --miner): the INT8 graph's agreement with "
+                            "FP32 on its rows, in the task's terms (classify: the label; multilabel: the label set; "
+                            "ner: each word's tag; qa: the answer span; rerank: each query's top-1 passage), is "
+                            "recorded in the card, where --backend auto reads it: INT8 from "
+                            f"{100 * INT8_MIN_AGREEMENT:.1f}%% on a CPU with VNNI/AMX int8, else FP32.")
     dev_limit: int = arg(0, help="Measure agreement on the first N dev rows (rerank: queries) (0: all).")
     miner: str = arg("", help="rerank with a BEIR --dev: the bi-encoder folder (or 'minilm') whose top 100 documents "
                               "per query the reranker orders.")
@@ -91,7 +95,8 @@ def _sample_inputs(tokenizer, info: ModelFolder) -> dict[str, np.ndarray]:
         enc = tokenizer(["who visited paris ?", "what was fun", "why"], SAMPLE_TEXTS, padding=True,
                         truncation=True, max_length=min(64, info.max_length), return_tensors="np")
     else:
-        enc = tokenizer(SAMPLE_TEXTS, padding=True, truncation=True, max_length=min(64, info.max_length), return_tensors="np")
+        enc = tokenizer(SAMPLE_TEXTS, padding=True, truncation=True, max_length=min(64, info.max_length),
+                        return_tensors="np")
     return {k: v.astype(np.int64) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
 
@@ -100,8 +105,6 @@ class _GraphModule:
 
     @staticmethod
     def wrap(model, task: str, input_names: list[str]):
-        import torch
-
         outputs = get_task(task).outputs
 
         class Wrapped(torch.nn.Module):
@@ -118,8 +121,6 @@ class _GraphModule:
 
 def torch_outputs(model, task: str, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
     """The task's output arrays from eager PyTorch for numpy ``inputs``."""
-    import torch
-
     with torch.inference_mode():
         out = model(**{k: torch.from_numpy(v) for k, v in inputs.items()})
     return [out[name].float().numpy() for name in get_task(task).outputs]
@@ -133,16 +134,60 @@ def _run_graph(session, outputs: list[str], inputs: dict[str, np.ndarray]) -> li
 
 
 class GraphEngine:
-    """One ``.onnx`` file as an engine: the task's outputs, ``token_type_ids`` zero where rows have none."""
+    """One ``.onnx`` file as an engine: the task's outputs, ``token_type_ids`` zero where rows have none; a graph
+    that quantises activations per call (:func:`per_batch_scales`) runs one row at a time (:func:`run_alone`)."""
 
     def __init__(self, path: Path, task: str, threads: int | None = None) -> None:
         self.session, self.outputs = ort_session(path, threads), list(get_task(task).outputs)
         self.type_ids = any(i.name == "token_type_ids" for i in self.session.get_inputs())
+        self.per_row, self.per_token = per_batch_scales(path), get_task(task).per_token
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         if self.type_ids and "token_type_ids" not in inputs:
             inputs = inputs | {"token_type_ids": np.zeros_like(inputs["input_ids"])}
+        if self.per_row:
+            return run_alone(partial(_run_graph, self.session, self.outputs), inputs, self.per_token)
         return _run_graph(self.session, self.outputs, inputs)
+
+
+DYNAMIC_QUANT_OPS = frozenset({"DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQuantizeLSTM"})
+
+
+@lru_cache(maxsize=64)
+def _dynamic_ops(path: str, mtime_ns: int) -> bool:
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    nodes = [*model.graph.node, *(n for f in model.functions for n in f.node)]
+    return any(n.op_type in DYNAMIC_QUANT_OPS for n in nodes)
+
+
+def per_batch_scales(path: Path) -> bool:
+    """Whether the ONNX graph at ``path`` quantises activations with scales computed at run time over the whole
+    call (``quantize_dynamic``'s ``DynamicQuantizeLinear``): run on a padded batch, a text's output would depend on
+    the texts beside it and on the padding, so the engines run such a graph one text at a time (:func:`run_alone`)."""
+    return _dynamic_ops(str(Path(path).resolve()), Path(path).stat().st_mtime_ns)
+
+
+def run_alone(run: Callable[[dict[str, np.ndarray]], list[np.ndarray]], inputs: dict[str, np.ndarray],
+              per_token: bool) -> list[np.ndarray]:
+    """``run`` on each row of the right-padded batch ``inputs`` alone, its padding cut off, the outputs put back
+    together as the batch's: ``(B, ...)``, or ``(B, T, ...)`` zero past each row's length with ``per_token``. A
+    graph with per-call activation scales then gives each text the output it has alone, whatever its batch."""
+    mask = inputs["attention_mask"]
+    width = mask.shape[1]
+    lengths = np.where(mask.any(1), width - np.argmax(mask[:, ::-1] > 0, axis=1), 1)  # through the last real token
+    rows = [run({k: v[i:i + 1, :n] if v.ndim == 2 and v.shape[1] == width else v[i:i + 1] for k, v in inputs.items()})
+            for i, n in enumerate(lengths)]
+    if not per_token:
+        return [np.concatenate([r[j] for r in rows]) for j in range(len(rows[0]))]
+    out = []
+    for j in range(len(rows[0])):
+        full = np.zeros((len(rows), width, *rows[0][j].shape[2:]), dtype=rows[0][j].dtype)
+        for i, r in enumerate(rows):
+            full[i, : r[j].shape[1]] = r[j][0]
+        out.append(full)
+    return out
 
 
 def ort_session(path: Path, threads: int | None = None, spin: bool = True):
@@ -208,7 +253,8 @@ def _optimize(src: Path, dst: Path, config: dict[str, Any]) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            opt = optimizer.optimize_model(str(src), model_type="bert", num_heads=int(config.get("num_attention_heads", 0)),
+            opt = optimizer.optimize_model(str(src), model_type="bert",
+                                           num_heads=int(config.get("num_attention_heads", 0)),
                                            hidden_size=int(config.get("hidden_size", 0)))
         opt.save_model_to_file(str(dst))
         return True
@@ -218,17 +264,17 @@ def _optimize(src: Path, dst: Path, config: dict[str, Any]) -> bool:
         return False
 
 
-GRAPH_RECIPE = 3  # how export makes its graphs; raised when that changes (3: INT8 quantises the fused graph's MatMul and Attention)
+# how export makes its graphs; raised when that changes (3: INT8 quantises the fused graph's MatMul and Attention)
+GRAPH_RECIPE = 3
 
 
 def _quantize(raw: Path, fused: Path | None, dst: Path, config: dict[str, Any], optimize: bool, tmp: Path) -> str:
     """Dynamic INT8 (per-channel int8 weights) of the exported graph into ``dst``; which route it took.
 
     ``fused-then-quantized`` (when ``fused``, the optimizer's FP32 graph, is given): its fused ``Attention``
-    becomes ``QAttention`` (the Q, K, V projections in int8, in one kernel) and its other MatMuls dynamic INT8;
-    measured on all-MiniLM-L6-v2 over 256-token passages (bench/embed_peers.py): 1.16x the other route, the same
-    cosine to FP32 (0.9944). ``quantized-then-fused`` otherwise (and when the fused graph does not quantise): the
-    plain graph quantised, then GELU and layer norm fused (its attention stays unfused FP32 MatMuls)."""
+    becomes ``QAttention`` (the Q, K, V projections in int8, in one kernel) and its other MatMuls dynamic INT8,
+    the faster route at the same cosine to FP32 (docs/results/deploy-log.md). ``quantized-then-fused`` otherwise
+    (and when the fused graph does not quantise): the plain graph quantised, then GELU and layer norm fused."""
     from onnx import TensorProto
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -246,7 +292,8 @@ def _quantize(raw: Path, fused: Path | None, dst: Path, config: dict[str, Any], 
             shutil.copyfile(q, dst)
             return "fused-then-quantized"
         except Exception as e:  # noqa: BLE001 -- a fused op the quantiser does not know: take the other route
-            warnings.warn(f"quantising the fused graph failed ({str(e)[:120]}); quantising the plain graph", stacklevel=2)
+            warnings.warn(f"quantising the fused graph failed ({str(e)[:120]}); quantising the plain graph",
+                          stacklevel=2)
     quantize_dynamic(str(raw), str(q), per_channel=True, weight_type=QuantType.QInt8)
     if optimize:  # fusing after quantising keeps the QDQ-free MatMulInteger path and still fuses GELU/LN
         _optimize(q, dst, config)
@@ -255,15 +302,13 @@ def _quantize(raw: Path, fused: Path | None, dst: Path, config: dict[str, Any], 
     return "quantized-then-fused" if optimize else "quantized"
 
 
-def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: bool = False, int8: bool = False, opset: int = 17,
-                tolerance: float = 1e-3, int8_min_cosine: float = 0.95) -> dict[str, Any]:
+def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: bool = False, int8: bool = False,
+                opset: int = 17, tolerance: float = 1e-3, int8_min_cosine: float = 0.95) -> dict[str, Any]:
     """Write ``out/model.onnx`` (and ``out/model.int8.onnx``) for the task model in ``model_dir``.
 
     Returns the parity figures: ``fp32_max_abs_diff`` (and ``int8_max_abs_diff``, ``int8_mean_cosine``).
     Raises EncoderkitError when the FP32 graph differs from eager PyTorch beyond ``tolerance``.
     """
-    import torch
-
     info = model_dir if isinstance(model_dir, ModelFolder) else ModelFolder.open(model_dir, tokenizer=False)
     model_dir = info.path
     info.require_task(*TASKS)
@@ -273,7 +318,8 @@ def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: boo
     input_names = list(inputs)
     # The reference comes from a model that was never traced: tracing leaves transformers' modules in a
     # state where later eager calls can differ.
-    reference = torch_outputs(task.graph_module(info.load(task=info.task, attn="eager", frozen=True)), info.task, inputs)
+    reference = torch_outputs(task.graph_module(info.load(task=info.task, attn="eager", frozen=True)), info.task,
+                              inputs)
     model = task.graph_module(info.load(task=info.task, attn="eager", frozen=True))
     outputs = list(task.outputs)
     axes = {name: {0: "batch", 1: "sequence"} for name in input_names}
@@ -305,7 +351,8 @@ def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: boo
             got = _run_graph(ort_session(out / ONNX_INT8), outputs, inputs)
             report["int8_max_abs_diff"] = _max_abs(got, reference, inputs["attention_mask"])
             if task.few_logits:  # few logits per example: compare probabilities instead
-                # a sigmoid per label (as encoderkit.compress.students.is_multi_label, a layer above): each label's probability
+                # a sigmoid per label (as encoderkit.compress.students.is_multi_label, a layer above): each label's
+                # probability
                 multi = config.get("problem_type") == "multi_label_classification"
                 report["int8_max_prob_diff"] = float(np.abs(_probs(got[0], multi) - _probs(reference[0], multi)).max())
                 if report["int8_max_prob_diff"] > 0.1:
@@ -333,13 +380,14 @@ def run(cfg: ExportConfig) -> ExportResult:
     info.require_tokenizer()
     measured = get_task(info.task).agreement_measure is not None
     if cfg.dev and not measured:
-        raise EncoderkitError(f"--dev {cfg.dev}: a {info.task} model's INT8 graph is not measured on dev rows (--backend "
-                              f"auto runs {info.task} by the task's rule); drop --dev")
+        raise EncoderkitError(f"--dev {cfg.dev}: a {info.task} model's INT8 graph is not measured on dev rows "
+                              f"(--backend auto runs {info.task} by the task's rule); drop --dev")
     with output_dir(cfg.out, cfg.overwrite) as tmp:
         copy_side_files(src, tmp, weights=True)
         parity = export_onnx(info, tmp, optimize=cfg.optimize, int8=cfg.quantize == "int8-dynamic", opset=cfg.opset,
                              tolerance=cfg.tolerance, int8_min_cosine=cfg.int8_min_cosine)
-        print(f"parity on {len(SAMPLE_TEXTS)} sample inputs: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in parity.items()))
+        print(f"parity on {len(SAMPLE_TEXTS)} sample inputs: "
+              + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in parity.items()))
         parent_card = inherited_card(info.card)
         parent_card.update(task=info.task, labels=info.labels, pooling=info.pooling, normalize=info.normalize,
                            max_length=info.max_length)

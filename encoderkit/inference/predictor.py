@@ -1,31 +1,21 @@
-"""The Predictor: one task model behind one backend, with length-sorted batches.
+"""The Predictor: one task model behind one engine, with length-sorted batches.
 
-    p = Predictor.load("runs/sst2")                     # backend="auto": see below (p.backend_reason says why)
-    p.classify(["a great movie", "dull"])               # [{"label": "positive", "score": 0.97, "scores": {...}}, ...]
-    p.embed(["a query"], dim=256)                        # (1, 256) float32, Matryoshka-truncated and renormalised
+    p = Predictor.load("runs/sst2")            # backend "auto": the engine policy's choice (p.backend_reason: why)
+    p.classify(["a great movie", "dull"])      # [{"label": "positive", "score": ..., "scores": {...}}, ...]
+    p.embed(["a query"], dim=256)              # (1, 256) float32, Matryoshka-truncated and renormalised
 
-Backends: ``torch-fp32``, ``torch-bf16`` (eager transformers), ``onnx-fp32``, ``onnx-int8``
-(onnxruntime on ``model.onnx`` / ``model.int8.onnx``). A folder without ONNX files is exported once
-into a cache folder (``ENCODERKIT_CACHE``, default ``~/.cache/encoderkit/onnx``). ``auto`` picks
-ONNX INT8 (per-channel weights) for ``embed`` (measured: mean cosine 0.992 to FP32 on MiniLM,
-SciFact nDCG@10 within 0.4%, see bench/encode_speed.py). For the other tasks INT8 can change answers
-(on an SST-2 classifier it changed 6% of the labels, bench/classify_speed.py), so ``auto`` runs the
-folder's own INT8 graph only where the CPU has VNNI/AMX int8 and the folder's card says INT8 agrees
-with FP32 on at least 99.5% of its dev rows (``encoderkit export --quantize int8-dynamic --dev FILE``
-measures it), else ONNX FP32; ``Predictor.backend_reason`` says which and why. A folder that holds
-only ``model.int8.onnx`` (an INT8 export, without the FP32 graph or the weights) runs on it.
-
-Long inputs: ``classify``, ``rerank`` and ``embed`` truncate to the model's maximum length (stated
-in ``Predictor.max_length``); ``extract`` and ``answer`` cut long texts into overlapping windows.
-Batches are formed after sorting inputs by token count (little padding) and results are returned
-in input order. ``threads`` sets onnxruntime's intra-op threads; torch threads are a process
-setting, left to the caller (``encoderkit --threads N``).
+The engine is :mod:`encoderkit.inference.policy`'s choice, made once per load and kept in ``Predictor.choice``: a
+copy loaded elsewhere (a Ray actor) is given it instead of choosing again. Long inputs are truncated to
+``max_length`` (classify, rerank, embed) or cut into overlapping windows (extract, answer).
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -36,10 +26,9 @@ import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.inference.engines import AUTO_HELP, CALIBRATION_TEXTS, STATIC, open_engine, run_rows, serve_choice
-from encoderkit.inference.engines import BACKENDS as ENGINE_BACKENDS
-from encoderkit.inference.export import OUTPUT_NAMES
-from encoderkit.io import check_writable, open_text_atomic
+from encoderkit.inference.engines import open_engine, run_rows
+from encoderkit.inference.policy import ASKED, AUTO_HELP, EngineChoice, resolve
+from encoderkit.io import BlankLines, check_input, check_output_file, json_line, open_text_atomic, read_lines, records
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import progress
 from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
@@ -47,8 +36,7 @@ from encoderkit.tasks import TASKS, get_task
 from encoderkit.tasks.batching import length_batches
 from encoderkit.tasks.embed.embedder import Embedder, tokenize
 
-BACKENDS = ("auto",) + ENGINE_BACKENDS + (STATIC,)  # ``auto``: the engines' ``serve`` policy; ``static``: a static folder's
-OUTPUTS = OUTPUT_NAMES  # task -> its graph's output names (``task.outputs``)
+BACKENDS = ASKED  # what --backend may name: ``auto`` (encoderkit.inference.policy), a backend, ``static``
 # ``predict`` reads, runs and writes its input this many records at a time, locally and with --ray alike (whose driver
 # holds at most ray_jobs.IN_FLIGHT chunks): an input of up to CHUNK records is batched as one, a longer one per chunk
 CHUNK = 4096
@@ -57,38 +45,36 @@ CHUNK = 4096
 class Predictor:
     """A task model ready for inference; see the module docstring."""
 
-    def __init__(self, folder: Path, info: ModelFolder, tokenizer, engine, backend: str, max_batch: int,
-                 max_length: int, backend_reason: str = "") -> None:
+    def __init__(self, folder: Path, info: ModelFolder, tokenizer, engine, choice: EngineChoice, max_batch: int,
+                 max_length: int) -> None:
         self.folder, self.info, self.tokenizer, self.engine = folder, info, tokenizer, engine
-        self.task, self.backend, self.max_batch, self.max_length = info.task, backend, max_batch, max_length
-        self.backend_reason = backend_reason or f"--backend {backend}"  # why this backend (``auto``: the serve rule's why)
-        self.calibration: list[str] | None = None  # openvino-int8's calibration texts, for a copy loaded elsewhere (Ray)
+        self.task, self.max_batch, self.max_length = info.task, max_batch, max_length
+        self.choice = choice  # the engine policy's choice: what another copy (a Ray actor) loads with
+        self.backend, self.backend_reason = choice.backend, choice.reason  # what runs the model, and why
 
     @classmethod
-    def load(cls, folder: str | Path, backend: str = "auto", threads: int | None = None, max_batch: int = 32,
-             max_length: int | None = None, spin: bool = True, calibration: Sequence[str] | None = None) -> Predictor:
-        """Load ``folder`` (a task model, or its export) with ``backend``; see the module docstring.
-        ``spin=False`` lets onnxruntime's idle threads sleep (a server sharing the CPU with its HTTP loop).
-        ``calibration``: texts like the ones to come (a sample of the corpus) whose activation ranges
-        ``openvino-int8`` quantises with; without them it calibrates on vocabulary draws and built-in prose
-        (:func:`~encoderkit.inference.engines.default_calibration`), as ``auto`` does where it picks OpenVINO."""
-        if backend not in BACKENDS:
-            raise EncoderkitError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    def load(cls, folder: str | Path, backend: str | EngineChoice = "auto", threads: int | None = None,
+             max_batch: int = 32, max_length: int | None = None, spin: bool = True,
+             calibration: Sequence[str] | None = None) -> Predictor:
+        """Load ``folder`` (a task model, or its export) on ``backend``: a name, resolved once by the engine policy
+        (:func:`encoderkit.inference.policy.resolve`), or a choice it already made (``Predictor.choice`` of a copy
+        loaded elsewhere, an index's recorded engine). ``spin=False`` lets onnxruntime's idle threads sleep (a server
+        sharing the CPU with its HTTP loop). ``calibration``: texts like the ones to come (a sample of the corpus)
+        whose activation ranges an explicit ``openvino-int8`` quantises with; without them it calibrates on
+        vocabulary draws and built-in prose (:func:`~encoderkit.inference.engines.default_calibration`), as ``auto``
+        does where it picks OpenVINO."""
         if max_batch < 1:
             raise EncoderkitError(f"max_batch must be at least 1, got {max_batch}")
         info = ModelFolder.open(folder, tokenizer=False)
         info.require_task(*TASKS)
+        choice = resolve(info, backend, calibration=calibration)
         tokenizer = info.tokenizer()
-        reason = serve_choice(info).why if backend == "auto" else f"--backend {backend} asked for"
         limit = info.max_length if max_length is None else min(max_length, info.max_length)
-        texts = list(calibration)[:CALIBRATION_TEXTS] if calibration and backend == "openvino-int8" else None
+        texts = choice.texts if choice.backend == "openvino-int8" else None
         batches = [dict(tokenizer(texts[i:i + 8], truncation=True, max_length=limit, padding=True, return_tensors="np"))
                    for i in range(0, len(texts), 8)] if texts else None
-        engine, backend = open_engine(info, "serve" if backend == "auto" else backend, threads=threads, spin=spin,
-                                      calibration=batches)
-        predictor = cls(info.path, info, tokenizer, engine, backend, max_batch, limit, reason)
-        predictor.calibration = texts  # what another copy (a Ray actor) loads with
-        return predictor
+        engine = open_engine(info, choice, threads=threads, spin=spin, calibration=batches)
+        return cls(info.path, info, tokenizer, engine, choice, max_batch, limit)
 
     # -- batching -------------------------------------------------------------------------
     def run_rows(self, rows: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
@@ -101,7 +87,8 @@ class Predictor:
     def _need(self, *tasks: str) -> None:
         # a guard, not a branch: these public methods are named after a task's API (classify, extract, ...)
         if self.task not in tasks:
-            raise EncoderkitError(f"{self.folder} is a {self.task!r} model; this call needs a {' or '.join(tasks)} model")
+            raise EncoderkitError(f"{self.folder} is a {self.task!r} model; this call needs a "
+                                  f"{' or '.join(tasks)} model")
 
     # -- tasks: each the task object's own method, on this predictor ----------------------
     def classify(self, inputs: Sequence[str | tuple[str, str] | list[str]]) -> list[dict[str, Any]]:
@@ -158,8 +145,8 @@ def finish_embeddings(vectors: np.ndarray, dim: int | None, normalize: bool) -> 
 def describe(p: Predictor) -> dict[str, Any]:
     """What a loaded predictor is: task, backend, labels, limits (for /health and logs)."""
     return {"folder": str(p.folder), "task": p.task, "backend": p.backend, "backend_reason": p.backend_reason,
-            "labels": p.info.labels,
-            "max_length": p.max_length, "max_batch": p.max_batch, "stage": p.info.card.get("stage")}
+            "labels": p.info.labels, "max_length": p.max_length, "max_batch": p.max_batch,
+            "stage": p.info.card.get("stage")}
 
 
 # -- --ray: the single-process run's engine calls, formed on the driver ------------------------------------
@@ -185,7 +172,8 @@ def as_one_call(fn: Callable[[Predictor, list[Any]], Any], p: Predictor, rows: l
 
 
 def text_lengths(p: Predictor, texts: Sequence[str]) -> list[int]:
-    """Token rows' lengths of ``texts`` as the embed path cuts them (:func:`~encoderkit.tasks.embed.embedder.tokenize`)."""
+    """Token rows' lengths of ``texts`` as the embed path cuts them
+    (:func:`~encoderkit.tasks.embed.embedder.tokenize`)."""
     return [len(r["input_ids"]) for r in tokenize(p.tokenizer, list(texts), p.max_length)] if texts else []
 
 
@@ -251,56 +239,38 @@ class PredictResult:
     output: Path
     records: int
     task: str
-    backend: str
+    engine: EngineChoice
     seconds: float
+    blank_lines: int = 0
 
     def summary(self) -> dict[str, Any]:
-        return {"output": str(self.output), "records": self.records, "task": self.task, "backend": self.backend,
-                "seconds": round(self.seconds, 3), "records_per_s": round(self.records / max(self.seconds, 1e-9), 1)}
+        return {"output": str(self.output), "records": self.records, "blank_lines": self.blank_lines, "task": self.task,
+                "engine": self.engine.to_dict(), "seconds": round(self.seconds, 3),
+                "records_per_s": round(self.records / max(self.seconds, 1e-9), 1)}
 
 
-def iter_records(path: Path, task: str) -> Iterator[dict[str, Any]]:
-    """Input records, read line by line (a corpus never sits whole in memory): a .txt file gives {"text": line}
-    per non-empty line; .jsonl one object per line, each checked as it is read (errors name ``file:line``)."""
-    import json
-
-    if not path.is_file():
-        raise EncoderkitError(f"input file {path} does not exist")
+def iter_records(path: Path, task: str, blank: BlankLines | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` of each input record, read line by line (a corpus never sits whole in memory) by the
+    one line reader (:func:`encoderkit.io.read_lines`: only ``\\n`` ends a line): a .txt file gives {"text": line}
+    per non-blank line; .jsonl one object per line, each checked as it is read (errors name ``file:line``). Blank
+    lines are skipped, counted in ``blank`` and reported; the output names each result's line."""
     need = get_task(task).record_fields
-    n = 0
     found = False
-    with path.open(encoding="utf-8") as f:
-        while True:
-            try:
-                physical = f.readline()
-            except UnicodeDecodeError as e:
-                raise EncoderkitError(f"{path} is not UTF-8 text ({e}); re-encode it as UTF-8") from e
-            if not physical:
-                break
-            for line in physical.splitlines():  # str.splitlines' line breaks, as a whole-file read splits them
-                n += 1
-                if not line.strip():
-                    continue
-                if path.suffix != ".jsonl":
-                    if need != ("text",):  # a line of a .txt is one text: the input of a task whose record is one text
-                        raise EncoderkitError(f"{path}: a {task} model needs a .jsonl input with fields {', '.join(need)}")
-                    found = True
-                    yield {"text": line}
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise EncoderkitError(f"{path}:{n}: not valid JSON ({e})") from e
-                get_task(task).check_record(rec if isinstance(rec, dict) else {}, f"{path}:{n}")  # a non-object has no field
-                found = True
-                yield rec
+    jsonl = path.suffix == ".jsonl"
+    for n, line in records(read_lines(path, "--input"), str(path), blank):
+        if not jsonl:
+            if need != ("text",):  # a line of a .txt is one text: the input of a task whose record is one text
+                raise EncoderkitError(f"{path}: a {task} model needs a .jsonl input with fields {', '.join(need)}")
+            found = True
+            yield n, {"text": line}
+            continue
+        rec = json_line(line, f"{path}:{n}")
+        get_task(task).check_record(rec, f"{path}:{n}")
+        found = True
+        yield n, rec
     if not found:
-        raise EncoderkitError(f"{path} holds no records")
-
-
-def read_records(path: Path, task: str) -> list[dict[str, Any]]:
-    """Input records (:func:`iter_records`), all of them."""
-    return list(iter_records(path, task))
+        raise EncoderkitError(f"--input {path} holds no records; give one text per line (.txt) or one JSON object "
+                              "per line (.jsonl)")
 
 
 def chunks(records: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -330,23 +300,25 @@ def run(cfg: PredictConfig) -> PredictResult:
 
     Example: encoderkit predict --model runs/sst2 --input reviews.txt --output preds.jsonl
     """
-    import json
-    import time
-
-
-    out = Path(cfg.output)
-    if out.is_dir():
-        raise EncoderkitError(f"--output {out} is a folder; give a file name (e.g. {out / 'predictions.jsonl'})")
-    if out.exists() and not cfg.overwrite:
-        raise EncoderkitError(f"output file {out} exists; pass --overwrite to replace it")
-    check_writable(out, "--output")  # before the model is loaded and run, as every stage checks its --out
+    out = check_output_file(cfg.output, cfg.overwrite, "--output", [cfg.input, cfg.model])  # before the model runs
+    check_input(cfg.input, "--input")
     ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before the model is loaded
     p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.max_batch)
     start = time.perf_counter()
     done = 0
-    parts = chunks(iter_records(Path(cfg.input), p.task), CHUNK)
-    if ray is not None:  # one Predictor per actor; the one above checked the folder and exported its graph once
-        load = partial(Predictor.load, cfg.model, backend=cfg.backend, threads=ray.threads, max_batch=cfg.max_batch)
+    blank = BlankLines()
+    numbered = chunks(iter_records(Path(cfg.input), p.task, blank), CHUNK)
+    lines: deque[list[int]] = deque()  # the input lines of the chunks read and not yet written, oldest first
+
+    def unnumbered() -> Iterator[list[dict[str, Any]]]:
+        for part in numbered:
+            lines.append([n for n, _ in part])
+            yield [r for _, r in part]
+
+    parts = unnumbered()
+    if ray is not None:  # one Predictor per actor, on the engine chosen here (an actor never picks on its own CPU);
+        # the one above checked the folder and exported its graph once
+        load = partial(Predictor.load, cfg.model, backend=p.choice, threads=ray.threads, max_batch=cfg.max_batch)
 
         def planned(part: list[dict[str, Any]]) -> tuple[list[tuple[bool, dict[str, Any]]], list[list[int]] | None]:
             lengths = record_lengths(p, part, cfg.dim)  # the local run's engine calls of this chunk, each shipped whole
@@ -360,12 +332,13 @@ def run(cfg: PredictConfig) -> PredictResult:
     bar = progress(desc="predict", unit="record")
     try:
         with open_text_atomic(out) as f:
-            for results in results_of:
-                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results))
+            for results in results_of:  # each row says which input line it answers (blank lines are skipped)
+                f.write("".join(json.dumps({"line": n} | r, ensure_ascii=False) + "\n"
+                                for n, r in zip(lines.popleft(), results, strict=True)))
                 f.flush()  # a chunk's results leave the driver as they are written
                 done += len(results)
                 bar.update(len(results))
     finally:
         bar.close()
     seconds = time.perf_counter() - start
-    return PredictResult(out, done, p.task, p.backend, seconds)
+    return PredictResult(out, done, p.task, p.choice, seconds, blank.count)

@@ -38,7 +38,8 @@ class AnswerCache:
         row = self.db.execute("SELECT answer FROM answers WHERE key=?", (key,)).fetchone()
         return None if row is None else row[0]
 
-    def put(self, key: str, model: str, answer: str, prompt_tokens: int, completion_tokens: int, seconds: float) -> None:
+    def put(self, key: str, model: str, answer: str, prompt_tokens: int, completion_tokens: int,
+            seconds: float) -> None:
         self.db.execute("INSERT OR REPLACE INTO answers(key, model, answer, prompt_tokens, completion_tokens, seconds) "
                         "VALUES (?,?,?,?,?,?)", (key, model, answer, prompt_tokens, completion_tokens, seconds))
         self.db.commit()

@@ -1,11 +1,8 @@
 """The endpoint labeller: any OpenAI-compatible chat-completions server through the ``openai`` client.
 
-Each text is asked ``samples`` times of each model; an answer that names no label is asked again
-(``parse_retries`` times, a new request each), then recorded unlabeled with its raw text. The label
-is the majority vote and the confidence the share of requests that agree with it (no logprobs
-needed). 429 and 5xx answers, timeouts and refused connections are retried with exponential
-backoff; every answer goes into the :class:`~encoderkit.label.cache.AnswerCache` before it is
-used, so a killed run loses at most the requests in flight.
+The label is the majority vote over ``samples`` requests per model, the confidence the share that agrees (no
+logprobs needed). Every answer goes into the :class:`~encoderkit.label.cache.AnswerCache` before it is used, so a
+killed run loses at most the requests in flight.
 """
 
 from __future__ import annotations
@@ -37,21 +34,26 @@ class EndpointLabeller:
 
     def __init__(self, url: str, models: list[str], labels: list[str], cache: AnswerCache, *, samples: int = 1,
                  temperature: float = 0.0, concurrency: int = 4, retries: int = 5, parse_retries: int = 1,
-                 timeout: float = 60.0, backoff: float = 1.0, api_key: str = "", max_tokens: int = 16) -> None:
+                 timeout: float = 60.0, backoff: float = 1.0, api_key: str = "", max_tokens: int = 16,
+                 parse: Callable[[str, str], str | None] | None = None) -> None:
         try:
             import openai
         except ImportError as e:
-            raise EncoderkitError("the endpoint labeller needs the openai client: pip install 'encoderkit[label]'") from e
+            raise EncoderkitError("the endpoint labeller needs the openai client: "
+                                  "pip install 'encoderkit[label]'") from e
         self.openai = openai
         self.client = openai.OpenAI(base_url=url, api_key=api_key or "not-needed", max_retries=0, timeout=timeout)
         self.url, self.models, self.labels, self.cache = url, models, labels, cache
         self.samples, self.temperature, self.concurrency = samples, temperature, concurrency
         self.retries, self.parse_retries, self.backoff, self.max_tokens = retries, parse_retries, backoff, max_tokens
         self.sent = 0  # requests actually sent by this object (cache hits excluded)
+        # parse(answer, text) -> the answer as one vote (a label; NER: its checked span set), None: asked again
+        self.parse = parse or (lambda answer, text: parse_answer(answer, labels))
         self._lock = threading.Lock()
         self._stop = threading.Event()  # set when the run fails: workers stop retrying at once
 
-    def label(self, prompts: list[str], texts: list[str], done: Callable[[int, Labelled], None] | None = None) -> list[Labelled]:
+    def label(self, prompts: list[str], texts: list[str],
+              done: Callable[[int, Labelled], None] | None = None) -> list[Labelled]:
         """Label every text (``prompts[i]`` is the rendered prompt of ``texts[i]``); ``done(i, result)``
         is called from the calling thread as each text completes."""
         return self._each(self._one, prompts, texts, done)
@@ -88,7 +90,7 @@ class EndpointLabeller:
             for sample in range(self.samples):
                 for attempt in range(self.parse_retries + 1):
                     answer = self._answer(prompt, text, model, sample, attempt)
-                    label = parse_answer(answer, self.labels)
+                    label = self.parse(answer, text)
                     raw.append(answer)
                     if label is not None or attempt == self.parse_retries:
                         votes.append(label)
@@ -125,8 +127,8 @@ class EndpointLabeller:
                 return self.client.chat.completions.create(**kwargs)
             except (o.RateLimitError, o.InternalServerError, o.APITimeoutError, o.APIConnectionError) as e:
                 if attempt == self.retries or self._stop.is_set():
-                    what = ("cannot reach" if isinstance(e, o.APIConnectionError) and not isinstance(e, o.APITimeoutError)
-                            else "kept failing at")
+                    refused = isinstance(e, o.APIConnectionError) and not isinstance(e, o.APITimeoutError)
+                    what = "cannot reach" if refused else "kept failing at"
                     raise EncoderkitError(
                         f"{what} the endpoint {self.url} ({type(e).__name__}: {e}) after {self.retries + 1} tries; "
                         "every answer received so far is in the cache, rerun the same command to resume") from e
@@ -134,7 +136,8 @@ class EndpointLabeller:
             except o.APIStatusError as e:
                 raise EncoderkitError(
                     f"the endpoint {self.url} answered HTTP {e.status_code} to a chat-completions request for model "
-                    f"{model!r} ({str(e)[:200]}); check --endpoint (the base URL, usually ending in /v1) and --llm") from e
+                    f"{model!r} ({str(e)[:200]}); check --endpoint (the base URL, usually ending in /v1) and "
+                    "--llm") from e
         raise AssertionError("unreachable")
 
     def _content(self, resp: Any, model: str) -> tuple[str, int, int]:

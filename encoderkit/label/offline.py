@@ -1,14 +1,8 @@
 """Offline labellers that need only an encoder, no server.
 
-* :class:`EmbedLabeller`: zero-shot by nearest label description in embedding space (through the
-  :class:`~encoderkit.inference.predictor.Predictor`); each class's prototype is the normalised mean of
-  its description's embedding and, if given, a few labelled seed texts.
-* :class:`ClozeLabeller`: the pattern-exploiting approach (PET, Schick & Schütze 2021): the text is
-  put into a pattern with one mask (``"{text} It was {mask}."``) and each label scored by the masked-LM
-  logit of its verbalizer word at the mask.
-
-Both return, per text, the label and a confidence: the softmax over the labels' scores (cosines
-divided by ``temperature`` for embed; raw logits for cloze).
+:class:`EmbedLabeller`: nearest label prototype (description and seed texts) in embedding space.
+:class:`ClozeLabeller`: PET (Schick & Schütze 2021), the masked-LM logit of each label's verbalizer word in a
+pattern. The confidence is the softmax over the labels' scores.
 """
 
 from __future__ import annotations
@@ -16,9 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.policy import EngineChoice
+from encoderkit.inference.predictor import Predictor
 from encoderkit.label.endpoint import Labelled
+from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks import get_task
 
 
@@ -36,10 +34,9 @@ class EmbedLabeller:
     """Nearest label prototype by cosine similarity."""
 
     def __init__(self, model: str | Path, labels: list[str], descriptions: dict[str, str],
-                 seeds: list[tuple[str, str]] | None = None, temperature: float = 0.05, backend: str = "auto",
+                 seeds: list[tuple[str, str]] | None = None, temperature: float = 0.05,
+                 backend: str | EngineChoice = "auto",
                  batch_size: int = 32, threads: int | None = None) -> None:
-        from encoderkit.inference.predictor import Predictor
-
         self.predictor = Predictor.load(model, backend=backend, threads=threads, max_batch=batch_size)
         if get_task(self.predictor.task).endpoint != "embed":  # prototypes are sentence vectors: /v1/embed's call
             raise EncoderkitError(f"--model {model} is a {self.predictor.task!r} model; the embed labeller needs an "
@@ -70,17 +67,12 @@ class ClozeLabeller:
 
     def __init__(self, model: str | Path, labels: list[str], verbalizer: dict[str, str], pattern: str = DEFAULT_PATTERN,
                  max_length: int = 128, batch_size: int = 32) -> None:
-        import torch
-
-        from encoderkit.models.folder import ModelFolder
-
         for ph in ("{text}", "{mask}"):
             if pattern.count(ph) != 1:
                 raise EncoderkitError(f"--pattern {pattern!r} must hold {ph} exactly once")
         missing = [name for name in labels if name not in verbalizer]
         if missing:
             raise EncoderkitError(f"--verbalizer has no word for {', '.join(missing)}; give LABEL=WORD for every label")
-        self.torch = torch
         folder = ModelFolder.open(model)
         self.tok = folder.tokenizer()
         try:  # a quantized or head-pruned MLM folder is rebuilt
@@ -108,7 +100,6 @@ class ClozeLabeller:
         return [self.tok.cls_token_id, *self.before, *ids, *self.after, self.tok.sep_token_id]
 
     def label(self, texts: list[str]) -> list[Labelled]:
-        torch = self.torch
         out: list[np.ndarray] = []
         for start in range(0, len(texts), self.batch_size):
             rows = [self._row(t) for t in texts[start:start + self.batch_size]]

@@ -31,8 +31,8 @@ def load_template(value: str) -> str:
     if "{text}" not in template:
         where = f"template file {path}" if template is not value else "--template"
         found = [p for p in PLACEHOLDERS if p in template]
-        raise EncoderkitError(f"{where} has no {{text}} placeholder (found: {', '.join(found) or 'none'}); put {{text}} "
-                              "where the text to label goes")
+        raise EncoderkitError(f"{where} has no {{text}} placeholder (found: {', '.join(found) or 'none'}); put "
+                              "{text} where the text to label goes")
     return template
 
 

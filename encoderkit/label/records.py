@@ -9,23 +9,24 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import read_lines, records
 from encoderkit.tasks.tabular import Row, find_text_column, iter_rows
 
-OUTPUT_KEYS = ("text", "label", "confidence", "labeller")
 
-
-def parse_labels(spec: str | list[str]) -> list[str]:
-    """``"A,B,C"`` (or a list) -> ``["A", "B", "C"]``; duplicates, empty names and a single label are errors."""
+def parse_labels(spec: str | list[str], least: int = 2) -> list[str]:
+    """``"A,B,C"`` (or a list) -> ``["A", "B", "C"]``; duplicates, empty names and fewer than ``least`` labels
+    (a class needs two; entity types may be one) are errors."""
     items = spec if isinstance(spec, list) else str(spec).split(",")
     labels = [x.strip() for x in items]
     if any(not x for x in labels):
-        raise EncoderkitError(f"--labels {spec!r}: an empty label name; give names separated by commas, e.g. negative,positive")
+        raise EncoderkitError(f"--labels {spec!r}: an empty label name; give names separated by commas, e.g. "
+                              "negative,positive")
     lowered = [x.lower() for x in labels]
     dups = sorted({x for x, low in zip(labels, lowered, strict=True) if lowered.count(low) > 1})
     if dups:
         raise EncoderkitError(f"--labels {spec!r}: {', '.join(dups)} given twice (labels are compared without case); "
                               "give each label once")
-    if len(labels) < 2:
+    if len(labels) < least:
         raise EncoderkitError(f"--labels {spec!r}: one label; labelling needs two or more")
     return labels
 
@@ -50,8 +51,9 @@ def find_text_field(rows: list[Row], given: str, path: str | Path) -> str:
     only text column), so that ``label`` and ``finetune`` read one file the same way."""
     if given:
         if given not in rows[0].fields:
-            raise EncoderkitError(f"{rows[0].where}: no field {given!r} (fields: {', '.join(map(str, rows[0].fields))}); "
-                                  "set --text-field to the field holding the text")
+            fields = ", ".join(map(str, rows[0].fields))
+            raise EncoderkitError(f"{rows[0].where}: no field {given!r} (fields: {fields}); set --text-field to the "
+                                  "field holding the text")
         return given
     try:
         return find_text_column(rows, path, exclude=("label",))[0]
@@ -72,18 +74,13 @@ def iter_texts(path: str | Path, text_field: str) -> Iterator[tuple[str, dict[st
     """(text, the row's own fields) of each input row, read as they are asked for (:func:`read_texts`' rows, errors
     and order; the text field is found on the first :data:`TEXT_FIELD_ROWS` rows, as on a whole file)."""
     path = Path(path)
-    if path.suffix == ".txt":
-        if not path.is_file():
-            raise EncoderkitError(f"input file {path} does not exist")
+    if path.suffix == ".txt":  # one text per line of the one line reader (only \n ends one); blank lines reported
         found = False
-        with open(path, encoding="utf-8") as f:
-            for physical in f:
-                for ln in physical.splitlines():  # str.splitlines' line breaks, as a whole-file read splits them
-                    if ln.strip():
-                        found = True
-                        yield ln.strip(), {}
+        for _, ln in records(read_lines(path, "--input"), str(path)):
+            found = True
+            yield ln.strip(), {}
         if not found:
-            raise EncoderkitError(f"{path} holds no text")
+            raise EncoderkitError(f"--input {path} holds no text; give one text per line")
         return
     rows = iter_rows(path)
     head = list(itertools.islice(rows, TEXT_FIELD_ROWS))
@@ -93,7 +90,8 @@ def iter_texts(path: str | Path, text_field: str) -> Iterator[tuple[str, dict[st
     for r in itertools.chain(head, rows):
         v = r.fields.get(name)
         if not isinstance(v, str) or not v.strip():
-            raise EncoderkitError(f"{r.where}: field {name!r} is missing, empty or not text ({v!r}); fill or drop the row")
+            raise EncoderkitError(f"{r.where}: field {name!r} is missing, empty or not text ({v!r}); fill or drop "
+                                  "the row")
         # the text's own field is kept too (unless it is 'text'), so `finetune --text-column` names the same
         # column in labeled.jsonl and in a dev file of the input's format
         yield v, {k: x for k, x in r.fields.items() if k != "text"}
@@ -103,7 +101,8 @@ def output_record(text: str, label: str | None, confidence: float | None, labell
                   own: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """One output line: the four keys, then the input's own fields (a clashing one is kept as ``input_<name>``)."""
     rec: dict[str, Any] = {"text": text, "label": label,
-                           "confidence": None if confidence is None else round(float(confidence), 4), "labeller": labeller}
+                           "confidence": None if confidence is None else round(float(confidence), 4),
+                           "labeller": labeller}
     rec.update(extra or {})
     for k, v in own.items():
         rec[f"input_{k}" if k in rec else k] = v
@@ -120,6 +119,11 @@ def iter_labeled(path: str | Path) -> Iterator[dict[str, Any]]:
     for r in iter_rows(path):
         if "label" not in r.fields or "text" not in r.fields:
             raise EncoderkitError(f"{r.where}: not a labelled line (needs 'text' and 'label'); give the output of "
+                                  "`encoderkit label`")
+        text, label = r.fields["text"], r.fields["label"]
+        if not isinstance(text, str) or not (label is None or isinstance(label, str)):
+            raise EncoderkitError(f"{r.where}: 'text' must be a string and 'label' a string or null (got "
+                                  f"{json.dumps(text)[:40]}, {json.dumps(label)[:40]}); give the output of "
                                   "`encoderkit label`")
         yield r.fields
 

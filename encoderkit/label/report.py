@@ -1,10 +1,6 @@
-"""``encoderkit audit report``: the labeller's (and an encoder's) accuracy on the audited gold,
-and what each costs per million requests.
-
-Accuracy comes with a 95% Wilson interval over the audited lines (the sample is proportional, so
-it estimates the whole file). Costs: the labeller's tokens and seconds per text come from the
-labelling ledger (``<input>.ledger.json``); the encoder's CPU seconds per text are measured here
-(process CPU time of the Predictor at one thread on up to ``--cost-texts`` texts of the input).
+"""``encoderkit audit report``: the labeller's (and an encoder's) accuracy on the audited gold, with a 95% Wilson
+interval, and what each costs per million requests: the labeller's from its ledger (``<input>.ledger.json``), the
+encoder's from its process CPU time at one thread, timed here on ``--cost-texts`` texts.
 """
 
 from __future__ import annotations
@@ -16,11 +12,15 @@ from typing import Any
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import read_json, write_json_atomic
+from encoderkit.inference.predictor import Predictor
+from encoderkit.io import read_json, recorded_path, write_json_atomic
 from encoderkit.label.records import parse_labels, read_labeled
 from encoderkit.label.sheet import check_rows, gold_labels, read_sheet
+from encoderkit.label.spans import is_span_cell, span_agreement, span_set
 from encoderkit.label.stats import agreement
+from encoderkit.models.card import read_card
 from encoderkit.tasks import get_task
+from encoderkit.tasks.tabular import read_rows
 
 PER = 1_000_000
 
@@ -59,7 +59,8 @@ def labeller_cost(ledger: dict[str, Any], price_per_1k: float) -> dict[str, Any]
     offline = not ledger.get("tokens") and "cpu_seconds" in ledger and "sent_this_run" not in ledger
     seconds = float(ledger["cpu_seconds"] if offline else ledger.get("seconds", 0.0)) / texts * PER
     out: dict[str, Any] = {"requests_per_text": round(float(ledger.get("requests", texts)) / texts, 3),
-                           "tokens_per_1M": round(tokens), ("cpu_seconds_per_1M" if offline else "seconds_per_1M"): round(seconds)}
+                           "tokens_per_1M": round(tokens),
+                           ("cpu_seconds_per_1M" if offline else "seconds_per_1M"): round(seconds)}
     if price_per_1k:
         out["cost_per_1M"] = round(tokens / 1000 * price_per_1k, 2)
     return out
@@ -72,7 +73,8 @@ def encoder_cost(predictor, texts: list[str], cpu_hour_price: float) -> dict[str
     predictor.classify(texts)
     cpu = time.process_time() - c0
     per = cpu / len(texts) * PER
-    out: dict[str, Any] = {"cpu_seconds_per_1M": round(per), "measured_on": len(texts), "backend": predictor.backend}
+    out: dict[str, Any] = {"cpu_seconds_per_1M": round(per), "measured_on": len(texts),
+                           "engine": predictor.choice.to_dict()}
     if cpu_hour_price:
         out["cost_per_1M"] = round(per / 3600 * cpu_hour_price, 2)
     return out
@@ -82,12 +84,12 @@ def seen_in_training(encoder: str | Path, texts: list[str]) -> int | None:
     """How many of ``texts`` the encoder was fine-tuned on (from its card's training file), or None
     when that file is not at hand: an encoder scored on texts it trained on, with the audited
     corrections as labels, looks better than it is."""
-    from encoderkit.models.card import read_card
-    from encoderkit.tasks.tabular import read_rows
-
     config = read_card(encoder).get("config") or {}
-    train = config.get("train")
-    if not train or not Path(train).is_file():
+    if not config.get("train"):
+        return None
+    # an absolute path is recorded relative to the card's folder (models.card), a typed relative one as typed
+    train = next((p for p in (recorded_path(config["train"], encoder), Path(config["train"])) if p.is_file()), None)
+    if train is None:
         return None
     column = config.get("text_column", "sentence")
     seen = {str(r.fields.get(column, "")).strip() for r in read_rows(train)}
@@ -115,13 +117,17 @@ def run(cfg: ReportConfig) -> ReportResult:
     recs = read_labeled(cfg.input)
     rows = read_sheet(cfg.sheet)
     check_rows(cfg.sheet, rows, recs, cfg.input)
+    if any(is_span_cell(r["label"]) or is_span_cell(r["gold"]) for r in rows):
+        report = span_report(cfg, recs, rows)
+        if cfg.output:
+            write_json_atomic(Path(cfg.output), report)
+        return ReportResult(report)
     predictor = None
     if cfg.encoder:
-        from encoderkit.inference.predictor import Predictor
-
         predictor = Predictor.load(cfg.encoder, threads=1)
         if not get_task(predictor.task).single_label:  # the report compares one label per text with the labeller's
-            raise EncoderkitError(f"--encoder {cfg.encoder} is a {predictor.task!r} model; give a classify model folder")
+            raise EncoderkitError(f"--encoder {cfg.encoder} is a {predictor.task!r} model; give a classify model "
+                                  "folder")
     if cfg.labels:
         labels = parse_labels(cfg.labels)
     else:
@@ -139,7 +145,8 @@ def run(cfg: ReportConfig) -> ReportResult:
                                            **agreement(golds, [_label(recs[i]) for i in order], labels)}}
     lab_cost = None
     if ledger_file.is_file():
-        lab_cost = labeller_cost(read_json(ledger_file, f"ledger {ledger_file} does not exist"), cfg.price_per_1k_tokens)
+        ledger = read_json(ledger_file, f"ledger {ledger_file} does not exist")
+        lab_cost = labeller_cost(ledger, cfg.price_per_1k_tokens)
         report["labeller"]["cost"] = lab_cost
     if predictor is not None:
         preds = [p["label"] for p in predictor.classify([str(recs[i]["text"]) for i in order])]
@@ -159,6 +166,31 @@ def run(cfg: ReportConfig) -> ReportResult:
     if cfg.output:
         write_json_atomic(Path(cfg.output), report)
     return ReportResult(report)
+
+
+def span_report(cfg: ReportConfig, recs: list[dict[str, Any]], rows: list[dict[str, str]]) -> dict[str, Any]:
+    """An NER sheet's report: the labeller's span sets against the gold ones (exact match per text and per entity
+    type, each with its Wilson interval), and its cost from the ledger."""
+    if cfg.encoder:
+        raise EncoderkitError(f"--encoder: {cfg.sheet} holds spans; score an NER model with `encoderkit evaluate` on "
+                              "gold data, and drop --encoder here")
+    filled = [(n, r) for n, r in enumerate(rows, 2) if r["gold"]]
+    if not filled:
+        raise EncoderkitError(f"{cfg.sheet}: no gold filled in; write each audited text's spans in the gold column "
+                              '([{"text": ..., "type": ...}], [] for none)')
+    golds = [span_set(r["gold"], f"{cfg.sheet}:{n}") for n, r in filled]
+    preds = [None if _label(recs[int(r["row"])]) is None else span_set(str(recs[int(r["row"])]["label"]),
+                                                                       f"{cfg.input}:{int(r['row']) + 1}")
+             for _, r in filled]
+    refused = sum(len(r.get("refused") or []) for r in recs)
+    report: dict[str, Any] = {"input": cfg.input, "lines": len(recs), "audited": len(filled),
+                              "unlabeled_lines": sum(1 for r in recs if _label(r) is None),
+                              "refused_spans": refused,
+                              "labeller": {"name": recs[0].get("labeller"), **span_agreement(golds, preds)}}
+    ledger_file = Path(cfg.ledger or f"{cfg.input}.ledger.json")
+    if ledger_file.is_file():
+        report["labeller"]["cost"] = labeller_cost(read_json(ledger_file, ""), cfg.price_per_1k_tokens)
+    return report
 
 
 def _label(rec: dict[str, Any]) -> str | None:

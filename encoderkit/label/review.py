@@ -1,15 +1,13 @@
 """``encoderkit audit review``: fill a sheet's gold column in the terminal.
 
-One keystroke per line: Enter or ``a`` accepts the labeller's label, ``1``-``9`` picks a label by
-number (a correction), ``s`` skips, ``u`` undoes the last answer, ``q`` quits. The sheet is
-rewritten (atomically) after every answer, and a new session starts at the first line without
-gold, so a dropped SSH connection loses nothing. Plain stdin/stdout: works in any terminal, over
-SSH, or with lines piped in (one key per line). ``--web`` reviews the same sheet in a browser
-instead (``label/web.py``), so a review can move between the two.
+One keystroke per line (Enter/``a`` accept, ``1``-``9`` pick a label, ``s`` skip, ``u`` undo, ``q`` quit); the
+sheet is rewritten atomically after every answer, so a dropped SSH connection loses nothing. ``--web`` reviews
+the same sheet in a browser (``label/web.py``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +62,8 @@ class _Keys:
     def __init__(self, stream: IO[str]) -> None:
         self.stream, self.saved = stream, None
         if stream.isatty():
-            import termios
-            import tty
+            import termios  # noqa: PLC0415 - POSIX only; piped input works without it
+            import tty  # noqa: PLC0415 - POSIX only, as termios
 
             self.saved = termios.tcgetattr(stream.fileno())
             tty.setcbreak(stream.fileno())
@@ -83,13 +81,13 @@ class _Keys:
 
     def close(self) -> None:
         if self.saved is not None:
-            import termios
+            import termios  # noqa: PLC0415 - POSIX only; piped input works without it
 
             termios.tcsetattr(self.stream.fileno(), termios.TCSADRAIN, self.saved)
 
 
 def review(path: Path, rows: list[dict[str, str]], labels: list[str], keys_in: IO[str], out: IO[str]) -> ReviewResult:
-    """The review loop over ``rows`` (read from ``path``, rewritten there after each answer; see the module docstring)."""
+    """The review loop over ``rows`` (read from ``path``, rewritten there after each answer)."""
     todo = [i for i, r in enumerate(rows) if not r["gold"]]
     menu = "  ".join(f"{n}) {name}" for n, name in enumerate(labels, 1))
     keys = _Keys(keys_in)
@@ -158,10 +156,9 @@ def run(cfg: ReviewConfig) -> ReviewResult:
     labels = sheet_labels(path, rows, cfg.labels)
     if not cfg.web:
         return review(path, rows, labels, sys.stdin, sys.stdout)
-    import os
 
     try:
-        from encoderkit.label.web import serve_review
+        from encoderkit.label.web import serve_review  # noqa: PLC0415 - optional: FastAPI (the deploy extra)
     except ImportError as e:
         raise EncoderkitError(f"--web needs FastAPI and uvicorn ({e}); pip install 'encoderkit[deploy]'") from e
     serve_review(path, labels, cfg.host, cfg.port, cfg.token or os.environ.get(cfg.token_env) or None, cfg.lease_s)

@@ -17,6 +17,7 @@ import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import check_output_file
 from encoderkit.label.records import read_labeled
 from encoderkit.label.sheet import write_sheet
 
@@ -72,9 +73,7 @@ def allocate(sizes: list[int], n: int) -> list[int]:
 
 def run(cfg: SampleConfig) -> SampleResult:
     """Write the sheet (see the module docstring)."""
-    out = Path(cfg.output)
-    if out.exists() and not cfg.overwrite:
-        raise EncoderkitError(f"{out} exists (gold labels may be filled in); pass --overwrite to draw a new sheet")
+    out = check_output_file(cfg.output, cfg.overwrite, "--output", [cfg.input])  # its gold cells may be filled in
     recs = read_labeled(cfg.input)
     groups = strata(recs)
     if not groups:

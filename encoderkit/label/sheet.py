@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import write_text_atomic
+from encoderkit.io import read_lines, write_text_atomic
+from encoderkit.label.spans import is_span_cell, span_set
 
 COLUMNS = ("row", "text", "label", "confidence", "suspicion", "suspect", "gold")
 
@@ -29,14 +30,18 @@ def write_sheet(path: str | Path, rows: list[dict[str, Any]]) -> None:
 
 def read_sheet(path: str | Path) -> list[dict[str, str]]:
     path = Path(path)
-    if not path.is_file():
-        raise EncoderkitError(f"sheet {path} does not exist; make one with `encoderkit audit sample`")
-    with open(path, encoding="utf-8", newline="") as f:
-        reader = csv.DictReader(f)
+    if not path.exists() and not path.is_symlink():
+        raise EncoderkitError(f"--sheet {path} does not exist; make one with `encoderkit audit sample`")
+    try:  # the one line reader: a bad byte names its line, a BOM (Excel's "CSV UTF-8") is dropped
+        reader = csv.DictReader(line for _, line in read_lines(path, "--sheet", keep_ends=True))
         missing = [c for c in ("row", "text", "label", "gold") if c not in (reader.fieldnames or [])]
         if missing:
-            raise EncoderkitError(f"{path}: no column {', '.join(missing)}; a sheet from `audit sample` has {', '.join(COLUMNS)}")
-        rows = [{k: (v or "").strip() if k != "text" else (v or "") for k, v in r.items()} for r in reader]
+            raise EncoderkitError(f"{path}: no column {', '.join(missing)}; a sheet from `audit sample` has "
+                                  f"{', '.join(COLUMNS)}")
+        rows = [{k: (v or "").strip() if k != "text" else (v or "") for k, v in r.items() if isinstance(k, str)}
+                for r in reader]
+    except csv.Error as e:
+        raise EncoderkitError(f"{path}: not a CSV sheet ({e}); give the sheet `encoderkit audit sample` wrote") from e
     for n, r in enumerate(rows, 2):
         if not r["row"].isdigit():
             raise EncoderkitError(f"{path}:{n}: row {r['row']!r} is not a line number of labeled.jsonl")
@@ -64,3 +69,10 @@ def check_rows(path: str | Path, rows: list[dict[str, str]], recs: list[dict[str
         if i >= len(recs) or str(recs[i]["text"]).strip() != r["text"].strip():
             raise EncoderkitError(f"{path}:{n}: row {i} does not match line {i + 1} of {source} (another text or "
                                   "missing); use the sheet made from this labeled file")
+
+
+def same_answer(label: str, gold: str, where: str) -> bool:
+    """Whether a sheet row's label agrees with its gold: the same label, or for spans the same span set."""
+    if is_span_cell(label) or is_span_cell(gold):
+        return span_set(label, where) == span_set(gold, where)
+    return label == gold

@@ -1,11 +1,8 @@
 """``encoderkit audit suspect``: which labels are likely wrong.
 
-Out-of-fold probabilities of a quickly trained model (logistic regression, k folds, on TF-IDF word
-n-grams, frozen embeddings, or both) go to cleanlab's confident-learning filter
-(``cleanlab.filter.find_label_issues``). Each labelled line gains ``suspicion`` (1 minus the
-out-of-fold probability of its label; high = likely wrong) and ``suspect`` (cleanlab's verdict).
-TF-IDF features are the default: a labeller that is itself a function of the embeddings (the
-``embed`` labeller) makes errors a model on those same embeddings reproduces, not flags.
+Out-of-fold probabilities of a logistic regression (on TF-IDF n-grams, frozen embeddings, or both) go to
+cleanlab's ``find_label_issues``; each line gains ``suspicion`` (1 - the probability of its label) and ``suspect``.
+TF-IDF is the default: errors of the ``embed`` labeller are reproduced, not flagged, by a model on its embeddings.
 """
 
 from __future__ import annotations
@@ -22,10 +19,13 @@ import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import open_text_atomic
+from encoderkit.inference.predictor import Predictor, as_one_call, chunks, engine_batches, text_lengths
+from encoderkit.io import check_output_file, open_text_atomic
 from encoderkit.label.records import dumps, iter_labeled
 from encoderkit.progress import progress
 from encoderkit.ray_jobs import RayJob, check_ray_args, pack, ray_actors_arg, ray_address_arg, ray_batch_arg
+from encoderkit.tasks.common import resolve_model
+from encoderkit.tasks.embed.embedder import Embedder, tokenize
 
 
 @dataclass
@@ -113,9 +113,6 @@ def features(texts: Sequence[str], kind: str, model: str, ray: RayJob | None = N
     if kind in ("tfidf", "both"):  # one pass over the texts; what it holds is the count matrix and its vocabulary
         parts.append(TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True).fit_transform(iter(texts)))
     if kind in ("embed", "both"):
-        from encoderkit.inference.predictor import Predictor
-        from encoderkit.tasks.common import resolve_model
-
         p = Predictor.load(resolve_model(model))  # with --ray too: it checks the model before any actor starts
         parts.append(sparse.csr_matrix(_embeddings(p, texts, ray)))
     return parts[0] if len(parts) == 1 else sparse.hstack(parts).tocsr()
@@ -126,8 +123,6 @@ def _embeddings(p: Any, texts: Sequence[str], ray: RayJob | None) -> np.ndarray:
     length-sorted batches over the whole input: the token lengths are counted a block at a time first), each run
     as one call, a block of calls at a time; on ``ray``'s actors when given. Held: the (N, H) result, the lengths,
     and the texts of the blocks in flight."""
-    from encoderkit.inference.predictor import Predictor, as_one_call, chunks, engine_batches, text_lengths
-
     lengths = [n for block in chunks(iter(texts), SUSPECT_BLOCK) for n in text_lengths(p, block)]
     call = partial(as_one_call, partial(Predictor.embed, normalize=True))
     out: np.ndarray | None = None
@@ -145,7 +140,7 @@ def _embeddings(p: Any, texts: Sequence[str], ray: RayJob | None) -> np.ndarray:
     if ray is None:
         results: Iterator[Any] = (_local_calls(p, call, rows, groups) for rows, groups in shipped())
     else:
-        load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch)
+        load = partial(Predictor.load, p.folder, backend=p.choice, threads=ray.threads, max_batch=p.max_batch)
         results = ray.map_chunks(shipped(), load, call)
     with progress(total=len(lengths), desc="embed", unit="text") as bar:
         for block, vecs in zip(blocks, results, strict=True):
@@ -159,9 +154,7 @@ def _embeddings(p: Any, texts: Sequence[str], ray: RayJob | None) -> np.ndarray:
 
 def _local_calls(p: Any, call: Any, texts: list[str], groups: list[list[int]]) -> list[np.ndarray]:
     """``call(p, [texts[i] for i in g])`` for each group, in order, with the block's texts tokenised in one call
-    (a token row does not depend on the rows tokenised with it; many small calls cost twice the time here)."""
-    from encoderkit.tasks.embed.embedder import Embedder, tokenize
-
+    (a token row does not depend on the rows tokenised with it, and one call costs less than many small ones)."""
     emb = Embedder.of_runner(p)
     if getattr(emb.engine, "pool_texts", None) is not None:  # a static model reads whole texts
         return [y for g in groups for y in call(p, [texts[i] for i in g])]
@@ -176,7 +169,8 @@ def out_of_fold(x, y: np.ndarray, n_classes: int, folds: int, seed: int, c: floa
 
     smallest = np.bincount(y, minlength=n_classes).min()
     if smallest < folds:
-        raise EncoderkitError(f"a label has only {smallest} lines, fewer than --folds {folds}; lower --folds or label more")
+        raise EncoderkitError(f"a label has only {smallest} lines, fewer than --folds {folds}; lower --folds or "
+                              "label more")
     probs = np.zeros((len(y), n_classes))
     for train, test in StratifiedKFold(folds, shuffle=True, random_state=seed).split(np.zeros(len(y)), y):
         clf = LogisticRegression(C=c, max_iter=2000).fit(x[train], y[train])
@@ -191,9 +185,7 @@ def run(cfg: SuspectConfig) -> SuspectResult:
     driver holds the features of the out-of-fold model (TF-IDF counts, (N, H) embeddings) and its probabilities."""
     from cleanlab.filter import find_label_issues
 
-    out = Path(cfg.output)
-    if out.exists() and not cfg.overwrite:
-        raise EncoderkitError(f"{out} exists; pass --overwrite to replace it")
+    out = check_output_file(cfg.output, cfg.overwrite, "--output", [cfg.input])
     ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before the model is loaded
     texts = SpilledTexts(out.parent if out.parent.is_dir() else None)  # else the system's temporary folder
     try:
@@ -208,7 +200,8 @@ def run(cfg: SuspectConfig) -> SuspectResult:
                 texts.append(str(r["text"]))
         names = sorted(seen)
         if len(names) < 2:
-            raise EncoderkitError(f"{cfg.input}: only {len(names)} distinct label(s) among labelled lines; suspicion needs two or more")
+            raise EncoderkitError(f"{cfg.input}: only {len(names)} distinct label(s) among labelled lines; "
+                                  "suspicion needs two or more")
         y = np.asarray([names.index(x) for x in seen], dtype=np.int64)[np.asarray(met, dtype=np.int64)]
         x = features(texts, cfg.features, cfg.model, ray)
     finally:

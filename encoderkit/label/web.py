@@ -1,22 +1,8 @@
 """``encoderkit audit review --web``: the review sheet in a browser, for several reviewers at once.
 
-The same sheet and columns as the terminal review (``sheet.py``), so a review can move between the
-two (one at a time: the terminal review holds the whole sheet in memory while it runs). Keys as in
-the terminal: Enter/``a`` accept, ``1``-``9`` pick a label, ``s`` skip, ``u`` undo.
-
-Several reviewers without losing an answer:
-
-* every answer re-reads the sheet, updates its row and rewrites the file atomically
-  (``write_text_atomic``), under a lock: a thread lock, plus ``flock`` on ``.<sheet>.lock`` beside
-  the sheet for another process writing through this module;
-* a row handed to a tab is held (a lease of ``lease_s`` seconds, renewed each time the tab shows it):
-  no other tab gets it meanwhile; an answer after the lease went to another tab is refused (409);
-* an answer names the row it answers with the text's sha256 and the label shown: a row answered
-  since (two tabs) or edited by hand while the page was open is refused (409) with the sheet line
-  and what changed; nothing is written.
-
-A tab is a random id the page keeps in its sessionStorage (a duplicated tab shares it, so it is
-shown the same row: the second answer is the refused one), plus the reviewer's name for messages.
+The same sheet as the terminal review. No answer is lost between reviewers: each answer rewrites the sheet
+atomically under a lock (a thread lock and ``flock``), a row shown to a tab is leased to it, and an answer to a
+row that changed since it was shown (its text's sha256, the label shown) is refused with 409, nothing written.
 """
 
 from __future__ import annotations
@@ -90,7 +76,7 @@ class ReviewDesk:
     def _locked(self) -> Iterator[list[dict[str, str]]]:
         with self.lock, open(self.path.parent / f".{self.path.name}.lock", "a") as lock_file:
             with contextlib.suppress(ImportError):
-                import fcntl
+                import fcntl  # noqa: PLC0415 - POSIX only: where it is missing, the ImportError is suppressed
 
                 fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
             yield read_sheet(self.path)

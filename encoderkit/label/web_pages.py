@@ -33,7 +33,9 @@ function show(v) {
 }
 async function send(path, body) {
   const v = await api(path, body);
-  if (v && v.error) { if (v.status === 409) { const again = await api('/api/next', base()); if (again && !again.error) show(again); } }
+  if (v && v.error) {
+    if (v.status === 409) { const again = await api('/api/next', base()); if (again && !again.error) show(again); }
+  }
   else if (v) show(v);
 }
 window.onToken = () => { queue = queue.then(() => send('/api/next', base())); };

@@ -1,9 +1,5 @@
-"""Retrieval metrics as pure functions on ranked ids and relevance judgments (no model, no torch).
-
-* :func:`retrieval_scores`: nDCG@k (linear gain, like trec_eval and BEIR), MRR@k and recall@k from
-  ranked document ids and graded relevance judgments, averaged over the judged queries. Checked
-  against ranx (a maintained implementation) on a real SciFact run in tests/test_retrieval_metrics.py.
-* :func:`reciprocal_rank_fusion`: combine several rankings without scores or tuning.
+"""Retrieval metrics as pure functions on ranked ids and relevance judgments (no model, no torch): nDCG@k (linear
+gain, as trec_eval and BEIR), MRR@k and recall@k, and reciprocal-rank fusion of several rankings.
 """
 
 from __future__ import annotations

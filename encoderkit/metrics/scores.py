@@ -1,22 +1,13 @@
-"""Task metrics as pure functions on labels and predictions (no model, no torch).
-
-All scores are fractions in [0, 1] (multiply by 100 for the percentages papers and the official
-SQuAD script print).
-
-* classification: :func:`accuracy`, :func:`f1_binary`, :func:`macro_f1`, :func:`multilabel_scores`
-* NER: :func:`entity_scores`, entity-level P/R/F1 over IOB2 tags by seqeval (its default,
-  conlleval-compatible mode): an entity is right only if type, start and end match.
-* QA: :func:`squad_scores`, exact match and token F1 after the official SQuAD v1.1
-  normalisation (lowercase, drop punctuation, drop the articles a/an/the, squeeze whitespace),
-  taking the best over the gold answers of each question.
-
-Retrieval metrics (nDCG, MRR, recall, reciprocal-rank fusion) live in :mod:`encoderkit.metrics.ranking`.
+"""Task metrics as pure functions on labels and predictions (no model, no torch), all fractions in [0, 1]:
+classification, NER (entity-level by seqeval, conlleval-compatible) and QA (the official SQuAD v1.1 EM / F1).
+Retrieval metrics live in :mod:`encoderkit.metrics.ranking`.
 """
 
 from __future__ import annotations
 
 import re
 import string
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 
@@ -81,9 +72,12 @@ def multilabel_scores(gold: np.ndarray, pred: np.ndarray) -> dict[str, float]:
 def entity_scores(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]]) -> dict[str, float]:
     """Entity-level precision, recall and F1 (micro over all types) from IOB2 tags per sentence,
     plus ``f1_<TYPE>`` per entity type, computed by seqeval (its default, conlleval-compatible mode)."""
-    import warnings
-
-    from seqeval.metrics import classification_report, f1_score, precision_score, recall_score
+    from seqeval.metrics import (  # noqa: PLC0415 - seqeval imports sklearn and scipy (seconds); only NER needs it
+        classification_report,
+        f1_score,
+        precision_score,
+        recall_score,
+    )
 
     if len(gold) != len(pred):
         raise ValueError(f"{len(gold)} gold sentences but {len(pred)} predicted")

@@ -1,37 +1,38 @@
-"""``encoderkit.json``, the card beside a model folder's HF files: which stage made the folder, from
-which parent folder, with which config, and what was measured on it; for task models also what the
-task needs to be served (task, labels, pooling, max length...). Following the parents gives a
-model's whole history (:func:`lineage`), which the compression report prints.
-
-Written atomically through :mod:`encoderkit.io`; read by :class:`encoderkit.models.folder.ModelFolder`
-(the task facts) and by the stages that carry a parent's facts over (:func:`inherited_card`).
-"""
+"""``encoderkit.json``, the card beside a model folder's HF files: the stage, parent folder, config and
+metrics that made the folder, and for task models what serving needs (task, labels, pooling, max length...).
+Following the parents gives a model's history (:func:`lineage`)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-from encoderkit.io import read_json, write_json_atomic
+from encoderkit.io import portable, portable_path, read_json, recorded_path, write_json_atomic
 
 CARD = "encoderkit.json"
 CARD_FIELDS = ("stage", "parent", "config", "metrics", "created")  # what write_card itself writes
 # facts of the run that made a folder, true of that folder only (its lineage keeps them for the children)
-RUN_FACTS = ("steps", "train_examples", "stopped_early", "loss", "layers_from_teacher", "recipe_step", "recipe_params",
+RUN_FACTS = ("steps", "train_examples", "train_seconds", "stopped_early", "loss", "layers_from_teacher",
+             "recipe_step", "recipe_params",
              "dev_at_thresholds",  # a multilabel run's dev figure at its thresholds (the thresholds are inherited)
-             "int8_agreement")  # of the folder's own INT8 graph (export/compress --dev): a child's graph is another
+             "int8_agreement",  # of the folder's own INT8 graph (export/compress --dev): a child's graph is another
+             "loads_with")  # how a pruned folder loads (plain transformers, or encoderkit only): a child is saved anew
 
 
-def write_card(folder: Path, stage: str, parent: str | Path | None, config: dict[str, Any], metrics: dict[str, Any] | None = None, **extra: Any) -> None:
-    """Write ``encoderkit.json``: the stage that made ``folder``, its parent folder, config and metrics."""
+def write_card(folder: Path, stage: str, parent: str | Path | None, config: dict[str, Any],
+               metrics: dict[str, Any] | None = None, **extra: Any) -> None:
+    """Write ``encoderkit.json``: the stage that made ``folder``, its parent folder, config and metrics. Paths are
+    recorded relative to ``folder`` (the parent as ``../teacher``; an absolute path in the config likewise), so a
+    copied or moved folder names no path of the machine that wrote it; :func:`lineage` resolves them."""
     card = {
         "stage": stage,
-        "parent": str(Path(parent).resolve()) if parent else None,
-        "config": config,
+        "parent": portable_path(parent, folder) if parent else None,
+        "config": portable(config, folder),
         "metrics": metrics or {},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **extra,
+        **portable(extra, folder),
     }
     write_json_atomic(Path(folder) / CARD, card)
 
@@ -57,14 +58,15 @@ def inherited_card(folder_or_card: str | Path | dict[str, Any]) -> dict[str, Any
 
 
 def lineage(folder: str | Path) -> list[dict[str, Any]]:
-    """The cards of ``folder`` and its parents, newest first (stops where a parent has no card)."""
+    """The cards of ``folder`` and its parents, newest first (stops where a parent has no card); each card's
+    ``parent`` is read relative to its own folder."""
     out, seen = [], set()
-    cur: str | None = str(folder)
-    while cur and cur not in seen:
-        seen.add(cur)
+    cur: Path | None = Path(folder)
+    while cur is not None and str(cur) not in seen:
+        seen.add(str(cur))
         card = read_card(cur)
         if not card:
             break
-        out.append({"folder": cur, **card})
-        cur = card.get("parent")
+        out.append({"folder": str(cur), **card})
+        cur = Path(os.path.normpath(recorded_path(card["parent"], cur))) if card.get("parent") else None
     return out

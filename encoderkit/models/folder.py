@@ -13,15 +13,16 @@ Facts, each with one rule:
   label (``len(id2label)``) and ``classify`` with more, ``*ForTokenClassification`` ``ner``,
   ``*ForQuestionAnswering`` ``qa``, ``*ForMaskedLM`` ``mlm``, a bare encoder (``BertModel``) ``embed``.
 - ``pooling``, one vocabulary everywhere: ``"first"`` (the first token, [CLS]) or ``"mean"`` (of the
-  real tokens). ``"cls"`` is read as ``"first"`` (older cards; ModernBERT's ``classifier_pooling``).
-  The task's head in :data:`encoderkit.models.heads.HEADS` says which: a ``classifier`` head
-  (classify, rerank) reads ``config.json``'s ``classifier_pooling`` (first by default); a ``sentence``
-  head (embed) the card, else ``1_Pooling/config.json``, else mean. None for the other tasks.
+  real tokens). The task's head in :data:`encoderkit.models.heads.HEADS` says which record is read, and
+  :func:`encoderkit.models.pooling.recorded_pooling` reads it: a ``classifier`` head (classify, rerank,
+  multilabel) ``config.json``'s ``classifier_pooling``; a ``sentence`` head (embed) the card, else
+  ``1_Pooling/config.json``; a static embedding the mean. None for the other tasks.
 - ``max_length``: the card's, else the sentence-transformers ``max_seq_length``, else the
   tokenizer's ``model_max_length``, each capped at the usable ``positions``
   (``max_position_embeddings``, less RoBERTa's padding offset).
-- which backends exist: torch weights (``model.safetensors``, ``pytorch_model.bin``, or the
-  quantized ``model.quantized.safetensors``), ``model.onnx``, ``model.int8.onnx``; or, for a static
+- which backends exist: torch weights (``model.safetensors`` (never a pickled ``pytorch_model.bin``), or the
+  quantized ``model.quantized.safetensors``, or the sparse-packed ``model.sparse.safetensors`` of a magnitude or
+  2:4 pruned folder, :mod:`encoderkit.models.sparse`), ``model.onnx``, ``model.int8.onnx``; or, for a static
   embedding folder (``config.json``'s ``model_type: model2vec``, :mod:`encoderkit.models.static`), its
   token table (``static_weights``): an ``embed`` model with no transformer, mean-pooled, whole texts read.
 """
@@ -36,37 +37,37 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from safetensors import safe_open
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.card import CARD
-from encoderkit.models.heads import HEADS, TASKS
-from encoderkit.models.pooling import apply_pooling
+from encoderkit.models.heads import HEADS
+from encoderkit.models.names import resolve_model
+from encoderkit.models.pooling import SENTENCE, apply_pooling, recorded_pooling
+from encoderkit.models.pooling import STATIC as STATIC_POOLING
 from encoderkit.models.rebuild import HEADS_KEY, QUANT_FILE, QUANT_KEY, rebuild_model
+from encoderkit.models.sparse import SPARSE_FILE, SPARSE_KEY
 from encoderkit.models.static import WEIGHTS_FILE as STATIC_WEIGHTS
 from encoderkit.models.static import is_static_config
 from encoderkit.models.tokenizer import TOKENIZER_FILES, load_tokenizer
 from encoderkit.progress import note
 
-SERVABLE = TASKS  # the registry's fine-tunable tasks, under the name stages still import it by
-POOLINGS = ("first", "mean")
 ONNX_FP32 = "model.onnx"
 ONNX_INT8 = "model.int8.onnx"
-TORCH_WEIGHTS = ("model.safetensors", "pytorch_model.bin", QUANT_FILE)
-
-
-def pooling_name(value: Any, where: str) -> str:
-    """``value`` in the one pooling vocabulary ('first' or 'mean'); 'cls' is an alias of 'first'."""
-    name = {"cls": "first"}.get(str(value), str(value))
-    if name not in POOLINGS:
-        raise EncoderkitError(f"{where}: pooling {value!r} is not supported; use 'first' or 'mean'")
-    return name
+# never pytorch_model.bin: a pickle, which runs code as it loads
+TORCH_WEIGHTS = ("model.safetensors", QUANT_FILE, SPARSE_FILE)
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON object from ``path``; an error naming the file when it is unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:
+        raise EncoderkitError(f"{path} cannot be read ({e.strerror or e}); fix its permissions, or copy the model "
+                              "folder again") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise EncoderkitError(f"{path} could not be read as JSON ({e}); fix or re-create the model folder") from e
     if not isinstance(data, dict):
         raise EncoderkitError(f"{path} must hold a JSON object; fix or re-create the model folder")
@@ -75,11 +76,12 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 def check_safetensors(path: Path) -> None:
     """Refuse a damaged ``.safetensors`` file (truncated, bad header) with a message naming it."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), "pt") as f:
             f.keys()
+    except PermissionError as e:  # a file we may not read is not a damaged one
+        raise EncoderkitError(f"{path} cannot be read: permission denied; fix its permissions (e.g. chmod u+r) or run "
+                              "as a user who may read it") from e
     except Exception as e:  # SafetensorError, OSError: the file cannot be read as written
         raise EncoderkitError(f"{path} is damaged or truncated ({e}); copy it again or re-create the folder "
                               "with the stage that wrote it") from e
@@ -138,13 +140,14 @@ class ModelFolder:
     onnx_int8: Path | None
     tokenizer_files: tuple[str, ...]
     static_weights: Path | None = None
+    sparse: dict[str, Any] | None = None  # config.json's encoderkit_sparse: the weights are packed (models/sparse.py)
 
     @classmethod
     def open(cls, path: str | Path, *, weights: bool = True, tokenizer: bool = True) -> ModelFolder:
         """Read ``path``. Always checks ``config.json`` (and ``encoderkit.json`` when present) and that
         every ``.safetensors`` file present is intact; ``weights`` also requires torch or ONNX weights,
         ``tokenizer`` the tokenizer files."""
-        path = Path(path)
+        path = resolve_model(path)  # 'minilm' means the same here as in every stage
         if not path.is_dir():
             raise EncoderkitError(f"model folder {path} does not exist; pass a folder made by encoderkit or an HF "
                                   "model folder (config.json, model.safetensors, tokenizer files)")
@@ -170,10 +173,7 @@ class ModelFolder:
             if isinstance(tml, (int, float)) and 0 < tml < 1e6:
                 max_length = min(max_length, int(tml))
 
-        pooling: str | None = None
         normalize = True
-        if head_pooling == "classifier":
-            pooling = pooling_name(config.get("classifier_pooling") or "first", f"{path}/config.json classifier_pooling")
         if is_st:
             sbert = path / "sentence_bert_config.json"
             if sbert.is_file():
@@ -182,29 +182,31 @@ class ModelFolder:
                     max_length = min(max_length, msl)
             modules = json.loads((path / "modules.json").read_text(encoding="utf-8"))
             normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules)
-        if head_pooling == "sentence":
-            pooling = _st_pooling(path) or "mean"
-            if card.get("pooling"):
-                pooling = pooling_name(card["pooling"], f"{path}/{CARD}")
         if "normalize" in card:
             normalize = bool(card["normalize"])
         if card.get("max_length"):
             max_length = min(positions or int(card["max_length"]), int(card["max_length"]))
 
         static = is_static_config(config)
+        head_pooling = STATIC_POOLING if static else head_pooling
+        st_pooling = path / "1_Pooling" / "config.json"
+        pooling = recorded_pooling(head_pooling, path, config, card, read_json_object(st_pooling)
+                                   if head_pooling == SENTENCE and st_pooling.is_file() else None)
         if static:  # token vectors, no transformer: mean of whole texts (model2vec's config says whether normalised)
-            pooling, max_length = "mean", int(config.get("seq_length") or 1_000_000)
+            max_length = int(config.get("seq_length") or 1_000_000)
             if not is_st:
                 normalize = bool(config.get("normalize", True))
         existing = [] if static else [path / name for name in TORCH_WEIGHTS if (path / name).is_file()]
         for p in sorted(path.glob("*.safetensors")):
             check_safetensors(p)
-        quant = config.get(QUANT_KEY)
+        quant, sparse = config.get(QUANT_KEY), config.get(SPARSE_KEY)
+        weights_file = QUANT_FILE if quant is not None else SPARSE_FILE if sparse is not None else "model.safetensors"
         folder = cls(
-            path=path, config=config, card=card, task=task, labels=labels, num_labels=num_labels_of(config) or len(labels),
+            path=path, config=config, card=card, task=task, labels=labels,
+            num_labels=num_labels_of(config) or len(labels),
             pooling=pooling, normalize=normalize, max_length=max_length, positions=positions,
             quantization=quant, kept_heads=config.get(HEADS_KEY), sentence_transformers=is_st,
-            torch_weights=next((p for p in existing if (p.name == QUANT_FILE) == (quant is not None)), None),
+            torch_weights=next((p for p in existing if p.name == weights_file), None), sparse=sparse,
             onnx_fp32=path / ONNX_FP32 if (path / ONNX_FP32).is_file() else None,
             onnx_int8=path / ONNX_INT8 if (path / ONNX_INT8).is_file() else None,
             tokenizer_files=tuple(n for n in TOKENIZER_FILES if (path / n).is_file()),
@@ -213,9 +215,15 @@ class ModelFolder:
         if static and weights and folder.static_weights is None:
             raise EncoderkitError(f"{path} is a static embedding folder without its {STATIC_WEIGHTS}; "
                                   "copy it again or re-create it with encoderkit distill --to static")
+        pickled = [n for n in PICKLED_WEIGHTS if (path / n).is_file()]
+        if weights and not static and folder.torch_weights is None and pickled:
+            raise EncoderkitError(f"{path} holds its weights only as {pickled[0]}, a pickle, which can run any code "
+                                  "when it is loaded; encoderkit never unpickles. Convert it to model.safetensors "
+                                  "where you trust the file (transformers: from_pretrained(...).save_pretrained(..., "
+                                  "safe_serialization=True)) and pass that folder")
         if (weights and not static and folder.torch_weights is None and folder.onnx_fp32 is None
                 and folder.onnx_int8 is None):
-            want = QUANT_FILE if quant is not None else "model.safetensors"
+            want = weights_file
             raise EncoderkitError(f"{path} holds no weights ({want} is missing, and there is no model.onnx); "
                                   "the folder is incomplete: copy the weights or re-run the stage that wrote it")
         if tokenizer:
@@ -267,7 +275,8 @@ class ModelFolder:
         suffix = HEADS[self.task].suffix
         # the head is there when an architecture ends with the task's suffix, or when the architectures
         # imply the task by the rules of task_from_config (BertForPreTraining holds an MLM head)
-        if suffix and archs and not any(a.endswith(suffix) for a in archs) and task_from_config(self.config) != self.task:
+        if (suffix and archs and not any(a.endswith(suffix) for a in archs)
+                and task_from_config(self.config) != self.task):
             raise EncoderkitError(
                 f"{self.path}: encoderkit.json says task {self.task!r} but config.json architectures are {archs}; "
                 f"a {self.task!r} model needs a *{suffix} head. Fix the 'task' field or use the right folder")
@@ -275,8 +284,6 @@ class ModelFolder:
 
     def model_class(self, task: str | None = None) -> Any:
         """The transformers class for ``task`` (an Auto class), else the one ``config.architectures`` names."""
-        import transformers
-
         if task:
             return getattr(transformers, HEADS[task].auto_class)
         for arch in self.config.get("architectures") or []:
@@ -289,8 +296,8 @@ class ModelFolder:
     def load(self, model_cls: Any = None, *, task: str | None = None, int8_runtime: bool = False,
              attn: str | None = None, dtype: torch.dtype | None = None, frozen: bool = False,
              **overrides: Any) -> torch.nn.Module:
-        """The eval-mode torch model: plain, quantized (dequantized to fp32) or head-pruned, with a
-        recorded classifier pooling applied.
+        """The eval-mode torch model: plain, quantized (dequantized to fp32), sparse-packed (unpacked exactly) or
+        head-pruned, with a recorded classifier pooling applied.
 
         ``model_cls`` (or ``task``'s Auto class) defaults to ``config.architectures``. ``overrides``
         go to ``from_pretrained`` (a new head: ``num_labels=...``); the weights that the checkpoint
@@ -298,17 +305,19 @@ class ModelFolder:
         Linear layers for dynamically quantized INT8 ones; ``attn`` picks the attention kernel
         (``"eager"`` traces cleanly for ONNX); ``frozen`` turns gradients off."""
         if self.static_weights is not None:
-            raise EncoderkitError(f"{self.path} is a static embedding model (a table of token vectors, no transformer): "
-                                  "it embeds through predict, index, search and serve, but cannot be loaded as a "
-                                  "torch model, so it cannot be fine-tuned, compressed, distilled from or exported")
+            raise EncoderkitError(f"{self.path} is a static embedding model (a table of token vectors, no "
+                                  "transformer): it embeds through predict, index, search and serve, but cannot be "
+                                  "loaded as a torch model, so it cannot be fine-tuned, compressed, distilled from or "
+                                  "exported")
         if self.torch_weights is None:
             raise EncoderkitError(f"{self.path} has no torch weights (model.safetensors); only its ONNX graph can run")
         cls = model_cls or self.model_class(task)
-        if overrides and not (self.quantization is None and self.kept_heads is None):
-            raise EncoderkitError(f"{self.path} is quantized or head-pruned; it cannot take a new head")
+        plain = self.quantization is None and self.kept_heads is None and self.sparse is None
+        if overrides and not plain:
+            raise EncoderkitError(f"{self.path} is quantized, head-pruned or sparse-packed; it cannot take a new head")
 
         def build(kwargs: dict[str, Any]) -> torch.nn.Module:
-            if self.quantization is None and self.kept_heads is None:
+            if plain:
                 return _from_pretrained(cls, self.path, {**kwargs, **overrides})
             return rebuild_model(self.path, cls, self.torch_weights, self.quantization, self.kept_heads, kwargs)
 
@@ -321,6 +330,14 @@ class ModelFolder:
                 model = build({"attn_implementation": "eager"})
         except (OSError, ValueError) as e:
             raise EncoderkitError(f"{self.path}: could not load the model as {cls.__name__} ({e})") from e
+        except RuntimeError as e:  # an edited config.json: a size there (vocab_size...) is not the weights'
+            if not any(w in str(e) for w in ("size mismatch", "mismatched_sizes", "shape")):
+                raise
+            first = " ".join(str(e).split())[:300]
+            raise EncoderkitError(f"{self.path}: config.json does not match the weights in "
+                                  f"{self.torch_weights.name} ({first}); a size in config.json (vocab_size, "
+                                  "hidden_size, ...) was changed: restore the config.json the folder was written "
+                                  "with") from e
         apply_pooling(model)
         model.eval()
         if int8_runtime:  # per-channel weights, as stored (the default qconfig would re-quantize them per tensor)
@@ -334,19 +351,6 @@ class ModelFolder:
         return model
 
 
-def _st_pooling(path: Path) -> str | None:
-    """'first' / 'mean' from a sentence-transformers ``1_Pooling/config.json``, None when absent."""
-    cfg = path / "1_Pooling" / "config.json"
-    if not cfg.is_file():
-        return None
-    p = read_json_object(cfg)
-    if p.get("pooling_mode_cls_token"):
-        return "first"
-    if p.get("pooling_mode_mean_tokens", True):
-        return "mean"
-    raise EncoderkitError(f"{cfg}: only mean and first-token (cls) pooling are supported")
-
-
 def _from_pretrained(cls: Any, path: Path, kwargs: dict[str, Any]) -> torch.nn.Module:
     """``cls.from_pretrained`` with transformers' load report replaced by one line of what was new or unused."""
     # transformers 5 checks a tensor-parallel plan when its loader's log level is WARNING or above, and every
@@ -356,7 +360,7 @@ def _from_pretrained(cls: Any, path: Path, kwargs: dict[str, Any]) -> torch.nn.M
     for log in logs:
         log.setLevel(logging.ERROR)
     try:
-        model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
+        model, info = cls.from_pretrained(path, output_loading_info=True, use_safetensors=True, **kwargs)
     finally:
         for log, level in zip(logs, old, strict=True):
             log.setLevel(level)
@@ -364,8 +368,10 @@ def _from_pretrained(cls: Any, path: Path, kwargs: dict[str, Any]) -> torch.nn.M
     unused = list(info.get("unexpected_keys", []))
     parts = []
     if missing:
-        head = "new classification head" if all(k.startswith(("classifier", "score")) for k in missing) else "new weights"
-        parts.append(f"{head}: {len(missing)} weights initialised ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
+        new_head = all(k.startswith(("classifier", "score")) for k in missing)
+        head = "new classification head" if new_head else "new weights"
+        more = ", ..." if len(missing) > 4 else ""
+        parts.append(f"{head}: {len(missing)} weights initialised ({', '.join(missing[:4])}{more})")
     if unused:
         parts.append(f"{len(unused)} weights of the checkpoint not used ({_unused_summary(unused)})")
     if parts:
@@ -397,7 +403,8 @@ _LAYER_KEY = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 def load_model(folder: str | Path, model_cls: Any = None, int8_runtime: bool = False,
                attn_implementation: str | None = None) -> torch.nn.Module:
     """:meth:`ModelFolder.load` for a folder path (the compression levers' shorthand)."""
-    return ModelFolder.open(folder, tokenizer=False).load(model_cls, int8_runtime=int8_runtime, attn=attn_implementation)
+    folder = ModelFolder.open(folder, tokenizer=False)
+    return folder.load(model_cls, int8_runtime=int8_runtime, attn=attn_implementation)
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:

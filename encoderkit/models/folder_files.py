@@ -1,15 +1,8 @@
-"""What a new model folder copies from the folder it was made from, and the fingerprint of what it computes with.
+"""What a derived model folder copies from its source (:func:`copy_side_files`: the tokenizer, the
+sentence-transformers modules, ``README.md``...), and the fingerprint of what a folder computes with.
 
-Every stage that derives a folder from another writes its own weights and ``config.json`` (or, for an
-export, copies them) and takes the rest from the source with :func:`copy_side_files`: the tokenizer,
-the sentence-transformers modules and whatever else lies beside them (``README.md``...). Never copied:
-
-- the card (``encoderkit.json``) and a lever's ``report.json``: facts of the source folder, not of the
-  new one (each stage writes its own);
-- hidden entries (``.git``, a run's ``.<out>.run`` checkpoints);
-- exported graphs and what belongs to them (``*.onnx``, their external ``*.data``, the ``onnx/`` and
-  ``openvino/`` folders of a hub model) and ``checkpoints/``: made from the source's weights, which the
-  new folder does not hold (an export writes its own graph).
+Never copied: the card and a lever's ``report.json`` (facts of the source), hidden entries (``.git``, run
+checkpoints), and exported graphs and ``checkpoints/`` (made from weights the new folder does not hold).
 """
 
 from __future__ import annotations
@@ -22,8 +15,9 @@ from pathlib import Path
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.card import CARD
 from encoderkit.models.rebuild import QUANT_FILE
+from encoderkit.models.sparse import SPARSE_FILE
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", QUANT_FILE, "config.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", QUANT_FILE, SPARSE_FILE, "config.json")
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
 _NEVER_FILES = (CARD, "report.json")
 _NEVER_SUFFIXES = (".onnx", ".data")
@@ -70,7 +64,8 @@ def model_fingerprint(folder: str | Path) -> str:
     folder = Path(folder)
     h = hashlib.sha256()
     names = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".onnx", ".bin") and p.is_file())
-    names += [n for n in ("tokenizer.json", "vocab.txt", "config.json", "1_Pooling/config.json") if (folder / n).is_file()]
+    names += [n for n in ("tokenizer.json", "vocab.txt", "config.json", "1_Pooling/config.json")
+              if (folder / n).is_file()]
     if not names:
         raise EncoderkitError(f"{folder}: no model weights found to fingerprint")
     for n in names:

@@ -1,22 +1,22 @@
-"""Load or build a masked-LM encoder, checking it against the tokenizer and sequence length.
-
-:func:`load_encoder` continues from any local HF encoder folder. A folder without an MLM head
-(a sentence-transformers model such as all-MiniLM-L6-v2, or a plain ``BertModel``) gets a fresh
-``BertForMaskedLM``-style head: the transform initialised like BERT's (normal(0, 0.02) weights,
-unit LayerNorm, zero biases) and the decoder tied to the input embeddings, so the first
-predictions already score tokens by similarity to the word embeddings.
+"""Load or build a masked-LM encoder, checked against the tokenizer and sequence length. A folder without an MLM
+head (a sentence-transformers model, a plain ``BertModel``) gets a fresh one whose decoder is tied to the input
+embeddings, so its first predictions already score tokens by similarity to the word embeddings.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForPreTraining, BertForPreTraining
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.mlm import mlm_layout
 
 
 def check_fits(config: Any, vocab_size: int, seq_len: int | None, source: str) -> None:
@@ -43,8 +43,6 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
     ``pretraining``: a ``BertForPreTraining`` (MLM + next-sentence heads; BERT folders only).
     ``stage`` names the stage in the refusal of a family without a masked-LM class. ``layers``: keep
     only the first N encoder layers (the checkpoint's layers above N are not loaded)."""
-    from transformers import AutoConfig, AutoModelForMaskedLM, BertForPreTraining
-
     mf = ModelFolder.open(folder, tokenizer=False)
     try:
         config = AutoConfig.from_pretrained(mf.path)
@@ -86,12 +84,7 @@ def load_encoder(folder: str | Path, vocab_size: int | None = None, seq_len: int
 
 def weight_names(folder: str | Path) -> list[str]:
     """The tensor names in a folder's safetensors weights (read from the headers; [] without them)."""
-    import json
-
     folder = Path(folder)
-
-    from safetensors import safe_open
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         return list(json.loads(index.read_text()).get("weight_map", {}))
@@ -106,8 +99,6 @@ def init_fresh_head(model: nn.Module) -> None:
     input embeddings (a fresh untied decoder would start from noise). Every head layout of
     :func:`encoderkit.models.mlm.mlm_layout` (the NSP classifier of a ``BertForPreTraining``
     keeps transformers' own init)."""
-    from encoderkit.models.mlm import mlm_layout
-
     layout = mlm_layout(model)
     std = getattr(model.config, "initializer_range", 0.02)
     for part in layout.modules:
@@ -136,8 +127,6 @@ def build_encoder(config: Any, seed: int, *, pretraining: bool = False) -> nn.Mo
     """A freshly initialised masked-LM model for ``config``; the init depends only on ``seed``
     (the caller's global RNG is left as it was). ``pretraining``: a ``BertForPreTraining``
     (MLM + next-sentence heads) for a BERT config."""
-    from transformers import AutoModelForMaskedLM, AutoModelForPreTraining
-
     if pretraining and config.model_type != "bert":
         raise EncoderkitError(f"pretrain --objective mlm+nsp needs --arch bert (next-sentence prediction is BERT's "
                               f"pretraining head), got {config.model_type}; use --objective mlm")

@@ -1,20 +1,8 @@
-"""The masked-only MLM head: the vocabulary projection runs only where there is something to
-predict.
+"""The masked-only MLM head: the vocabulary projection (V far larger than H) runs only on the masked positions,
+(M, H) -> (M, V) instead of (B, L, V), with the same loss to float rounding.
 
-A standard MLM forward pass projects every position to the vocabulary: (B, L, H) -> (B, L, V).
-With 15-30 % of positions masked, and V (30k) far larger than H (256-768), that projection and
-its softmax are most of the step's work and memory. :class:`MaskedOnlyMLM` runs the encoder,
-gathers the hidden states of the masked positions, (B, L, H) -> (M, H), and applies the head's
-transform and decoder there only, (M, H) -> (M, V). The loss is the same cross-entropy over the
-same positions, so it equals the full head's loss (up to float rounding).
-
-The wrapper holds the unchanged HF model (``.model``), whose state dict keys stay those of
-``BertForMaskedLM`` (or ``RobertaForMaskedLM`` / ``ModernBertForMaskedLM``): saving
-``wrapper.model`` gives a standard folder for ``AutoModelForMaskedLM`` and ``pipeline("fill-mask")``.
-
-:class:`MaskedOnlyPreTraining` adds BERT's next-sentence objective on a ``BertForPreTraining``
-(the pooled [CLS] state through ``cls.seq_relationship``); its folder still loads as a
-``BertForMaskedLM`` (the pooler and the NSP classifier are then left out).
+The wrapper holds the unchanged HF model (``.model``), so saving it gives a standard ``AutoModelForMaskedLM``
+folder; :class:`MaskedOnlyPreTraining` adds BERT's next-sentence objective on a ``BertForPreTraining``.
 """
 
 from __future__ import annotations
@@ -86,12 +74,6 @@ def mlm_layout(model: nn.Module) -> MLMLayout:
         return MLMLayout(encoder, lambda h: model.decoder(model.head(h)), [model.head, model.decoder], model.decoder)
     raise EncoderkitError(f"{type(model).__name__} ({family}): the masked-only MLM head does not know this head "
                           "layout; pretraining supports bert, roberta, deberta-v2, electra, distilbert and modernbert")
-
-
-def split_mlm(model: nn.Module) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
-    """``(encoder, head)`` of an HF masked-LM model (see :func:`mlm_layout`)."""
-    layout = mlm_layout(model)
-    return layout.encoder, layout.head
 
 
 class MaskedOnlyMLM(nn.Module):

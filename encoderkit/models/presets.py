@@ -1,18 +1,12 @@
-"""Encoder architecture presets for pretraining from scratch.
-
-``tiny`` and ``mini`` train on a CPU in minutes; ``small`` and ``base`` are BERT-small and
-BERT-base shapes. Any size field given explicitly overrides the preset. ``arch="bert"`` (the
-default) builds ``BertForMaskedLM``; ``arch="modernbert"`` builds ``ModernBertForMaskedLM``
-(rotary positions, GeGLU, no biases; slower on CPU without flash attention); ``arch="deberta"``
-builds ``DebertaV2ForMaskedLM`` in DeBERTa-v3's shape: disentangled attention (content and
-relative position attend separately, c2p + p2c, bucketed log positions, shared keys), no absolute
-position embedding in the input, no token types, and the original (non-legacy) MLM head whose
-decoder is the word embedding matrix.
+"""Encoder architecture presets for pretraining from scratch (``small`` and ``base``: BERT-small and BERT-base
+shapes; a size given explicitly overrides the preset), as a BERT, ModernBERT or DeBERTa-v3-shaped config.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from transformers import BertConfig, DebertaV2Config, ModernBertConfig
 
 from encoderkit.errors import EncoderkitError
 
@@ -54,8 +48,6 @@ def build_config(
         raise EncoderkitError(f"hidden size {n_hidden} is not divisible by the number of heads {n_heads}")
     ids = special_ids or {}
     if arch == "bert":
-        from transformers import BertConfig
-
         return BertConfig(
             vocab_size=vocab_size, hidden_size=n_hidden, num_hidden_layers=n_layers, num_attention_heads=n_heads,
             intermediate_size=n_ffn, max_position_embeddings=max_positions, type_vocab_size=2,
@@ -63,8 +55,6 @@ def build_config(
             architectures=["BertForMaskedLM"],
         )
     if arch == "modernbert":
-        from transformers import ModernBertConfig
-
         return ModernBertConfig(
             vocab_size=vocab_size, hidden_size=n_hidden, num_hidden_layers=n_layers, num_attention_heads=n_heads,
             intermediate_size=n_ffn, max_position_embeddings=max_positions, pad_token_id=ids.get("pad") or 0,
@@ -73,8 +63,6 @@ def build_config(
             architectures=["ModernBertForMaskedLM"],
         )
     if arch == "deberta":
-        from transformers import DebertaV2Config
-
         return DebertaV2Config(
             vocab_size=vocab_size, hidden_size=n_hidden, num_hidden_layers=n_layers, num_attention_heads=n_heads,
             intermediate_size=n_ffn, max_position_embeddings=max_positions, type_vocab_size=0,

@@ -1,21 +1,13 @@
-"""Rebuild a runnable model from a folder whose weights plain ``transformers`` cannot load alone.
+"""Rebuild a runnable fp32 model (:func:`rebuild_model`, called by ``ModelFolder.load``) from a folder plain
+``transformers`` cannot load alone; the writing side is :mod:`encoderkit.compress.packing`.
 
-Compression levers write two such kinds of folder (the standard HF files are kept beside them):
-
-- quantized: the weights live in ``model.quantized.safetensors`` (there is deliberately no
-  ``model.safetensors``, so plain ``transformers`` fails loudly instead of loading random weights).
-  For a quantized matrix ``name`` of shape ``(out, in)`` the file holds ``name.qweight`` (``int8
-  (out, in)`` codes for 8 bits, or ``uint8 (out, ceil(in/2))`` with two 4-bit codes per byte, low
-  nibble = even column), ``name.scale`` (``float16 (out, n_groups)``), ``name.zero`` (``uint8 (out,
-  n_groups)``, only when asymmetric) and ``name.g_idx`` (``int32 (in,)`` group of each column, only
-  with GPTQ act_order). ``config.json`` gets an ``encoderkit_quantization`` entry (method, bits, and
-  per-matrix ``bits/group_size/symmetric/shape``).
-- head-pruned: ``config.json`` gets an ``encoderkit_heads`` entry (the heads kept per layer), since
-  transformers has no ``prune_heads`` to rebuild the smaller attention from the config.
-
-:func:`rebuild_model` rebuilds a runnable fp32 model from any of these (dequantized weights); it is
-called by :meth:`encoderkit.models.folder.ModelFolder.load`, the one loader. The
-writing side of the format lives in :mod:`encoderkit.compress.packing`.
+- quantized: no ``model.safetensors`` (so transformers fails loudly); ``model.quantized.safetensors`` holds per
+  matrix ``name.qweight`` (int8 codes, or uint8 with two 4-bit codes per byte, low nibble = even column),
+  ``name.scale`` (float16 (out, groups)), ``name.zero`` (asymmetric only), ``name.g_idx`` (GPTQ act_order only);
+  ``config.json``'s ``encoderkit_quantization`` gives method, bits and each matrix's settings.
+- head-pruned: ``config.json``'s ``encoderkit_heads`` lists the heads kept per layer.
+- sparse-packed: ``config.json``'s ``encoderkit_sparse``; ``model.sparse.safetensors`` holds the pruned matrices
+  packed (:mod:`encoderkit.models.sparse`), unpacked exactly here.
 """
 
 from __future__ import annotations
@@ -25,8 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.anatomy import anatomy_of
+from encoderkit.models.sparse import SPARSE_KEY, read_weights
 
 QUANT_FILE = "model.quantized.safetensors"
 QUANT_KEY = "encoderkit_quantization"
@@ -97,17 +92,10 @@ def from_storage(name: str, tensors: dict[str, torch.Tensor], meta: dict[str, An
 
 
 def encoder_layers(model: torch.nn.Module, stage: str = "") -> list[torch.nn.Module]:
-    """The transformer blocks of a BERT-like encoder (``<base>.encoder.layer``). A model without them is
-    refused naming its family and ``stage`` (the command that needs them, e.g. ``prune --method ffn``)."""
-    base = getattr(model, "base_model", model)
-    enc = getattr(base, "encoder", None)
-    layers = getattr(enc, "layer", None)
-    if layers is None:
-        family = getattr(getattr(model, "config", None), "model_type", "") or type(model).__name__
-        raise EncoderkitError(f"{stage or 'pruning and torch quantization'}: {family} models are not supported "
-                              f"({type(model).__name__} has no BERT-style encoder.layer list; only BERT-like encoders "
-                              "(BERT, MiniLM, RoBERTa, ELECTRA, DeBERTa-v2) can be pruned or quantized in torch)")
-    return list(layers)
+    """The transformer blocks of ``model``, found through its family's :class:`~encoderkit.models.anatomy.Anatomy`.
+    A family without an anatomy entry is refused naming it and ``stage`` (the command that needs the blocks, e.g.
+    ``prune --method ffn``)."""
+    return anatomy_of(model, stage).blocks(model)
 
 
 def slice_linear(lin: torch.nn.Linear, idx: torch.Tensor, dim: int) -> torch.nn.Linear:
@@ -121,36 +109,33 @@ def slice_linear(lin: torch.nn.Linear, idx: torch.Tensor, dim: int) -> torch.nn.
 
 
 def shrink_heads(model: torch.nn.Module, heads_per_layer: list[list[int]], head_size: int) -> None:
-    """Cut every layer's self-attention down to the heads it keeps (indices into the original heads).
+    """Cut every block's self-attention down to the heads it keeps (indices among the block's current heads).
 
-    Q/K/V lose the output rows of the removed heads, the attention output dense its input columns.
+    The Q/K/V projections (separate, or one fused ``Wqkv``) lose the output rows of the removed heads, the attention
+    output Linear its input columns; where the block's forward reads a head count, it is updated (the anatomy says).
     """
-    for layer, keep in zip(encoder_layers(model), heads_per_layer):
-        att = layer.attention
-        idx = torch.cat([torch.arange(h * head_size, (h + 1) * head_size) for h in keep]) if keep else torch.zeros(0, dtype=torch.long)
-        for proj in ("query", "key", "value"):
-            setattr(att.self, proj, slice_linear(getattr(att.self, proj), idx, dim=0))
-        att.output.dense = slice_linear(att.output.dense, idx, dim=1)
-        att.self.num_attention_heads = len(keep)
-        att.self.all_head_size = len(keep) * head_size
+    anatomy = anatomy_of(model, "prune --method heads")
+    for block, keep in zip(anatomy.blocks(model), heads_per_layer):
+        for path, rows in anatomy.head_rows(block, keep, head_size).items():
+            block.set_submodule(path, slice_linear(block.get_submodule(path), rows, dim=0))
+        for path, cols in anatomy.head_columns(keep, head_size).items():
+            block.set_submodule(path, slice_linear(block.get_submodule(path), cols, dim=1))
+        anatomy.set_heads(block, len(keep), head_size)
 
 
 def rebuild_model(folder: Path, cls: Any, weights: Path, quant: dict[str, Any] | None,
                   heads: list[list[int]] | None, kwargs: dict[str, Any]) -> torch.nn.Module:
-    """A model of class ``cls`` rebuilt from a quantized or head-pruned folder's records: the
-    config's shape, the kept heads, and ``weights`` (quantized matrices dequantized to fp32).
+    """A model of class ``cls`` rebuilt from a quantized, head-pruned or sparse-packed folder's records: the
+    config's shape, the kept heads, and ``weights`` (quantized matrices dequantized to fp32, packed ones unpacked).
     Called by :meth:`encoderkit.models.folder.ModelFolder.load`, which has read those records."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(folder, **kwargs)
-    for key in (QUANT_KEY, HEADS_KEY):
+    for key in (QUANT_KEY, HEADS_KEY, SPARSE_KEY):  # a model saved again is written by its own stage's rules
         config.__dict__.pop(key, None)
     model = cls.from_config(config, **kwargs) if cls.__name__.startswith("Auto") else cls(config)
     if heads is not None:
-        shrink_heads(model, heads, config.hidden_size // config.num_attention_heads)
+        shrink_heads(model, heads, anatomy_of(model).head_size(config))
         model.config.__dict__[HEADS_KEY] = heads  # kept, so saving the model again keeps its shape
-    tensors = load_file(str(weights))
+    tensors = read_weights(weights)
     state = {k: v for k, v in tensors.items() if not k.rsplit(".", 1)[-1] in ("qweight", "scale", "zero", "g_idx")}
     for name, meta in (quant or {}).get("layers", {}).items():
         state[name] = from_storage(name, tensors, meta).dequantize()

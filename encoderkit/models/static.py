@@ -1,10 +1,6 @@
-"""The static embedding folder: one vector per token, a text's embedding the mean of its tokens' vectors.
-
-The layout is model2vec's, with the sentence-transformers modules beside it, so one folder loads in
-``SentenceTransformer(folder)`` (a ``StaticEmbedding`` module at the folder's root, then ``Normalize``), in
-model2vec's ``StaticModel.from_pretrained(folder)`` and in encoderkit (:class:`~encoderkit.models.folder.ModelFolder`
-sees ``config.json``'s ``model_type: model2vec``; the Predictor runs it on
-:class:`~encoderkit.inference.engines.StaticEngine`)::
+"""The static embedding folder: one vector per token, a text's embedding the mean of its tokens' vectors. The layout
+is model2vec's with the sentence-transformers modules beside it, so one folder loads in ``SentenceTransformer``,
+model2vec's ``StaticModel`` and encoderkit::
 
     config.json              {"model_type": "model2vec", "architectures": ["StaticModel"], "hidden_dim": D, ...}
     model.safetensors        embeddings (K + 1, D) float32: one row per kept token, the last row zeros
@@ -14,8 +10,7 @@ sees ``config.json``'s ``model_type: model2vec``; the Predictor runs it on
     modules.json             StaticEmbedding (path ".") -> Normalize (1_Normalize)
     encoderkit.json          task embed, kind static, the distillation's settings and counts
 
-The weighted table that every reader computes is ``embeddings[mapping] * weights[:, None]`` (V, D): what
-sentence-transformers folds into its ``EmbeddingBag`` and model2vec averages over.
+Every reader computes the weighted table ``embeddings[mapping] * weights[:, None]`` (V, D).
 """
 
 from __future__ import annotations
@@ -25,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer
 
 from encoderkit.errors import EncoderkitError
 
@@ -32,6 +30,7 @@ MODEL_TYPE = "model2vec"
 WEIGHTS_FILE = "model.safetensors"
 ST_STATIC = "sentence_transformers.models.StaticEmbedding"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
+STATIC_MAX_LENGTH = 1_000_000  # tokens a static model reads of a text: all of it
 
 
 def is_static_config(config: dict[str, Any]) -> bool:
@@ -45,9 +44,6 @@ def write_static_folder(folder: Path, tokenizer: Any, embeddings: np.ndarray, ma
 
     embeddings: (K + 1, D) float32, the last row zeros; mapping: (V,) int64 row of each token id;
     weights: (V,) float32; ``config``: extra model2vec config keys (``apply_pca``, ``sif_coefficient``...)."""
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer
-
     folder = Path(folder)
     save_file({"embeddings": np.ascontiguousarray(embeddings, dtype=np.float32),
                "mapping": np.ascontiguousarray(mapping, dtype=np.int64),
@@ -59,8 +55,10 @@ def write_static_folder(folder: Path, tokenizer: Any, embeddings: np.ndarray, ma
     tok.no_truncation()
     tok.no_padding()
     tok.save(str(folder / "tokenizer.json"))
+    # max_length: model2vec's StaticModel cuts texts at 512 tokens unless the config names its own length; a static
+    # model reads whole texts here (seq_length), so both say the same
     meta = {"model_type": MODEL_TYPE, "architectures": ["StaticModel"], "hidden_dim": int(embeddings.shape[1]),
-            "seq_length": 1_000_000, "normalize": True, **config}
+            "seq_length": STATIC_MAX_LENGTH, "max_length": STATIC_MAX_LENGTH, "normalize": True, **config}
     (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     modules = [{"idx": 0, "name": "0", "path": ".", "type": ST_STATIC},
                {"idx": 1, "name": "1", "path": "1_Normalize", "type": ST_NORMALIZE}]
@@ -73,8 +71,6 @@ def write_static_folder(folder: Path, tokenizer: Any, embeddings: np.ndarray, ma
 def read_static_table(folder: Path) -> np.ndarray:
     """The weighted token table (V, D) float32 of a static folder: ``embeddings[mapping] * weights[:, None]``
     (a folder without ``mapping`` / ``weights``, as model2vec writes most, has one row per token id)."""
-    from safetensors.numpy import load_file
-
     path = Path(folder) / WEIGHTS_FILE
     try:
         tensors = load_file(str(path))
@@ -94,8 +90,6 @@ def read_static_table(folder: Path) -> np.ndarray:
 def static_parameters(folder: Path) -> int:
     """The float parameters of a static folder: its token table (K + 1, D) and per-token weights (V,), read from the
     safetensors header."""
-    from safetensors import safe_open
-
     with safe_open(str(Path(folder) / WEIGHTS_FILE), "np") as f:
         names = set(f.keys())
         return sum(int(np.prod(f.get_slice(k).get_shape())) for k in ("embeddings", "weights") if k in names)

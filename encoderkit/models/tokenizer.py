@@ -22,7 +22,7 @@ def load_tokenizer(path: str | Path) -> Any:
     Raises :class:`EncoderkitError` when the folder is missing, has no tokenizer files, or holds a
     tokenizer with no fast (Rust) version, which offsets and :func:`word_start_table` need.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 - light path: data prepare imports this; transformers imports torch
 
     p = Path(path)
     if not p.exists():
@@ -119,7 +119,8 @@ def _vocab_kind(tokenizer: Any, who: str) -> tuple[str, str, dict[str, int], int
 
 
 def _special_and_added_ids(tokenizer: Any, size: int) -> list[int]:
-    ids = {tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens} | set(tokenizer.added_tokens_decoder)
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+    ids |= set(tokenizer.added_tokens_decoder)
     return sorted(i for i in ids if i is not None and 0 <= i < size)
 
 

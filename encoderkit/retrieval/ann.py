@@ -1,14 +1,8 @@
-"""faiss indexes over the packed binary codes, the binary first stage (Hamming distance):
-
-* exact, at any size: ``IndexBinaryFlat`` (a scan with hardware popcount and a heap; 5-6x faster
-  than numpy's ``bitwise_count`` at 1M codes, one thread; same results, ties to the lower row).
-  Without faiss installed the exact stage falls back to :func:`encoderkit.retrieval.codes.hamming`.
-* approximate, past ``--ann-threshold`` passages: ``IndexBinaryIVF`` (k-means cells on Hamming
-  space); a query scans :func:`nprobe` cells, a fixed share of them, so the share of the index
-  scanned (and the recall) does not fall as the index grows.
-
-usearch's HNSW was tried first: at one thread it adds ~1,400 binary vectors a second here, so 1M
-would take over ten minutes to build; the IVF trains on a sample and builds in minutes."""
+"""faiss indexes over the packed binary codes, the binary first stage (Hamming distance): exact ``IndexBinaryFlat``
+at any size (hardware popcount; without faiss, :func:`encoderkit.retrieval.codes.hamming`, same results), and past
+``--ann-threshold`` passages the approximate ``IndexBinaryIVF``, which scans a fixed share of its cells
+(:func:`nprobe`) so that its recall does not fall as the index grows. Timings and the HNSW tried first:
+docs/search.md ("Scale")."""
 
 from __future__ import annotations
 
@@ -19,11 +13,10 @@ import numpy as np
 
 from encoderkit.errors import EncoderkitError
 
-# Passages past which an index builds the IVF (``encoderkit index --ann-threshold``). At 1M the exact
-# scan + int8 rescoring of 20 x 10 is >= 10x faster than exact float search and keeps 0.975 of its
-# top-10 on real embeddings; the IVF is much faster but keeps less (docs/search.md, "Scale").
+# Passages past which an index builds the IVF (``encoderkit index --ann-threshold``): below it the exact scan with
+# int8 rescoring is fast enough and keeps more of the top-10 (docs/search.md, "Scale").
 ANN_THRESHOLD = 2_000_000
-PROBE_SHARE = 0.3  # cells scanned per query, as a share of the IVF's cells (0.1 kept 0.78 of the top-10 on SciFact)
+PROBE_SHARE = 0.3  # cells scanned per query, as a share of the IVF's cells (smaller shares: docs/search.md, "Scale")
 MIN_PROBE = 8
 
 

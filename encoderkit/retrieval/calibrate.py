@@ -26,6 +26,7 @@ from encoderkit.errors import EncoderkitError
 from encoderkit.inference.predictor import Predictor, finish_embeddings
 from encoderkit.io import write_json_atomic
 from encoderkit.retrieval.codes import int8_calibration, stored_codes
+from encoderkit.retrieval.search import QueryVectors, Searcher, SearchSettings, read_queries
 from encoderkit.retrieval.store import Generation
 
 SAMPLE = 200
@@ -44,8 +45,6 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 
 def sample_queries(passages: list[dict[str, str]], path: str | None, seed: int = 0) -> list[str]:
     if path:
-        from encoderkit.retrieval.search import read_queries
-
         return [q for _, q in read_queries(Path(path))]
     rng = np.random.default_rng(seed)
     picks = rng.choice(len(passages), size=min(SAMPLE, len(passages)), replace=False)
@@ -66,8 +65,6 @@ def in_memory(vecs: np.ndarray, passages: list[dict[str, str]], fingerprint: str
 def calibrate(p: Predictor, full_vecs: np.ndarray, passages: list[dict[str, str]], queries_path: str | None,
               min_overlap: float, root: Path | None = None, k: int = 10, multiplier: int = 4) -> dict[str, Any]:
     """The report (see the module docstring), also written to ``root/calibration.json``."""
-    from encoderkit.retrieval.search import QueryVectors, Searcher, SearchSettings
-
     queries = sample_queries(passages, queries_path)
     if not queries:
         raise EncoderkitError("--calibrate found no query to sample")
@@ -83,14 +80,16 @@ def calibrate(p: Predictor, full_vecs: np.ndarray, passages: list[dict[str, str]
         for name, (first, rescore, per_dim) in SETTINGS.items():
             st = SearchSettings(k, first, rescore, multiplier)
             res = s.search_vectors(qv, st)
-            overlap = float(np.mean([len({h.doc_id for h in r.hits} & want) / k for r, want in zip(res, ref_top, strict=True)]))
+            overlap = float(np.mean([len({h.doc_id for h in r.hits} & want) / k
+                                     for r, want in zip(res, ref_top, strict=True)]))
             times = []
             for i in range(min(LATENCY_QUERIES, len(queries))):
                 t = time.perf_counter()
                 s.search_vectors(QueryVectors(qv.vectors[i : i + 1], "calibrate"), st)
                 times.append(time.perf_counter() - t)
             rows.append({"precision": name, "dims": d, "overlap@10": round(overlap, 4),
-                         "bytes_per_doc": round(per_dim * d * docs_per, 1), "p50_ms": round(1000 * float(np.median(times)), 3)})
+                         "bytes_per_doc": round(per_dim * d * docs_per, 1),
+                         "p50_ms": round(1000 * float(np.median(times)), 3)})
     ok = [r for r in rows if r["overlap@10"] >= min_overlap]
     best = min(ok, key=lambda r: (r["bytes_per_doc"], r["p50_ms"])) if ok else None
     report = {"queries": len(queries), "query_source": queries_path or "first sentences of sampled passages",

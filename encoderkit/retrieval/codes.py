@@ -2,7 +2,7 @@
 
 * binary: one bit per dimension (``x > 0``), packed 8 to a byte (N, ceil(D/8)) uint8: 32x smaller
   than float32. Search is by Hamming distance (popcount of XOR): :func:`hamming` here is the numpy
-  reference and the fallback without faiss; the index scans with faiss (:mod:`.ann`), 5-6x faster.
+  reference and the fallback without faiss; the index scans with faiss (:mod:`.ann`), which is faster.
 * int8: per-dimension ranges ``lo, hi`` (the calibration, (2, D) float32, measured on the corpus
   embeddings as sentence-transformers' ``quantize_embeddings`` does) map each value to one of 256
   levels: 4x smaller. A float query scores against the dequantized codes (asymmetric), an int8

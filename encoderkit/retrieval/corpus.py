@@ -8,7 +8,8 @@ Sources (``encoderkit index --corpus ...``):
 * a CSV file (``.csv``): the same fields as columns;
 * a BEIR folder (``corpus.jsonl`` inside) or the SciFact export zip: its corpus;
 * any other file, or every non-hidden file below a folder: one document per file, whose id is its
-  path relative to the folder (or the file's own path).
+  path relative to the folder (or the file's own path). A folder means what is inside it: a symbolic link whose
+  target leaves the folder is skipped and counted (``--follow-links`` reads it).
 
 Policies: a document id seen twice is refused (both places are named), since which text to keep
 would be a guess; a file or record that is not UTF-8 is skipped, named and counted in the result;
@@ -32,7 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from encoderkit.data.beir import load_retrieval
+from encoderkit.data.files import folder_files
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import BlankLines, check_input, input_problem
+from encoderkit.progress import note
 
 
 @dataclass(frozen=True)
@@ -67,15 +72,16 @@ class Skipped:
                 self.note(f"skipped {why}")
 
 
-def read_corpus(sources: list[str], id_field: str = "id", text_field: str = "text", title_field: str = "title") -> CorpusRead:
+def read_corpus(sources: list[str], id_field: str = "id", text_field: str = "text", title_field: str = "title",
+                follow_links: bool = False) -> CorpusRead:
     """Every document of ``sources`` (see the module docstring) in a deterministic order."""
     skipped = Skipped()
-    docs = list(iter_corpus(sources, id_field, text_field, title_field, skipped))
+    docs = list(iter_corpus(sources, id_field, text_field, title_field, skipped, follow_links))
     return CorpusRead(docs, skipped.first)
 
 
 def iter_corpus(sources: list[str], id_field: str = "id", text_field: str = "text", title_field: str = "title",
-                skipped: Skipped | None = None) -> Iterator[SourceDoc]:
+                skipped: Skipped | None = None, follow_links: bool = False) -> Iterator[SourceDoc]:
     """The documents of :func:`read_corpus`, in its order, read as they are asked for: a JSONL file line by line, a
     CSV record by record (after a first pass that checks it is UTF-8, since a CSV that is not is skipped whole), a
     folder file by file; a BEIR folder or the SciFact zip is read whole by :mod:`encoderkit.data.beir` (an
@@ -85,7 +91,7 @@ def iter_corpus(sources: list[str], id_field: str = "id", text_field: str = "tex
     skipped = Skipped() if skipped is None else skipped
     seen: dict[str, str] = {}
     for spec in sources:
-        for d in _source_docs(spec, skipped, id_field, text_field, title_field):
+        for d in _source_docs(spec, skipped, id_field, text_field, title_field, follow_links):
             if d.id in seen:
                 raise EncoderkitError(f"document id {d.id!r} appears twice ({seen[d.id]} and {d.where}); ids must be "
                                       "unique: fix the source or give --id-field a unique field")
@@ -96,18 +102,22 @@ def iter_corpus(sources: list[str], id_field: str = "id", text_field: str = "tex
         raise EncoderkitError(f"corpus {', '.join(sources)} holds no document with text{why}; nothing to index")
 
 
-def _source_docs(spec: str, skipped: Skipped, id_field: str, text_field: str, title_field: str) -> Iterator[SourceDoc]:
+def _source_docs(spec: str, skipped: Skipped, id_field: str, text_field: str, title_field: str,
+                 follow_links: bool = False) -> Iterator[SourceDoc]:
     path = Path(spec.partition("#")[0])
     if not path.exists():
-        raise EncoderkitError(f"corpus {spec} does not exist")
+        raise EncoderkitError(f"--corpus {spec} does not exist; check the spelling and the current folder")
+    if not path.is_dir():
+        check_input(path, "--corpus")  # a device, a pipe or an unreadable file says so
     if path.suffix == ".zip" or (path.is_dir() and (path / "corpus.jsonl").is_file()):
-        from encoderkit.data.beir import load_retrieval
-
         data = load_retrieval(spec)
         for d in data.corpus:
             yield SourceDoc(d, data.doc_text(d), f"{spec}: doc {d}")
     elif path.is_dir():
-        for f in sorted(p for p in path.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(path).parts)):
+        files, links = folder_files(path, follow_links)
+        for link in links:
+            skipped.append(f"{link}: a link that leaves the corpus folder {path} (--follow-links reads it)")
+        for f in files:
             yield from _file_docs(f, str(f.relative_to(path)), skipped, id_field, text_field, title_field)
     else:
         yield from _file_docs(path, str(path), skipped, id_field, text_field, title_field)
@@ -139,10 +149,12 @@ def _file_docs(path: Path, doc_id: str, skipped: Skipped, id_field: str, text_fi
                 skipped.append(f"{where}: empty text")
         return
     try:
-        text = path.read_bytes().decode("utf-8").strip()  # one file, one document
+        text = path.read_bytes().decode("utf-8").removeprefix("\ufeff").strip()  # one file, one document
     except UnicodeDecodeError as e:
         skipped.append(f"{path}: not UTF-8 (first bad byte at offset {e.start})")
         return
+    except OSError as e:
+        raise EncoderkitError(f"corpus file {path} cannot be read: {input_problem(path, e)}") from e
     if text:
         yield SourceDoc(doc_id, text, str(path))
     else:
@@ -150,10 +162,16 @@ def _file_docs(path: Path, doc_id: str, skipped: Skipped, id_field: str, text_fi
 
 
 def _jsonl(path: Path, skipped: Skipped) -> Iterator[tuple[str, dict]]:
+    check_input(path, "corpus file")
+    blank = BlankLines()
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):  # lines end at b"\n" only, as a text's own U+2028 must not end one
             if not line.strip():
+                blank.count += 1
+                blank.first = blank.first or n
                 continue
+            if n == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM
             try:
                 rec = json.loads(line.decode("utf-8"))
             except UnicodeDecodeError as e:
@@ -164,6 +182,8 @@ def _jsonl(path: Path, skipped: Skipped) -> Iterator[tuple[str, dict]]:
             if not isinstance(rec, dict):
                 raise EncoderkitError(f"{path}:{n}: expected a JSON object")
             yield f"{path}:{n}", rec
+    if blank.count:
+        note(f"{path}: skipped {blank.count} blank line(s) (the first is line {blank.first})")
 
 
 READ_BYTES = 1 << 22  # bytes per read of the UTF-8 check
@@ -191,7 +211,7 @@ def _csv(path: Path, skipped: Skipped) -> Iterator[tuple[str, dict]]:
     if bad is not None:
         skipped.append(f"{path}: not UTF-8 (first bad byte at offset {bad})")
         return
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: Excel's "CSV UTF-8" starts with a BOM
         for n, rec in enumerate(csv.DictReader(f), 2):
             yield f"{path}:{n}", rec
 

@@ -3,28 +3,11 @@
     encoderkit index --model runs/minilm --first-stage-model runs/static --corpus docs/ --out idx   # --full-codes lazy
     encoderkit search --index idx --query "..."       # static candidates, rescored by the full encoder's int8 codes
 
-Index time: every passage is embedded by the static model (``distill --to static``; no transformer runs) and stored
-as its packed binary and int8 codes, the candidate stage. The full encoder's int8 codes, which rescore the
-candidates, are kept outside the generations in ``DIR/full-codes/`` (:class:`FullCodes`), keyed by passage id and
-document hash:
-
-- ``--full-codes lazy`` (the default): the full encoder embeds only a seeded sample of :data:`CALIBRATION_SAMPLE`
-  passages at index time (their per-dimension int8 ranges are the calibration; later values outside them are
-  clipped); a passage's codes are made the first time it is a candidate, and kept. Indexing costs what the
-  static model costs, and the full encoder's time is spent on the passages that queries reach;
-- ``--full-codes eager``: every passage is embedded by the full encoder at index time (the calibration is the
-  whole corpus's), so queries never wait for it.
-
-Searching embeds the query with both models: the static vector picks ``multiplier x depth`` candidate passages
-(``--first-stage binary``: Hamming distance of the static sign bits; ``int8``: the float query against the
-dequantized int8 codes), the full
-query vector rescores them against the full encoder's codes (``--rescore int8``; ``none`` keeps the static
-order). An update re-embeds every passage with the static model (cheap) and keeps the full codes of every
-passage whose id and document hash are unchanged; ``--rebuild`` starts the codes again.
-
-``full-codes/`` holds ``meta.json`` (the full model's fingerprint, dims and calibration) and ``part-*.npz`` files
-(``keys`` (M,) str, ``codes`` (M, D) int8), each written whole under a temporary name and renamed: a search adds
-a part for the codes it made; a build merges the live ones into one part.
+Every passage is stored as the static model's binary and int8 codes (the candidate stage). The full encoder's int8
+codes, which rescore the candidates, live outside the generations in ``DIR/full-codes/`` (:class:`FullCodes`), keyed
+by passage id and document hash: made for every passage at index time (``--full-codes eager``) or, by default
+(``lazy``), the first time a passage is a candidate, and kept; so the full encoder's time goes to the passages that
+queries reach. An update keeps the full codes of unchanged passages; ``--rebuild`` starts them again.
 """
 
 from __future__ import annotations
@@ -41,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.policy import RECORD_KEY, recorded, resolve
 from encoderkit.inference.predictor import Predictor, finish_embeddings
-from encoderkit.io import write_bytes_atomic, write_json_atomic
+from encoderkit.io import portable_path, recorded_path, write_bytes_atomic, write_json_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note
@@ -56,9 +40,8 @@ KEY = "first_stage"  # the manifest entry of a tiered index
 CODES_DIR = "full-codes"
 FULL_CODES = ("lazy", "eager")
 CALIBRATION_SAMPLE = 256  # passages the full encoder embeds at a lazy build, for its int8 ranges
-# Candidates per result the full encoder rescores when the settings leave it at 0. bench/search_tiers.py on SciFact
-# (docs/search.md, Tiers): 10 x 10 kept 99.5-100.4% of the full encoder's float exact nDCG@10 in two runs (4 x 10:
-# 100.7%, one run); 10 is the default for its larger candidate recall (static int8 recall@100 0.936 vs @40 0.884)
+# Candidates per result the full encoder rescores when the settings leave it at 0 (bench/search_tiers.py,
+# docs/search.md "Tiers"): 10 rather than 4 for its larger candidate recall
 MULTIPLIER = 10
 STATIC_CHUNK = 4096  # texts per static embedding call
 
@@ -92,7 +75,9 @@ def open_static(folder: str | Path, flag: str = "--first-stage-model", threads: 
 
 
 class FullCodes:
-    """The full encoder's int8 codes of the passages of a tiered index (``DIR/full-codes``; module docstring)."""
+    """The full encoder's int8 codes of the passages of a tiered index: ``DIR/full-codes/meta.json`` (fingerprint,
+    dims, calibration) and ``part-*.npz`` files (``keys`` (M,) str, ``codes`` (M, D) int8), each written whole and
+    renamed; a search adds a part for the codes it made, a build merges the live ones into one."""
 
     def __init__(self, folder: Path, fingerprint: str, dims: int, calibration: np.ndarray) -> None:
         self.folder, self.fingerprint, self.dims, self.calibration = folder, fingerprint, dims, calibration
@@ -142,7 +127,8 @@ class FullCodes:
                 self._write_part(list(keys), codes)
             except OSError as e:  # a read-only index: the codes live as long as this process
                 self._writable = False
-                note(f"{self.folder}: cannot keep the full encoder's codes ({e}); they are made again in the next process")
+                note(f"{self.folder}: cannot keep the full encoder's codes ({e}); they are made again in the next "
+                     "process")
 
     def _write_part(self, keys: list[str], codes: np.ndarray, name: str | None = None) -> None:
         buf = io.BytesIO()
@@ -162,7 +148,8 @@ class FullCodes:
         write_json_atomic(self.folder / "meta.json", {"fingerprint": self.fingerprint, "dims": self.dims,
                                                       "calibration": self.calibration.tolist()})
         name = f"part-{time.time_ns():020d}-{os.getpid()}.npz"
-        self._write_part(kept, self.codes[[self.row[k] for k in kept]] if kept else np.zeros((0, self.dims), np.int8), name)
+        self._write_part(kept, self.codes[[self.row[k] for k in kept]] if kept else np.zeros((0, self.dims), np.int8),
+                         name)
         for part in old - {self.folder / name}:
             part.unlink(missing_ok=True)
         self.codes = self.codes[[self.row[k] for k in kept]] if kept else np.zeros((0, self.dims), np.int8)
@@ -179,30 +166,36 @@ def build(cfg: Any, embed: Callable[[Predictor, list[str], str], np.ndarray]) ->
     for bad, why in ((cfg.store != "local", "--store milvus"), (cfg.calibrate, "--calibrate"), (cfg.ray, "--ray")):
         if bad:
             raise EncoderkitError(f"{why} is not available with --first-stage-model; drop one of them")
-    read = read_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field)
+    read = read_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, cfg.follow_links)
     for s in read.skipped[:5]:
         note(f"skipped {s}")
-    full = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.batch_size)
-    if get_task(full.task).endpoint != "embed" or full.info.static_weights is not None:
-        what = "a static embedding model" if full.info.static_weights is not None else f"a {full.task!r} model"
-        raise EncoderkitError(f"--model {cfg.model} is {what}; with --first-stage-model it is the full encoder that "
-                              "rescores the candidates: pass the transformer embed model the static one was distilled from")
-    static = open_static(cfg.first_stage_model, threads=cfg.threads)
-    fingerprint = model_fingerprint(cfg.model)
-    size = {0: full.max_length - 2, -1: 0}.get(cfg.passage_tokens, cfg.passage_tokens)
     root = Path(cfg.out)
     old = open_generation(root) if current_folder(root) is not None else None
     if old is None and root.exists() and any(x for x in root.iterdir() if not x.name.startswith(".")):
         raise EncoderkitError(f"--out {root} is a non-empty folder that is not an index; choose another --out")
+    # an update embeds on the build's engine: the full codes it keeps came from it
+    choice = resolve(cfg.model, cfg.backend, recorded(old.manifest) if old is not None and not cfg.rebuild else None,
+                     update=f"index {root}")
+    full = Predictor.load(cfg.model, backend=choice, threads=cfg.threads, max_batch=cfg.batch_size)
+    if get_task(full.task).endpoint != "embed" or full.info.static_weights is not None:
+        what = "a static embedding model" if full.info.static_weights is not None else f"a {full.task!r} model"
+        raise EncoderkitError(f"--model {cfg.model} is {what}; with --first-stage-model it is the full encoder that "
+                              "rescores the candidates: pass the transformer embed model the static one was distilled "
+                              "from")
+    static = open_static(cfg.first_stage_model, threads=cfg.threads)
+    fingerprint = model_fingerprint(cfg.model)
+    size = {0: full.max_length - 2, -1: 0}.get(cfg.passage_tokens, cfg.passage_tokens)
     passages_policy = {"tokens": size, "overlap": cfg.overlap}
     if old is not None and not cfg.rebuild:
         om = old.manifest
         if om["model"]["fingerprint"] != fingerprint:
             raise EncoderkitError(f"index {root} was built with the model at {om['model']['folder']} (fingerprint "
-                                  f"{om['model']['fingerprint']}), not {cfg.model} ({fingerprint}); pass --rebuild to re-embed")
+                                  f"{om['model']['fingerprint']}), not {cfg.model} ({fingerprint}); pass --rebuild "
+                                  "to re-embed")
         if om.get("passages") != passages_policy or (cfg.dims and om.get("dims") != cfg.dims):
-            raise EncoderkitError(f"index {root} has passages={om.get('passages')} dims={om.get('dims')}, this run asks "
-                                  f"{passages_policy} dims={cfg.dims or 'the model'}'s; pass --rebuild to re-embed")
+            raise EncoderkitError(f"index {root} has passages={om.get('passages')} dims={om.get('dims')}, this run "
+                                  f"asks {passages_policy} dims={cfg.dims or 'the model'}'s; pass --rebuild to "
+                                  "re-embed")
         if KEY not in om:
             raise EncoderkitError(f"index {root} has no static first stage; pass --rebuild to add one")
 
@@ -212,7 +205,8 @@ def build(cfg: Any, embed: Callable[[Predictor, list[str], str], np.ndarray]) ->
     svec = np.concatenate([static.embed(texts[i : i + STATIC_CHUNK], normalize=True)
                            for i in range(0, len(texts), STATIC_CHUNK)])
     s_cal = int8_calibration(svec)
-    arrays = {"static_binary": binary_codes(svec), "static_int8": int8_codes(svec, s_cal), "static_int8_calibration": s_cal}
+    arrays = {"static_binary": binary_codes(svec), "static_int8": int8_codes(svec, s_cal),
+              "static_int8_calibration": s_cal}
 
     keys = [passage_key(p) for p in passages]
     probe = full.embed_raw(texts[:1])
@@ -234,17 +228,19 @@ def build(cfg: Any, embed: Callable[[Predictor, list[str], str], np.ndarray]) ->
             vecs = finish_embeddings(embed(full, [texts[i] for i in todo], "full encoder"), dims, True)
             codes.add([keys[i] for i in todo], vecs, persist=False)
     kept_before = len(codes.row)
-    manifest = {"model": {"folder": str(Path(cfg.model).resolve()), "fingerprint": fingerprint, "backend": full.backend,
-                          "runtime": full.backend, "max_length": full.max_length},
-                "passages": passages_policy, "normalized": True, "dims": dims, "model_dims": model_dims, "float16": False,
-                "precisions": ["static_binary", "static_int8", "full_int8"],
-                KEY: {"folder": str(Path(cfg.first_stage_model).resolve()), "fingerprint": model_fingerprint(cfg.first_stage_model),
+    manifest = {"model": {"folder": portable_path(cfg.model, root), "fingerprint": fingerprint,
+                          "max_length": full.max_length}, RECORD_KEY: full.choice.to_dict(),
+                "passages": passages_policy, "normalized": True, "dims": dims, "model_dims": model_dims,
+                "float16": False, "precisions": ["static_binary", "static_int8", "full_int8"],
+                KEY: {"folder": portable_path(cfg.first_stage_model, root),
+                      "fingerprint": model_fingerprint(cfg.first_stage_model),
                       "dims": int(svec.shape[1]), "full_codes": cfg.full_codes}}
     folder = write_generation(root, Generation(manifest, passages, arrays), before_swap=lambda _: codes.save(keys))
     files = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["files"]
     return {"documents": len(read.docs), "passages": len(passages), "skipped": len(read.skipped),
             "skipped_examples": read.skipped[:5], "dims": dims, "first_stage_dims": int(svec.shape[1]),
-            "full_codes": cfg.full_codes, "full_codes_kept": len(codes.row), "full_codes_stale": kept_before - len(codes.row),
+            "full_codes": cfg.full_codes, "full_codes_kept": len(codes.row),
+            "full_codes_stale": kept_before - len(codes.row),
             "generation": folder.name, "bytes": {f: m["bytes"] for f, m in files.items()},
             "seconds": round(time.perf_counter() - t0, 2)}
 
@@ -264,14 +260,15 @@ class StaticTier:
         meta = gen.manifest.get(KEY)
         if meta is None:
             return None
-        folder = Path(meta["folder"])
+        folder = recorded_path(meta["folder"], root)  # relative to the index folder
         if not folder.is_dir() or model_fingerprint(folder) != meta["fingerprint"]:
             what = "is gone" if not folder.is_dir() else "has changed since the index was built"
             raise EncoderkitError(f"index {root}: its first-stage model {folder} {what}; rebuild the index with "
                                   "--first-stage-model FOLDER --rebuild")
         codes = FullCodes.open(root, gen.manifest["model"]["fingerprint"], gen.dims)
         if codes is None:
-            raise EncoderkitError(f"index {root}: {root / CODES_DIR} is missing or damaged; rebuild the index (--rebuild)")
+            raise EncoderkitError(f"index {root}: {root / CODES_DIR} is missing or damaged; rebuild the index "
+                                  "(--rebuild)")
         return cls(gen, open_static(folder, "the index's first stage", threads), codes)
 
     def embed(self, queries: Sequence[str]) -> np.ndarray:
@@ -280,9 +277,9 @@ class StaticTier:
 
     def check(self, first_stage: str, rescore: str) -> None:
         if first_stage not in ("binary", "int8") or rescore not in ("int8", "none"):
-            raise EncoderkitError(f"an index with a static first stage searches --first-stage binary or int8 (the static "
-                                  f"codes) and rescores with --rescore int8 (the full encoder's codes) or none; got "
-                                  f"--first-stage {first_stage} --rescore {rescore}")
+            raise EncoderkitError("an index with a static first stage searches --first-stage binary or int8 (the "
+                                  "static codes) and rescores with --rescore int8 (the full encoder's codes) or none; "
+                                  f"got --first-stage {first_stage} --rescore {rescore}")
 
     def candidates(self, q: np.ndarray, first_stage: str, fetch: int) -> tuple[np.ndarray, np.ndarray]:
         """Passage rows (Q, <=fetch) and first-stage scores by the static codes, best first."""
@@ -299,8 +296,8 @@ class StaticTier:
                 rows = top_k(d, fetch, largest=False)
                 dist = np.take_along_axis(d, rows, 1).astype(np.float32)
             return rows, -dist
-        # the float query against the dequantized codes (lo + (code + 128) * step): on SciFact the same top 40 / 100
-        # recall as float16 vectors (0.884 / 0.936) at half the bytes; the int8 query's (0.863 / 0.926) is lower
+        # the float query against the dequantized codes (lo + (code + 128) * step): on SciFact the recall of float16
+        # vectors at half the bytes, above the int8 query's (docs/results/inference-from-code.md)
         lo, hi = a["static_int8_calibration"]
         if self._codes is None:
             self._codes = np.asarray(a["static_int8"], dtype=np.float32) + 128.0
@@ -321,8 +318,8 @@ class StaticTier:
         missing = list(dict.fromkeys(int(r) for r in rows.ravel() if r >= 0 and self.keys[r] not in self.codes.row))
         if missing:
             if full is None:
-                raise EncoderkitError("rescoring candidates the full encoder has not embedded yet needs its model; open "
-                                      "the index with Searcher.open")
+                raise EncoderkitError("rescoring candidates the full encoder has not embedded yet needs its model; "
+                                      "open the index with Searcher.open")
             raw = full.embed_raw([self.gen.passages[r]["text"] for r in missing])
             self.codes.add([self.keys[r] for r in missing], finish_embeddings(raw, self.gen.dims, True))
         out_rows, out_scores = np.empty_like(rows), np.empty(rows.shape, dtype=np.float32)

@@ -1,32 +1,11 @@
-"""``encoderkit index``: build or update a local semantic-search index (see :mod:`.store` for the
-layout, :mod:`.corpus` for sources and passages, :mod:`.codes` for the precisions).
+"""``encoderkit index``: build or update a local semantic-search index (layout: :mod:`.store`; sources and passages:
+:mod:`.corpus`; precisions: :mod:`.codes`).
 
-    encoderkit index --model runs/minilm --corpus docs/ --out idx              # build
-    encoderkit index --model runs/minilm --corpus docs/ --out idx              # again: update
-    encoderkit index --model runs/minilm --corpus docs/ --out idx --calibrate  # + the label-free report
-
-Every passage is stored as packed binary codes (the first stage, kept in RAM) and int8 codes with
-their calibration (rescoring), optionally float16 (``--float16``), at ``--dims`` (Matryoshka: the
-first dims, renormalised). Embeddings are L2-normalised, so scores are cosines.
-
-Updates: a document whose id and text hash are unchanged keeps its codes (it is not re-embedded);
-a changed one is re-embedded; one no longer in the corpus is removed from every file. The int8
-calibration of the first build is kept by updates (so unchanged codes stay valid); ``--rebuild``
-re-embeds everything and recalibrates. So are the build's backend (``--backend auto`` takes it; another is refused)
-and ``--backend openvino-int8``'s calibration texts (the corpus's first documents, recorded in the manifest;
-``search`` embeds its queries on the same graph). Another model, other dims or another passage policy than the
-index was built with is refused unless ``--rebuild``.
-
-Streaming (with or without ``--ray``, one path): the corpus is read document by document
-(:func:`.corpus.iter_corpus`), split, and embedded and written a block of :data:`BLOCK_TEXTS` new passages
-at a time (:data:`EMBED_CHUNK` per Predictor call, as a whole-corpus run makes them): passages.jsonl and the
-arrays are appended to in the new generation's temporary folder (:class:`.store.GenerationWriter`), the
-manifest's sizes and sha256 computed after. The files are those of a run that held the whole corpus, byte for
-byte, except past :data:`CALIBRATION_ROWS` new vectors: a build fits its int8 calibration on the first that
-many (held until then), not on all. Held in the driver: per passage of the old generation, its line's offset,
-document id and hash; per document, its id; the blocks in flight; with ``--store milvus`` the new passages'
-ids; past ``--ann-threshold``, every binary code (the IVF is trained on them all); with ``--calibrate``, every
-passage and vector (the report searches them all). A BEIR folder or the SciFact zip is read whole.
+An update re-embeds only new or changed documents and keeps the build's int8 calibration and engine (the manifest's
+``engine``, :mod:`encoderkit.inference.policy`), so that kept codes stay valid and ``search`` embeds its queries on
+the same graph; another model, dims, passage policy or backend needs ``--rebuild``. The corpus streams through a
+block of :data:`BLOCK_TEXTS` passages at a time, ``--ray`` or not, and the files are byte for byte those of a
+whole-corpus run, except that a build fits its int8 calibration on its first :data:`CALIBRATION_ROWS` vectors.
 """
 
 from __future__ import annotations
@@ -36,16 +15,17 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from encoderkit.config import Renamed, StageConfig, arg, check
+from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.inference.engines import AUTO_HELP, CALIBRATION_TEXTS
+from encoderkit.inference.engines import CALIBRATION_TEXTS
+from encoderkit.inference.policy import AUTO_HELP, RECORD_KEY, recorded, resolve
 from encoderkit.inference.predictor import (
     BACKENDS,
     Predictor,
@@ -54,10 +34,13 @@ from encoderkit.inference.predictor import (
     finish_embeddings,
     text_lengths,
 )
+from encoderkit.io import portable_path
 from encoderkit.models.folder_files import model_fingerprint
+from encoderkit.models.names import resolve_model
 from encoderkit.progress import note, progress
 from encoderkit.ray_jobs import RayJob, check_ray_args, ray_actors_arg, ray_address_arg, ray_batch_arg
-from encoderkit.retrieval import ann, first_stage, sparse
+from encoderkit.retrieval import ann, first_stage, milvus, sparse
+from encoderkit.retrieval.calibrate import calibrate
 from encoderkit.retrieval.codes import binary_codes, int8_calibration, int8_codes
 from encoderkit.retrieval.corpus import Skipped, SourceDoc, iter_corpus, passage_spans
 from encoderkit.retrieval.store import (
@@ -65,7 +48,6 @@ from encoderkit.retrieval.store import (
     Generation,
     GenerationWriter,
     PassageLines,
-    built_backend,
     current_folder,
     open_generation,
 )
@@ -91,8 +73,7 @@ def embed_blocks(p: Predictor, blocks: Iterable[list[str]], ray: RayJob | None =
                 on_rows(len(texts))
             yield np.concatenate(parts) if parts else empty
         return
-    load = partial(Predictor.load, p.folder, backend=p.backend, threads=ray.threads, max_batch=p.max_batch,
-                   calibration=p.calibration)
+    load = partial(Predictor.load, p.folder, backend=p.choice, threads=ray.threads, max_batch=p.max_batch)
     plans = ((texts, engine_batches(p, text_lengths(p, texts), EMBED_CHUNK)) for texts in blocks)  # tokenised as sent
     for vecs in ray.map_chunks(plans, load, partial(as_one_call, Predictor.embed_raw)):
         if on_rows is not None:
@@ -112,9 +93,6 @@ def embed_texts(p: Predictor, texts: list[str], desc: str = "embed", ray: RayJob
 class IndexConfig(StageConfig):
     """Settings of ``encoderkit index``."""
 
-    # old spellings, until the next release: --runtime X is --backend X, --backend local|milvus is --store
-    renamed: ClassVar[dict[str, Renamed]] = {"runtime": Renamed("backend"), "backend": Renamed("store", values=STORES)}
-
     model: str = arg(help="Embed model folder (a sentence-transformers or encoderkit embed folder), or a sparse "
                           "(SPLADE, finetune --task sparse) folder: an inverted index of its vocabulary weights.",
                      required=True)
@@ -129,15 +107,19 @@ class IndexConfig(StageConfig):
     passage_tokens: int = arg(0, help="Passage length in tokens; 0 = the model's maximum length less its 2 special "
                                       "tokens; -1 = do not split (a long document is truncated by the model).")
     overlap: int = arg(32, help="Tokens shared by consecutive passages of one document.")
-    ann_threshold: int = arg(ann.ANN_THRESHOLD, help="Past this many passages the binary first stage is an approximate faiss "
-                                                     f"IVF index (sqrt(N) cells, {ann.PROBE_SHARE:.0%} of them scanned per "
-                                                     "query); exact Hamming search (faiss IndexBinaryFlat) below.")
+    ann_threshold: int = arg(ann.ANN_THRESHOLD, help="Past this many passages the binary first stage is an "
+                                                     "approximate faiss IVF index (sqrt(N) cells, "
+                                                     f"{ann.PROBE_SHARE:.0%} of them scanned per query); exact "
+                                                     "Hamming search (faiss IndexBinaryFlat) below.")
+    follow_links: bool = arg(False, help="Also read files that symbolic links inside a corpus folder point to "
+                                         "outside it (by default such links are skipped and counted).")
     rebuild: bool = arg(False, help="Re-embed everything (another model, dims or passage policy; recalibrate int8).")
     calibrate: bool = arg(False, help="Also report, per precision x dims, top-10 overlap with exact float search, "
                                       "bytes/doc and latency, and recommend the smallest setting (no labels needed).")
     calibrate_queries: str | None = arg(None, help="JSONL of {'query'} lines for --calibrate (default: the first "
                                                    "sentences of sampled passages).")
-    min_overlap: float = arg(0.9, help="--calibrate recommends the smallest setting whose mean top-10 overlap is at least this.")
+    min_overlap: float = arg(0.9, help="--calibrate recommends the smallest setting whose mean top-10 overlap is at "
+                                       "least this.")
     store: str = arg("local", help="Where vectors are searched: the local index, or also a Milvus server.",
                      choices=STORES)
     uri: str | None = arg(None, help="Milvus URI for --store milvus (http://host:19530, or a file.db for milvus-lite).")
@@ -150,18 +132,19 @@ class IndexConfig(StageConfig):
     ray: str | None = ray_address_arg()
     ray_actors: int = ray_actors_arg()
     ray_batch: int = ray_batch_arg()
-    first_stage_model: str | None = arg(None, help="A static embedding folder (distill --to static from --model) as the "
-                                        "first stage: its codes pick the candidates, --model's int8 codes rescore them "
-                                        "(docs/search.md, Tiers).")
+    first_stage_model: str | None = arg(None, help="A static embedding folder (distill --to static from --model) as "
+                                        "the first stage: its codes pick the candidates, --model's int8 codes rescore "
+                                        "them (docs/search.md, Tiers).")
     full_codes: str = arg("lazy", choices=first_stage.FULL_CODES, help="With --first-stage-model: when --model embeds "
-                          "the passages for rescoring: lazy (the first time a passage is a candidate; kept in the index) "
-                          "or eager (all of them now).")
+                          "the passages for rescoring: lazy (the first time a passage is a candidate; kept in the "
+                          "index) or eager (all of them now).")
 
     def validate(self) -> None:
         check_ray_args(self.ray_actors, self.ray_batch)
         check(self.dims >= 0, "--dims must be 0 (the model's) or positive")
         check(self.overlap >= 0, "--overlap must be >= 0")
-        check(self.passage_tokens <= 0 or self.overlap < self.passage_tokens, "--overlap must be below --passage-tokens")
+        check(self.passage_tokens <= 0 or self.overlap < self.passage_tokens,
+              "--overlap must be below --passage-tokens")
         check(self.store != "milvus" or bool(self.uri), "--store milvus needs --uri (http://host:19530 or file.db)")
         check(0 < self.min_overlap <= 1, "--min-overlap must be in (0, 1]")
 
@@ -179,8 +162,12 @@ class IndexResult:
         return out
 
 
-def run(cfg: IndexConfig) -> IndexResult:
-    """Build or update the index ``cfg.out`` from ``cfg.corpus`` (see the module docstring)."""
+def run(asked: IndexConfig) -> IndexResult:
+    """Build or update the index ``asked.out`` from ``asked.corpus`` (see the module docstring)."""
+    cfg = replace(asked, model=str(resolve_model(asked.model)))  # 'minilm' as in every stage
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise EncoderkitError(f"--out {cfg.out} is a file, not an index folder; choose another --out (a new folder "
+                              "or an index to update)")
     if sparse.is_sparse_model(cfg.model):  # a SPLADE model: an inverted index of its vocabulary weights
         return IndexResult(Path(cfg.out), sparse.build(cfg))
     if cfg.first_stage_model or (not cfg.rebuild and first_stage.is_tiered(Path(cfg.out))):  # a static first stage
@@ -188,7 +175,7 @@ def run(cfg: IndexConfig) -> IndexResult:
     t0 = time.perf_counter()
     ray = RayJob.of(cfg)  # Ray missing or an address that does not answer fails now, before any model is loaded
     skipped = Skipped(keep=5, note=note)
-    docs = iter_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, skipped)
+    docs = iter_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, skipped, cfg.follow_links)
     docs = itertools.chain([next(docs)], docs)  # a missing or empty corpus fails now, before the model is loaded
     root = Path(cfg.out)
     old = None
@@ -207,46 +194,38 @@ def _embed_into(cfg: IndexConfig, root: Path, old: Generation | None, docs: Iter
                 ray: RayJob, t0: float) -> IndexResult:
     """Load the model on the engine the index's vectors come from, check an update against ``old``, and stream."""
     updating = old is not None and not cfg.rebuild
-    backend, calibration = _update_engine(root, old.manifest["model"], cfg.backend) if updating else (cfg.backend, None)
-    if not updating and backend == "openvino-int8":  # a build's static INT8 calibrates on the corpus's first documents
+    calibration = None
+    if not updating and cfg.backend == "openvino-int8":  # a build's static INT8 calibrates on the corpus's head
         head = list(itertools.islice(docs, CALIBRATION_TEXTS))
         docs, calibration = itertools.chain(head, docs), [d.text for d in head]
-    p = Predictor.load(cfg.model, backend=backend, threads=cfg.threads, max_batch=cfg.batch_size,
-                       calibration=calibration)
+    # an update embeds on the build's engine (auto takes it; another backend is refused: its vectors would not be the
+    # ones the index holds)
+    choice = resolve(cfg.model, cfg.backend, recorded(old.manifest) if updating else None, calibration=calibration,
+                     update=f"index {root}")
+    p = Predictor.load(cfg.model, backend=choice, threads=cfg.threads, max_batch=cfg.batch_size)
     if get_task(p.task).endpoint != "embed":  # the index holds sentence vectors: /v1/embed's call
         raise EncoderkitError(f"--model {cfg.model} is a {p.task!r} model; indexing needs an embed model")
     fingerprint = model_fingerprint(cfg.model)
     size = {0: p.max_length - 2, -1: 0}.get(cfg.passage_tokens, cfg.passage_tokens)
-    # 'runtime' too, for one release: the release before the rename reads that key
-    manifest = {"model": {"folder": str(Path(cfg.model).resolve()), "fingerprint": fingerprint, "backend": p.backend,
-                          "runtime": p.backend, "max_length": p.max_length},
-                "passages": {"tokens": size, "overlap": cfg.overlap}, "normalized": True}
-    if p.calibration:  # the texts openvino-int8 was calibrated on: search's queries and later updates load that graph
-        manifest["model"]["calibration"] = p.calibration
+    # the engine (with openvino-int8's calibration): search's queries and later updates load that graph
+    manifest = {"model": {"folder": portable_path(cfg.model, root), "fingerprint": fingerprint,
+                          "max_length": p.max_length},
+                RECORD_KEY: p.choice.to_dict(), "passages": {"tokens": size, "overlap": cfg.overlap},
+                "normalized": True}
     if updating:
         om = old.manifest
         if om["model"]["fingerprint"] != fingerprint:
             raise EncoderkitError(f"index {root} was built with the model at {om['model']['folder']} (fingerprint "
-                                  f"{om['model']['fingerprint']}), not {cfg.model} ({fingerprint}); pass --rebuild to re-embed")
+                                  f"{om['model']['fingerprint']}), not {cfg.model} ({fingerprint}); pass --rebuild "
+                                  "to re-embed")
         for key, want in (("passages", manifest["passages"]), ("dims", cfg.dims or om["dims"])):
             if om.get(key) != want:
-                raise EncoderkitError(f"index {root} has {key}={om.get(key)}, this run asks {want}; pass --rebuild to re-embed")
+                raise EncoderkitError(f"index {root} has {key}={om.get(key)}, this run asks {want}; pass --rebuild "
+                                      "to re-embed")
         if (cfg.float16 or cfg.store == "milvus") and not om.get("float16"):
             raise EncoderkitError(f"index {root} holds no float16 vectors (needed by --float16 and --store milvus); "
                                   "pass --rebuild to re-embed")
     return _stream_generation(cfg, p, docs, skipped, old, manifest, ray, t0)
-
-
-def _update_engine(root: Path, model: dict, backend: str) -> tuple[str, list[str] | None]:
-    """(backend, calibration texts) an update of the index at ``root`` embeds with: the build's (``model``, its
-    manifest's), which ``auto`` takes, with its ``openvino-int8`` calibration texts; another backend is refused:
-    its vectors would not be the ones the index holds."""
-    built = built_backend(model)
-    if built and backend not in ("auto", built):
-        raise EncoderkitError(f"index {root} was embedded with --backend {built}, this run asks {backend}: the new "
-                              f"vectors would come from another engine; pass --backend {built} (or auto), or --rebuild "
-                              "to re-embed everything")
-    return built or backend, model.get("calibration")
 
 
 def _spans(p: Predictor, d: SourceDoc, size: int, overlap: int) -> list[tuple[int, int]]:
@@ -437,9 +416,10 @@ def _stream_generation(cfg: IndexConfig, p: Predictor, docs: Iterable[SourceDoc]
         if cfg.store == "milvus":
             before_swap = partial(_sync_milvus, cfg, manifest, old, kept, new_ids, root)
         folder = w.commit(manifest, extra, before_swap)
+    files = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["files"]
     counts.update({"passages": w.count, "embedded_passages": embedded, "skipped": skipped.count,
                    "skipped_examples": skipped.first[:5], "dims": dims, "generation": folder.name,
-                   "bytes": {f: m["bytes"] for f, m in json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["files"].items()},
+                   "bytes": {f: m["bytes"] for f, m in files.items()},
                    "seconds": round(time.perf_counter() - t0, 2)})
     result = IndexResult(root, counts)
     if cfg.calibrate:
@@ -451,15 +431,13 @@ def _sync_milvus(cfg: IndexConfig, manifest: dict[str, Any], old: Generation | N
                  new_ids: list[str], root: Path, folder: Path) -> None:
     """``--store milvus``: upsert the new passages and delete the old ones no longer there, before the swap (the
     written generation read back: its ids streamed, its float16 vectors memory-mapped)."""
-    from encoderkit.retrieval.milvus import sync
-
     fresh = set(new_ids)
     removed = [] if old is None else [r["id"] for i, r in enumerate(old.passages)
                                       if not (i < len(kept) and kept[i]) and r["id"] not in fresh]
     gen = Generation(manifest, PassageLines(folder / "passages.jsonl"),
                      {"float16": np.load(folder / "float16.npy", mmap_mode="r")})
     try:
-        sync(cfg.uri, cfg.collection, gen, new_ids, removed, root)
+        milvus.sync(cfg.uri, cfg.collection, gen, new_ids, removed, root)
     finally:
         gen.passages.close()
 
@@ -468,8 +446,6 @@ def _calibration_report(cfg: IndexConfig, p: Predictor, raws: list[np.ndarray], 
                         ray: RayJob | None) -> dict[str, Any]:
     """``--calibrate``: the report over every passage of the new generation, in memory (its exact float search is
     the reference): the vectors of this run when it embedded them all, else all passages embedded again."""
-    from encoderkit.retrieval.calibrate import calibrate
-
     root = Path(cfg.out)
     passages = open_generation(root).passages
     if counts["embedded_passages"] == counts["passages"]:

@@ -99,7 +99,8 @@ def sync(uri: str, name: str, gen: Generation, changed: list[str], removed: list
 def check_collection(uri: str, name: str, gen: Generation) -> None:
     c = client(uri)
     if not c.has_collection(name):
-        raise EncoderkitError(f"Milvus at {uri} has no collection {name!r}; run `encoderkit index --store milvus --uri {uri}`")
+        raise EncoderkitError(f"Milvus at {uri} has no collection {name!r}; run `encoderkit index --store milvus "
+                              f"--uri {uri}`")
     n = _count(c, name)
     if n != len(gen.passages):
         raise EncoderkitError(f"Milvus collection {name!r} holds {n} vectors, the local index {len(gen.passages)}; "

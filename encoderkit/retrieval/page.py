@@ -67,8 +67,9 @@ def results_html(name: str, others: list[str], query: str, result: Result) -> st
     e = html.escape
     switch = "".join(f" <a href='#' data-index='{e(o)}' onclick='useIndex(this.dataset.index);return false'>{e(o)}</a>"
                      for o in others)
+    cut = " &middot; query truncated to the model maximum" if result.truncated else ""
     head = (f"<div class=meta>index <b>{e(name)}</b>{' &middot; also:' + switch if others else ''} &middot; "
-            f"{len(result.hits)} hits{' &middot; query truncated to the model maximum' if result.truncated else ''}</div>")
+            f"{len(result.hits)} hits{cut}</div>")
     hits = "".join(f"<div class='card hit'><span class=score>{h.score:.4f}</span> <span class=doc>{e(h.doc_id)} "
                    f"&middot; {e(h.passage_id)}</span><div class=text>{highlight(h.text, query)}</div></div>"
                    for h in result.hits)

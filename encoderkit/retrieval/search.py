@@ -1,30 +1,13 @@
 """Tiered search over an index, as a Python API and ``encoderkit search``.
 
-    s = Searcher.open("idx")                                    # the index's own model, same backend
+    s = Searcher.open("idx")                                    # the index's own model, on its recorded engine
     s.search(["what causes fever?"], SearchSettings(k=10, bm25=True))[0].hits
 
-Stages, each switchable:
-
-1. first stage over passages: ``binary`` (Hamming distance of packed sign bits; exact below the
-   index's ANN threshold (faiss ``IndexBinaryFlat``; numpy without faiss), a faiss binary IVF
-   above it), ``int8`` (int8 query . int8 codes) or ``float`` (the float16 vectors; needs
-   ``--float16`` at index time), or Milvus (float, IP);
-2. rescoring of ``rescore_multiplier`` x depth candidates (0, the default: :func:`default_multiplier`,
-   larger for a large index) with the float query against the ``int8`` (dequantized) or ``float``
-   vectors, or ``none``; passages collapse to documents (a document scores as its best passage),
-   depth = k, or the rerank depth when reranking;
-3. ``bm25``: bm25s over the passage texts (built when first used), fused with the dense order by
-   reciprocal rank (k = 60, untuned); the score becomes the fusion score;
-4. ``rerank_top`` N: a cross-encoder (``--rerank DIR``) scores (query, best passage) of the top N
-   documents and reorders them; its logits become the scores.
-
-A sparse index (of a ``finetune --task sparse`` model, :mod:`.sparse`) has one exact stage in place of 1-2: the
-dot product of SPLADE vectors. ``fuse_with`` (``--fuse-with INDEX``) fuses the document order of other indexes of
-the same corpus (dense or sparse) with this one's at stage 3, in the same reciprocal-rank fusion as BM25.
-
-A query longer than the model's maximum length is truncated by the model; each result says so
-(``truncated``). Query vectors carry the fingerprint of the model that made them, and an index
-refuses vectors from another model.
+Stages, each switchable: a first stage over passages (``binary`` sign-bit codes by Hamming distance, ``int8`` or
+``float``, or Milvus); rescoring of ``multiplier x depth`` candidates with the float query; passages collapsed to
+documents (a document scores as its best passage); BM25 and other indexes of the corpus (``fuse_with``) fused by
+reciprocal rank; a cross-encoder reordering the top documents. A sparse index (:mod:`.sparse`) has one exact stage
+in place of the first two. Query vectors carry their model's fingerprint, and an index refuses another model's.
 """
 
 from __future__ import annotations
@@ -34,14 +17,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from encoderkit.config import Renamed, StageConfig, arg, check
+from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.policy import recorded, resolve
 from encoderkit.inference.predictor import BACKENDS, Predictor
-from encoderkit.io import write_text_atomic
+from encoderkit.io import check_output_file, json_line, read_lines, recorded_path, records, write_text_atomic
 from encoderkit.metrics.ranking import rrf_scores
 from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note
@@ -49,18 +33,18 @@ from encoderkit.retrieval import ann
 from encoderkit.retrieval.codes import binary_codes, hamming, int8_codes, int8_dequantize, top_k
 from encoderkit.retrieval.first_stage import MULTIPLIER as TIER_MULTIPLIER
 from encoderkit.retrieval.first_stage import StaticTier
+from encoderkit.retrieval.milvus import check_collection
+from encoderkit.retrieval.milvus import search as milvus_search
 from encoderkit.retrieval.sparse import SparseStage, same_corpus
-from encoderkit.retrieval.store import STORES, Generation, built_backend, open_generation
+from encoderkit.retrieval.store import STORES, Generation, open_generation
 from encoderkit.tasks import get_task
 
 FIRST_STAGES = ("binary", "int8", "float")
 RESCORES = ("int8", "float", "none")
 SCAN_CHUNK = 65_536  # rows per matrix product in the int8/float first stages
-# Candidates rescored per result when the settings leave it at 0 (docs/search.md, "Scale"). Binary
-# + int8 rescoring of 4 x 10 keeps 99% of float nDCG@10 on SciFact (9,631 passages); its top-10
-# overlap with exact float search is 0.85 there, 0.975 at 20 x 10. Past LARGE_INDEX passages the
-# binary first stage rescores 20 x k: more codes crowd each Hamming distance as an index grows, and
-# rescoring 200 candidates costs ~0.1 ms against a scan of tens of ms (1M codes).
+# Candidates rescored per result when the settings leave it at 0 (docs/search.md, "Scale"). Past LARGE_INDEX passages
+# the binary first stage rescores 20 x k: more codes share each Hamming distance as an index grows, and rescoring
+# costs little next to the scan.
 RESCORE_MULTIPLIER = 4
 RESCORE_MULTIPLIER_LARGE = 20
 LARGE_INDEX = 100_000
@@ -122,12 +106,13 @@ class QueryVectors:
 class Searcher:
     """An open index, its query model and optional reranker / Milvus first stage."""
 
-    def __init__(self, gen: Generation, root: Path, predictor: Predictor | None = None, reranker: Predictor | None = None,
-                 milvus: tuple[str, str] | None = None) -> None:
+    def __init__(self, gen: Generation, root: Path, predictor: Predictor | None = None,
+                 reranker: Predictor | None = None, milvus: tuple[str, str] | None = None) -> None:
         self.gen, self.root, self.predictor, self.reranker, self.milvus = gen, root, predictor, reranker, milvus
         self.fingerprint = gen.manifest["model"]["fingerprint"]
         self._bm25 = None
-        self._ivf = ann.load(gen.folder / "binary.ivf") if gen.folder and (gen.folder / "binary.ivf").is_file() else None
+        ivf = gen.folder / "binary.ivf" if gen.folder else None
+        self._ivf = ann.load(ivf) if ivf is not None and ivf.is_file() else None
         self._row_of = {r["id"]: i for i, r in enumerate(gen.passages)} if milvus else None
         self._flat = None  # the exact faiss binary index, built on first use
         self.tier = StaticTier.open(gen, root)  # a static first stage (first_stage.py), else None
@@ -142,28 +127,27 @@ class Searcher:
         return self._flat
 
     @classmethod
-    def open(cls, root: str | Path, model: str | Path | None = None, runtime: str | None = None, rerank: str | Path | None = None,
-             threads: int | None = None, verify: bool = True, milvus: tuple[str, str] | None = None) -> Searcher:
+    def open(cls, root: str | Path, model: str | Path | None = None, backend: str = "auto",
+             rerank: str | Path | None = None, threads: int | None = None, verify: bool = True,
+             milvus: tuple[str, str] | None = None) -> Searcher:
         """Open index ``root``; queries are embedded by ``model`` (default: the folder the index was
-        built with), which must be the same model (same fingerprint)."""
+        built with), which must be the same model (same fingerprint), on ``backend``: ``auto`` (and the build's
+        own backend named again) is the engine the index recorded, with its openvino-int8 calibration; another
+        is that backend (:func:`encoderkit.inference.policy.resolve`)."""
         root = Path(root)
         gen = open_generation(root, verify=verify)
-        recorded = gen.manifest["model"]
-        folder = Path(model) if model is not None else Path(recorded["folder"])
+        built = gen.manifest["model"]
+        folder = Path(model) if model is not None else recorded_path(built["folder"], root)  # relative to root
         if not folder.is_dir():
             raise EncoderkitError(f"index {root}: its model folder {folder} is gone; pass the same model with --model")
-        if model is not None and model_fingerprint(folder) != recorded["fingerprint"]:
-            raise EncoderkitError(f"--model {folder} is not the model index {root} was built with ({recorded['folder']}, "
-                                  f"fingerprint {recorded['fingerprint']}); its vectors would not be comparable")
-        built = built_backend(recorded)
-        calibration = recorded.get("calibration") if runtime in (None, built) else None  # openvino-int8: the build's graph
-        p = Predictor.load(folder, backend=runtime or built, threads=threads, calibration=calibration)
+        if model is not None and model_fingerprint(folder) != built["fingerprint"]:
+            raise EncoderkitError(f"--model {folder} is not the model index {root} was built with ({built['folder']}, "
+                                  f"fingerprint {built['fingerprint']}); its vectors would not be comparable")
+        p = Predictor.load(folder, backend=resolve(folder, backend, recorded(gen.manifest)), threads=threads)
         r = Predictor.load(rerank, threads=threads) if rerank else None
         if r is not None and not get_task(r.task).scores_pairs:  # a cross-encoder: a pair's score from its logits
             raise EncoderkitError(f"--rerank {rerank} is a {r.task!r} model, not a cross-encoder")
         if milvus is not None:
-            from encoderkit.retrieval.milvus import check_collection
-
             check_collection(milvus[0], milvus[1], gen)
         return cls(gen, root, p, r, milvus)
 
@@ -178,19 +162,22 @@ class Searcher:
         first = self.tier.embed(queries) if self.tier is not None else None
         return QueryVectors(vecs, self.fingerprint, [n > p.max_length for n in lengths], first)
 
-    def search(self, queries: Sequence[str], settings: SearchSettings | None = None) -> list[Result]:
+    def search(self, queries: Sequence[str], settings: SearchSettings | None = None,
+               reranker: Predictor | None = None) -> list[Result]:
+        """``reranker``: the cross-encoder of ``rerank_top`` for this call (default: the one opened with the index)."""
         if isinstance(queries, str):
             queries = [queries]
         qv = self.embed(queries)
-        return self.search_vectors(qv, settings, list(queries))
+        return self.search_vectors(qv, settings, list(queries), reranker)
 
     def search_vectors(self, qv: QueryVectors, settings: SearchSettings | None = None,
-                       texts: Sequence[str] | None = None) -> list[Result]:
+                       texts: Sequence[str] | None = None, reranker: Predictor | None = None) -> list[Result]:
         """Search with precomputed query vectors (BM25 and rerank also need the query ``texts``)."""
         s = settings or SearchSettings()
+        cross = reranker or self.reranker
         if self.tier is not None:  # the static first stage's settings, before the plain index's
             self.tier.check(s.first_stage, s.rescore)
-        s.check(self.gen, self.reranker is not None)
+        s.check(self.gen, cross is not None)
         if qv.fingerprint != self.fingerprint:
             raise EncoderkitError(f"these query vectors come from a model with fingerprint {qv.fingerprint}, the index "
                                   f"{self.root} from {self.fingerprint}; embed queries with the index's model")
@@ -218,14 +205,15 @@ class Searcher:
             ranked = ranked[:depth]
             if s.rerank_top:
                 top = ranked[: s.rerank_top]
-                logits = self.reranker.score_pairs([texts[i]] * len(top), [self.gen.passages[r]["text"] for _, _, r in top])
+                logits = cross.score_pairs([texts[i]] * len(top), [self.gen.passages[r]["text"] for _, _, r in top])
                 order = np.argsort(-logits, kind="stable")
                 reranked = [(top[j][0], float(logits[j]), top[j][2]) for j in order]
                 if s.rerank_fuse:
                     fused = rrf_scores([[d for d, _, _ in reranked], [d for d, _, _ in top]])
                     reranked = sorted(((d, fused[d], r) for d, _, r in reranked), key=lambda x: -x[1])
                 ranked = reranked + ranked[s.rerank_top:]
-            hits = [Hit(d, float(sc), self.gen.passages[r]["text"], self.gen.passages[r]["id"]) for d, sc, r in ranked[: s.k]]
+            hits = [Hit(d, float(sc), self.gen.passages[r]["text"], self.gen.passages[r]["id"])
+                    for d, sc, r in ranked[: s.k]]
             out.append(Result(hits, bool(qv.truncated[i]) if qv.truncated else False))
         return out
 
@@ -259,8 +247,6 @@ class Searcher:
         """Passage rows (Q, <=fetch) and their scores, best first, after the first stage and rescoring."""
         a = self.gen.arrays
         if self.milvus is not None:
-            from encoderkit.retrieval.milvus import search as milvus_search
-
             ids, sc = milvus_search(self.milvus[0], self.milvus[1], q, fetch)
             rows, scores = np.full((len(q), fetch), -1, np.int64), np.full((len(q), fetch), -np.inf, np.float32)
             for i, (row, srow) in enumerate(zip(ids, sc, strict=True)):
@@ -306,9 +292,11 @@ class Searcher:
 
         if self._bm25 is None:
             self._bm25 = bm25s.BM25()
-            self._bm25.index(bm25s.tokenize([p["text"] for p in self.gen.passages], show_progress=False), show_progress=False)
+            self._bm25.index(bm25s.tokenize([p["text"] for p in self.gen.passages], show_progress=False),
+                             show_progress=False)
         tokens = bm25s.tokenize([query], show_progress=False)  # a query of stopwords scores 0 everywhere: no hits
-        rows, scores = self._bm25.retrieve(tokens, k=min(fetch, len(self.gen.passages)), show_progress=False, n_threads=1)
+        rows, scores = self._bm25.retrieve(tokens, k=min(fetch, len(self.gen.passages)), show_progress=False,
+                                           n_threads=1)
         keep = scores[0] > 0
         return rows[0][keep], scores[0][keep]
 
@@ -330,20 +318,19 @@ class Searcher:
 class SearchConfig(StageConfig):
     """Settings of ``encoderkit search``."""
 
-    # old spellings, until the next release: --runtime X is --backend X, --backend local|milvus is --store
-    renamed: ClassVar[dict[str, Renamed]] = {"runtime": Renamed("backend"), "backend": Renamed("store", values=STORES)}
-
     index: str = arg(help="Index folder written by `encoderkit index`.", required=True)
     query: str | None = arg(None, help="One query; the hits are printed.")
     queries: str | None = arg(None, help="JSONL of {'id', 'query'} lines (with --output).")
-    output: str | None = arg(None, help="JSONL written for --queries: {'id', 'hits': [{doc_id, score, text}], 'truncated'}.")
+    output: str | None = arg(None, help="JSONL written for --queries: {'id', 'hits': [{doc_id, score, text}], "
+                                        "'truncated'}.")
+    overwrite: bool = arg(False, help="Replace an existing --output file.")
     k: int = arg(10, help="Documents per query.")
     first_stage: str = arg("binary", help="First stage over passages.", choices=FIRST_STAGES)
     rescore: str = arg("int8", help="Rescore the candidates with these vectors (none: keep the first stage's order).",
                        choices=RESCORES)
     rescore_multiplier: int = arg(0, help=f"Candidates rescored per result: multiplier x k (x the rerank depth); 0: "
-                                          f"{RESCORE_MULTIPLIER}, or {RESCORE_MULTIPLIER_LARGE} after the binary first stage of an "
-                                          f"index of more than {LARGE_INDEX:,} passages.")
+                                          f"{RESCORE_MULTIPLIER}, or {RESCORE_MULTIPLIER_LARGE} after the binary first "
+                                          f"stage of an index of more than {LARGE_INDEX:,} passages.")
     bm25: bool = arg(False, help="Fuse BM25 (bm25s) with the dense order by reciprocal rank.")
     rerank: str | None = arg(None, help="Cross-encoder folder: rerank the top --rerank-top documents.")
     rerank_top: int = arg(100, help="Documents the cross-encoder reorders (with --rerank).")
@@ -360,14 +347,16 @@ class SearchConfig(StageConfig):
     uri: str | None = arg(None, help="Milvus URI for --store milvus.")
     collection: str = arg("encoderkit", help="Milvus collection name.")
     exact: bool = arg(False, help="Exact Hamming search even where the index has an approximate one.")
-    backend: str | None = arg(None, help="Predictor backend for queries (default: the one the index was built with).",
-                              choices=BACKENDS, speed=True)
+    backend: str = arg("auto", help="Predictor backend for queries; auto: the engine the index was built with (its "
+                                    "manifest's record, openvino-int8's calibration included).",
+                       choices=BACKENDS, speed=True)
     threads: int | None = arg(None, help="onnxruntime threads.", speed=True)
 
     def validate(self) -> None:
         check((self.query is None) != (self.queries is None), "give exactly one of --query and --queries")
         check(self.queries is None or self.output is not None, "--queries needs --output FILE.jsonl")
-        check(self.k >= 1 and self.rescore_multiplier >= 0, "--k must be at least 1 and --rescore-multiplier at least 0")
+        check(self.k >= 1 and self.rescore_multiplier >= 0,
+              "--k must be at least 1 and --rescore-multiplier at least 0")
         check(self.store != "milvus" or bool(self.uri), "--store milvus needs --uri")
         check(not self.rerank_fuse or bool(self.rerank), "--rerank-fuse needs --rerank DIR")
 
@@ -390,14 +379,11 @@ class SearchRunResult:
 
 
 def read_queries(path: Path) -> list[tuple[str, str]]:
-    from encoderkit.io import json_line
-
-    if not path.is_file():
-        raise EncoderkitError(f"--queries {path} does not exist")
+    """(id, query) of each line of a JSONL file, read by the one line reader (only ``\\n`` ends a line, so a query
+    may hold a raw U+2028); a line without an ``id`` is named by its line number; blank lines are skipped and
+    reported."""
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in records(read_lines(path, "--queries"), str(path)):
         rec = json_line(line, f"{path}:{n}")
         q = rec.get("query")
         if not isinstance(q, str) or not q.strip():
@@ -411,6 +397,8 @@ def read_queries(path: Path) -> list[tuple[str, str]]:
 def run(cfg: SearchConfig) -> SearchRunResult:
     """Search an index (see the module docstring); one --query prints its hits, --queries writes JSONL."""
     milvus = (cfg.uri, cfg.collection) if cfg.store == "milvus" else None
+    if cfg.output:  # before the index and model are opened: never the --queries file, an existing one only on asking
+        check_output_file(cfg.output, cfg.overwrite, "--output", [cfg.queries, cfg.index, cfg.model])
     s = Searcher.open(cfg.index, cfg.model, cfg.backend, cfg.rerank, cfg.threads, milvus=milvus)
     if cfg.fuse_with:
         s.fuse_with(cfg.fuse_with, cfg.threads)
@@ -422,8 +410,8 @@ def run(cfg: SearchConfig) -> SearchRunResult:
             for (qid, _), r in zip(items, results, strict=True)]
     n_trunc = sum(r.truncated for r in results)
     if n_trunc:
-        note(f"{n_trunc} quer{'y was' if n_trunc == 1 else 'ies were'} longer than the model's {s.predictor.max_length} "
-             "tokens and truncated (marked 'truncated' in the results)")
+        note(f"{n_trunc} quer{'y was' if n_trunc == 1 else 'ies were'} longer than the model's "
+             f"{s.predictor.max_length} tokens and truncated (marked 'truncated' in the results)")
     if cfg.output:
         write_text_atomic(Path(cfg.output), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return SearchRunResult(rows, cfg.output, seconds)

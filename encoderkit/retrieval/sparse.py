@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.inference.policy import RECORD_KEY, recorded, resolve
 from encoderkit.inference.predictor import Predictor
+from encoderkit.io import portable_path
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.folder_files import model_fingerprint
 from encoderkit.progress import note, progress
@@ -59,7 +61,8 @@ def _load_matrix(gen: Generation) -> Any:
     try:
         return sparse.load_npz(gen.folder / MATRIX).tocsr()
     except Exception as e:  # a file the manifest check let through that scipy cannot read
-        raise EncoderkitError(f"{gen.folder / MATRIX} cannot be read as a sparse matrix ({e}); rebuild the index") from e
+        raise EncoderkitError(f"{gen.folder / MATRIX} cannot be read as a sparse matrix ({e}); rebuild the "
+                              "index") from e
 
 
 def encode(p: Predictor, texts: list[str], desc: str = "encode") -> Any:
@@ -67,8 +70,8 @@ def encode(p: Predictor, texts: list[str], desc: str = "encode") -> Any:
     from scipy import sparse
 
     task = get_task(p.task)
-    parts = [task.vectors(p, texts[a : a + CHUNK]) for a in progress(range(0, len(texts), CHUNK),
-                                                                      total=-(-len(texts) // CHUNK), desc=desc, unit="chunk")]
+    starts = progress(range(0, len(texts), CHUNK), total=-(-len(texts) // CHUNK), desc=desc, unit="chunk")
+    parts = [task.vectors(p, texts[a : a + CHUNK]) for a in starts]
     vocab = int(p.info.config.get("vocab_size") or len(p.tokenizer))
     return sparse.vstack(parts).tocsr() if parts else sparse.csr_matrix((0, vocab), dtype=np.float32)
 
@@ -83,31 +86,35 @@ def build(cfg: Any) -> dict[str, Any]:
         if on:
             raise EncoderkitError(f"{flag} is a dense-index setting; a sparse model ({cfg.model}) writes an inverted "
                                   "index of its vocabulary weights: drop the flag")
-    read = read_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field)
+    read = read_corpus(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, cfg.follow_links)
     for s in read.skipped[:5]:
         note(f"skipped {s}")
-    p = Predictor.load(cfg.model, backend=cfg.backend, threads=cfg.threads, max_batch=cfg.batch_size)
-    vocab = int(p.info.config.get("vocab_size") or len(p.tokenizer))
-    fingerprint = model_fingerprint(cfg.model)
-    size = {0: p.max_length - 2, -1: 0}.get(cfg.passage_tokens, cfg.passage_tokens)
     root = Path(cfg.out)
     old = None
     if current_folder(root) is not None:
         old = open_generation(root)
     elif root.exists() and any(x for x in root.iterdir() if not x.name.startswith(".")):
         raise EncoderkitError(f"--out {root} is a non-empty folder that is not an index; choose another --out")
-    manifest = {"kind": KIND, "model": {"folder": str(Path(cfg.model).resolve()), "fingerprint": fingerprint,
-                                        "backend": p.backend, "runtime": p.backend, "max_length": p.max_length},
+    # an update encodes on the build's engine: the vectors it keeps came from it
+    choice = resolve(cfg.model, cfg.backend, recorded(old.manifest) if old is not None and not cfg.rebuild else None,
+                     update=f"index {root}")
+    p = Predictor.load(cfg.model, backend=choice, threads=cfg.threads, max_batch=cfg.batch_size)
+    vocab = int(p.info.config.get("vocab_size") or len(p.tokenizer))
+    fingerprint = model_fingerprint(cfg.model)
+    size = {0: p.max_length - 2, -1: 0}.get(cfg.passage_tokens, cfg.passage_tokens)
+    manifest = {"kind": KIND, "model": {"folder": portable_path(cfg.model, root), "fingerprint": fingerprint,
+                                        "max_length": p.max_length}, RECORD_KEY: p.choice.to_dict(),
                 "passages": {"tokens": size, "overlap": cfg.overlap}, "normalized": False,
                 "dims": vocab, "model_dims": vocab, "float16": False, "precisions": [KIND]}
     if old is not None and not cfg.rebuild:
         om = old.manifest
         if not is_sparse_index(old) or om["model"]["fingerprint"] != fingerprint:
             raise EncoderkitError(f"index {root} was built with the model at {om['model']['folder']} (fingerprint "
-                                  f"{om['model']['fingerprint']}), not {cfg.model} ({fingerprint}); pass --rebuild to re-encode")
+                                  f"{om['model']['fingerprint']}), not {cfg.model} ({fingerprint}); pass --rebuild "
+                                  "to re-encode")
         if om.get("passages") != manifest["passages"]:
-            raise EncoderkitError(f"index {root} has passages={om.get('passages')}, this run asks {manifest['passages']}; "
-                                  "pass --rebuild to re-encode")
+            raise EncoderkitError(f"index {root} has passages={om.get('passages')}, this run asks "
+                                  f"{manifest['passages']}; pass --rebuild to re-encode")
     reuse: dict[str, tuple[str, list[int]]] = {}
     if old is not None and not cfg.rebuild and is_sparse_index(old):
         for i, r in enumerate(old.passages):
@@ -152,7 +159,8 @@ def _save_npz(path: Path, matrix: Any) -> None:
 
 
 def _assemble(old: Any, source_rows: list[int], fresh: Any, vocab: int) -> Any:
-    """Rows of the new generation, in order: an old row where kept (``source_rows[i] >= 0``), else the next fresh one."""
+    """Rows of the new generation, in order: an old row where kept (``source_rows[i] >= 0``), else the next fresh
+    one."""
     from scipy import sparse
 
     src = np.asarray(source_rows, dtype=np.int64)
@@ -183,11 +191,12 @@ class SparseStage:
         if not is_sparse_index(gen):
             return None
         if predictor is not None and get_task(predictor.task).endpoint != ENDPOINT:
-            raise EncoderkitError(f"{predictor.folder} is a {predictor.task!r} model; a sparse index's queries need its "
-                                  "sparse model")
+            raise EncoderkitError(f"{predictor.folder} is a {predictor.task!r} model; a sparse index's queries need "
+                                  "its sparse model")
         m = _load_matrix(gen)
         if m.shape[0] != len(gen.passages):
-            raise EncoderkitError(f"{gen.folder / MATRIX}: {m.shape[0]} rows for {len(gen.passages)} passages; rebuild the index")
+            raise EncoderkitError(f"{gen.folder / MATRIX}: {m.shape[0]} rows for {len(gen.passages)} passages; "
+                                  "rebuild the index")
         return cls(m, predictor)
 
     def embed(self, queries: list[str]) -> np.ndarray:

@@ -2,14 +2,15 @@
 
     DIR/CURRENT              the name of the live generation ("gen-000003"), replaced atomically
     DIR/gen-000003/
-        manifest.json        model fingerprint, dims, precisions, passage policy, sizes and sha256 of every file
+        manifest.json        model fingerprint, engine (backend, calibration, reason: inference/policy.py), dims,
+                             precisions, passage policy, sizes and sha256 of every file
         passages.jsonl       one line per passage: {"id", "doc_id", "hash", "text"} (row i = vector i)
         binary.npy           (N, ceil(dims/8)) uint8, packed sign bits (loaded into RAM)
         int8.npy             (N, dims) int8, with int8_calibration.npy (2, dims) float32
         float16.npy          (N, dims) float16 (optional, --float16)
         static_*.npy         a tiered index's static first stage (binary, int8 + calibration): first_stage.py,
                              whose full-encoder codes lie in DIR/full-codes/, outside the generations
-        binary.usearch       HNSW over the binary codes (only past --hnsw-threshold passages)
+        binary.ivf           faiss binary IVF over the binary codes (only past --ann-threshold passages)
 
 An update writes a complete new generation into a temporary folder, renames it into place and then
 replaces ``CURRENT`` (``os.replace``: atomic); only then are older generations removed. A crash at
@@ -106,11 +107,6 @@ def current_folder(root: Path) -> Path | None:
     return root / name
 
 
-def built_backend(model: dict) -> str | None:
-    """The backend a manifest's ``model`` entry says the index was embedded with (``runtime`` before the rename)."""
-    return model.get("backend", model.get("runtime"))
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -119,14 +115,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def open_generation(root: str | Path, verify: bool = True, mmap: bool = True, lazy_passages: bool = False) -> Generation:
+def open_generation(root: str | Path, verify: bool = True, mmap: bool = True,
+                    lazy_passages: bool = False) -> Generation:
     """Load the live generation of index ``root``; every damage is an :class:`EncoderkitError`
     that names the file. ``verify``: check sha256 too (sizes are always checked). ``lazy_passages``: ``passages``
     is a :class:`PassageLines` (offsets in memory, a line read when asked for) instead of a list of them all."""
     root = Path(root)
     folder = current_folder(root)
     if folder is None:
-        what = "does not exist" if not root.exists() else "has no CURRENT file (not an index, or its first build was interrupted)"
+        what = ("does not exist" if not root.exists() else
+                "has no CURRENT file (not an index, or its first build was interrupted)")
         raise EncoderkitError(f"index {root} {what}; build it with `encoderkit index --out {root}`")
     if not (folder / "manifest.json").is_file():
         raise EncoderkitError(f"index {root}: CURRENT names {folder.name}, which has no manifest.json; the index is "
@@ -134,7 +132,8 @@ def open_generation(root: str | Path, verify: bool = True, mmap: bool = True, la
     try:
         manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EncoderkitError(f"{folder / 'manifest.json'}: not valid JSON ({e}); the index is damaged: rebuild it") from e
+        raise EncoderkitError(f"{folder / 'manifest.json'}: not valid JSON ({e}); the index is damaged: "
+                              "rebuild it") from e
     if manifest.get("format") != FORMAT:
         raise EncoderkitError(f"{folder / 'manifest.json'}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     for name, meta in manifest["files"].items():
@@ -142,10 +141,11 @@ def open_generation(root: str | Path, verify: bool = True, mmap: bool = True, la
         if not path.is_file():
             raise EncoderkitError(f"index {root}: {path} is missing; the index is damaged: rebuild it")
         if path.stat().st_size != meta["bytes"]:
-            raise EncoderkitError(f"index {root}: {path} has {path.stat().st_size} bytes, the manifest says {meta['bytes']} "
-                                  "(partly written or changed); rebuild the index")
+            raise EncoderkitError(f"index {root}: {path} has {path.stat().st_size} bytes, the manifest says "
+                                  f"{meta['bytes']} (partly written or changed); rebuild the index")
         if verify and _sha256(path) != meta["sha256"]:
-            raise EncoderkitError(f"index {root}: {path} does not match its sha256 in the manifest (corrupt); rebuild the index")
+            raise EncoderkitError(f"index {root}: {path} does not match its sha256 in the manifest (corrupt); "
+                                  "rebuild the index")
     passages: Any = (PassageLines(folder / "passages.jsonl") if lazy_passages else  # lines end in \n only: a text
                      [json.loads(line) for line in (folder / "passages.jsonl").read_text(encoding="utf-8").split("\n")
                       if line])  # may hold U+2028, which str.splitlines would split at
@@ -155,7 +155,8 @@ def open_generation(root: str | Path, verify: bool = True, mmap: bool = True, la
             arrays[name] = np.load(folder / f"{name}.npy", mmap_mode="r" if mmap and name != "binary" else None,
                                    allow_pickle=False)
             if not name.endswith("calibration") and arrays[name].shape[0] != len(passages):
-                raise EncoderkitError(f"index {root}: {name}.npy has {arrays[name].shape[0]} rows for {len(passages)} passages")
+                raise EncoderkitError(f"index {root}: {name}.npy has {arrays[name].shape[0]} rows for "
+                                      f"{len(passages)} passages")
     return Generation(manifest, passages, arrays, folder)
 
 
@@ -194,7 +195,8 @@ class NpyRows:
             self._f = open(self.path, "wb")  # noqa: SIM115 (closed by close(), after the last block)
             self._f.write(self._header())
         if block.dtype != self.dtype or block.ndim != 2 or block.shape[1] != self.width:
-            raise ValueError(f"{self.path.name}: a block {block.dtype}{block.shape} after {self.dtype}(N, {self.width})")
+            raise ValueError(f"{self.path.name}: a block {block.dtype}{block.shape} after "
+                             f"{self.dtype}(N, {self.width})")
         self._f.write(np.ascontiguousarray(block).tobytes())
         self.rows += len(block)
 
@@ -266,7 +268,8 @@ class GenerationWriter:
             np.save(f, np.ascontiguousarray(arr), allow_pickle=False)
         self._whole.add(key)
 
-    def commit(self, manifest: dict[str, Any], extra_files: dict[str, Any] | None = None, before_swap: Any = None) -> Path:
+    def commit(self, manifest: dict[str, Any], extra_files: dict[str, Any] | None = None,
+               before_swap: Any = None) -> Path:
         """Close the files, write ``extra_files`` (name -> callable(path), which may read the arrays back), the
         manifest (sizes and sha256 of every file), run ``before_swap(folder)`` and make the generation live."""
         self._passages.close()
@@ -281,7 +284,8 @@ class GenerationWriter:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
             files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        write_json_atomic(self.folder / "manifest.json", {**manifest, "format": FORMAT, "count": self.count, "files": files})
+        write_json_atomic(self.folder / "manifest.json",
+                          {**manifest, "format": FORMAT, "count": self.count, "files": files})
         if before_swap is not None:
             before_swap(self.folder)
         os.replace(self.folder, self.root / self.name)

@@ -1,21 +1,7 @@
-"""Task heads: one package per task, each exporting its task object ``TASK`` (:mod:`encoderkit.tasks.protocol`),
-registered by one line in :mod:`encoderkit.models.heads`::
-
-    tasks/<task>/                 classify, ner, qa, rerank, embed
-        __init__.py               TASK: the task object every stage dispatches through
-        task.py                   its class (attributes and the protocol's methods)
-        data.py                   reading the task's data files into examples
-        features.py               examples -> token rows, model outputs -> predictions (numpy + a fast
-                                  tokenizer; the model behind an injected engine)
-        options.py                the task's one frozen options class (only its own settings), built
-                                  once from the parsed stage config: ``for_training`` / ``for_folder``
-        train.py                  ``build(data, options, tokenizer, folder) -> TaskRun`` (fine-tuning
-                                  wiring) and ``evaluate_folder(folder, tokenizer, data, options)``
-    tasks/ (shared)               protocol (Task), registry, batching, common (TaskRun, TrainData,
-                                  EvalData, pick), inference (engines), options (the flat task flags of
-                                  finetune/evaluate), tabular (TSV/CSV/JSONL rows), labeled
-                                  (``encoderkit label`` output), tags (IOB1/IOB2/BIOES), margin_mse (a
-                                  cross-encoder's margins as a dual encoder's target: sparse, adapt)
+"""Task heads: one package per task (registered by one line in :mod:`encoderkit.models.heads`), each exporting its
+task object ``TASK`` (:mod:`encoderkit.tasks.protocol`) and holding ``task``, ``data`` (files -> examples),
+``features`` (examples -> token rows, outputs -> predictions), ``options`` (its frozen settings) and ``train``
+(fine-tuning wiring and evaluation). The modules beside them are shared by every task.
 """
 
 from __future__ import annotations

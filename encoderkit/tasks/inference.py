@@ -1,8 +1,6 @@
-"""Running a model over feature rows, whatever the engine: evaluation, the Predictor and training's
-dev evaluation call :func:`run_rows` with an injected engine (an object with
-``run(inputs: dict[str, int64 array (B, T)]) -> list[float32 array]``): :class:`ModuleEngine` for a
-torch module here, an ONNX Runtime session in :mod:`encoderkit.inference.engines` (which re-exports these:
-the tasks layer runs a training-time module with them and may not import that package).
+"""Running a model over feature rows, whatever the engine (``run(inputs) -> [float32 arrays]``): evaluation, the
+Predictor and training's dev evaluation all call :func:`run_rows`. :class:`ModuleEngine` (a torch module) lives
+here, not in :mod:`encoderkit.inference.engines`, because the tasks layer may not import that package.
 """
 
 from __future__ import annotations
@@ -54,7 +52,7 @@ def run_rows(engine: Engine, rows: Sequence[dict[str, np.ndarray]], pad_id: int,
     results: list[list[np.ndarray]] = [[] for _ in rows]
     bar = progress(total=len(rows), desc=desc, unit="rows") if desc else None
     groups = length_batches([len(r["input_ids"]) for r in rows], max_batch, step=int(getattr(engine, "length_step", 1)))
-    window = max(1, int(getattr(engine, "in_flight", 1)))  # an engine that runs several calls at once takes them together
+    window = max(1, int(getattr(engine, "in_flight", 1)))  # an engine that runs calls at once gets them together
     for w in range(0, len(groups), window):
         part = groups[w : w + window]
         padded = [pad_arrays([rows[i] for i in idx], pad_id) for idx in part]

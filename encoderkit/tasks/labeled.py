@@ -34,9 +34,11 @@ def labelled_rows(rows: list[Row], path: str | Path, sheet: str = "", drop_suspe
             if not g:
                 continue
             i = int(s.fields.get("row", -1)) if str(s.fields.get("row", "")).isdigit() else -1
-            if not 0 <= i < len(rows) or str(rows[i].fields.get("text", "")).strip() != str(s.fields.get("text", "")).strip():
-                raise EncoderkitError(f"{s.where}: row {s.fields.get('row')!r} does not match a line of {path} with the "
-                                      "same text; use the sheet drawn from this labeled file")
+            same_text = 0 <= i < len(rows) and (str(rows[i].fields.get("text", "")).strip()
+                                                == str(s.fields.get("text", "")).strip())
+            if not same_text:
+                raise EncoderkitError(f"{s.where}: row {s.fields.get('row')!r} does not match a line of {path} with "
+                                      "the same text; use the sheet drawn from this labeled file")
             if g not in labels:
                 raise EncoderkitError(f"{s.where}: gold label {g!r} is not one of the labels in {path} "
                                       f"({', '.join(sorted(labels))}); correct the cell")

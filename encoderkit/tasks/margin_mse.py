@@ -1,11 +1,6 @@
-"""MarginMSE (Hofstätter et al. 2020): a cross-encoder's margins as the target of a dual encoder.
-
-Every training row (query, positive, k hard negatives) carries the cross-encoder's margins
-``CE(q, pos) - CE(q, neg_j)``, scored once before training (:func:`ce_margins`); the student learns them:
-the mean squared error between ``scale * (s(q, pos) - s(q, neg_j))`` and the margin (:func:`margin_mse`),
-where ``s`` is the dot product of the student's vectors (cosines for the unit vectors of an embed model,
-``encoderkit adapt --cross-encoder``: GPL; raw dot products of SPLADE vectors, ``finetune --task sparse
---cross-encoder``).
+"""MarginMSE (Hofstätter et al. 2020): a cross-encoder's margins ``CE(q, pos) - CE(q, neg)``, scored once before
+training (:func:`ce_margins`), as the target of a dual encoder's dot-product margins (:func:`margin_mse`): GPL in
+``adapt`` and ``finetune --task sparse --cross-encoder``.
 """
 
 from __future__ import annotations
@@ -17,6 +12,10 @@ import numpy as np
 import torch
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.folder import ModelFolder
+from encoderkit.tasks import TASKS, get_task
+from encoderkit.tasks.common import resolve_model
+from encoderkit.tasks.rerank.features import score_pairs
 
 CE_BATCH = 64  # (query, passage) pairs per cross-encoder forward pass
 
@@ -24,10 +23,6 @@ CE_BATCH = 64  # (query, passage) pairs per cross-encoder forward pass
 def open_cross_encoder(name: str, purpose: str = "GPL") -> tuple[Any, Any, int]:
     """(torch model, tokenizer, max length) of a rerank folder (``--cross-encoder name``); anything else is refused
     with what ``purpose`` needs."""
-    from encoderkit.models.folder import ModelFolder
-    from encoderkit.tasks import TASKS, get_task
-    from encoderkit.tasks.common import resolve_model
-
     folder = ModelFolder.open(resolve_model(name))
     task = get_task(folder.task) if folder.task in TASKS else None
     if task is None or task.endpoint != "rerank":
@@ -41,8 +36,6 @@ def ce_margins(ce: tuple[Any, Any, int], queries: list[str], positives: list[str
                desc: str = "") -> list[list[float]]:
     """``CE(q, pos) - CE(q, neg)`` per negative of each query; every pair scored in batched passes (``desc``: show
     progress under that name)."""
-    from encoderkit.tasks.rerank.features import score_pairs
-
     model, tok, max_length = ce
     qs, ps, spans = [], [], []
     for q, pos, negs in zip(queries, positives, negatives, strict=True):
@@ -70,7 +63,8 @@ def with_margins(make_batch: Callable[[np.ndarray, int], dict[str, Any]], margin
     ``margins`` (B, k) float32: the first ``k`` margins of each row in the batch."""
 
     def make(idx: np.ndarray, epoch: int) -> dict[str, Any]:
-        return {**make_batch(idx, epoch), "margins": torch.tensor([margins[int(i)][:k] for i in idx], dtype=torch.float32)}
+        batch_margins = torch.tensor([margins[int(i)][:k] for i in idx], dtype=torch.float32)
+        return {**make_batch(idx, epoch), "margins": batch_margins}
 
     return make
 

@@ -1,12 +1,6 @@
-"""The task flags shared by ``encoderkit finetune`` and ``encoderkit evaluate``: how task data is read
-and featurised. Both stage configs inherit these fields, so one flag means one thing everywhere and
-the CLI stays one flat, generated set of flags.
-
-Task code never reads a stage config: each task has one frozen options class
-(``encoderkit.tasks.<task>.options``) holding only its own settings, built once from the parsed
-config by :func:`encoderkit.tasks.common.pick` (its ``for_training`` / ``for_folder``), with derived values (a default
-max length settled against the model, settings saved in a model folder) worked out there instead of
-written back into the config.
+"""The task flags shared by ``encoderkit finetune`` and ``encoderkit evaluate`` (both configs inherit them, so one
+flag means one thing everywhere). Task code never reads a stage config: each task's frozen options class is built
+from it once (:func:`encoderkit.tasks.common.pick`), with derived values worked out there.
 """
 
 from __future__ import annotations
@@ -14,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from encoderkit.config import StageConfig, arg
+from encoderkit.models.pooling import AUTO, FLAG_CHOICES
 from encoderkit.tasks import TASKS
 
 
@@ -40,8 +35,10 @@ class TaskDataOptions(StageConfig):
     stride: int = arg(0, help=(
         "ner: sub-tokens shared by consecutive windows of a long sentence. 0: 32 when training; evaluate takes the "
         "saved model's own, else 32 cut to a quarter of the window (what predict and serve use)."))
-    tag_scheme: str = arg("auto", help="ner: tag scheme of CoNLL files, converted to IOB2.", choices=("auto", "iob1", "iob2", "bioes"))
-    doc_stride: int = arg(0, help="qa: sub-tokens shared by consecutive context windows (0: a quarter of --max-length).")
+    tag_scheme: str = arg("auto", help="ner: tag scheme of CoNLL files, converted to IOB2.",
+                          choices=("auto", "iob1", "iob2", "bioes"))
+    doc_stride: int = arg(0, help="qa: sub-tokens shared by consecutive context windows (0: a quarter of "
+                                  "--max-length).")
     max_answer_length: int = arg(30, help="qa: longest answer span in sub-tokens.")
     n_best: int = arg(20, help="qa: start and end candidates per window in the span search.")
     qa_split: str = arg("all", help=(
@@ -49,14 +46,16 @@ class TaskDataOptions(StageConfig):
         "'heldout' (the last 20%%) or 'all'. finetune with the same file as --train and --dev always "
         "trains on 'train' and evaluates on 'heldout'."), choices=("all", "train", "heldout"))
     max_query_length: int = arg(64, help="rerank/embed: sub-tokens per query (longer queries truncated).")
-    pooling: str = arg("auto", help=(
+    pooling: str = arg(AUTO, help=(
         "embed/classify: 'mean' (of the real tokens) or 'first' (first token, [CLS]) pooling. 'auto': embed takes "
         "a sentence-transformers folder's own pooling, else mean; classify takes 'first', which is what plain "
         "transformers (AutoModelForSequenceClassification, pipeline) computes, unless the folder is already a "
         "mean-pooled classifier. classify 'mean' (BERT-style models or ModernBERT) is recorded in config.json and "
         "applied by encoderkit's evaluate/predict/serve/export, but plain transformers pools the first token of a "
-        "BERT anyway and gives OTHER outputs: the log and the card (hf_compatible: false) warn about it."),
-        choices=("auto", "mean", "first"))
+        "BERT anyway and gives OTHER outputs: the log and the card (hf_compatible: false) warn about it. "
+        "evaluate: an embed model is scored on embeddings pooled as asked ('auto': its own); a classifier "
+        "(classify, rerank, multilabel) or a static embedding only with the pooling it records; other tasks refuse "
+        "the flag."), choices=FLAG_CHOICES)
     candidates: int = arg(100, help="rerank on a BEIR source: the bi-encoder's top-K documents per query that the "
                                     "cross-encoder reorders.")
     seed: int = arg(0, help="Seed of the new head's initialisation, shuffling, subsets, negative sampling and dropout.")

@@ -1,21 +1,13 @@
-"""The task protocol: one object per task, and every stage dispatches through it.
+"""The task protocol: one stateless object per task (``tasks/<name>/__init__.py``'s ``TASK``, found by
+:func:`encoderkit.tasks.get_task`), which every stage asks what it would otherwise decide by comparing task names.
 
-``tasks/<name>/__init__.py`` exports ``TASK``, an instance of a :class:`Task` subclass, and
-:func:`encoderkit.tasks.get_task` finds it by the name registered in :mod:`encoderkit.models.heads`.
-Fine-tuning, evaluation, the Predictor, export, the service and compression ask the task object what
-they would otherwise decide by comparing task names: what a request is, which graph outputs to run,
-how to read and featurise rows, how to decode outputs into the public result, the serving unit timed
-for latency, what compression reads.
-
-The object holds no state: settings live in the task's frozen options class (``options``), built once
-from a stage config (:meth:`Task.options_for_training` / :meth:`Task.options_for_folder`).
-
-Methods that run a model take an engine (``run(inputs) -> outputs``, :mod:`encoderkit.tasks.inference`)
-or a *runner*: the Predictor seen from below (:class:`Runner`), so a task never imports deploy.
+Settings live in the task's frozen options class. Methods that run a model take an engine or a :class:`Runner`
+(the Predictor seen from below), so a task never imports deploy.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +43,9 @@ class ServingUnit:
     batch_short: str = ""
 
 
-SEQUENCE_REQUEST = ServingUnit("one request (batch 1, a typical dev example)", "request", "32 dev examples in one batch",
-                               "32 requests")  # a text (or pair) in, one result out: classify, multilabel
+# a text (or pair) in, one result out: classify, multilabel
+SEQUENCE_REQUEST = ServingUnit("one request (batch 1, a typical dev example)", "request",
+                               "32 dev examples in one batch", "32 requests")
 
 
 INT8_MIN_AGREEMENT = 0.995  # ``auto`` runs a folder's INT8 graph from this agreement with FP32 on its dev rows
@@ -102,7 +95,7 @@ class Task:
     # ``auto`` reads to run the INT8 graph; None: the task is not measured so (``int8_by_default`` decides)
     agreement_measure: ClassVar[str | None] = None
     agreement_fields: ClassVar[tuple[str, ...]] = ()  # the ``predict`` result fields that the default compares
-    record_fields: ClassVar[tuple[str, ...]] = ("text",)  # fields of a ``predict`` JSONL record (a .txt: one text a line)
+    record_fields: ClassVar[tuple[str, ...]] = ("text",)  # a ``predict`` JSONL record's fields (.txt: a text a line)
     endpoint: ClassVar[str | None] = None   # the service's route that serves it (``/v1/<endpoint>``)
     single_label: ClassVar[bool] = False    # one label per text (a softmax over labels): what an audit compares
     scores_pairs: ClassVar[bool] = False    # scores a (query, passage) pair by its sequence logits: a cross-encoder
@@ -122,16 +115,26 @@ class Task:
         """The :class:`~encoderkit.tasks.common.TaskRun` fine-tuning trains (``data``: TrainData)."""
         raise NotImplementedError
 
-    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any, engine: Any = None) -> dict[str, Any]:
+    def evaluate_folder(self, folder: Any, tokenizer: Any, data: Any, options: Any,
+                        engine: Any = None) -> dict[str, Any]:
         """Metrics of a saved model on labelled data (``data``: EvalData); ``engine`` runs the model
         (None: the folder's torch model)."""
         raise NotImplementedError
 
     # -- inference ----------------------------------------------------------------------------------
     def check_record(self, record: dict[str, Any], where: str) -> None:
-        """Refuse a ``predict`` record without the task's fields, naming ``where`` (file:line)."""
+        """Refuse a ``predict`` record without the task's fields, or with a field that is not text (a list of texts
+        for ``passages``), naming ``where`` (file:line)."""
         if any(not record.get(k) for k in self.record_fields):
-            raise EncoderkitError(f"{where}: a {self.name} record needs non-empty fields {', '.join(self.record_fields)}")
+            raise EncoderkitError(f"{where}: a {self.name} record needs non-empty fields "
+                                  f"{', '.join(self.record_fields)}")
+        for k in (*self.record_fields, "text_pair"):
+            v = record.get(k)
+            texts = v if k == "passages" and isinstance(v, list) else [v]
+            if k in record and (k != "text_pair" or v is not None) and not all(isinstance(t, str) for t in texts):
+                want = "a list of texts" if k == "passages" else "a text (a JSON string)"
+                raise EncoderkitError(f"{where}: field {k!r} holds {json.dumps(v)[:60]}, expected {want}; fix the "
+                                      "record (quote a number to make it text)")
 
     def predict(self, runner: Runner, records: Sequence[dict[str, Any]], **kw: Any) -> list[dict[str, Any]]:
         """One public result per record (a dict with :attr:`record_fields`), in order."""
@@ -142,7 +145,8 @@ class Task:
         raise NotImplementedError
 
     # -- INT8 agreement (export --dev, compress --dev) -------------------------------------------------
-    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0,
+                          miner: str = "") -> list[dict[str, Any]]:
         """The first ``limit`` (0: all) rows of a dev file as ``predict`` records, read with the task's reader
         (``cfg``: :class:`~encoderkit.tasks.options.TaskDataOptions` with the folder's columns; ``miner``: the
         first stage of a reranker's BEIR source)."""

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import csv
 import gzip
-import io
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import json_line
+from encoderkit.io import BlankLines, check_input, json_line, lines_of, read_lines, records
+from encoderkit.progress import note
 
 
 @dataclass
@@ -28,10 +28,18 @@ class Row:
     where: str
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
+def _lines(path: Path, keep_ends: bool = False) -> Iterator[tuple[int, str]]:
+    """The numbered lines of ``path`` (gunzipped for .gz) from the one line reader (:func:`encoderkit.io.lines_of`:
+    only ``\\n`` ends a line, a BOM dropped, a bad byte named by line and offset)."""
+    if path.suffix != ".gz":
+        yield from read_lines(path, "data file", keep_ends)
+        return
+    check_input(path, "data file")
+    try:
+        with gzip.open(path, "rb") as f:
+            yield from lines_of(f, str(path), keep_ends, offset_kind="uncompressed byte offset")
+    except (OSError, EOFError) as e:
+        raise EncoderkitError(f"cannot read {path}: {e}; a .gz file must be one complete gzip stream") from e
 
 
 def table_format(path: Path) -> str:
@@ -49,39 +57,50 @@ def read_rows(path: str | Path) -> list[Row]:
 
 def iter_rows(path: str | Path) -> Iterator[Row]:
     """The rows of :func:`read_rows`, read as they are asked for (the same errors, each when its row is reached;
-    a file with no row at the end)."""
-    path = Path(path)
-    if not path.is_file():
-        raise EncoderkitError(f"data file {path} does not exist")
+    a file with no row at the end). Blank lines are skipped, counted and reported; each row names its line."""
+    path = check_input(path, "data file")  # missing, a folder, a device, a pipe or unreadable: said as such
     fmt = table_format(path)
     found = False
-    try:
-        with _open_text(path) as f:
-            if fmt == "jsonl":
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    found = True
-                    yield Row(json_line(line, f"{path}:{n}"), f"{path}:{n}")
-            else:
-                lines = (line.rstrip("\r\n") for line in f) if fmt == "tsv" else None
-                reader = (ln.split("\t") for ln in lines) if fmt == "tsv" else csv.reader(f)
-                header = next(reader, None)
-                if header is None:
-                    raise EncoderkitError(f"{path} is empty; expected a header line and rows")
-                header = [h.strip() for h in header]
-                for n, cells in enumerate(reader, 2):
-                    if not cells or cells == [""]:
-                        continue
-                    if len(cells) != len(header):
-                        raise EncoderkitError(
-                            f"{path}:{n}: {len(cells)} fields but the header has {len(header)} "
-                            f"({', '.join(header)}); fix the row (TSV fields are split on tabs, no quoting)"
-                        )
-                    found = True
-                    yield Row(dict(zip(header, cells, strict=True)), f"{path}:{n}")
-    except UnicodeDecodeError as e:
-        raise EncoderkitError(f"{path}: not UTF-8 ({e}); convert the file to UTF-8") from e
+    if fmt == "jsonl":
+        for n, line in records(_lines(path), str(path)):
+            found = True
+            yield Row(json_line(line, f"{path}:{n}"), f"{path}:{n}")
+    else:
+        numbers = [0]  # the line the csv reader last took, so a row names the line it starts on
+
+        def text_lines() -> Iterator[str]:
+            for number, line in _lines(path, keep_ends=True):
+                numbers[0] = number
+                yield line
+
+        if fmt == "tsv":  # tabs, no quoting (GLUE files hold unbalanced ")
+            reader: Iterator[list[str]] = (ln.rstrip("\r\n").split("\t") for ln in text_lines())
+        else:
+            reader = csv.reader(text_lines())
+        try:
+            header = next(reader, None)
+            if header is None:
+                raise EncoderkitError(f"{path} is empty; expected a header line and rows")
+            header = [h.strip() for h in header]
+            blank = BlankLines()
+            start = numbers[0] + 1
+            for cells in reader:
+                n, start = start, numbers[0] + 1
+                if not cells or cells == [""]:
+                    blank.count += 1
+                    blank.first = blank.first or n
+                    continue
+                if len(cells) != len(header):
+                    raise EncoderkitError(
+                        f"{path}:{n}: {len(cells)} fields but the header has {len(header)} "
+                        f"({', '.join(header)}); fix the row (TSV fields are split on tabs, no quoting)"
+                    )
+                found = True
+                yield Row(dict(zip(header, cells, strict=True)), f"{path}:{n}")
+        except csv.Error as e:
+            raise EncoderkitError(f"{path}:{numbers[0]}: CSV error ({e}); fix the quoting") from e
+        if blank.count:
+            note(f"{path}: skipped {blank.count} blank line(s) (the first is line {blank.first})")
     if not found:
         raise EncoderkitError(f"{path} holds no rows")
 
@@ -91,9 +110,8 @@ def column(rows: list[Row], name: str, path: str | Path, flag: str) -> list[Any]
     out = []
     for r in rows:
         if name not in r.fields:
-            raise EncoderkitError(
-                f"{r.where}: no column {name!r} (columns: {', '.join(map(str, r.fields))}); set {flag} to the right column"
-            )
+            raise EncoderkitError(f"{r.where}: no column {name!r} (columns: {', '.join(map(str, r.fields))}); "
+                                  f"set {flag} to the right column")
         out.append(r.fields[name])
     return out
 
@@ -119,12 +137,13 @@ def find_text_column(rows: list[Row], path: str | Path, exclude: tuple[str, ...]
     for name in TEXT_NAMES:
         if name in by_lower:
             return by_lower[name], "found by its name"
-    texty = [c for c in columns if all(isinstance(r.fields.get(c), str) and not _is_number(r.fields[c]) for r in rows[:100])]
+    texty = [c for c in columns
+             if all(isinstance(r.fields.get(c), str) and not _is_number(r.fields[c]) for r in rows[:100])]
     if len(texty) == 1:
         return texty[0], "the only text column"
     why = f"several look like text ({', '.join(map(str, texty))})" if texty else "none looks like text"
-    raise EncoderkitError(f"{path}: cannot tell which column holds the text (columns: {', '.join(map(str, rows[0].fields))}; "
-                          f"{why}); set --text-column")
+    raise EncoderkitError(f"{path}: cannot tell which column holds the text (columns: "
+                          f"{', '.join(map(str, rows[0].fields))}; {why}); set --text-column")
 
 
 def text_column(rows: list[Row], name: str, path: str | Path, flag: str) -> list[str]:

@@ -1,16 +1,6 @@
-"""Tag schemes for token classification: IOB1 / IOB2 / BIOES to IOB2, and IOB2 <-> entity spans.
-
-Everything inside encoderkit uses IOB2 (every entity starts with ``B-``). Readers convert on the
-way in, so a model's ``id2label`` is always IOB2 and decoding has one scheme to handle.
-
-Conversion rules (the same ones seqeval's default, non-strict mode applies):
-
-* IOB1 -> IOB2: an ``I-X`` that does not continue an entity of type X starts one (``B-X``).
-  ``B-X`` is kept; a ``B-X`` right after ``O`` is invalid IOB1 (CoNLL-2003 has two) but is read
-  as the start of an entity, which is what its annotator meant.
-* BIOES -> IOB2: ``S-X`` -> ``B-X``, ``E-X`` -> ``I-X``.
-* IOB2 -> spans: a ``B-X`` or an ``I-X`` that does not continue an ``X`` opens a span, ``O``
-  or a different type closes it (so a stray ``I-`` in model output is never silently lost).
+"""Tag schemes for token classification: IOB1 / BIOES to IOB2, and IOB2 to entity spans. Readers convert on the way
+in, so a model's ``id2label`` is always IOB2 and decoding has one scheme; the rules are seqeval's default,
+non-strict mode (an ``I-X`` that does not continue an ``X`` opens an entity, so a stray one is never lost).
 """
 
 from __future__ import annotations
@@ -89,20 +79,6 @@ def iob2_to_spans(tags: Sequence[str]) -> list[tuple[str, int, int]]:
         if p in ("B", "S") or (p in ("I", "E") and not continues):
             start, kind = i, k
     return spans
-
-
-def spans_to_iob2(spans: Sequence[tuple[str, int, int]], length: int) -> list[str]:
-    """IOB2 tags for ``length`` tokens from spans ``(type, first, last+1)``; overlapping spans raise."""
-    tags = ["O"] * length
-    for kind, start, end in sorted(spans, key=lambda s: s[1]):
-        if not 0 <= start < end <= length:
-            raise EncoderkitError(f"entity span {kind} [{start}, {end}) is outside a sentence of {length} tokens")
-        if any(t != "O" for t in tags[start:end]):
-            raise EncoderkitError(f"entity span {kind} [{start}, {end}) overlaps another entity; nested entities are not supported")
-        tags[start] = f"B-{kind}"
-        for i in range(start + 1, end):
-            tags[i] = f"I-{kind}"
-    return tags
 
 
 def to_bioes(iob2: Sequence[str]) -> list[str]:

@@ -1,17 +1,9 @@
 """Training checkpoints: written atomically, kept K at a time, loaded only after checking that
 they belong to this run.
 
-Layout under ``root``::
-
-    step-0000200/  model.safetensors  optimizer.pt  state.json
-    step-0000400/  ...
-    best/          (a copy of the step folder with the best primary metric)
-
-A checkpoint folder is filled under a temporary name and renamed into place, and
-``state.json`` is written last, so a folder named ``step-*`` is always complete: a crash or a
-full disk mid-write leaves the previous checkpoint as it was. Weights go to safetensors (shared
-/tied tensors handled by ``safetensors.torch.save_model``); the optimizer state is our own file,
-read back with ``torch.load(weights_only=True)``.
+``root`` holds ``step-NNNNNNN/`` (``model.safetensors``, ``optimizer.pt``, ``state.json``) and ``best/``. A folder is
+filled under a temporary name and renamed into place, ``state.json`` last, so a ``step-*`` folder is always complete:
+a crash or a full disk mid-write leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ from torch import nn
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import normalize_modes, replace_dir, write_failure, write_json_atomic
+from encoderkit.progress import note
 
 WEIGHTS, OPTIMIZER, STATE = "model.safetensors", "optimizer.pt", "state.json"
 
@@ -126,7 +119,8 @@ class CheckpointStore:
             try:
                 optimizer.load_state_dict(torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True))
             except (OSError, RuntimeError, ValueError) as e:
-                raise EncoderkitError(f"{folder / OPTIMIZER} could not be read ({e}); resume from an older checkpoint") from e
+                raise EncoderkitError(f"{folder / OPTIMIZER} could not be read ({e}); resume from an older "
+                                      "checkpoint") from e
         return state
 
 
@@ -135,8 +129,6 @@ def run_dir_beside(out: Path, resume: bool) -> Any:
     """``.<out>.run``, where a stage writing ``out`` keeps its checkpoints: a stale one is removed unless
     ``resume``; one left with no checkpoint by a failure is removed (nothing to resume from); the stage
     removes it itself once ``out`` is written."""
-    from encoderkit.progress import note
-
     run_dir = out.parent / f".{out.name}.run"
     if run_dir.exists() and not resume:
         note(f"removing the checkpoints of an earlier, unfinished run in {run_dir} (--resume continues one)")
@@ -153,7 +145,8 @@ def read_state(folder: Path) -> dict[str, Any]:
     try:
         return json.loads((Path(folder) / STATE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
-        raise EncoderkitError(f"{Path(folder) / STATE} is missing or not valid JSON ({e}); not a checkpoint folder") from e
+        raise EncoderkitError(f"{Path(folder) / STATE} is missing or not valid JSON ({e}); not a checkpoint "
+                              "folder") from e
 
 
 def write_weights(module: nn.Module, path: Path) -> None:
@@ -169,7 +162,8 @@ def load_weights(module: nn.Module, path: Path) -> None:
         raise EncoderkitError(f"{path}: weights do not fit this model ({e})") from e
     if missing or unexpected:
         raise EncoderkitError(
-            f"{path}: weights do not fit this model (missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
+            f"{path}: weights do not fit this model (missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(unexpected)[:5]})"
         )
 
 

@@ -1,8 +1,7 @@
-"""Data-parallel plumbing: one process, or ``torchrun --nproc_per_node=N`` (DDP; gloo on CPU,
-nccl on GPU). The engine asks :func:`current` once and never branches on the backend again.
+"""Data-parallel plumbing: one process, or ``torchrun --nproc_per_node=N`` (DDP; gloo on CPU, nccl on GPU).
 
-Each rank reads its own micro-batches (the engine's stride), gradients are averaged by DDP,
-only rank 0 writes files, and logged values are averaged over ranks.
+The engine asks :func:`current` once and never branches on the backend again; only rank 0 writes files, and
+logged values are averaged over ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass
@@ -76,7 +76,6 @@ def wrap(module: nn.Module, info: DistInfo) -> nn.Module:
     """``module`` in DDP when there is more than one process, else itself."""
     if not info.active:
         return module
-    from torch.nn.parallel import DistributedDataParallel
 
     ids = [info.local_rank] if info.device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids)

@@ -1,14 +1,8 @@
 """Dropout while pretraining, apart from the dropout a model keeps for whoever fine-tunes it.
 
-A pretraining run that passes over its corpus at most once sees each block about once: there is nothing to
-over-fit, and dropout only makes each step slower and each update noisier (Cramming, Geiping & Goldstein
-2022, pretrain without it and fine-tune with 0.1; ModernBERT pretrains with every dropout at 0). Measured on
-2 threads of an AMX Xeon (bench/pretrain_speed.py, 4 x 256 BERT, 48 steps of 32 x 128): 5,403 tokens/s
-without dropout against 3,980 with 0.1, held-out loss 6.6028 against 6.6017. Many passes over a small
-corpus (task-adaptive pretraining) keep the model's own dropout.
-
-:func:`dropout_set` changes the rates inside a block and puts the model's own back after it, so the
-written ``config.json`` (and the modules) keep the dropout fine-tuning uses.
+A run that passes over its corpus at most once has nothing to over-fit, so dropout only slows each step and adds
+noise (Cramming, Geiping & Goldstein 2022; ModernBERT pretrains without it; the measurement: docs/pretrain.md).
+:func:`dropout_set` puts the model's own rates back after the block, so the written ``config.json`` keeps them.
 """
 
 from __future__ import annotations

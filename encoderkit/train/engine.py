@@ -1,34 +1,15 @@
 """The one training loop: AdamW, warmup + decay, accumulation, clipping, autocast, checkpoints,
 exact resume, held-out evaluation and data-parallel training, written out plainly.
 
-Usage (what fine-tuning, distillation and pretraining all do)::
+Usage (fine-tuning, distillation and pretraining all do this)::
 
-    settings = TrainSettings(lr=5e-4, max_steps=1000, batch_size=32, eval_every=200)
-    source = IndexedBatches(num_examples=len(ds), batch_size=32, make_batch=lambda idx, epoch: ...)
-    result = fit(module, loss_fn, source, settings, run_dir,
+    result = fit(module, loss_fn, IndexedBatches(len(ds), 32, make_batch), TrainSettings(max_steps=1000), run_dir,
                  evaluate=lambda m: {"loss": ...}, primary=("loss", "min"))
 
-Pieces:
-
-* ``module``: any ``nn.Module``; ``loss_fn(module, batch) -> (loss, logs)`` returns a scalar
-  loss (a mean over the micro-batch) and a dict of floats to log. Call ``module(...)`` inside
-  ``loss_fn`` (not its submodules) so that data-parallel gradient hooks fire.
-* a :class:`BatchSource`: ``len(source)`` micro-batches per epoch, and
-  ``source(epoch, start, stride)`` yields micro-batches ``start, start+stride, ...`` of that
-  epoch. The engine never replays data on resume: it asks for the exact position. Rank ``r`` of
-  ``w`` processes reads global micro-batches ``r, r+w, ...``, so an optimizer step consumes
-  micro-batches ``[s*a*w, (s+1)*a*w)`` (``a`` = grad_accum) whatever the process count: one
-  process with ``grad_accum=2`` and two processes with ``grad_accum=1`` do the same arithmetic.
-* Randomness inside the step (dropout) is seeded per global micro-batch from
-  ``(settings.seed, micro-batch index)`` inside ``torch.random.fork_rng``: resume is exact
-  without saving RNG state, and the caller's global RNG is left as it was.
-* ``run_dir`` holds ``checkpoints/step-NNNNNNN/`` (``model.safetensors``, ``optimizer.pt``,
-  ``state.json``), ``checkpoints/best/``, and ``metrics.jsonl``. Each checkpoint is written to a
-  temporary sibling and renamed into place, so a failed write (disk full, crash) never replaces
-  a good checkpoint.
-
-Settings that only change speed (``bf16``, ``compile``) are kept apart from those that change
-results. Library code sets no global torch state; thread count is the CLI's ``--threads``.
+``loss_fn(module, batch) -> (loss, logs)`` calls ``module(...)`` itself, so data-parallel hooks fire. A
+:class:`BatchSource` yields the exact micro-batches asked for (``source(epoch, start, stride)``) and dropout is
+seeded per global micro-batch, so resume is exact without replaying data or saving RNG state, and one process with
+``grad_accum=2`` does the same arithmetic as two with 1.
 """
 
 from __future__ import annotations
@@ -37,7 +18,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,7 +31,7 @@ from encoderkit.config import StageConfig, arg
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import native_bf16
 from encoderkit.io import write_text_atomic
-from encoderkit.progress import note
+from encoderkit.progress import note, progress
 from encoderkit.train import checkpoint as ckpt
 from encoderkit.train import distributed as dist_util
 from encoderkit.train import step_speed
@@ -208,19 +189,27 @@ def lr_factor(step: int, total: int, warmup_steps: int, schedule: str, min_ratio
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: no weight decay on biases and norm weights (parameters with < 2 dims)."""
-    decay, no_decay, seen = [], [], set()
-    for p in module.parameters():
+def param_groups(module: nn.Module, weight_decay: float,
+                 lr_scale: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """AdamW groups: no weight decay on biases and norm weights (parameters with < 2 dims). ``lr_scale``:
+    parameter-name prefix -> multiplier of the learning rate (a new head learning faster than the pretrained
+    encoder); those parameters get groups of their own, each with its ``lr_scale``."""
+    scales = dict(lr_scale or {})
+    groups: dict[tuple[float, bool], list[nn.Parameter]] = {(1.0, True): [], (1.0, False): []}
+    seen: set[int] = set()
+    for name, p in module.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        scale = next((v for k, v in scales.items() if name == k or name.startswith(k + ".")), 1.0)
+        groups.setdefault((scale, p.ndim >= 2), []).append(p)
+    return [{"params": ps, "weight_decay": weight_decay if decays else 0.0, "lr_scale": scale}
+            for (scale, decays), ps in groups.items() if ps or scale == 1.0]
 
 
 def _batch_tokens(batch: Batch) -> int:
-    """Real (unpadded) tokens of a batch; a paired batch (``q_attention_mask`` + ``p_attention_mask``) counts both sides."""
+    """Real (unpadded) tokens of a batch; a paired batch (``q_attention_mask`` + ``p_attention_mask``) counts both
+    sides."""
     masks = [v for k, v in batch.items() if k.endswith("attention_mask") and torch.is_tensor(v)]
     if masks:
         return sum(int(m.sum()) for m in masks)
@@ -245,6 +234,7 @@ def fit(
     resume: bool = False,
     stop_at: int | None = None,
     device: torch.device | str | None = None,
+    lr_scale: Mapping[str, float] | None = None,
 ) -> FitResult:
     """Train ``module`` in place and return a :class:`FitResult`.
 
@@ -255,6 +245,7 @@ def fit(
     eval mode; ``primary = (metric name, "min"|"max")`` picks the best checkpoint.
     ``stop_at``: end (with a checkpoint) after this optimizer step, as a time-limited job would;
     the schedule still runs to the full length, and a later ``resume=True`` call continues.
+    ``lr_scale``: parameter-name prefix -> multiplier of ``settings.lr`` (see :func:`param_groups`).
     After ``fit`` the module holds the weights of the last step (not the best; load
     ``result.best_checkpoint`` with :func:`checkpoint.load_weights` for that).
     """
@@ -276,7 +267,7 @@ def fit(
 
     module.to(device)
     optimizer = torch.optim.AdamW(
-        param_groups(module, settings.weight_decay), lr=settings.lr, betas=settings.betas, eps=settings.eps,
+        param_groups(module, settings.weight_decay, lr_scale), lr=settings.lr, betas=settings.betas, eps=settings.eps,
         fused=step_speed.fused_adamw(module, device),
     )
     store = ckpt.CheckpointStore(run_dir / "checkpoints", keep_last=settings.keep_last, is_writer=dist.is_main)
@@ -319,7 +310,8 @@ def fit(
         batches = _stream(source, steps_per_epoch, per_step, dist, step, total)
         while step < total:
             for g in optimizer.param_groups:
-                g["lr"] = settings.lr * lr_factor(step, total, warmup_steps, settings.schedule, settings.min_lr_ratio)
+                g["lr"] = settings.lr * g.get("lr_scale", 1.0) * lr_factor(step, total, warmup_steps,
+                                                                           settings.schedule, settings.min_lr_ratio)
             logs_sum: dict[str, float] = {}
             for a in range(settings.grad_accum):
                 micro_index, batch = next(batches)
@@ -327,7 +319,8 @@ def fit(
                 tokens_seen += _batch_tokens(batch)  # counted on the host copy: no device sync per mask
                 batch = _to(batch, device)
                 sync = a == settings.grad_accum - 1
-                with dist_util.maybe_no_sync(train_module, sync), torch.autocast(device.type, torch.bfloat16, enabled=use_bf16):
+                autocast = torch.autocast(device.type, torch.bfloat16, enabled=use_bf16)
+                with dist_util.maybe_no_sync(train_module, sync), autocast:
                     loss, logs = loss_fn(train_module, batch)
                 if not torch.isfinite(loss.detach()):
                     _non_finite(step, loss, store)
@@ -365,7 +358,8 @@ def fit(
             is_best = False
             if do_eval:
                 result.eval_metrics = _evaluate(module, evaluate, dist, use_bf16, device)
-                _append_jsonl(log_path, {"step": step, **{f"eval_{k}": v for k, v in result.eval_metrics.items()}}, dist.is_main)
+                evals = {f"eval_{k}": v for k, v in result.eval_metrics.items()}
+                _append_jsonl(log_path, {"step": step, **evals}, dist.is_main)
                 is_best = _better(result.eval_metrics, best, primary)
                 if is_best:
                     best = {"step": step, "metrics": result.eval_metrics}
@@ -462,6 +456,5 @@ def _append_jsonl(path: Path, record: dict[str, Any], is_main: bool) -> None:
 def _progress(settings: TrainSettings, is_main: bool, start: int, total: int):
     if not (settings.progress and is_main):
         return None
-    from encoderkit.progress import progress
-
-    return progress(total=total, initial=start, desc="train", unit="step", leave=bool(os.environ.get("ENCODERKIT_KEEP_BARS")))
+    keep = bool(os.environ.get("ENCODERKIT_KEEP_BARS"))
+    return progress(total=total, initial=start, desc="train", unit="step", leave=keep)

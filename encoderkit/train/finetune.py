@@ -1,18 +1,19 @@
 """``encoderkit finetune``: train a task head on labelled data and write a model folder.
 
-The task module (:mod:`encoderkit.tasks`) reads and featurises the data and builds the HF model;
-the one training loop (:mod:`encoderkit.train.engine`) trains it; the best checkpoint by the dev
-metric is written as a standard HF folder plus ``encoderkit.json`` (task, labels, pooling,
-max length, dev metrics).
+The task (:mod:`encoderkit.tasks`) reads the data and builds the model, :mod:`encoderkit.train.engine` trains it,
+and the best checkpoint by the dev metric is written as a standard HF folder plus ``encoderkit.json``.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from encoderkit.config import arg, check
 from encoderkit.errors import EncoderkitError
@@ -22,7 +23,7 @@ from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks import get_task
 from encoderkit.tasks.common import DEFAULT_MODEL, TrainData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
-from encoderkit.train import checkpoint
+from encoderkit.train import checkpoint, guardrails
 from encoderkit.train.engine import TrainSettings, fit
 
 
@@ -50,22 +51,27 @@ class FinetuneConfig(TaskDataOptions):
     eval_every: int = arg(0, help="Evaluate on --dev every N steps (0: once per epoch).")
     early_stopping: int = arg(0, help="Stop after N evaluations without a better dev metric (0: never).")
     metric: str = arg("", help="Dev metric that picks the best checkpoint (default: the task's primary one).")
-    freeze: list[str] = arg([], help="Parameter name prefixes to freeze (e.g. bert.embeddings); default: nothing frozen.")
+    freeze: list[str] = arg([], help="Parameter name prefixes to freeze (e.g. bert.embeddings); default: nothing "
+                                     "frozen.")
     max_train_examples: int = arg(0, help="Use a seeded random subset of this many training examples (0: all).")
     audit_sheet: str = arg("", help="classify on `encoderkit label` output: a reviewed audit sheet whose gold labels "
                                     "replace the labeller's.")
     drop_suspected: bool = arg(False, help="classify on `encoderkit label` output: drop the lines `audit suspect` "
                                            "marked as likely wrong (audited lines are kept).")
     max_dev_examples: int = arg(0, help="Use a seeded random subset of this many dev examples (0: all).")
-    resume: bool = arg(False, help="Continue an interrupted run (its checkpoints are in .<out>.run beside --out) with the "
-                                   "same settings: same data order, no replay.")
+    resume: bool = arg(False, help="Continue an interrupted run (its checkpoints are in .<out>.run beside --out) "
+                                   "with the same settings: same data order, no replay.")
     save_every: int = arg(0, help="Checkpoint every N steps, so --resume loses at most N steps (0: checkpoints only "
                                   "when the dev metric improves and at the end).", speed=True)
-    negatives: str = arg("sampled", help="rerank/embed from BEIR: negatives drawn at random or mined by a bi-encoder.", choices=("sampled", "mined"))
-    num_negatives: int = arg(3, help="rerank: negatives per query (the cross-encoder sees 1 positive + N negatives), drawn "
-                                     "afresh every epoch from the row's list, the mined ranks 4-30 or 8N random documents.")
-    miner: str = arg(DEFAULT_MODEL, help="rerank/embed --negatives mined: bi-encoder folder used to mine hard negatives.")
-    matryoshka_dims: list[int] = arg([], help="embed: also train these leading embedding sizes (Matryoshka loss), e.g. 64,128,256.")
+    negatives: str = arg("sampled", help="rerank/embed from BEIR: negatives drawn at random or mined by a "
+                                         "bi-encoder.", choices=("sampled", "mined"))
+    num_negatives: int = arg(3, help="rerank: negatives per query (the cross-encoder sees 1 positive + N negatives), "
+                                     "drawn afresh every epoch from the row's list, the mined ranks 4-30 or 8N random "
+                                     "documents.")
+    miner: str = arg(DEFAULT_MODEL, help="rerank/embed --negatives mined: bi-encoder folder used to mine hard "
+                                         "negatives.")
+    matryoshka_dims: list[int] = arg([], help="embed: also train these leading embedding sizes (Matryoshka loss), "
+                                              "e.g. 64,128,256.")
     scale: float = arg(20.0, help="embed: similarity scale (1/temperature) of the in-batch contrastive loss.")
     flops_query: float = arg(3e-4, help="sparse: weight of the FLOPS regulariser on query vectors (SPLADE v2's 3e-4).")
     flops_doc: float = arg(1e-4, help="sparse: weight of the FLOPS regulariser on document vectors (SPLADE v2's 1e-4).")
@@ -76,6 +82,12 @@ class FinetuneConfig(TaskDataOptions):
         "scored by it once before training and the model learns its margins CE(q, pos) - CE(q, neg) on sparse dot "
         "products (MarginMSE, plus the FLOPS regulariser) instead of in-batch negatives; needs hard negatives "
         "(--negatives mined)."))
+    no_guardrails: bool = arg(False, help="Silence every guardrail warning (see --allow).")
+    allow: list[str] = arg([], help=(
+        "Silence these guardrail warnings: high-lr (--lr above 1e-4 with nothing frozen), many-epochs (more than 4 "
+        "epochs without --early-stopping), frozen-encoder (encoder layers frozen with more than 3000 examples), "
+        "other-tokenizer (--tokenizer with another vocabulary than the checkpoint's), unaudited-labels (`encoderkit "
+        "label` output trained on without --audit-sheet). Each warning says why it matters."))
     bf16: bool | None = arg(None, help="bf16 autocast (default: on where the CPU/GPU has native bf16).", speed=True)
     bucket: bool = arg(True, help="Length-bucketed batches (less padding).", speed=True)
     eval_batch_size: int = arg(128, help="Batch size of dev evaluation.", speed=True)
@@ -86,6 +98,7 @@ class FinetuneConfig(TaskDataOptions):
         check(self.max_length == 0 or self.max_length >= 8, "max_length must be 0 (task default) or at least 8")
         check(self.early_stopping >= 0, "early_stopping must be 0 or more")
         check(not (self.early_stopping and not self.dev), "--early-stopping needs --dev")
+        guardrails.check_allowed(self.allow)
 
 
 @dataclass
@@ -109,7 +122,7 @@ class _EarlyStop(Exception):
 
 def _identity(settings: dict[str, Any]) -> dict[str, Any]:
     """What makes a run this run: the result settings, less how it was started."""
-    return {k: v for k, v in settings.items() if k not in ("resume", "overwrite")}
+    return {k: v for k, v in settings.items() if k not in ("resume", "overwrite", "no_guardrails", "allow")}
 
 
 def task_inputs(cfg: FinetuneConfig, folder: ModelFolder) -> tuple[Any, TrainData, Any]:
@@ -118,8 +131,9 @@ def task_inputs(cfg: FinetuneConfig, folder: ModelFolder) -> tuple[Any, TrainDat
     task = get_task(cfg.task)
     options = task.options_for_training(cfg, folder)
     if cfg.cross_encoder and not hasattr(options, "cross_encoder"):  # a task whose options cannot take it
-        raise EncoderkitError(f"--cross-encoder: --task {cfg.task} does not train from a cross-encoder's scores (sparse "
-                              "does; an embed model learns them through `encoderkit adapt --cross-encoder`); drop the flag")
+        raise EncoderkitError(f"--cross-encoder: --task {cfg.task} does not train from a cross-encoder's scores "
+                              "(sparse does; an embed model learns them through `encoderkit adapt --cross-encoder`); "
+                              "drop the flag")
     return task, pick(TrainData, cfg), options
 
 
@@ -127,8 +141,6 @@ def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
     """Fine-tune a model on a task and write the best checkpoint as a model folder. ``build`` (default: the
     task's own ``build``) makes the :class:`~encoderkit.tasks.common.TaskRun` from the same arguments: a stage
     that trains the task's model with another loss (``adapt``'s MarginMSE) and keeps everything else."""
-    import torch
-
 
     out = check_output_dir(cfg.out, cfg.overwrite)
     folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
@@ -141,6 +153,7 @@ def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
         torch.manual_seed(cfg.seed)
         tr = (build or task.build)(data, options, tokenizer, folder)
     _freeze(tr.module, cfg.freeze)
+    _guardrails(cfg, folder, tokenizer, tr)
 
     steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)
     train_settings = TrainSettings(
@@ -149,13 +162,17 @@ def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
         betas=(0.9, 0.999), eps=1e-8, eval_every=(cfg.eval_every or steps_per_epoch) if tr.evaluate else 0,
         seed=cfg.seed, bf16=cfg.bf16, log_every=max(1, min(50, steps_per_epoch // 10)), save_every=cfg.save_every,
     )
-    evaluate = _with_early_stopping(tr.evaluate, tr.primary, cfg.early_stopping) if tr.evaluate else None
     t0 = time.perf_counter()
     stopped_early = False
     with checkpoint.run_dir_beside(out, cfg.resume) as run_dir:
+        evaluate = None
+        if tr.evaluate:  # said per evaluation (overfitting noted), then early stopping sees the same metrics
+            said = guardrails.watch_dev(tr.evaluate, tr.primary, run_dir / "metrics.jsonl", steps_per_epoch)
+            evaluate = _with_early_stopping(said, tr.primary, cfg.early_stopping)
         try:
-            result = fit(tr.module, tr.loss_fn, tr.source, train_settings, run_dir, evaluate=evaluate, primary=tr.primary,
-                         fingerprint={"config": _identity(settings)}, resume=cfg.resume)
+            result = fit(tr.module, tr.loss_fn, tr.source, train_settings, run_dir, evaluate=evaluate,
+                         primary=tr.primary, fingerprint={"config": _identity(settings)}, resume=cfg.resume,
+                         lr_scale=tr.lr_scale)
             steps, best_metrics = result.steps, result.best_metrics
             best, start = result.best_checkpoint, result.start_step
         except _EarlyStop as stop:
@@ -174,14 +191,28 @@ def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
         if (run_dir / "metrics.jsonl").is_file():
             shutil.copy(run_dir / "metrics.jsonl", tmp / "metrics.jsonl")
         write_card(tmp, "finetune", model_dir, settings, {"dev": best_metrics},
-                   stopped_early=stopped_early, steps=steps, train_examples=tr.num_train, **tr.card)
+                   stopped_early=stopped_early, steps=steps, train_examples=tr.num_train,
+                   train_seconds=round(seconds, 1), **tr.card)
     shutil.rmtree(run_dir, ignore_errors=True)
     return FinetuneResult(out, cfg.task, steps, seconds, examples_per_s, best_metrics)
 
 
-def _last_step(log: Path) -> int:
-    import json
+def _guardrails(cfg: FinetuneConfig, folder: ModelFolder, tokenizer: Any, tr: Any) -> None:
+    """Warn about settings that usually hurt (:mod:`encoderkit.train.guardrails`), unless silenced."""
+    if cfg.no_guardrails:
+        return
+    steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)
+    differs = bool(cfg.tokenizer) and bool(folder.tokenizer_files) and guardrails.tokenizers_differ(
+        folder.tokenizer(), tokenizer)
+    found = guardrails.warnings_for(
+        lr=cfg.lr, frozen=[n for n, p in tr.module.named_parameters() if not p.requires_grad],
+        epochs=cfg.max_steps / steps_per_epoch if cfg.max_steps else cfg.epochs, early_stopping=cfg.early_stopping,
+        num_train=tr.num_train, tokenizer_differs=differs, tokenizer=cfg.tokenizer,
+        labelled=guardrails.labelled_output(cfg.train), audit_sheet=cfg.audit_sheet)
+    guardrails.say(found, cfg.allow, cfg.no_guardrails)
 
+
+def _last_step(log: Path) -> int:
     lines = log.read_text(encoding="utf-8").splitlines() if log.is_file() else []
     return int(json.loads(lines[-1])["step"]) if lines else 0
 
@@ -198,7 +229,8 @@ def _freeze(module, prefixes: list[str]) -> None:
     missing = [p for p in prefixes if p not in hit]
     if missing:
         names = sorted({n.rsplit(".", 2)[0] for n, _ in module.named_parameters()})[:8]
-        raise EncoderkitError(f"--freeze {', '.join(missing)} matches no parameter; names start like: {', '.join(names)}")
+        raise EncoderkitError(f"--freeze {', '.join(missing)} matches no parameter; names start like: "
+                              f"{', '.join(names)}")
 
 
 def _with_early_stopping(evaluate, primary: tuple[str, str], patience: int):

@@ -1,31 +1,10 @@
 """``encoderkit pretrain``: masked-language-model pretraining, from scratch or continued.
 
-Families: ``--arch bert|modernbert|deberta`` from scratch; ``--model`` continues any folder whose
-family has a masked-LM class (BERT, RoBERTa, DeBERTa-v2, ELECTRA, DistilBERT, ModernBERT, MiniLM...)
-with that family's own MLM head, or a fresh tied one where the folder has none (an ELECTRA
-discriminator gets ELECTRA's generator-style head, ``ElectraForMaskedLM``).
-
-Recipes: ``--objective mlm`` (the default; RoBERTa's) trains on packed blocks; ``mlm+nsp`` is
-BERT's original: [CLS] A [SEP] B [SEP] pairs from :mod:`encoderkit.data.nsp` (B the true next
-segment or, half the time, a segment of another document) and a ``BertForPreTraining`` whose
-loss is MLM + next-sentence prediction (BERT only). ``--masking dynamic`` (the default) draws new
-masks every epoch; ``static`` keeps epoch 0's masks (and pairs) for every epoch, as BERT's
-pre-generated data did. The held-out MLM metrics are measured on the same held-out packed blocks
-whatever the objective, so recipes compare on one footing; ``mlm+nsp`` adds held-out NSP accuracy.
-
-Data: a token store (``--data``, from ``encoderkit data prepare``) or a corpus plus tokenizer
-(``--corpus ... --tokenizer DIR``, prepared on the fly into a cache). Model: an HF folder
-(``--model``, continued pretraining; a folder without an MLM head gets a fresh tied one) or a
-fresh encoder (``--preset`` and/or explicit sizes). Masks come from the seeded
-:class:`~encoderkit.data.masking.Masker` (a block's mask depends only on seed, epoch and block
-index), the loss from the masked-only head, the loop from :func:`encoderkit.train.engine.fit`. A run
-that passes over its corpus at most once trains without dropout (``--train-dropout``,
-:mod:`encoderkit.train.dropout`); the written model keeps its own for fine-tuning.
-
-Checkpoints live in ``--run-dir`` (default ``<out>-run``); ``--resume`` continues from the latest
-one after checking that it was made with the same config and data. The final ``--out`` is a
-standard HF folder (``AutoModelForMaskedLM``, ``pipeline("fill-mask")``) with the tokenizer and
-``encoderkit.json`` (held-out MLM loss, masked-token accuracy, perplexity).
+From scratch (``--arch``, ``--preset``) or continued from any folder whose family has a masked-LM class (its own
+MLM head, or a fresh tied one); on a token store (``--data``) or a corpus prepared on the fly. ``--objective mlm``
+trains on packed blocks, ``mlm+nsp`` is BERT's original recipe (:mod:`encoderkit.data.nsp`); the held-out MLM
+metrics are on the same blocks either way, so recipes compare on one footing. The output is a standard HF folder
+(``AutoModelForMaskedLM``, ``pipeline("fill-mask")``).
 """
 
 from __future__ import annotations
@@ -40,9 +19,10 @@ import numpy as np
 import torch
 
 from encoderkit.config import arg, check
+from encoderkit.data.function_words import read_skip_words
 from encoderkit.data.masking import Masker, MaskingSpec
 from encoderkit.data.nsp import PairBuilder
-from encoderkit.data.prepare import PrepareConfig, ensure_prepared, open_blocks, read_meta
+from encoderkit.data.prepare import PrepareConfig, ensure_prepared, open_blocks, open_documents, read_meta
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import cache_dir, check_output_dir, check_writable, output_dir, write_json_atomic
 from encoderkit.models.card import write_card
@@ -74,7 +54,8 @@ class PretrainConfig(TrainArgs):
     tokenizer: str = arg("", help="Tokenizer folder for --corpus.")
     seq_len: int = arg(128, help="Block length when preparing --corpus.")
     heldout: float = arg(0.01, help="Held-out document fraction when preparing --corpus.")
-    doc_split: str = arg("file", help="How --corpus text files become documents.", choices=("file", "blank_line", "line"))
+    doc_split: str = arg("file", help="How --corpus text files become documents.",
+                         choices=("file", "blank_line", "line"))
     model: str = arg("", help="HF model folder to continue pretraining from (instead of --preset).")
     preset: str = arg("", help="Architecture preset for a model from scratch.", choices=("", *PRESETS))
     arch: str = arg("bert", help="Architecture family for a model from scratch (deberta: DeBERTa-v2/v3 disentangled "
@@ -123,8 +104,6 @@ class PretrainConfig(TrainArgs):
               "--layers --hidden --heads --ffn")
         check(self.layers >= 0, f"layers must be 0 (all) or more, got {self.layers}")
         if self.mask_skip_words:  # a missing or empty word file is named before any model is loaded
-            from encoderkit.data.function_words import read_skip_words
-
             read_skip_words(self.mask_skip_words)
         check(0 <= self.dropout < 1, f"dropout must be in [0, 1), got {self.dropout}")
         check(self.train_dropout == -1 or 0 <= self.train_dropout < 1,
@@ -134,8 +113,6 @@ class PretrainConfig(TrainArgs):
               f"head), got --arch {self.arch}; use --objective mlm")
 
     def masking_spec(self) -> MaskingSpec:
-        from encoderkit.data.function_words import read_skip_words
-
         return MaskingSpec(rate=self.mask_rate, mask_frac=self.mask_frac, random_frac=self.random_frac,
                            whole_word=self.whole_word, words_only=self.mask_words_only,
                            skip_words=read_skip_words(self.mask_skip_words))
@@ -183,7 +160,8 @@ def make_model(cfg: PretrainConfig, meta: dict[str, Any], tokenizer: Any) -> tor
     nsp = cfg.objective == "mlm+nsp"
     if cfg.model:
         _check_same_tokenizer(Path(cfg.model), tokenizer)
-        with torch.random.fork_rng(devices=[]):  # a new MLM head's initialisation follows --seed, as build_encoder's does
+        # a new MLM head's initialisation follows --seed, as build_encoder's does
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             return load_encoder(cfg.model, vocab_size=vocab, seq_len=seq_len, pretraining=nsp,
                                 layers=cfg.layers or None)
@@ -208,8 +186,6 @@ def training_batches(cfg: PretrainConfig, data: Path, meta: dict[str, Any], mask
     """``(n_examples, make_batch(idx, epoch))`` for the engine: masked packed blocks (``mlm``) or
     masked NSP pairs with ``token_type_ids`` and ``next_sentence_label`` (``mlm+nsp``). Static
     masking asks for epoch 0 every epoch."""
-    from encoderkit.data.prepare import open_blocks, open_documents
-
     def data_epoch(epoch: int) -> int:
         return epoch if cfg.masking == "dynamic" else 0
 
@@ -243,8 +219,6 @@ def heldout_pairs(data: Path, meta: dict[str, Any], masker: Masker, n_examples: 
                   seed: int) -> list[dict[str, torch.Tensor]]:
     """Fixed masked NSP batches from the held-out documents (epoch 0); B is drawn from the other
     held-out documents, or from every document when only one is held out. Empty without held-out text."""
-    from encoderkit.data.prepare import open_documents
-
     tokens, offsets, heldout = open_documents(data)
     docs = np.flatnonzero(heldout)
     if len(docs) == 0:
@@ -284,7 +258,8 @@ def evaluate_folder(folder: Any, tokenizer: Any, data: str | Path, cfg: Any) -> 
     model_dir = folder.path  # a ModelFolder
     store = Path(data)
     if not (store / "meta.json").is_file():
-        raise EncoderkitError(f"{store}: not a token store; --task mlm takes a folder made by `encoderkit data prepare`")
+        raise EncoderkitError(f"{store}: not a token store; --task mlm takes a folder made by "
+                              "`encoderkit data prepare`")
     meta = read_meta(store)
     store_tokenizer = load_tokenizer(store)
     _check_same_tokenizer(Path(model_dir), store_tokenizer)
@@ -341,7 +316,8 @@ def run(cfg: PretrainConfig) -> PretrainResult:
              f"(--train-dropout {cfg.train_dropout:g}); the written model keeps its own")
     with dropout_set(module, rate):
         result: FitResult = fit(module, mlm_nsp_loss_fn if nsp else mlm_loss_fn, source, cfg.train_settings(),
-                                run_dir, evaluate=evaluate, primary=("loss", "min") if eval_batches else ("nsp_loss", "min"),
+                                run_dir, evaluate=evaluate,
+                                primary=("loss", "min") if eval_batches else ("nsp_loss", "min"),
                                 fingerprint=fingerprint, resume=cfg.resume)
     metrics = {f"heldout_{k}": v for k, v in result.eval_metrics.items()}
     if rate is not None:
@@ -349,12 +325,14 @@ def run(cfg: PretrainConfig) -> PretrainResult:
     metrics.update({f"initial_heldout_{k}": v for k, v in before.items()})
     metrics["train_loss"] = result.train_logs.get("loss")
     if dist.is_main:
-        with output_dir(out, cfg.overwrite, retry=f"rerun with --resume (the checkpoints are kept in {run_dir})") as tmp:
+        retry = f"rerun with --resume (the checkpoints are kept in {run_dir})"
+        with output_dir(out, cfg.overwrite, retry=retry) as tmp:
             model.save_pretrained(tmp)
             if nsp:  # the weights keep BertForPreTraining's layout (pooler, NSP head); by name the folder is an
                 # MLM model, for every reader that picks the class from config.json (distill, the folder reader)
                 config_file = tmp / "config.json"
-                write_json_atomic(config_file, {**json.loads(config_file.read_text()), "architectures": ["BertForMaskedLM"]})
+                config = json.loads(config_file.read_text())
+                write_json_atomic(config_file, {**config, "architectures": ["BertForMaskedLM"]})
             tokenizer.save_pretrained(str(tmp))
             write_card(tmp, stage="pretrain", parent=cfg.model or None, config=cfg.to_dict(),
                        metrics={**metrics, "steps": result.steps, "tokens_per_s": result.tokens_per_s,

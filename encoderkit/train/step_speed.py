@@ -1,26 +1,10 @@
 """What makes a training step fast on the device it runs on, without changing what it computes.
 
-Each lever is measured (2 threads of an AMX Xeon, all-MiniLM-L6-v2 classify at batch 32, and a 4 x 256
-BERT pretraining at 32 x 128; bench/finetune_speed.py and bench/pretrain_speed.py):
-
-* :func:`fused_adamw`: AdamW's fused kernel (one vectorised pass over each parameter) on CPU and CUDA; the
-  update is AdamW's to float rounding. Pretraining 720 -> 640 ms a step.
-* :func:`training_attention`: on CPU, the eager (matmul + softmax) attention of a transformers model while
-  it trains. PyTorch's CPU SDPA picks its flash kernel wherever dropout is off or a mask allows it, and that
-  kernel's backward is slow in bf16: 14.6 ms of a MiniLM layer's step at 32 x 20 tokens, against 4 ms for the
-  eager path; a step is 7-10% faster in bf16 and no slower in fp32 (32 x 20 to 32 x 128). The model's own
-  setting (``sdpa``, what inference and export use) is back in place when training ends; nothing is saved.
-* :func:`embedding_grad_buffer`: on CPU, the input embedding's gradient lands in one dense buffer kept for the
-  whole run, in which only the rows the last step touched are zeroed. The stock backward makes a fresh
-  vocabulary x hidden tensor of zeros every step (MiniLM: 30,522 x 384, 47 MB), and on CPU a fresh block that
-  size comes from the kernel page by page: 10-11 ms to zero it against 1 ms to refill a kept one. MiniLM
-  fine-tuning on SST-2, back to back over 4 rounds on an AVX-512 EPYC: 7% more examples/s. The gradient the
-  optimizer and clipping see is the same dense tensor, value for value.
-* :func:`quick_dropout`: on CPU, every ``nn.Dropout`` draws its mask from 64-bit random words cut into 16-bit
-  lanes (four per word) compared with a threshold, instead of one ``bernoulli_`` draw per element: 0.9 ms
-  against 2.7 ms for 32 x 36 x 384 activations, 4% more fine-tuning examples/s (11% with the buffer above).
-  The drop probability is ``p`` rounded to 1/65,536 (0.1 -> 0.1000061) and the kept values are scaled by its
-  exact inverse, so the layer stays unbiased; masks come from torch's generator, so a seeded run repeats itself.
+:func:`fused_adamw` (AdamW's fused kernel); on CPU :func:`training_attention` (the eager attention while training:
+the backward of CPU SDPA's flash kernel is slow in bf16), :func:`embedding_grad_buffer` (one kept gradient buffer
+for the input embedding instead of a fresh vocabulary-sized tensor of zeros every step) and :func:`quick_dropout`
+(masks from 16-bit lanes of random words instead of one draw per element). Each gives the same update up to float
+rounding (the measurements: docs/results/adapt-from-code.md).
 """
 
 from __future__ import annotations
@@ -31,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 
 def fused_adamw(module: nn.Module, device: torch.device) -> bool | None:
@@ -41,8 +26,6 @@ def fused_adamw(module: nn.Module, device: torch.device) -> bool | None:
 
 def _models(module: nn.Module) -> list[nn.Module]:
     """The outermost transformers models inside ``module`` (itself included)."""
-    from transformers import PreTrainedModel
-
     found: list[nn.Module] = []
 
     def walk(m: nn.Module) -> None:
@@ -164,7 +147,8 @@ class _MaskedScale(torch.autograd.Function):
 
 
 def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    """Training-mode dropout of ``x`` with drop probability ``p`` rounded to 1/65,536 (see the module notes)."""
+    """Training-mode dropout of ``x`` with drop probability ``p`` rounded to 1/65,536; the kept values are scaled by
+    its exact inverse (unbiased), and the masks come from torch's generator (a seeded run repeats itself)."""
     drop = round(p * 65536)
     if drop <= 0:
         return x

@@ -1,16 +1,8 @@
 """Train a tokenizer on a corpus (``encoderkit tokenizer train``); :mod:`encoderkit.models.tokenizer` loads one.
 
-Two kinds, both trained with HF ``tokenizers`` and saved as a standard HF tokenizer folder that
-``transformers.AutoTokenizer.from_pretrained(out)`` opens:
-
-- ``wordpiece``: BERT-style. ``BertNormalizer`` (lowercase and accent stripping when
-  ``lowercase``), ``BertPreTokenizer`` (split on whitespace and punctuation), ``##`` continuation
-  prefix, ``[CLS] A [SEP]`` / ``[CLS] A [SEP] B [SEP]`` with token type ids 0/1.
-- ``bpe``: RoBERTa-style byte-level BPE: every byte is in the alphabet, so no input is ever
-  unknown and ``decode(encode(x)) == x``; ``<s> A </s>`` / ``<s> A </s></s> B </s>``.
-
-The corpus is streamed: documents are read one at a time and reach the trainer in pieces of at
-most ``TRAIN_PIECE_CHARS`` characters, so memory holds the word counts, never the corpus.
+``wordpiece`` (BERT-style) or ``bpe`` (RoBERTa-style byte-level: no input is ever unknown), saved as a standard HF
+tokenizer folder (``AutoTokenizer.from_pretrained``). The corpus reaches the trainer in pieces of at most
+``TRAIN_PIECE_CHARS`` characters, so memory holds the word counts, never the corpus.
 """
 
 from __future__ import annotations
@@ -22,11 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.data.readers import DOC_SPLITS, ReadStats, estimate_bytes, iter_documents
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import output_dir, write_json_atomic
 from encoderkit.models.card import write_card
+from encoderkit.progress import note, progress
 
 KINDS = ("wordpiece", "bpe")
 ROLES = ("pad", "unk", "cls", "sep", "mask")
@@ -130,8 +126,6 @@ class Result:
 def build_backend(kind: str, lowercase: bool, roles: dict[str, str]) -> Any:
     """An untrained ``tokenizers.Tokenizer`` (model, normalizer, pre-tokenizer, decoder); the
     post-processor is added after training, when the special token ids are known."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-
     if kind == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token=roles["unk"], continuing_subword_prefix="##"))
         tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
@@ -148,8 +142,6 @@ def build_backend(kind: str, lowercase: bool, roles: dict[str, str]) -> Any:
 
 
 def _trainer(cfg: TokenizerConfig, special_tokens: list[str]) -> Any:
-    from tokenizers import pre_tokenizers, trainers
-
     if cfg.kind == "wordpiece":
         return trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
                                          special_tokens=special_tokens, limit_alphabet=cfg.limit_alphabet,
@@ -160,8 +152,6 @@ def _trainer(cfg: TokenizerConfig, special_tokens: list[str]) -> Any:
 
 
 def _post_processor(kind: str, tok: Any, roles: dict[str, str]) -> Any:
-    from tokenizers import processors
-
     cls, sep = roles["cls"], roles["sep"]
     cls_id, sep_id = tok.token_to_id(cls), tok.token_to_id(sep)
     if kind == "wordpiece":
@@ -172,8 +162,6 @@ def _post_processor(kind: str, tok: Any, roles: dict[str, str]) -> Any:
 
 def wrap_fast(tok: Any, kind: str, roles: dict[str, str], extra: list[str], model_max_length: int) -> Any:
     """The trained backend as a ``PreTrainedTokenizerFast`` with its special tokens named."""
-    from transformers import PreTrainedTokenizerFast
-
     kw: dict[str, Any] = {f"{role}_token": token for role, token in roles.items()}
     if kind == "bpe":
         kw.update(bos_token=roles["cls"], eos_token=roles["sep"])
@@ -204,8 +192,6 @@ def split_long_text(text: str, max_chars: int = TRAIN_PIECE_CHARS) -> Iterator[s
 def _training_texts(cfg: TokenizerConfig, stats: ReadStats) -> Iterator[str]:
     """The corpus as a stream of strings of at most ``TRAIN_PIECE_CHARS`` characters (the trainer
     buffers a few hundred items ahead, so bounded pieces bound memory), with a progress bar."""
-    from encoderkit.progress import note, progress
-
     docs = iter_documents(cfg.corpus, doc_split=cfg.doc_split, text_field=cfg.text_field,
                           text_column=cfg.text_column, skip_bad_encoding=cfg.skip_bad_encoding,
                           on_skip=lambda src, why: note(f"skipped {src}: {why}"), stats=stats)
@@ -262,17 +248,9 @@ def run(cfg: TokenizerConfig) -> Result:
 
 
 def renumber_wordpiece(tok: Any, special_tokens: list[str], unk_token: str) -> None:
-    """Give a trained WordPiece vocabulary canonical ids: special tokens first (in their order), then
-    the rest sorted by (piece length without ``##``, continuation or not, text).
-
-    The HF WordPiece trainer numbers the ``##`` pieces in hash-map order (huggingface/tokenizers#1794),
-    so two runs on the same corpus number the same vocabulary differently. WordPiece encodes by
-    vocabulary membership alone, so renumbering changes the ids and nothing else; with it, equal
-    vocabularies give byte-identical tokenizers. (Ties between equally frequent merges can still pick
-    different pieces on a tiny corpus; byte-level BPE training is deterministic.)
-    """
-    from tokenizers import models
-
+    """Give a trained WordPiece vocabulary canonical ids: special tokens first, then the rest sorted by (piece length
+    without ``##``, continuation or not, text), so equal vocabularies give byte-identical tokenizers (the trainer
+    numbers ``##`` pieces in hash-map order, huggingface/tokenizers#1794; WordPiece encodes by membership alone)."""
     vocab = tok.get_vocab(with_added_tokens=False)
     specials = set(special_tokens)
     rest = sorted((t for t in vocab if t not in specials),

@@ -1,10 +1,6 @@
-"""The frame of encoderkit's browser pages (``audit review --web``, ``serve --index``'s ``/search``).
-
-Plain HTML, one stylesheet and a small inline script; no build step and nothing fetched from
-elsewhere. The frame holds no data: each page's script asks the server for it with ``api()``,
-which sends ``Authorization: Bearer <token>`` (the token the user typed, kept in the tab's
-sessionStorage) and, on a 401, shows the token box and tries again once a token is entered. So
-the same token rule as ``serve`` holds for browsers, with no cookie to steal or forge.
+"""The frame of encoderkit's browser pages (``audit review --web``, ``serve --index``'s ``/search``): plain HTML, no
+build step, nothing fetched from elsewhere. Each page's script fetches its data with ``api()``, which sends the
+bearer token the user typed (kept in sessionStorage): ``serve``'s token rule, with no cookie to steal or forge.
 """
 
 from __future__ import annotations
@@ -27,7 +23,8 @@ kbd{font:600 .9em ui-monospace,monospace}
 #msg.err{color:#b3261e;font-weight:600}
 #msg.ok{color:#1e6b34}
 #tokenbox{display:none;margin:.8em 0}
-input[type=text],input[type=password],input[type=search]{font:inherit;padding:.35em .5em;border:1px solid #b9bfc9;border-radius:5px}
+input[type=text],input[type=password],input[type=search]{
+  font:inherit;padding:.35em .5em;border:1px solid #b9bfc9;border-radius:5px}
 mark{background:#ffe38a;padding:0 .1em}
 .hit{margin:.6em 0}
 .score{font:600 .9em ui-monospace,monospace;color:#1e4e8c}
@@ -51,13 +48,17 @@ async function api(path, body) {
   const token = sessionStorage.getItem('encoderkit-token');
   if (token) headers['Authorization'] = 'Bearer ' + token;
   const opts = {headers};
-  if (body !== undefined) { opts.method = 'POST'; headers['Content-Type'] = 'application/json'; opts.body = JSON.stringify(body); }
+  if (body !== undefined) {
+    opts.method = 'POST'; headers['Content-Type'] = 'application/json'; opts.body = JSON.stringify(body);
+  }
   let r;
   try { r = await fetch(path, opts); } catch (e) { say('the server did not answer: ' + e, 'err'); return null; }
   if (r.status === 401) { askToken('this page needs the token (401): type it and press Enter'); return null; }
   const type = r.headers.get('content-type') || '';
   const data = type.includes('json') ? await r.json() : await r.text();
-  if (!r.ok) { say((data.error && data.error.message) || ('HTTP ' + r.status), 'err'); return {error: data, status: r.status}; }
+  if (!r.ok) {
+    say((data.error && data.error.message) || ('HTTP ' + r.status), 'err'); return {error: data, status: r.status};
+  }
   return data;
 }
 """
@@ -66,7 +67,8 @@ async function api(path, body) {
 def page(title: str, body: str, script: str, token_required: bool) -> str:
     """A whole page: ``body`` (trusted HTML built by the caller, every value escaped) and ``script`` (run after
     the shared ``say``/``askToken``/``api`` helpers; it must define ``window.onToken`` and start the page)."""
-    start = "askToken('type the token (the server was started with --token) and press Enter');" if token_required else ""
+    start = ("askToken('type the token (the server was started with --token) and press Enter');"
+             if token_required else "")
     return (f"<!doctype html><html lang=en><head><meta charset=utf-8><meta name=viewport "
             f"content='width=device-width,initial-scale=1'><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head><body><header><h1>{html.escape(title)}</h1></header><main>"

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.models.card import lineage
+from encoderkit.tasks.classify.data import resolve_text_column
 from encoderkit.tasks.protocol import TaskInputs
+from encoderkit.tasks.tabular import column, read_rows, text_column
 
 COLUMNS = ("text_column", "label_column", "text_pair_column")
 
@@ -17,8 +21,6 @@ def card_columns(folder: str | Path) -> dict[str, str]:
     lineage) records, else, for folders written before cards recorded all three, the fine-tuning
     config found in its lineage. The one rule for compression's readers and its measurer; a pair
     classifier whose pair column no longer shows in its lineage is refused."""
-    from encoderkit.models.card import lineage
-
     cards = lineage(folder)
     cols: dict[str, str] = {}
     for card in cards:
@@ -57,11 +59,6 @@ def _label_ids(values: list[Any], label2id: dict[str, int], wheres: list[str]) -
 def read_inputs(path: Path, columns: dict[str, str], label2id: dict[str, int] | None) -> TaskInputs:
     """The texts (or pairs) of a table in ``columns`` (found as fine-tuning finds them where not given), and
     its labels as class ids when ``label2id`` is given and the table has the label column."""
-    from types import SimpleNamespace
-
-    from encoderkit.tasks.classify.data import resolve_text_column
-    from encoderkit.tasks.tabular import column, read_rows, text_column
-
     rows = read_rows(path)
     label_col = columns.get("label_column", "label")
     pair_col = columns.get("text_pair_column", "")

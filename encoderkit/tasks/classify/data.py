@@ -1,10 +1,6 @@
-"""Classify data: labelled rows of a TSV / CSV / JSONL table (:mod:`encoderkit.tasks.tabular`) read into
-texts, optional text pairs and labels.
-
-Labels: the sorted set of training labels (numeric order when all are integers). Multi-label rows
-give their labels joined by ``label_separator`` (or as a JSON list in JSONL). Output of
-``encoderkit label`` loses its unlabeled lines; for training, its audit corrections are applied and
-suspected errors dropped when asked (:mod:`encoderkit.tasks.labeled`).
+"""Classify data: labelled rows of a TSV / CSV / JSONL table read into texts, optional text pairs and labels
+(multi-label: joined by ``label_separator``, or a JSON list). The label set is sorted, numerically when all are
+integers.
 """
 
 from __future__ import annotations
@@ -39,7 +35,8 @@ def read_examples(path: str | Path, options: ClassifyOptions, saved_column: str 
     rows = labelled_rows(rows, path, options.audit_sheet if train else "", options.drop_suspected and train)
     name = resolve_text_column(rows, path, options, saved_column)
     texts = text_column(rows, name, path, "--text-column")
-    pairs = text_column(rows, options.text_pair_column, path, "--text-pair-column") if options.text_pair_column else None
+    pair_col = options.text_pair_column
+    pairs = text_column(rows, pair_col, path, "--text-pair-column") if pair_col else None
     raw = column(rows, options.label_column, path, "--label-column")
     labels = []
     for r, v in zip(rows, raw, strict=True):
@@ -50,7 +47,8 @@ def read_examples(path: str | Path, options: ClassifyOptions, saved_column: str 
         else:
             items = [str(v).strip()]
         if not items or (not options.multi_label and (len(items) != 1 or not items[0])):
-            raise EncoderkitError(f"{r.where}: label {v!r} in column {options.label_column!r} is empty; fill or drop the row")
+            raise EncoderkitError(f"{r.where}: label {v!r} in column {options.label_column!r} is empty; fill or drop "
+                                  "the row")
         labels.append(items)
     return texts, pairs, labels, [r.where for r in rows], name
 

@@ -22,7 +22,9 @@ def featurize(tokenizer, texts: list[str], pairs: list[str] | None, max_length: 
 
 def engine_logits(engine: Engine, rows: list[dict[str, np.ndarray]], pad_id: int, batch_size: int) -> np.ndarray:
     """Logits (N, C) for feature rows from any engine (evaluate, the Predictor: torch or ONNX Runtime)."""
-    return np.stack([out[0] for out in run_rows(engine, rows, pad_id, batch_size)]) if rows else np.zeros((0, 0), np.float32)
+    if not rows:
+        return np.zeros((0, 0), np.float32)
+    return np.stack([out[0] for out in run_rows(engine, rows, pad_id, batch_size)])
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

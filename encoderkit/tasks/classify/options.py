@@ -7,16 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.pooling import CLASSIFIER, default_pooling, task_pooling
 from encoderkit.tasks.common import pick, settle_max_length
 
 DEFAULT_MAX_LENGTH = 128
-
-
-def resolve_pooling(pooling: str, folder: ModelFolder) -> str:
-    """``--pooling`` for classify: 'first' or 'mean'; ``auto``: a classifier folder's own, else 'first'."""
-    if pooling != "auto":
-        return pooling
-    return folder.pooling if folder.task == "classify" and folder.pooling else "first"
 
 
 @dataclass(frozen=True)
@@ -30,15 +24,16 @@ class ClassifyOptions:
     multi_label: bool = False
     label_separator: str = ","
     max_length: int = DEFAULT_MAX_LENGTH
-    pooling: str = "first"
+    pooling: str = default_pooling(CLASSIFIER)
     audit_sheet: str = ""
     drop_suspected: bool = False
 
     @classmethod
     def for_training(cls, cfg: Any, folder: ModelFolder) -> ClassifyOptions:
-        """``--max-length`` settled against the model's positions; ``--pooling auto`` resolved."""
+        """``--max-length`` settled against the model's positions; ``--pooling`` against the folder's own
+        (:func:`encoderkit.models.pooling.task_pooling`: ``auto`` keeps a classifier's, else the first token)."""
         return pick(cls, cfg, max_length=settle_max_length(cfg.max_length, DEFAULT_MAX_LENGTH, folder),
-                    pooling=resolve_pooling(cfg.pooling, folder))
+                    pooling=task_pooling(folder, "classify", cfg.pooling))
 
     @classmethod
     def for_folder(cls, cfg: Any, folder: ModelFolder) -> ClassifyOptions:
@@ -46,4 +41,4 @@ class ClassifyOptions:
         multi-label setting and its pooling."""
         return pick(cls, cfg, max_length=cfg.max_length or folder.card.get("max_length", DEFAULT_MAX_LENGTH),
                     multi_label=folder.config.get("problem_type") == "multi_label_classification",
-                    pooling=folder.pooling or "first", audit_sheet="", drop_suspected=False)
+                    pooling=task_pooling(folder, "classify"), audit_sheet="", drop_suspected=False)

@@ -1,18 +1,7 @@
-"""Sequence classification (single texts or pairs; multi-class or multi-label).
-
-Head: Hugging Face's own ``AutoModelForSequenceClassification`` (for BERT: the pooler's dense+tanh,
-then a linear layer). ``--pooling`` says what the pooler reads: the first token ([CLS], HF's
-default and ``auto``'s choice, so plain ``transformers`` -- ``pipeline("text-classification")`` --
-computes what encoderkit computes) or, only on request, the mean of the real tokens
-(:mod:`encoderkit.models.pooling`; BERT-style models and ModernBERT). ``auto`` keeps the pooling
-of a folder that is already a classifier, else takes the first token. Mean pooling is saved in
-``config.json`` (``classifier_pooling``) and ``encoderkit.json``; every encoderkit loader, ONNX
-export included, applies it, but plain ``transformers`` pools the first token of a BERT whatever
-the config says (ModernBERT reads the key itself), so a mean-pooled BERT folder gives other labels
-there: the log, the card (``hf_compatible: false`` and a ``warning``) and the README say so.
-
-Labels (read by :mod:`encoderkit.tasks.classify.data`): a dev label that never occurs in training is
-an error. Multi-label: the loss is BCE and a label is predicted when its probability is at least 0.5.
+"""Sequence classification fine-tuning and evaluation (single texts or pairs; multi-class or multi-label: BCE, a
+label at probability 0.5) on HF's own ``AutoModelForSequenceClassification``, so plain ``transformers`` computes
+what encoderkit computes; except ``--pooling mean`` on a BERT-style model, which plain transformers ignores, so the
+log and the card warn (``hf_compatible: false``).
 """
 
 from __future__ import annotations
@@ -21,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from transformers import AutoModelForSequenceClassification
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.metrics.scores import classification_scores, multilabel_scores
 from encoderkit.models.folder import ModelFolder
-from encoderkit.models.pooling import set_pooling
+from encoderkit.models.pooling import MEAN, set_pooling
 from encoderkit.progress import note
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.classify.data import label_names, read_examples
@@ -61,23 +51,23 @@ def scores(logits: np.ndarray, targets: np.ndarray, multi_label: bool) -> dict[s
 
 def hf_mismatch_warning(model_type: str, pooling: str) -> str | None:
     """The warning a mean-pooled classifier carries when plain transformers would pool its first token."""
-    if pooling != "mean" or model_type == "modernbert":
+    if pooling != MEAN or model_type == "modernbert":
         return None
-    return (f"mean pooling: plain transformers (AutoModelForSequenceClassification, pipeline) pools the first token of a "
-            f"{model_type} whatever config.json says, so it gives OTHER outputs than encoderkit for this folder; load it "
-            "with encoderkit (evaluate, predict, serve, export) or apply encoderkit.models.pooling.apply_pooling(model)")
+    return (f"mean pooling: plain transformers (AutoModelForSequenceClassification, pipeline) pools the first token "
+            f"of a {model_type} whatever config.json says, so it gives OTHER outputs than encoderkit for this folder; "
+            "load it with encoderkit (evaluate, predict, serve, export) or apply "
+            "encoderkit.models.pooling.apply_pooling(model)")
 
 
 def build(data: TrainData, options: ClassifyOptions, tokenizer, folder: ModelFolder) -> TaskRun:
     """Read train/dev, featurize, and make the HF classification model and its engine pieces."""
-    from transformers import AutoModelForSequenceClassification
-
     multi = options.multi_label
     texts, pairs, labels, _, text_col = read_examples(data.train, options, train=True)
     texts, pairs, labels = _subset(data.max_train_examples, data.seed, texts, pairs, labels)
     names = label_names(labels)
     if len(names) < 2 and not multi:
-        raise EncoderkitError(f"{data.train}: only one label ({names}) in column {options.label_column!r}; a classifier needs two or more")
+        raise EncoderkitError(f"{data.train}: only one label ({names}) in column {options.label_column!r}; a "
+                              "classifier needs two or more")
     rows = featurize(tokenizer, texts, pairs, options.max_length)
     y = label_targets(labels, names, multi)
     for r, t in zip(rows, y, strict=True):
@@ -86,7 +76,8 @@ def build(data: TrainData, options: ClassifyOptions, tokenizer, folder: ModelFol
     if data.dev:
         dtexts, dpairs, dlabels, where, _ = read_examples(data.dev, options, text_col)
         dtexts, dpairs, dlabels = _subset(data.max_dev_examples, data.seed, dtexts, dpairs, dlabels)
-        check_labels(set(names), [x for items in dlabels for x in items], [w for w, items in zip(where, dlabels, strict=False) for _ in items])
+        check_labels(set(names), [x for items in dlabels for x in items],
+                     [w for w, items in zip(where, dlabels, strict=False) for _ in items])
         drows = featurize(tokenizer, dtexts, dpairs, options.max_length)
         dy = label_targets(dlabels, names, multi)
 
@@ -110,7 +101,8 @@ def build(data: TrainData, options: ClassifyOptions, tokenizer, folder: ModelFol
         return out.loss, {}
 
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), data.batch_size,
-                             lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=data.seed, bucket=data.bucket)
+                             lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=data.seed,
+                             bucket=data.bucket)
 
     def save(module, folder: Path) -> None:
         module.save_pretrained(folder)
@@ -135,7 +127,8 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: Cla
     multi = options.multi_label
     texts, pairs, labels, where, _ = read_examples(data.data, options, folder.card.get("text_column"))
     texts, pairs, labels = _subset(data.max_examples, data.seed, texts, pairs, labels)
-    check_labels(set(names), [x for items in labels for x in items], [w for w, items in zip(where, labels, strict=False) for _ in items])
+    check_labels(set(names), [x for items in labels for x in items],
+                 [w for w, items in zip(where, labels, strict=False) for _ in items])
     rows = featurize(tokenizer, texts, pairs, options.max_length)
     logits = engine_logits(engine, rows, tokenizer.pad_token_id, data.batch_size)
     return {**scores(logits, label_targets(labels, names, multi), multi), "examples": len(rows)}

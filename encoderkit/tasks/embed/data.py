@@ -18,8 +18,8 @@ def train_groups(data: TrainData, options: EmbedOptions) -> tuple[list[Triple], 
     if is_beir_source(data.train):
         k = options.num_negatives if mined else 0
         # sampled: in-batch negatives only (random extra negatives add little to MNRL)
-        groups = groups_from_beir(load_retrieval(data.train), negatives=options.negatives, num_negatives=k, seed=data.seed,
-                                  miner=options.miner, max_query_length=options.max_query_length,
+        groups = groups_from_beir(load_retrieval(data.train), negatives=options.negatives, num_negatives=k,
+                                  seed=data.seed, miner=options.miner, max_query_length=options.max_query_length,
                                   batch_size=data.eval_batch_size)
     else:
         groups = read_triples(data.train)

@@ -3,17 +3,8 @@
     Embedder.of_runner(predictor).embed(texts, dim=256)        # serving, index, search, label (ONNX or torch)
     Embedder.of_module(bi_encoder, tokenizer, 256).embed(texts)  # training-time evaluation, mining, exact search
 
-The engine is anything with ``run(inputs: dict[str, int64 array (B, T)]) -> [token states (B, T, H), ...]``:
-ONNX Runtime on an export, or a torch encoder (:class:`~encoderkit.tasks.inference.ModuleEngine`); or one that
-pools itself (``pools = True``: ``[pooled (B, H)]``), as :class:`BiEncoderEngine` runs a training-time
-:class:`~encoderkit.tasks.embed.features.BiEncoder` so the pooling stays on its device and one vector per text
-comes back, not its token states; or one that reads whole texts itself (``pool_texts(texts) -> (N, H)``: a static
-model's :class:`~encoderkit.inference.engines.StaticEngine`, which has no length limit). Texts are cut to ``max_length`` sub-tokens and run in length-sorted batches
-(:func:`~encoderkit.tasks.inference.run_rows`); the token states are pooled by
-:func:`encoderkit.models.pooling.pool` (``mean`` over the real tokens or the ``first`` token: the one pooling,
-what the BiEncoder computes in training and sentence-transformers at inference); :meth:`Embedder.finish`
-keeps the first ``dim`` dimensions and then L2-normalises, so a dot product is the cosine similarity of the
-cut vectors.
+The engine gives token states (B, T, H), or pools itself (``pools``: a training-time BiEncoder on its device), or
+reads whole texts (``pool_texts``: a static model).
 """
 
 from __future__ import annotations
@@ -26,10 +17,8 @@ import torch
 from torch import nn
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.models.pooling import pool_array
+from encoderkit.models.pooling import POOLINGS, pool_array
 from encoderkit.tasks.inference import run_rows
-
-POOLINGS = ("first", "mean")
 
 
 def tokenize(tokenizer: Any, texts: list[str], max_length: int) -> list[dict[str, np.ndarray]]:
@@ -116,7 +105,8 @@ class Embedder:
             return np.zeros((0, 0), dtype=np.float32)
         if getattr(self.engine, "pool_texts", None) is not None:  # reads whole texts itself (a static model)
             return self.engine.pool_texts(list(texts))
-        return self.pooled_rows(tokenize(self.tokenizer, list(texts), max_length or self.max_length), progress, max_batch)
+        rows = tokenize(self.tokenizer, list(texts), max_length or self.max_length)
+        return self.pooled_rows(rows, progress, max_batch)
 
     def pooled_rows(self, rows: list[dict[str, np.ndarray]], progress: bool = False,
                     max_batch: int | None = None) -> np.ndarray:

@@ -12,7 +12,8 @@ from encoderkit.tasks.embed.embedder import Embedder
 from encoderkit.tasks.embed.features import BiEncoder, encode, encode_cached
 
 
-def search(query_emb: np.ndarray, doc_emb: np.ndarray, doc_ids: list[str], query_ids: list[str], k: int = 100) -> dict[str, list[str]]:
+def search(query_emb: np.ndarray, doc_emb: np.ndarray, doc_ids: list[str], query_ids: list[str],
+           k: int = 100) -> dict[str, list[str]]:
     """Exact top-k by dot product: query id -> doc ids, best first."""
     out = {}
     for start in range(0, len(query_ids), 256):
@@ -24,8 +25,9 @@ def search(query_emb: np.ndarray, doc_emb: np.ndarray, doc_ids: list[str], query
     return out
 
 
-def retrieve(model: BiEncoder | Embedder, tokenizer, data: Any, max_length: int, max_query_length: int, batch_size: int = 64,
-             k: int = 100, progress: bool = False, cache_for: Path | None = None) -> dict[str, list[str]]:
+def retrieve(model: BiEncoder | Embedder, tokenizer, data: Any, max_length: int, max_query_length: int,
+             batch_size: int = 64, k: int = 100, progress: bool = False,
+             cache_for: Path | None = None) -> dict[str, list[str]]:
     """Top-k documents of every judged query of a :class:`~encoderkit.data.beir.Retrieval`, embedded by ``model``
     (a training-time module, or an :class:`Embedder` over any engine: :func:`encode`).
     ``cache_for``: the saved folder ``model`` was loaded from, to reuse its corpus embeddings

@@ -1,16 +1,6 @@
-"""Bi-encoder embeddings: encode texts, train with in-batch negatives (+ Matryoshka), and save in the
-sentence-transformers layout (exact search over the embeddings: :mod:`encoderkit.tasks.embed.exact`).
-
-* Embedding = pooling (``mean`` over real tokens, or the ``first`` token) of the encoder's last
-  hidden states, then L2 normalisation, so a dot product is the cosine similarity. This is what
-  sentence-transformers computes for ``Transformer -> Pooling -> Normalize``.
-* Loss (MultipleNegativesRanking): for a batch of B (query, positive[, negatives]) rows, the
-  scores ``scale * q @ [positives; negatives].T`` (B, B*(1+k)) go through cross-entropy with the
-  row's own positive as the target; every other row's passages are negatives. With
-  ``matryoshka_dims`` the same loss is added for each leading slice of the embedding
-  (re-normalised), as sentence-transformers' MatryoshkaLoss does (weights 1).
-* Saved folder: HF ``AutoModel`` files + ``modules.json``, ``1_Pooling/config.json``,
-  ``sentence_bert_config.json``, so ``SentenceTransformer(folder)`` loads it.
+"""Bi-encoder embeddings: pooled, L2-normalised token states (what sentence-transformers computes for
+``Transformer -> Pooling -> Normalize``), trained with in-batch negatives (+ Matryoshka slices) and saved in the
+sentence-transformers layout, so ``SentenceTransformer(folder)`` loads it.
 """
 
 from __future__ import annotations
@@ -26,9 +16,8 @@ from torch import nn
 from encoderkit.io import cached_array, write_json_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.folder_files import model_fingerprint
-from encoderkit.models.pooling import pool
+from encoderkit.models.pooling import AUTO, pool, st_pooling_config, task_pooling
 from encoderkit.tasks.embed.embedder import Embedder
-from encoderkit.tasks.embed.options import embed_pooling
 
 
 def folder_max_length(folder: Path) -> int | None:
@@ -53,7 +42,8 @@ class BiEncoder(nn.Module):
         kw = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kw).last_hidden_state
         pooled = pool(hidden.float(), attention_mask, self.pooling)
-        return nn.functional.normalize(pooled, dim=-1) if (self.normalize if normalize is None else normalize) else pooled
+        normalize = self.normalize if normalize is None else normalize
+        return nn.functional.normalize(pooled, dim=-1) if normalize else pooled
 
 
 @torch.no_grad()
@@ -85,10 +75,11 @@ def mnrl_loss(q: torch.Tensor, passages: torch.Tensor, scale: float, dims: list[
     return total
 
 
-def load_bi_encoder(folder: Path | ModelFolder, pooling: str = "auto") -> BiEncoder:
-    """The encoder of ``folder`` with ``pooling`` ('first' or 'mean'; ``auto``: :func:`embed_pooling`)."""
+def load_bi_encoder(folder: Path | ModelFolder, pooling: str = AUTO) -> BiEncoder:
+    """The encoder of ``folder`` with ``pooling`` ('first' or 'mean'; ``auto``: the folder's own, by
+    :func:`encoderkit.models.pooling.task_pooling`)."""
     mf = folder if isinstance(folder, ModelFolder) else ModelFolder.open(folder, tokenizer=False)
-    return BiEncoder(mf.load(task="embed"), embed_pooling(mf, pooling))
+    return BiEncoder(mf.load(task="embed"), task_pooling(mf, "embed", pooling))
 
 
 def save_sentence_transformers(model: BiEncoder, tokenizer, folder: Path, max_length: int) -> None:
@@ -101,17 +92,13 @@ def save_sentence_transformers(model: BiEncoder, tokenizer, folder: Path, max_le
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
     ])
-    write_json_atomic(folder / "1_Pooling" / "config.json", {
-        "word_embedding_dimension": hidden, "pooling_mode_cls_token": model.pooling == "first",
-        "pooling_mode_mean_tokens": model.pooling == "mean", "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False,
-    })
+    write_json_atomic(folder / "1_Pooling" / "config.json", st_pooling_config(model.pooling, hidden))
     (folder / "2_Normalize").mkdir(exist_ok=True)
     write_json_atomic(folder / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
 
 
-def encode_cached(model: BiEncoder | Embedder, tokenizer, texts: list[str], max_length: int, batch_size: int, progress: bool,
-                  folder: Path) -> np.ndarray:
+def encode_cached(model: BiEncoder | Embedder, tokenizer, texts: list[str], max_length: int, batch_size: int,
+                  progress: bool, folder: Path) -> np.ndarray:
     """:func:`encode`, with the result kept in ``$ENCODERKIT_CACHE/embeddings`` (default
     ``~/.cache/encoderkit``) under a hash of the saved model's weight files, the tokenizer, the
     pooling, ``max_length`` and the texts: evaluating a model and mining with it encode a corpus once.
@@ -127,4 +114,5 @@ def encode_cached(model: BiEncoder | Embedder, tokenizer, texts: list[str], max_
     for t in texts:
         h.update(t.encode("utf-8", "surrogatepass") + b"\0")
     return cached_array("embeddings", h.hexdigest(), len(texts),
-                        lambda: encode(model, tokenizer, texts, max_length, batch_size, progress), "the corpus embeddings")
+                        lambda: encode(model, tokenizer, texts, max_length, batch_size, progress),
+                        "the corpus embeddings")

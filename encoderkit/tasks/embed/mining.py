@@ -1,10 +1,6 @@
-"""Negative mining: a bi-encoder's top documents per judged query, and (query, positive,
-negatives) groups from a BEIR source for rerank and embed training.
-
-Mined negatives come from ranks ``MINE_FROM + 1`` to ``MINE_TO`` of the bi-encoder's results,
-judged documents left out, so near-misses teach a model what relevance is not; ``sampled``
-negatives are drawn at random from the corpus (``SAMPLED_POOL`` x ``num_negatives`` per group
-when a pool is asked for).
+"""Negative mining: (query, positive, negatives) groups from a BEIR source for rerank and embed training. Mined
+negatives come from just below the top of a bi-encoder's results (judged documents left out), so near-misses
+teach a model what relevance is not; ``sampled`` ones are drawn at random from the corpus.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ def candidates(data: Retrieval, miner: str | Path, k: int, max_query_length: int
                ) -> dict[str, list[str]]:
     """Top-k documents per judged query from the bi-encoder ``miner`` (queries cut to ``max_query_length``)."""
     folder = resolve_model(miner)
-    model = load_bi_encoder(folder)  # the folder's own pooling (embed_pooling)
+    model = load_bi_encoder(folder)  # the folder's own pooling (task_pooling)
     tok = load_tokenizer(folder)
     return retrieve(model, tok, data, folder_max_length(folder) or 256, max_query_length, batch_size, k=k,
                     progress=True, cache_for=folder)

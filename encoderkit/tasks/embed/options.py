@@ -7,21 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.pooling import AUTO, task_pooling
 from encoderkit.tasks.common import DEFAULT_MODEL, pick, settle_max_length
 
 
 def default_max_length(folder: ModelFolder) -> int:
     """A sentence-transformers folder's own max_seq_length (cut to its positions), else 256."""
     return folder.max_length if folder.sentence_transformers else 256
-
-
-def embed_pooling(folder: ModelFolder, requested: str = "auto") -> str:
-    """The one place an embed pooling is resolved: ``requested`` ('first' or 'mean') when given; ``auto``: the
-    folder's own (:attr:`ModelFolder.pooling`, an embed folder's card or sentence-transformers files), else
-    mean. Fine-tuning writes the result into the card and ``1_Pooling/config.json``, so it is resolved once."""
-    if requested != "auto":
-        return requested
-    return folder.pooling if folder.task == "embed" and folder.pooling else "mean"
 
 
 @dataclass(frozen=True)
@@ -31,7 +23,7 @@ class EmbedOptions:
 
     max_length: int = 256
     max_query_length: int = 64
-    pooling: str = "auto"
+    pooling: str = AUTO
     negatives: str = "sampled"
     num_negatives: int = 3
     miner: str = DEFAULT_MODEL
@@ -40,15 +32,18 @@ class EmbedOptions:
 
     @classmethod
     def for_training(cls, cfg: Any, folder: ModelFolder) -> EmbedOptions:
-        """``--max-length`` settled against the model's positions; ``--pooling auto`` resolved (:func:`embed_pooling`)."""
+        """``--max-length`` settled against the model's positions; ``--pooling`` against the folder's own
+        (:func:`encoderkit.models.pooling.task_pooling`): fine-tuning records the result in the card and
+        ``1_Pooling/config.json``."""
         return pick(cls, cfg, max_length=settle_max_length(cfg.max_length, default_max_length(folder), folder),
                     matryoshka_dims=tuple(sorted(set(cfg.matryoshka_dims))),
-                    pooling=embed_pooling(folder, getattr(cfg, "pooling", "auto")))
+                    pooling=task_pooling(folder, "embed", getattr(cfg, "pooling", AUTO)))
 
     @classmethod
     def for_folder(cls, cfg: Any, folder: ModelFolder) -> EmbedOptions:
-        """The folder's own lengths and pooling (``--max-length`` overrides the document length)."""
+        """The folder's own lengths and pooling (``--max-length`` overrides the document length, ``--pooling`` the
+        pooling: ``evaluate --pooling first`` scores the embeddings of the first token)."""
         card = folder.card
         return pick(cls, cfg, max_length=cfg.max_length or card.get("max_length") or default_max_length(folder),
                     max_query_length=card.get("max_query_length", cfg.max_query_length),
-                    pooling=folder.pooling or embed_pooling(folder, cfg.pooling))
+                    pooling=task_pooling(folder, "embed", getattr(cfg, "pooling", AUTO)))

@@ -6,10 +6,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from encoderkit.config import check
+from encoderkit.data.beir import is_beir_source
+from encoderkit.errors import EncoderkitError
+from encoderkit.models.pooling import task_pooling
+from encoderkit.tasks.embed.embedder import Embedder, PooledEngine, tokenize
+from encoderkit.tasks.embed.texts import beir_sample, beir_texts, training_texts
 from encoderkit.tasks.embed.train import OPTIONS
 from encoderkit.tasks.embed.train import build as build_run
 from encoderkit.tasks.embed.train import evaluate_folder as evaluate_saved
-from encoderkit.tasks.protocol import Runner, ServingUnit, Task
+from encoderkit.tasks.protocol import Runner, ServingUnit, Task, TaskInputs
+from encoderkit.tasks.tabular import find_text_column, read_rows, table_format, text_column
 
 
 class EmbedTask(Task):
@@ -17,7 +24,7 @@ class EmbedTask(Task):
     options = OPTIONS
     outputs = ("last_hidden_state",)
     per_token = True
-    int8_by_default = True  # mean cosine 0.992 to FP32 on MiniLM, SciFact nDCG@10 within 0.4% (bench/encode_speed.py)
+    int8_by_default = True  # INT8 keeps FP32's embeddings and nDCG@10 (bench/encode_speed.py: docs/deploy.md)
     endpoint = "embed"
     unit = ServingUnit("one query (batch 1)", "query", "a batch of 32 corpus documents", "32 documents")
     primary_metrics = ("ndcg@10",)
@@ -31,22 +38,16 @@ class EmbedTask(Task):
     def embed_raw(self, runner: Runner, texts: Sequence[str]) -> Any:
         """Pooled, un-normalised embeddings (N, H) float32 (mean or first-token pooling per the folder): the
         runner's :class:`~encoderkit.tasks.embed.embedder.Embedder`."""
-        from encoderkit.tasks.embed.embedder import Embedder
-
         return Embedder.of_runner(runner).pooled(texts)
 
     @staticmethod
     def finish(vectors: Any, dim: int | None, normalize: bool) -> Any:
         """Keep the first ``dim`` dimensions (Matryoshka truncation) of (N, H) vectors, then L2-normalise."""
-        from encoderkit.tasks.embed.embedder import Embedder
-
         return Embedder.finish(vectors, dim, normalize)
 
     def embed(self, runner: Runner, texts: Sequence[str], dim: int | None = None, normalize: bool | None = None) -> Any:
         """Embeddings (N, dim or H) float32; ``dim`` keeps the first dims (Matryoshka) before normalising.
         ``normalize`` defaults to the folder's setting (sentence-transformers ``Normalize`` module)."""
-        from encoderkit.tasks.embed.embedder import Embedder
-
         return Embedder.of_runner(runner).embed(texts, dim, normalize)
 
     def predict(self, runner: Runner, records: Sequence[dict[str, Any]], *, dim: int | None = None,
@@ -63,23 +64,14 @@ class EmbedTask(Task):
     distill_kind = "embedding"
 
     def engine_for_latency(self, engine: Any, folder: Any) -> Any:
-        from encoderkit.tasks.embed.embedder import PooledEngine
-        from encoderkit.tasks.embed.options import embed_pooling
-
         if getattr(engine, "pools", False):  # a static table pools itself (normalising is the Embedder's, not timed)
             return engine
-        return PooledEngine(engine, embed_pooling(folder), folder.normalize)
+        return PooledEngine(engine, task_pooling(folder, "embed"), folder.normalize)
 
     def compress_inputs(self, spec: str, path: Any, *, card: dict[str, Any] | None, folder: Any,
                         label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> Any:
         """A BEIR source's documents and queries; a table's text column (found as classify finds it); any other
         corpus cut into sentence pieces as embedding distillation reads it."""
-        from encoderkit.data.beir import is_beir_source
-        from encoderkit.errors import EncoderkitError
-        from encoderkit.tasks.embed.texts import beir_texts, training_texts
-        from encoderkit.tasks.protocol import TaskInputs
-        from encoderkit.tasks.tabular import find_text_column, read_rows, table_format, text_column
-
         if is_beir_source(spec):
             return TaskInputs(beir_texts(spec), None, spec)
         try:
@@ -90,20 +82,16 @@ class EmbedTask(Task):
         name, _ = find_text_column(rows, path)
         return TaskInputs(list(text_column(rows, name, path, "--text-column")), None, spec)
 
-    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str, candidates: int) -> dict[str, Any]:
+    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str,
+                        candidates: int) -> dict[str, Any]:
         """The median-length judged query, and a seeded batch of 32 corpus documents."""
-        from encoderkit.config import check
-        from encoderkit.data.beir import is_beir_source
-        from encoderkit.tasks.embed.texts import beir_sample
-
         check(is_beir_source(dev), "embed quality is nDCG@10 over a corpus: --dev must be a BEIR source (a folder with "
               "corpus.jsonl, queries.jsonl, qrels/<split>.tsv, or the SciFact zip with #split), not a file of texts")
         queries, docs = beir_sample(dev, 32, rng)
         return {"query": sorted(queries, key=len)[len(queries) // 2], "docs": docs}
 
-    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any, max_length: int) -> tuple[list, list]:
-        from encoderkit.tasks.embed.embedder import tokenize
-
+    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any,
+                     max_length: int) -> tuple[list, list]:
         query_length = min(max_length, folder.card.get("max_query_length", cfg.max_query_length))
         return tokenize(tokenizer, [samples["query"]], query_length), tokenize(tokenizer, samples["docs"], max_length)
 

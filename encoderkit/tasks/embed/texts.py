@@ -1,24 +1,22 @@
-"""Texts of a corpus for embedding work: the sentence pieces embedding distillation trains on (and
-compression calibrates an embedder with), and a BEIR source's texts and samples.
-
-Training texts come from any corpus :func:`encoderkit.data.readers.iter_documents` reads (text,
-JSONL, CSV/TSV, archives, folders, ``hf:``, ``builtin:``), or from the corpus of a BEIR source
-(a BEIR folder or the SciFact zip; ``PATH#split`` adds that split's queries, which the teacher's
-fine-tune may have shaped most); several sources are separated by commas.
-Each document is cut into sentences and the sentences into pieces of 1, 2 and 4 consecutive
-sentences in turn, so the student sees query-length and passage-length inputs.
+"""Texts of a corpus for embedding work: the sentence pieces embedding distillation trains on (and compression
+calibrates an embedder with), and a BEIR source's texts and samples. Documents are cut into pieces of 1, 2 and 4
+sentences in turn, so a student sees query-length and passage-length inputs.
 """
 
 from __future__ import annotations
 
 import re
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from encoderkit.config import check
+from encoderkit.data.beir import load_retrieval, split_spec
+from encoderkit.data.readers import iter_documents
 from encoderkit.errors import EncoderkitError
+from encoderkit.progress import note
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
 PIECE_SENTENCES = (1, 2, 4)
@@ -32,8 +30,6 @@ def split_sentences(text: str) -> list[str]:
 def source_documents(spec: str) -> Iterator[str]:
     """Document texts of one source: a BEIR source's corpus (title + text), and with an explicit
     ``#split`` that split's queries too (each its own text; no labels are read), or any corpus file."""
-    from encoderkit.data.beir import load_retrieval, split_spec
-
     path, split = split_spec(spec)
     if (path.is_dir() and (path / "corpus.jsonl").is_file()) or (path.suffix == ".zip" and _is_scifact_zip(path)):
         data = load_retrieval(f"{path}#{split}")
@@ -42,8 +38,6 @@ def source_documents(spec: str) -> Iterator[str]:
         if "#" in str(spec):  # the split's queries: those its qrels name (a BEIR queries.jsonl holds every split's)
             yield from (data.queries[q] for q in data.qrels if q in data.queries)
         return
-    from encoderkit.data.readers import iter_documents
-    from encoderkit.progress import note
 
     def skipped(source: str, why: str) -> None:
         note(f"distill: left out {source} ({why})")
@@ -53,8 +47,6 @@ def source_documents(spec: str) -> Iterator[str]:
 
 
 def _is_scifact_zip(path: Path) -> bool:
-    import zipfile
-
     try:
         with zipfile.ZipFile(path) as zf:
             return any(Path(n).name == "corpus_train.csv" for n in zf.namelist())
@@ -102,16 +94,12 @@ def training_texts(sources: str, limit: int = 0, min_chars: int = 20, seed: int 
 
 def beir_texts(spec: str) -> list[str]:
     """Every document of a BEIR source's corpus, then every query of its split."""
-    from encoderkit.data.beir import load_retrieval
-
     data = load_retrieval(spec)
     return [data.doc_text(d) for d in data.corpus] + list(data.queries.values())
 
 
 def beir_sample(dev: str, n: int, rng: np.random.Generator) -> tuple[list[str], list[str]]:
     """A BEIR source's judged queries and the texts of ``n`` documents drawn from its corpus by ``rng``."""
-    from encoderkit.data.beir import load_retrieval
-
     data = load_retrieval(dev)
     doc_ids = list(data.corpus)
     picked = rng.choice(len(doc_ids), size=min(n, len(doc_ids)), replace=False)

@@ -46,7 +46,8 @@ def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder
     max_length = options.max_length
     groups, k = train_groups(data, options)
     if len(groups) < data.batch_size:
-        raise EncoderkitError(f"{data.train}: {len(groups)} training pairs, fewer than one batch ({data.batch_size}); lower --batch-size")
+        raise EncoderkitError(f"{data.train}: {len(groups)} training pairs, fewer than one batch ({data.batch_size}); "
+                              "lower --batch-size")
     q_rows = tokenize(tokenizer, [g.query for g in groups], options.max_query_length)
     p_rows = tokenize(tokenizer, [g.positive for g in groups], max_length)
     n_rows = [tokenize(tokenizer, g.negatives[:k], max_length) if k else [] for g in groups]
@@ -64,29 +65,33 @@ def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder
     evaluate = None
     if data.dev:
         if not is_beir_source(data.dev):
-            raise EncoderkitError(f"--dev {data.dev}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
+            raise EncoderkitError(f"--dev {data.dev}: embed evaluation needs a BEIR source (folder or SciFact zip, "
+                                  "with #split)")
         dev = load_retrieval(data.dev)
 
         def evaluate(module: BiEncoder) -> dict[str, float]:
-            return retrieval_scores(retrieve(module, tokenizer, dev, max_length, options.max_query_length, data.eval_batch_size),
-                                    dev.qrels)
+            ranked = retrieve(module, tokenizer, dev, max_length, options.max_query_length, data.eval_batch_size)
+            return retrieval_scores(ranked, dev.qrels)
 
     def save(module: BiEncoder, folder: Path) -> None:
         save_sentence_transformers(module, tokenizer, folder, max_length)
 
     card = {"task": "embed", "pooling": model.pooling, "normalize": True, "max_length": max_length,
             "max_query_length": options.max_query_length, "matryoshka_dims": dims, "similarity": "cosine"}
-    return TaskRun(model, loss_fn, source, evaluate, (data.metric or "ndcg@10", "max"), save, card, num_train=len(groups))
+    return TaskRun(model, loss_fn, source, evaluate, (data.metric or "ndcg@10", "max"), save, card,
+                   num_train=len(groups))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: EmbedOptions, engine: Any = None) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: EmbedOptions,
+                    engine: Any = None) -> dict[str, float]:
     """nDCG@10 / MRR@10 / recall@100 of exact search over a BEIR corpus; ``engine`` (default: the folder's
     torch encoder) gives the token states that an :class:`Embedder` pools and normalises as the folder says."""
     if not is_beir_source(str(data.data)):
-        raise EncoderkitError(f"--data {data.data}: embed evaluation needs a BEIR source (folder or SciFact zip, with #split)")
+        raise EncoderkitError(f"--data {data.data}: embed evaluation needs a BEIR source (folder or SciFact zip, "
+                              "with #split)")
     model = (load_bi_encoder(folder, options.pooling) if engine is None
-             else Embedder(engine, tokenizer, options.pooling, normalize=folder.normalize, max_length=options.max_length,
-                           max_batch=data.batch_size))
+             else Embedder(engine, tokenizer, options.pooling, normalize=folder.normalize,
+                           max_length=options.max_length, max_batch=data.batch_size))
     ds = load_retrieval(str(data.data))
     if data.max_examples:  # a seeded subset of the judged queries; the whole corpus stays searchable
         keep = set(seeded_subset(sorted(ds.qrels), data.max_examples, data.seed))

@@ -1,12 +1,6 @@
-"""Multilabel data: a TSV / CSV / JSONL table (:mod:`encoderkit.tasks.tabular`) whose label column holds
-a row's labels joined by ``|`` (``sports|politics``), or in JSONL a list (``["sports", "politics"]``) or
-such a joined string.
-
-The label column is ``--label-column`` when set, else the one the model was trained on, else
-``labels``, else ``label``; the text column is found as classify finds it
-(:func:`encoderkit.tasks.classify.data.resolve_text_column`). A row with none of the labels is
-written :data:`NONE` (a blank cell or an empty list is refused: it is more often a missing value
-than a decision). Labels that look joined by another separator (``a,b``, ``a;b``) are refused too.
+"""Multilabel data: a TSV / CSV / JSONL table whose label column holds a row's labels joined by ``|``
+(``sports|politics``), or in JSONL a list. A row with none of the labels is written :data:`NONE`: a blank cell is
+refused (more often a missing value than a decision), and so are labels that look joined by another separator.
 """
 
 from __future__ import annotations
@@ -77,8 +71,8 @@ def parse_labels(value: Any, where: str, name: str, sep: str) -> list[str]:
             # no flag for ',': it is --label-separator's default (classify's), which this task reads as '|'
             hint = "" if other == "," else \
                 f" (or pass --label-separator '{other}' if the whole file joins them that way)"
-            raise EncoderkitError(f"{where}: label {x!r} in column {name!r} looks like several labels joined by {other!r}, "
-                                  f"but {joined}: write {fix}{hint}")
+            raise EncoderkitError(f"{where}: label {x!r} in column {name!r} looks like several labels joined by "
+                                  f"{other!r}, but {joined}: write {fix}{hint}")
     if NONE in items:
         if len(items) > 1:
             raise EncoderkitError(f"{where}: {NONE!r} in column {name!r} means the row has no label; it cannot go with "
@@ -92,7 +86,10 @@ def read_examples(path: str | Path, options: MultilabelOptions, saved_text: str 
     """The texts and label sets of a table (see the module docstring); ``labels=False``: the texts only
     (compression's calibration and timed texts; a label column, when there is one, is still not taken for
     the text)."""
-    rows = read_rows(path)
+    # a line `encoderkit label` could not label (no list in any answer) is not a row with no label: skipped
+    rows = [r for r in read_rows(path) if not ("labeller" in r.fields and r.fields.get("label") is None)]
+    if not rows:
+        raise EncoderkitError(f"{path}: every line is `encoderkit label` output it could not label; nothing to read")
     name = resolve_label_column(rows, path, options, saved_label, required=labels)
     finder = SimpleNamespace(text_column=options.text_column, label_column=name or "", text_pair_column="")
     text_name = resolve_text_column(rows, path, finder, saved_text)

@@ -1,9 +1,6 @@
-"""Multilabel settings: one frozen object built once from the parsed stage config.
-
-The flags are classify's (:class:`encoderkit.tasks.options.TaskDataOptions`), read with this task's
-defaults: the label column is ``labels`` unless ``--label-column`` was changed from its default
-(``label`` is still found when it is the only one), and labels are joined by ``|`` unless
-``--label-separator`` was changed from its default. Classify-only flags are refused, not ignored.
+"""Multilabel settings: one frozen object built once from the parsed stage config. The flags are classify's, read
+with this task's defaults where left at classify's (label column ``labels``, separator ``|``); classify-only flags
+are refused, not ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from typing import Any
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.pooling import AUTO, MEAN
 from encoderkit.tasks.common import pick, settle_max_length
 
 DEFAULT_MAX_LENGTH = 128
@@ -23,7 +21,7 @@ FLAG_DEFAULTS = {"label_column": "label", "label_separator": ","}  # TaskDataOpt
 def _refuse_classify_flags(cfg: Any) -> None:
     said = [(flag, why) for flag, on, why in (
         ("--text-pair-column", getattr(cfg, "text_pair_column", ""), "it classifies single texts"),
-        ("--pooling mean", getattr(cfg, "pooling", "auto") == "mean",
+        ("--pooling mean", getattr(cfg, "pooling", AUTO) == MEAN,
          "it pools the first token, so plain transformers computes what encoderkit computes"),
         ("--audit-sheet", getattr(cfg, "audit_sheet", ""), "`encoderkit label` output has one label a line"),
         ("--drop-suspected", getattr(cfg, "drop_suspected", False), "`encoderkit label` output has one label a line"),
@@ -60,6 +58,7 @@ class MultilabelOptions:
     @classmethod
     def for_folder(cls, cfg: Any, folder: ModelFolder) -> MultilabelOptions:
         """Scoring a saved model: its own length (unless ``--max-length`` asks for another) and separator."""
-        return pick(cls, cfg, max_length=getattr(cfg, "max_length", 0) or folder.card.get("max_length", DEFAULT_MAX_LENGTH),
+        max_length = getattr(cfg, "max_length", 0) or folder.card.get("max_length", DEFAULT_MAX_LENGTH)
+        return pick(cls, cfg, max_length=max_length,
                     label_column=_changed(cfg, "label_column") or "",
                     label_separator=_changed(cfg, "label_separator") or folder.card.get("label_separator", SEPARATOR))

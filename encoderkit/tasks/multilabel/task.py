@@ -54,7 +54,8 @@ class MultilabelTask(Task):
         names = runner.info.labels
         return decode(logits, names, thresholds_of(runner.info.card, names))
 
-    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0,
+                          miner: str = "") -> list[dict[str, Any]]:
         """The table's texts (the column the model was trained on) as ``predict`` records."""
         options = self.options_for_folder(cfg, folder)
         ex = read_examples(path, options, folder.card.get("text_column"), folder.card.get("label_column"), labels=False)

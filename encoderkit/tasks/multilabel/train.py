@@ -1,12 +1,14 @@
-"""Multi-label classification: fine-tuning wiring and evaluation.
+"""Multi-label classification: fine-tuning wiring and evaluation on HF's own ``AutoModelForSequenceClassification``
+(a sigmoid per label, first-token pooling, so plain ``transformers`` computes the same probabilities).
 
-Head: Hugging Face's own ``AutoModelForSequenceClassification`` with ``problem_type
-"multi_label_classification"`` (a sigmoid per label, BCE loss) pooling the first token, so plain
-``transformers`` loads the folder and computes the same probabilities. Training's dev evaluation
-(which picks the checkpoint) predicts a label at probability 0.5; when the best checkpoint is saved,
-each label's threshold is chosen on the dev set (the one of 0.05, 0.10, ..., 0.95 that maximises that
-label's F1; 0.5 without dev data or for a label dev never has) and recorded in ``encoderkit.json``
-(``thresholds``), which evaluate, predict and serve apply.
+With many labels each one is rare (2 of 56 per text is a prior of 0.04), and a new head's sigmoids start at 0.5:
+at a fine-tuning rate the bias barely moves, so the whole budget goes into pushing every logit down through the
+encoder, and training ends at the prior's loss with nothing over 0.5. So a new head starts at the prior (each
+output bias is the log-odds of its label's frequency in the training rows) and learns :data:`HEAD_LR_SCALE` times
+faster than the pretrained encoder; checkpoints are compared at the threshold tuned on dev (what the saved folder
+applies, recorded in its card), not at 0.5, which rare labels seldom reach early on. The threshold is one for
+every label (best dev micro-F1) unless ``--metric macro_f1`` asks for each label's own
+(:func:`~encoderkit.tasks.multilabel.features.choose_thresholds`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoModelForSequenceClassification
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.pooling import CLASSIFIER, default_pooling
 from encoderkit.progress import note
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.classify.data import label_names
@@ -30,6 +34,7 @@ from encoderkit.tasks.multilabel.data import Examples, read_examples
 from encoderkit.tasks.multilabel.features import (
     DEFAULT_THRESHOLD,
     choose_thresholds,
+    prior_log_odds,
     scores,
     sigmoid,
     thresholds_of,
@@ -37,6 +42,27 @@ from encoderkit.tasks.multilabel.features import (
 from encoderkit.tasks.multilabel.options import MultilabelOptions
 
 OPTIONS = MultilabelOptions
+HEAD_LR_SCALE = 300.0  # a new head learns at this times --lr (near 1e-2 at the default): it starts from random weights
+
+
+def output_layer(model: torch.nn.Module, num_labels: int) -> tuple[str, torch.nn.Linear]:
+    """The name and module of the head's last linear layer (one output per label): ``classifier`` in BERT,
+    ``classifier.out_proj`` in RoBERTa."""
+    found = [(n, m) for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and m.out_features == num_labels and m.bias is not None]
+    if not found:
+        raise EncoderkitError(f"{type(model).__name__} has no linear layer with {num_labels} outputs and a bias to "
+                              "start at the labels' prior; a multilabel head needs one")
+    return found[-1]
+
+
+def start_at_prior(model: torch.nn.Module, y: np.ndarray) -> str:
+    """Set the new head's output bias to each label's training log-odds (targets ``y``, (N, C)), so its
+    sigmoids start at the labels' frequencies; the head's top-level name (what learns at :data:`HEAD_LR_SCALE`)."""
+    name, layer = output_layer(model, y.shape[1])
+    with torch.no_grad():
+        layer.bias.copy_(torch.from_numpy(prior_log_odds(y)).to(layer.bias.dtype))
+    return name.split(".")[0]
 
 
 def _subset(ex: Examples, limit: int, seed: int) -> Examples:
@@ -52,12 +78,6 @@ def _check_known(names: list[str], ex: Examples) -> None:
     assert ex.labels is not None
     check_labels(set(names), [x for items in ex.labels for x in items],
                  [w for w, items in zip(ex.where, ex.labels, strict=True) for _ in items])
-
-
-def model_class():
-    from transformers import AutoModelForSequenceClassification
-
-    return AutoModelForSequenceClassification
 
 
 def build(data: TrainData, options: MultilabelOptions, tokenizer, folder: ModelFolder) -> TaskRun:
@@ -81,8 +101,10 @@ def build(data: TrainData, options: MultilabelOptions, tokenizer, folder: ModelF
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), data.batch_size, make_batch,
                              seed=data.seed, bucket=data.bucket)
     evaluate, dev_probs = None, None
+    per_label = data.metric == "macro_f1"  # macro-F1 rewards each label's own best threshold; micro-F1 one for all
     if data.dev:
-        dev = _subset(read_examples(data.dev, options, ex.text_column, ex.label_column), data.max_dev_examples, data.seed)
+        dev = _subset(read_examples(data.dev, options, ex.text_column, ex.label_column), data.max_dev_examples,
+                      data.seed)
         _check_known(names, dev)
         assert dev.labels is not None
         drows = featurize(tokenizer, dev.texts, None, options.max_length)
@@ -92,14 +114,24 @@ def build(data: TrainData, options: MultilabelOptions, tokenizer, folder: ModelF
             return sigmoid(predict_logits(module, drows, pad_id, data.eval_batch_size))
 
         def evaluate(module) -> dict[str, float]:
-            return scores(dy, dev_probs(module) >= DEFAULT_THRESHOLD)
+            """Scores at the thresholds tuned on these rows (what saving this checkpoint would record), and
+            micro-F1 at 0.5."""
+            probs = dev_probs(module)
+            at_half = scores(dy, probs >= DEFAULT_THRESHOLD)["micro_f1"]
+            return {**scores(dy, probs >= choose_thresholds(probs, dy, per_label=per_label)),
+                    "micro_f1_at_0.5": at_half}
 
-    model = folder.load(model_class(), num_labels=len(names), id2label=dict(enumerate(names)),
+    model = folder.load(AutoModelForSequenceClassification, num_labels=len(names), id2label=dict(enumerate(names)),
                         label2id={n: i for i, n in enumerate(names)}, problem_type="multi_label_classification")
+    lr_scale: dict[str, float] = {}
+    if not (folder.task == "multilabel" and folder.labels == names):  # a new head (a trained one keeps its own)
+        lr_scale[start_at_prior(model, y)] = HEAD_LR_SCALE
     card: dict[str, Any] = {
-        "task": "multilabel", "labels": names, "pooling": "first", "max_length": options.max_length, "multi_label": True,
+        "task": "multilabel", "labels": names, "pooling": default_pooling(CLASSIFIER), "max_length": options.max_length,
+        "multi_label": True,
         "text_column": ex.text_column, "label_column": ex.label_column, "label_separator": options.label_separator,
-        "thresholds": dict.fromkeys(names, DEFAULT_THRESHOLD), "hf_compatible": True}
+        "thresholds": dict.fromkeys(names, DEFAULT_THRESHOLD), "hf_compatible": True,
+        "head": {"bias": "label log-odds", "lr_scale": HEAD_LR_SCALE} if lr_scale else {"bias": "trained"}}
 
     def loss_fn(module, batch):
         return module(**batch).loss, {}
@@ -110,12 +142,16 @@ def build(data: TrainData, options: MultilabelOptions, tokenizer, folder: ModelF
         if dev_probs is None:
             return
         probs = dev_probs(module)
-        chosen = choose_thresholds(probs, dy)
+        chosen = choose_thresholds(probs, dy, per_label=per_label)
+        card["threshold_rule"] = "per label: its best dev F1" if per_label else "one for all: the best dev micro-F1"
         card["thresholds"] = {n: float(t) for n, t in zip(names, chosen, strict=True)}
         card["dev_at_thresholds"] = scores(dy, probs >= chosen)  # optimistic: tuned on the same rows
-        note(f"thresholds chosen on dev ({data.dev}): " + ", ".join(f"{n} {t:.2f}" for n, t in card["thresholds"].items()))
+        chosen_text = ", ".join(f"{n} {t:.2f}" for n, t in card["thresholds"].items()) if per_label else \
+            f"{chosen[0]:.2f} for every label"
+        note(f"thresholds chosen on dev ({data.dev}): {chosen_text}")
 
-    return TaskRun(model, loss_fn, source, evaluate, (data.metric or "micro_f1", "max"), save, card, num_train=len(rows))
+    return TaskRun(model, loss_fn, source, evaluate, (data.metric or "micro_f1", "max"), save, card,
+                   num_train=len(rows), lr_scale=lr_scale)
 
 
 def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: MultilabelOptions,
@@ -123,7 +159,7 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: Mul
     """Metrics of a saved multi-label model on a labelled file at the thresholds its card records;
     ``engine`` (default: the folder's torch model) computes the logits (e.g. ONNX Runtime on its export)."""
     if engine is None:
-        engine = ModuleEngine(folder.load(model_class()), ["logits"])
+        engine = ModuleEngine(folder.load(AutoModelForSequenceClassification), ["logits"])
     names = folder.labels
     ex = _subset(read_examples(data.data, options, folder.card.get("text_column"), folder.card.get("label_column")),
                  data.max_examples, data.seed)
@@ -131,4 +167,5 @@ def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: Mul
     assert ex.labels is not None
     rows = featurize(tokenizer, ex.texts, None, options.max_length)
     probs = sigmoid(engine_logits(engine, rows, tokenizer.pad_token_id, data.batch_size))
-    return {**scores(label_targets(ex.labels, names, multi_label=True), probs >= thresholds_of(folder.card, names)), "examples": len(rows)}
+    gold = label_targets(ex.labels, names, multi_label=True)
+    return {**scores(gold, probs >= thresholds_of(folder.card, names)), "examples": len(rows)}

@@ -1,26 +1,17 @@
-"""NER data readers: CoNLL column files and JSONL, always returned with IOB2 tags.
-
-* CoNLL: one token per line, columns split on whitespace, the word first and the tag LAST
-  (``token POS chunk NER`` in CoNLL-2003); blank lines end sentences; ``-DOCSTART-`` lines are
-  skipped. Every token line of a file must have the same number of columns (a changing count
-  usually means a space inside a token or a broken line; the error names the line).
-* JSONL, either ``{"tokens": [...], "tags": [...]}`` or ``{"text": "...", "entities":
-  [{"start": 0, "end": 5, "label": "PER"}, ...]}`` (character spans; the text is split into
-  words by :func:`encoderkit.tasks.ner.features.split_words`, and an entity must start and end on word
-  edges).
-Tags are converted to IOB2 by :func:`encoderkit.tasks.tags.to_iob2` with the file's scheme
-(``auto`` guesses it from the whole file).
+"""NER data readers, always returning IOB2 tags: CoNLL column files (the word first, the tag last; every token
+line of a file has the same columns, so a space inside a token is caught) and JSONL (``tokens`` + ``tags``, or
+``text`` + character-span ``entities`` that start and end on word edges).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import check_input, json_line, read_lines, records
 from encoderkit.tasks.ner.features import split_words
 from encoderkit.tasks.tags import guess_scheme, iob2_to_spans, split_tag, to_iob2
 
@@ -38,9 +29,7 @@ class Sentence:
 
 def read_ner(path: str | Path, scheme: str = "auto") -> list[Sentence]:
     """Sentences of a CoNLL file or a JSONL file (by extension: .jsonl/.json; anything else is CoNLL)."""
-    path = Path(path)
-    if not path.is_file():
-        raise EncoderkitError(f"NER data file {path} does not exist")
+    path = check_input(path, "NER data file")
     sents = _read_jsonl(path) if path.suffix in (".jsonl", ".json") else _read_conll(path)
     if not sents:
         raise EncoderkitError(f"{path} holds no sentences")
@@ -62,27 +51,28 @@ def _read_conll(path: Path) -> list[Sentence]:
     words: list[str] = []
     tags: list[str] = []
     start, ncols = 0, None
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            cells = line.split()
-            if not cells or cells[0] == "-DOCSTART-":
-                if words:
-                    sents.append(Sentence(words, tags, f"{path}:{start}"))
-                words, tags = [], []
-                continue
-            if ncols is None:
-                ncols = len(cells)
-                if ncols < 2:
-                    raise EncoderkitError(f"{path}:{n}: one column only; a CoNLL line needs the word first and the tag last")
-            elif len(cells) != ncols:
-                raise EncoderkitError(
-                    f"{path}:{n}: {len(cells)} columns where earlier lines have {ncols}; every token line needs the "
-                    "same columns (word first, tag last). Fix the line (a space inside a token?)"
-                )
-            if not words:
-                start = n
-            words.append(cells[0])
-            tags.append(cells[-1])
+    # the one line reader: only \n ends a line; a blank line ends a sentence
+    for n, line in read_lines(path, "NER data file"):
+        cells = line.split()
+        if not cells or cells[0] == "-DOCSTART-":
+            if words:
+                sents.append(Sentence(words, tags, f"{path}:{start}"))
+            words, tags = [], []
+            continue
+        if ncols is None:
+            ncols = len(cells)
+            if ncols < 2:
+                raise EncoderkitError(f"{path}:{n}: one column only; a CoNLL line needs the word first and the "
+                                      "tag last")
+        elif len(cells) != ncols:
+            raise EncoderkitError(
+                f"{path}:{n}: {len(cells)} columns where earlier lines have {ncols}; every token line needs the "
+                "same columns (word first, tag last). Fix the line (a space inside a token?)"
+            )
+        if not words:
+            start = n
+        words.append(cells[0])
+        tags.append(cells[-1])
     if words:
         sents.append(Sentence(words, tags, f"{path}:{start}"))
     return sents
@@ -90,24 +80,21 @@ def _read_conll(path: Path) -> list[Sentence]:
 
 def _read_jsonl(path: Path) -> list[Sentence]:
     sents: list[Sentence] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EncoderkitError(f"{where}: not valid JSON ({e})") from e
-            if "tokens" in rec:
-                tokens, tags = rec["tokens"], rec.get("tags", rec.get("ner_tags"))
-                if tags is None or len(tags) != len(tokens):
-                    raise EncoderkitError(f"{where}: 'tokens' needs a 'tags' list of the same length")
-                sents.append(Sentence([str(t) for t in tokens], [str(t) for t in tags], where))
-            elif "text" in rec:
-                sents.append(_from_spans(rec["text"], rec.get("entities", []), where))
-            else:
-                raise EncoderkitError(f"{where}: expected keys 'tokens'+'tags' or 'text'+'entities'")
+    # one record per line of the one line reader; blank lines skipped and reported
+    for n, line in records(read_lines(path, "NER data file"), str(path)):
+        where = f"{path}:{n}"
+        rec = json_line(line, where)
+        if "tokens" in rec:
+            tokens, tags = rec["tokens"], rec.get("tags", rec.get("ner_tags"))
+            if tags is None or len(tags) != len(tokens):
+                raise EncoderkitError(f"{where}: 'tokens' needs a 'tags' list of the same length")
+            sents.append(Sentence([str(t) for t in tokens], [str(t) for t in tags], where))
+        elif "text" in rec:
+            if "labeller" in rec and rec.get("label") is None:
+                continue  # `encoderkit label` found no span list in any answer: not a sentence without entities
+            sents.append(_from_spans(rec["text"], rec.get("entities", []), where))
+        else:
+            raise EncoderkitError(f"{where}: expected keys 'tokens'+'tags' or 'text'+'entities'")
     return sents
 
 
@@ -129,7 +116,8 @@ def _from_spans(text: str, entities: list[dict], where: str) -> Sentence:
             )
         i, j = starts[a], ends[b]
         if any(t != "O" for t in tags[i : j + 1]):
-            raise EncoderkitError(f"{where}: entity {text[a:b]!r} overlaps another one; nested entities are not supported")
+            raise EncoderkitError(f"{where}: entity {text[a:b]!r} overlaps another one; nested entities are not "
+                                  "supported")
         tags[i] = f"B-{label}"
         for k in range(i + 1, j + 1):
             tags[k] = f"I-{label}"

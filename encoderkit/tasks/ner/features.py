@@ -1,22 +1,9 @@
-"""NER features and decoding: words -> sub-token windows, and logits -> entities with character spans.
+"""NER features and decoding: words -> sub-token windows, and logits -> entities with character spans (numpy on a
+fast tokenizer, no torch: shared by fine-tuning, evaluation and the deploy runtime).
 
-Pure functions on a fast HF tokenizer and numpy arrays (no torch, no model), shared by
-fine-tuning, evaluation and the deploy runtime.
-
-* One label per *word*, predicted at the word's first sub-token; the other sub-tokens get label
-  ``-100`` in training and are ignored when decoding.
-* Texts longer than ``max_length`` sub-tokens are cut into windows that overlap by ``stride``
-  sub-tokens (nothing is truncated). When decoding, each word takes the prediction of the window
-  in which its first sub-token has the most context on both sides.
-* Raw text is split into words by :func:`split_words` (runs of letters/digits, and each other
-  non-space character alone: the CoNLL style), so entity spans start and end on word edges.
-
-Example (inference)::
-
-    feats = featurize_text(tokenizer, "Angela Merkel visited Paris.", max_length=128, stride=32)
-    logits = model(input_ids=feats.input_ids, attention_mask=feats.attention_mask)  # (W, L, C)
-    entities = decode_entities(feats, logits, id2label)
-    # [Entity(label='PER', start=0, end=13, text='Angela Merkel', score=0.98), Entity('LOC', 22, 27, ...)]
+One label per word, at its first sub-token (``-100`` on the others in training). Long texts are cut into windows
+overlapping by ``stride`` sub-tokens, nothing truncated; decoding takes each word from the window where its first
+sub-token has the most context. Raw text is split by :func:`split_words` (CoNLL style), so spans end on word edges.
 """
 
 from __future__ import annotations
@@ -56,7 +43,8 @@ class NerFeatures:
 
     def model_inputs(self) -> dict[str, np.ndarray]:
         """The arrays a BERT-style model takes, each (W, L)."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "token_type_ids": self.token_type_ids}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                "token_type_ids": self.token_type_ids}
 
 
 @dataclass
@@ -70,7 +58,8 @@ class Entity:
     score: float
 
     def to_dict(self) -> dict:
-        return {"label": self.label, "start": self.start, "end": self.end, "text": self.text, "score": round(self.score, 6)}
+        return {"label": self.label, "start": self.start, "end": self.end, "text": self.text,
+                "score": round(self.score, 6)}
 
 
 def split_words(text: str) -> tuple[list[str], np.ndarray]:
@@ -96,7 +85,8 @@ def featurize_words(
     ``max_length - 2``. Without ``text``/``word_spans`` the words are taken as joined by spaces.
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise EncoderkitError("NER features need a fast (Rust) tokenizer with offsets; the model folder needs tokenizer.json")
+        raise EncoderkitError("NER features need a fast (Rust) tokenizer with offsets; the model folder needs "
+                              "tokenizer.json")
     if stride >= max_length - 3:
         raise EncoderkitError(f"stride {stride} must be smaller than max_length {max_length} minus 3")
     words = list(words)
@@ -136,7 +126,8 @@ def featurize_words(
             raise EncoderkitError(f"{len(label_ids)} labels for {len(words)} words")
         lab = np.asarray(list(label_ids) + [IGNORE], dtype=np.int64)
         labels = np.where(word_index >= 0, lab[word_index], IGNORE)
-    return NerFeatures(input_ids, attention, types, word_index, words, np.asarray(word_spans, dtype=np.int64).reshape(-1, 2), text, labels)
+    spans = np.asarray(word_spans, dtype=np.int64).reshape(-1, 2)
+    return NerFeatures(input_ids, attention, types, word_index, words, spans, text, labels)
 
 
 def featurize_text(tokenizer, text: str, *, max_length: int = 256, stride: int = 32) -> NerFeatures:
@@ -188,7 +179,8 @@ def word_logits(features: NerFeatures, logits: np.ndarray) -> tuple[np.ndarray, 
     return out, best >= 0
 
 
-def decode_word_tags(features: NerFeatures, logits: np.ndarray, id2label: Mapping[int, str]) -> tuple[list[str], np.ndarray]:
+def decode_word_tags(features: NerFeatures, logits: np.ndarray,
+                     id2label: Mapping[int, str]) -> tuple[list[str], np.ndarray]:
     """IOB2 tag per word and its softmax probability (N,), from window logits (W, L, C)."""
     per_word, seen = word_logits(features, logits)
     if not len(per_word):

@@ -1,10 +1,5 @@
-"""NER fine-tuning and evaluation: ``AutoModelForTokenClassification`` over IOB2 labels.
-
-Labels sit on the first sub-token of each word (-100 on the others); sentences longer than
-``max_length`` sub-tokens are split into windows overlapping by ``stride`` (each window is one
-training row; a word in an overlap is trained on twice). Dev/test scoring predicts per word
-(:func:`encoderkit.tasks.ner.features.decode_word_tags`) and counts entities the way seqeval does.
-Entity types in dev data that never occur in training are an error.
+"""NER fine-tuning and evaluation: ``AutoModelForTokenClassification`` over IOB2 labels, each window of a long
+sentence one training row; scoring predicts per word and counts entities as seqeval does.
 """
 
 from __future__ import annotations
@@ -12,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from transformers import AutoModelForTokenClassification
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.metrics.scores import entity_scores
@@ -30,7 +26,8 @@ def label_list(types: list[str]) -> list[str]:
     return ["O"] + [f"{p}-{t}" for t in types for p in ("B", "I")]
 
 
-def featurize(tokenizer, sents: list[Sentence], options: NerOptions, label2id: dict[str, int] | None = None) -> list[NerFeatures]:
+def featurize(tokenizer, sents: list[Sentence], options: NerOptions,
+              label2id: dict[str, int] | None = None) -> list[NerFeatures]:
     feats = []
     for s in sents:
         ids = [label2id[t] for t in s.tags] if label2id is not None else None
@@ -39,7 +36,8 @@ def featurize(tokenizer, sents: list[Sentence], options: NerOptions, label2id: d
     return feats
 
 
-def predict_tags(module, tokenizer, feats: list[NerFeatures], id2label: dict[int, str], batch_size: int) -> list[list[str]]:
+def predict_tags(module, tokenizer, feats: list[NerFeatures], id2label: dict[int, str],
+                 batch_size: int) -> list[list[str]]:
     """IOB2 tags per word of each sentence."""
     rows, where = window_rows(feats, with_labels=False)
     outs = run_batches(module, rows, tokenizer.pad_token_id, batch_size, lambda o: o.logits, per_token=True)
@@ -58,8 +56,6 @@ def _check_types(train_types: list[str], sents: list[Sentence], path: str) -> No
 
 
 def build(data: TrainData, options: NerOptions, tokenizer, folder: ModelFolder) -> TaskRun:
-    from transformers import AutoModelForTokenClassification
-
     train = seeded_subset(read_ner(data.train, options.tag_scheme), data.max_train_examples, data.seed)
     types = entity_types(train)
     if not types:
@@ -81,18 +77,20 @@ def build(data: TrainData, options: NerOptions, tokenizer, folder: ModelFolder) 
                         label2id=label2id)
     pad_id = tokenizer.pad_token_id
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), data.batch_size,
-                             lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=data.seed, bucket=data.bucket)
+                             lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=data.seed,
+                             bucket=data.bucket)
 
     def loss_fn(module, batch):
         return module(**batch).loss, {}
 
-    card = {"task": "ner", "labels": labels, "tag_scheme": "iob2", "max_length": options.max_length, "stride": options.stride,
-            "word_split": "encoderkit.tasks.ner.features.split_words"}
+    card = {"task": "ner", "labels": labels, "tag_scheme": "iob2", "max_length": options.max_length,
+            "stride": options.stride, "word_split": "encoderkit.tasks.ner.features.split_words"}
     return TaskRun(model, loss_fn, source, evaluate, (data.metric or "f1", "max"),
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: NerOptions, engine: Any = None) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: NerOptions,
+                    engine: Any = None) -> dict[str, float]:
     """Entity P/R/F1 on a CoNLL file; ``engine`` (default: the folder's torch model) computes the logits."""
     model = folder.load(task="ner") if engine is None else engine
     id2label = dict(enumerate(folder.labels))

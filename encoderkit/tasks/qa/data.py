@@ -1,11 +1,6 @@
-"""SQuAD v1.1-style JSON (or a .zip holding one .json), read into flat QA examples.
-
-An answer whose ``answer_start`` does not point at its text in the context is skipped (counted,
-and a warning names the first few); a question left with no answer is dropped.
-
-``split`` picks whole articles, so no paragraph of a held-out article is seen in training:
-``train`` is the first 80% of the articles in file order (rounded), ``heldout`` the rest. For
-SQuAD v1.1 dev (48 articles) that is 38 articles to train on and 10 held out.
+"""SQuAD v1.1-style JSON (or a .zip holding one .json), read into flat QA examples. An answer whose
+``answer_start`` does not point at its text is skipped, with a warning. ``split`` picks whole articles (``train``:
+the first 80% in file order), so no paragraph of a held-out article is seen in training.
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import check_input
 
 TRAIN_FRACTION = 0.8
 
@@ -33,9 +29,7 @@ class QaExample:
 
 
 def load_squad_json(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise EncoderkitError(f"SQuAD file {path} does not exist")
+    path = check_input(path, "SQuAD file")
     try:
         if path.suffix == ".zip":
             with zipfile.ZipFile(path) as zf:
@@ -80,7 +74,8 @@ def read_squad(path: str | Path, split: str = "all") -> tuple[list[QaExample], i
                         continue
                     answers.append((text, start))
                 if answers:
-                    examples.append(QaExample(str(qa.get("id")), article.get("title", ""), qa["question"], context, answers))
+                    examples.append(QaExample(str(qa.get("id")), article.get("title", ""), qa["question"], context,
+                                              answers))
     if skipped:
         print(f"warning: {path}: skipped {skipped} answer(s) whose answer_start does not match the context "
               f"(e.g. {'; '.join(bad)})", file=sys.stderr)

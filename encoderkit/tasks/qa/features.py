@@ -1,24 +1,9 @@
-"""Extractive QA features and decoding: (question, context) -> windows, and logits -> answer spans.
+"""Extractive QA features and decoding: (question, context) -> windows, and logits -> answer spans (numpy on a fast
+tokenizer, no torch: shared by fine-tuning, evaluation and the deploy runtime).
 
-Pure functions on a fast HF tokenizer and numpy arrays (no torch, no model), shared by
-fine-tuning, evaluation and the deploy runtime.
-
-* The question is kept whole (cut to ``max_question_length`` sub-tokens); the context is cut into
-  windows of ``max_length`` sub-tokens that overlap by ``doc_stride`` sub-tokens, so no part of a
-  long context is lost.
-* ``offsets`` map every context sub-token back to characters of the context; question and
-  special tokens get ``-1`` so a span can never start or end there.
-* Decoding looks at the ``n_best`` highest start and end logits of every window, keeps pairs with
-  ``start <= end`` and at most ``max_answer_length`` sub-tokens, scores them by
-  ``start_logit + end_logit`` and returns the best spans over all windows as context text with
-  character offsets.
-
-Example (inference)::
-
-    feats = featurize_qa(tokenizer, ["Who wrote it?"], ["It was written by Ada."], max_length=384)
-    start, end = model(**feats.model_inputs())  # each (W, L)
-    answers = decode_answers(feats, start, end)   # one list of Answer per example, best first
-    answers[0][0]  # Answer(text='Ada', start=18, end=21, score=...)
+The question is kept whole (cut to ``max_question_length``); the context is cut into windows overlapping by
+``doc_stride`` sub-tokens, so nothing is lost. Decoding scores the ``n_best`` start and end logits of every window
+by ``start + end`` and returns the best spans over all windows as context text with character offsets.
 """
 
 from __future__ import annotations
@@ -53,7 +38,8 @@ class QaFeatures:
 
     def model_inputs(self) -> dict[str, np.ndarray]:
         """The arrays a BERT-style model takes, each (W, L)."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "token_type_ids": self.token_type_ids}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                "token_type_ids": self.token_type_ids}
 
 
 @dataclass
@@ -86,7 +72,8 @@ def featurize_qa(
     Windows are padded to ``max_length`` (fixed shapes for batching and export).
     """
     if not getattr(tokenizer, "is_fast", False):
-        raise EncoderkitError("QA features need a fast (Rust) tokenizer with offsets; the model folder needs tokenizer.json")
+        raise EncoderkitError("QA features need a fast (Rust) tokenizer with offsets; the model folder needs "
+                              "tokenizer.json")
     if len(questions) != len(contexts):
         raise EncoderkitError(f"{len(questions)} questions but {len(contexts)} contexts")
     qs, longest = [], 0

@@ -32,9 +32,11 @@ class QaOptions:
 
     @classmethod
     def for_folder(cls, cfg: Any, folder: ModelFolder) -> QaOptions:
-        """The window, stride and span settings the model was fine-tuned with (``--max-length`` overrides the length)."""
+        """The window, stride and span settings the model was fine-tuned with (``--max-length`` overrides the
+        length)."""
         card = folder.card
         max_length = cfg.max_length or card.get("max_length", DEFAULT_MAX_LENGTH)
-        return pick(cls, cfg, max_length=max_length, doc_stride=card.get("doc_stride", cfg.doc_stride or max_length // 4),
+        return pick(cls, cfg, max_length=max_length,
+                    doc_stride=card.get("doc_stride", cfg.doc_stride or max_length // 4),
                     max_answer_length=card.get("max_answer_length", cfg.max_answer_length),
                     max_question_length=card.get("max_question_length", cfg.max_query_length))

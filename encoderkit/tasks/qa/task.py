@@ -3,11 +3,18 @@ context, in overlapping windows."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from encoderkit.tasks.protocol import Runner, ServingUnit, Task
-from encoderkit.tasks.qa.train import OPTIONS
+import numpy as np
+
+from encoderkit.config import check
+from encoderkit.errors import EncoderkitError
+from encoderkit.tasks.protocol import Runner, ServingUnit, Task, TaskInputs, typical_and_batch
+from encoderkit.tasks.qa.data import read_squad
+from encoderkit.tasks.qa.features import decode_answers, featurize_qa, window_rows, window_span_logits
+from encoderkit.tasks.qa.train import OPTIONS, featurize
 from encoderkit.tasks.qa.train import build as build_run
 from encoderkit.tasks.qa.train import evaluate_folder as evaluate_saved
 
@@ -37,11 +44,9 @@ class QaTask(Task):
         """The best answer span per (question, context): {"answer", "start", "end", "score"}; an empty answer
         with score None when no span fits. Window and span settings come from the folder's card (what the
         model was fine-tuned and evaluated with), else defaults cut to the runner's ``max_length``."""
-        from encoderkit.errors import EncoderkitError
-        from encoderkit.tasks.qa.features import decode_answers, featurize_qa, window_rows, window_span_logits
-
         if len(questions) != len(contexts):
-            raise EncoderkitError(f"{len(questions)} questions but {len(contexts)} contexts; give one context per question")
+            raise EncoderkitError(f"{len(questions)} questions but {len(contexts)} contexts; give one context per "
+                                  "question")
         if not questions:
             return []
         card, max_length = runner.info.card, runner.max_length
@@ -63,10 +68,9 @@ class QaTask(Task):
         """Items: (question, context) tuples; one :meth:`answer` result each."""
         return self.answer(runner, [q for q, _ in items], [c for _, c in items])
 
-    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0,
+                          miner: str = "") -> list[dict[str, Any]]:
         """The questions of a SQuAD file's ``cfg.qa_split`` articles with their contexts, as ``predict`` records."""
-        from encoderkit.tasks.qa.data import read_squad
-
         examples, _ = read_squad(path, cfg.qa_split)
         return [{"question": e.question, "context": e.context} for e in (examples[:limit] if limit else examples)]
 
@@ -77,10 +81,6 @@ class QaTask(Task):
     def distill_rows(self, cfg: Any, tokenizer: Any) -> list[dict[str, Any]]:
         """The first window of each (question, context) of a SQuAD file's training articles (answers are not
         used; the held-out articles stay unseen), cut at ``cfg.seq_len``."""
-        import numpy as np
-
-        from encoderkit.tasks.qa.data import read_squad
-
         examples, _ = read_squad(cfg.train, "train")
         enc = tokenizer([e.question for e in examples], [e.context for e in examples], truncation="only_second",
                         max_length=cfg.seq_len)
@@ -90,27 +90,17 @@ class QaTask(Task):
     def compress_inputs(self, spec: str, path: Any, *, card: dict[str, Any] | None, folder: Any,
                         label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> Any:
         """(question, context) pairs of the training articles; the held-out ones stay unseen."""
-        from encoderkit.tasks.protocol import TaskInputs
-        from encoderkit.tasks.qa.data import read_squad
-
         examples, _ = read_squad(path, "train")
         return TaskInputs([(e.question, e.context) for e in examples], None, str(path))
 
-    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str, candidates: int) -> dict[str, Any]:
-        from encoderkit.config import check
-        from encoderkit.tasks.protocol import typical_and_batch
-        from encoderkit.tasks.qa.data import read_squad
-
+    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str,
+                        candidates: int) -> dict[str, Any]:
         examples, _ = read_squad(dev, cfg.qa_split)
         check(bool(examples), f"{dev} holds no question with an answer")
         return typical_and_batch(examples, lambda e: len(e.question) + len(e.context), rng)
 
-    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any, max_length: int) -> tuple[list, list]:
-        import dataclasses
-
-        from encoderkit.tasks.qa.features import window_rows
-        from encoderkit.tasks.qa.train import featurize
-
+    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any,
+                     max_length: int) -> tuple[list, list]:
         opts = dataclasses.replace(self.options_for_folder(cfg, folder), max_length=max_length)
         return (window_rows(featurize(tokenizer, samples["one"], opts, with_answers=False)),
                 window_rows(featurize(tokenizer, samples["batch"], opts, with_answers=False)))

@@ -1,9 +1,6 @@
-"""Extractive QA fine-tuning and evaluation: ``AutoModelForQuestionAnswering`` on SQuAD-format data.
-
-Training uses each question's first answer; every context window is a training row (a window
-without the answer targets the [CLS] position, as in Hugging Face's SQuAD recipe). Evaluation
-decodes the best span over all windows (:func:`encoderkit.tasks.qa.features.decode_answers`) and scores
-it against all gold answers with the official SQuAD v1.1 EM/F1.
+"""Extractive QA fine-tuning and evaluation: ``AutoModelForQuestionAnswering`` on SQuAD-format data. Every
+context window is a training row (one without the first answer targets [CLS], as in HF's SQuAD recipe); the best
+span over all windows is scored against all gold answers with SQuAD v1.1 EM/F1.
 """
 
 from __future__ import annotations
@@ -12,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from transformers import AutoModelForQuestionAnswering
 
 from encoderkit.metrics.scores import squad_scores
 from encoderkit.models.folder import ModelFolder
@@ -49,8 +47,6 @@ def scores(module, tokenizer, examples: list[QaExample], options: QaOptions, bat
 
 
 def build(data: TrainData, options: QaOptions, tokenizer, folder: ModelFolder) -> TaskRun:
-    from transformers import AutoModelForQuestionAnswering
-
     same_file = bool(data.dev) and Path(data.train).resolve() == Path(data.dev).resolve()
     train, _ = read_squad(data.train, "train" if same_file else options.qa_split)
     train = seeded_subset(train, data.max_train_examples, data.seed)
@@ -66,7 +62,8 @@ def build(data: TrainData, options: QaOptions, tokenizer, folder: ModelFolder) -
     model = folder.load(AutoModelForQuestionAnswering)
     pad_id = tokenizer.pad_token_id
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), data.batch_size,
-                             lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=data.seed, bucket=data.bucket)
+                             lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=data.seed,
+                             bucket=data.bucket)
 
     def loss_fn(module, batch):
         return module(**batch).loss, {}
@@ -78,9 +75,11 @@ def build(data: TrainData, options: QaOptions, tokenizer, folder: ModelFolder) -
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: QaOptions, engine: Any = None) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: QaOptions,
+                    engine: Any = None) -> dict[str, float]:
     """SQuAD EM/F1; ``engine`` (default: the folder's torch model) computes the span logits."""
     model = folder.load(task="qa") if engine is None else engine
     examples, skipped = read_squad(data.data, options.qa_split)
     examples = seeded_subset(examples, data.max_examples, data.seed)
-    return {**scores(model, tokenizer, examples, options, data.batch_size), "questions": len(examples), "skipped_answers": skipped}
+    return {**scores(model, tokenizer, examples, options, data.batch_size), "questions": len(examples),
+            "skipped_answers": skipped}

@@ -1,10 +1,6 @@
-"""A reranker's candidate lists: each query with the passages it reranks, as task distillation trains on
-them and compression calibrates with them.
-
-A BEIR source's queries with the top ``candidates`` of a first-stage bi-encoder (``miner``; with
-``candidate_depth`` D, the top half of them and a seeded sample of the rest of its top D, the list a reranker
-serves) (with ``pseudo_queries`` N, also N corpus documents' titles as queries), or JSONL rows
-``{query, positive, negatives}`` (the list is the positive and the negatives).
+"""A reranker's candidate lists (each query with the passages it reranks), as task distillation trains on them and
+compression calibrates with them: a BEIR source's queries (and corpus titles as pseudo queries) with a first-stage
+bi-encoder's top documents, or JSONL rows' positive and negatives.
 """
 
 from __future__ import annotations
@@ -14,15 +10,21 @@ from collections.abc import Callable
 import numpy as np
 
 from encoderkit.config import check
+from encoderkit.data.beir import is_beir_source, load_retrieval, read_triples
+from encoderkit.data.beir import pseudo_queries as title_queries
+from encoderkit.models.tokenizer import load_tokenizer
 from encoderkit.progress import note
+from encoderkit.tasks.common import resolve_model
+from encoderkit.tasks.embed.exact import retrieve
+from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
 QueryList = tuple[str, list[str]]  # a query and its candidate passages
 MINED_PAIRS = 16  # compression inputs of a BEIR source with a miner: each judged query's top 16 documents
 SERVED_CANDIDATES = 100  # the candidates of one served query, as compression times and plans it
 
 
-def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0, pseudo_queries: int = 0,
-                    seed: int = 0, limit: int = 0) -> list[QueryList]:
+def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0,
+                    pseudo_queries: int = 0, seed: int = 0, limit: int = 0) -> list[QueryList]:
     """(query, candidate passages) per query, every list cut to the same length (at most ``candidates``):
     the split's queries, then the titles; the arguments are :class:`~encoderkit.compress.distill.DistillConfig`'s
     fields of those names."""
@@ -31,24 +33,17 @@ def candidate_lists(train: str, miner: str | None, candidates: int, *, candidate
     return split + [x for group in titles for x in group]
 
 
-def candidate_groups(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0, pseudo_queries: int = 0,
-                     title_sets: int | Callable[[int], int] = 1, seed: int = 0,
+def candidate_groups(train: str, miner: str | None, candidates: int, *, candidate_depth: int = 0,
+                     pseudo_queries: int = 0, title_sets: int | Callable[[int], int] = 1, seed: int = 0,
                      limit: int = 0) -> tuple[list[QueryList], list[list[QueryList]]]:
     """(the split's lists, ``title_sets`` sets of ``pseudo_queries`` corpus titles' lists, no document in two sets);
     ``title_sets`` may be a function of the number of split lists. The first set is the one a single set would be
-    (the sample is drawn once, in one seeded order, and cut into sets). ``limit`` cuts the split's lists (and, as
-    before, the titles when it is smaller than the split)."""
-    from encoderkit.data.beir import is_beir_source, load_retrieval, read_triples
-    from encoderkit.data.beir import pseudo_queries as title_queries
-
+    (the sample is drawn once, in one seeded order, and cut into sets). ``limit`` cuts the split's lists (and the
+    titles when it is smaller than the split)."""
     titles: list[list[QueryList]] = []
     if is_beir_source(train):
         check(bool(miner), f"--train {train} is a BEIR source: rerank distillation needs --miner, a bi-encoder "
                                "folder whose top --candidates per query the teacher scores")
-        from encoderkit.models.tokenizer import load_tokenizer
-        from encoderkit.tasks.common import resolve_model
-        from encoderkit.tasks.embed.exact import retrieve
-        from encoderkit.tasks.embed.features import folder_max_length, load_bi_encoder
 
         data = load_retrieval(train)
         n_split = min(len(data.qrels), limit) if limit else len(data.qrels)
@@ -66,9 +61,11 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
         miner_folder = resolve_model(miner)  # a folder, or 'minilm'
         depth = max(candidates, candidate_depth)
         ranked = retrieve(load_bi_encoder(miner_folder), load_tokenizer(miner_folder), data,
-                          folder_max_length(miner_folder) or 256, 64, 64, k=depth, progress=True, cache_for=miner_folder)
+                          folder_max_length(miner_folder) or 256, 64, 64, k=depth, progress=True,
+                          cache_for=miner_folder)
         rng = np.random.default_rng(seed)
-        lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, candidates, rng)]) for q, docs in ranked.items()]
+        lists = [(data.queries[q], [data.doc_text(d) for d in spread(docs, candidates, rng)])
+                 for q, docs in ranked.items()]
         split, rest = lists[:n_split], lists[n_split:]
         if rest:
             per = len(rest) // sets
@@ -80,8 +77,8 @@ def candidate_groups(train: str, miner: str | None, candidates: int, *, candidat
             note(f"--pseudo-queries {pseudo_queries} ignored: {train} is a file of lists, with no corpus to draw "
                  "titles from (a BEIR source with --miner has one)")
     size = min(candidates, *(len(c) for group in [split, *titles] for _, c in group))
-    check(size >= 2, f"--train {train}: a query has {size} candidate(s); rerank distillation needs at least 2 per query "
-                     "(JSONL rows need 'negatives')")
+    check(size >= 2, f"--train {train}: a query has {size} candidate(s); rerank distillation needs at least 2 per "
+                     "query (JSONL rows need 'negatives')")
     return [(q, c[:size]) for q, c in split], [[(q, c[:size]) for q, c in group] for group in titles]
 
 

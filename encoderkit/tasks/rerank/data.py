@@ -15,9 +15,10 @@ def train_groups(data: TrainData, options: RerankOptions) -> list[Triple]:
     """The training groups of ``data.train`` (a seeded subset of ``data.max_train_examples``; 0: all),
     each with its whole pool of negatives to draw from every epoch."""
     if is_beir_source(data.train):
-        groups = groups_from_beir(load_retrieval(data.train), negatives=options.negatives, num_negatives=options.num_negatives,
-                                  seed=data.seed, miner=options.miner, max_query_length=options.max_query_length,
-                                  batch_size=data.eval_batch_size, pool=True)
+        groups = groups_from_beir(load_retrieval(data.train), negatives=options.negatives,
+                                  num_negatives=options.num_negatives, seed=data.seed, miner=options.miner,
+                                  max_query_length=options.max_query_length, batch_size=data.eval_batch_size,
+                                  pool=True)
     else:
         groups = read_triples(data.train)
     return seeded_subset(groups, data.max_train_examples, data.seed)

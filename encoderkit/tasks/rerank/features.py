@@ -18,8 +18,8 @@ def pair_rows(tokenizer, queries: list[str], passages: list[str], max_length: in
     return [{k: np.asarray(enc[k][i], dtype=np.int64) for k in keys} for i in range(len(queries))]
 
 
-def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], max_length: int = 256, batch_size: int = 64,
-                desc: str = "") -> np.ndarray:
+def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], max_length: int = 256,
+                batch_size: int = 64, desc: str = "") -> np.ndarray:
     """Relevance scores (N,) of (query, passage) pairs; ``query`` is one string or one per passage.
     ``module``: a torch model or an engine whose output is the logits (the first one is the score); ``desc``: show
     progress under that name."""
@@ -30,7 +30,8 @@ def score_pairs(module, tokenizer, query: str | list[str], passages: list[str], 
                       desc=desc)
 
 
-def score_rows(module, rows: list[dict[str, np.ndarray]], pad_id: int, batch_size: int = 64, desc: str = "") -> np.ndarray:
+def score_rows(module, rows: list[dict[str, np.ndarray]], pad_id: int, batch_size: int = 64,
+               desc: str = "") -> np.ndarray:
     """Relevance scores (N,) of already tokenised pairs (:func:`pair_rows`); ``desc``: show progress under that name."""
     out = run_batches(module, rows, pad_id, batch_size, lambda o: o.logits[:, :1], desc=desc)
     return np.asarray(out, dtype=np.float32).reshape(len(rows), -1)[:, 0]

@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from encoderkit.tasks.protocol import Runner, ServingUnit, Task
+import numpy as np
+
+from encoderkit.config import check
+from encoderkit.data.beir import is_beir_source, load_retrieval, read_triples
+from encoderkit.tasks.embed.texts import beir_sample
+from encoderkit.tasks.protocol import Runner, ServingUnit, Task, TaskInputs
+from encoderkit.tasks.rerank.candidates import MINED_PAIRS, SERVED_CANDIDATES, candidate_lists
+from encoderkit.tasks.rerank.features import pair_rows
 from encoderkit.tasks.rerank.train import OPTIONS
 from encoderkit.tasks.rerank.train import build as build_run
 from encoderkit.tasks.rerank.train import evaluate_folder as evaluate_saved
@@ -34,10 +41,6 @@ class RerankTask(Task):
     def score(self, runner: Runner, queries: Sequence[str], passages: Sequence[str]) -> Any:
         """Relevance logits (N,) float32 of (query, passage) pairs: the first logit; for a two-label model, the
         last label's logit minus the first's. What ``Predictor.score_pairs`` returns."""
-        import numpy as np
-
-        from encoderkit.tasks.rerank.features import pair_rows
-
         if not passages:
             return np.zeros(0, dtype=np.float32)
         logits = np.stack([out[0] for out in runner.run_rows(pair_rows(runner.tokenizer, list(queries), list(passages),
@@ -46,8 +49,6 @@ class RerankTask(Task):
 
     def rank(self, runner: Runner, query: str, passages: Sequence[str]) -> list[dict[str, Any]]:
         """Passages ranked by relevance to ``query``: [{"index", "score"}], best first."""
-        import numpy as np
-
         scores = self.score(runner, [query] * len(passages), passages)
         order = np.argsort(-scores, kind="stable")
         return [{"index": int(i), "score": float(scores[i])} for i in order]
@@ -60,13 +61,10 @@ class RerankTask(Task):
         """Items: (query, passage) tuples; the logit of each (the rerank routes rank and cut)."""
         return self.score(runner, [q for q, _ in items], [d for _, d in items]).tolist()
 
-    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0, miner: str = "") -> list[dict[str, Any]]:
+    def agreement_records(self, path: str, cfg: Any, folder: Any, *, limit: int = 0,
+                          miner: str = "") -> list[dict[str, Any]]:
         """Each query with its candidates as a ``predict`` record: JSONL rows' positive and negatives, or a BEIR
         source's judged queries with the ``miner``'s top ``cfg.candidates`` documents."""
-        from encoderkit.config import check
-        from encoderkit.data.beir import is_beir_source
-        from encoderkit.tasks.rerank.candidates import candidate_lists
-
         check(bool(miner) or not is_beir_source(path), f"{path} is a BEIR source: its queries have no candidates to "
               "rank without a first stage; pass --miner EMBED_FOLDER (or 'minilm'), or a JSONL of queries with "
               "candidates ({query, positive, negatives})")
@@ -82,17 +80,14 @@ class RerankTask(Task):
     ranks_lists = True
     planned_unit = (100, "one query's top 100 candidates (100 query-passage pairs in one batch)")
     distill_kind = "lists"
-    distill_lr = 3e-4  # a cut cross-encoder starts from chance (docs/compress.md, "A cut cross-encoder starts from nothing")
+    # a cut cross-encoder starts from chance (docs/compress.md, "A cut cross-encoder starts from nothing")
+    distill_lr = 3e-4
 
     def compress_inputs(self, spec: str, path: Any, *, card: dict[str, Any] | None, folder: Any,
                         label2id: dict[str, int] | None, limit: int, seed: int, miner: str | None) -> Any:
         """A BEIR source's judged (query, document) pairs, or with ``miner`` each judged query with its top
         ``MINED_PAIRS`` documents from that bi-encoder; JSONL triples: the query with its positive and each
         negative."""
-        from encoderkit.data.beir import is_beir_source, load_retrieval, read_triples
-        from encoderkit.tasks.protocol import TaskInputs
-        from encoderkit.tasks.rerank.candidates import MINED_PAIRS, candidate_lists
-
         if is_beir_source(spec) and miner:
             lists = candidate_lists(spec, miner, MINED_PAIRS)
             # rank-major (every query's first candidate, then every query's second, ...), so that the first N
@@ -100,19 +95,16 @@ class RerankTask(Task):
             return TaskInputs([(q, c[r]) for r in range(len(lists[0][1])) for q, c in lists], None, spec)
         if is_beir_source(spec):
             data = load_retrieval(spec)
-            pairs = [(data.queries[q], data.doc_text(d)) for q, rels in data.qrels.items() for d, r in rels.items() if r > 0]
+            pairs = [(data.queries[q], data.doc_text(d)) for q, rels in data.qrels.items()
+                     for d, r in rels.items() if r > 0]
         else:
             pairs = [(t.query, p) for t in read_triples(spec) for p in (t.positive, *t.negatives)]
         return TaskInputs(pairs, None, spec)
 
-    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str, candidates: int) -> dict[str, Any]:
+    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str,
+                        candidates: int) -> dict[str, Any]:
         """The median-length query and 100 passages (a BEIR source's corpus sample, else the rows' candidates,
         repeated to 100)."""
-        from encoderkit.config import check
-        from encoderkit.data.beir import is_beir_source, read_triples
-        from encoderkit.tasks.embed.texts import beir_sample
-        from encoderkit.tasks.rerank.candidates import SERVED_CANDIDATES
-
         if is_beir_source(dev):
             check(bool(miner), "field 'miner' missing: a BEIR source gives queries and a corpus but no first "
                   "stage to rerank; pass --miner EMBED_FOLDER (or 'minilm'), the bi-encoder whose top "
@@ -128,9 +120,8 @@ class RerankTask(Task):
         passages = (passages * (SERVED_CANDIDATES // max(1, len(passages)) + 1))[:SERVED_CANDIDATES]
         return {"query": sorted(queries, key=len)[len(queries) // 2], "passages": passages}
 
-    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any, max_length: int) -> tuple[list, list]:
-        from encoderkit.tasks.rerank.features import pair_rows
-
+    def latency_rows(self, samples: dict[str, Any], tokenizer: Any, folder: Any, cfg: Any,
+                     max_length: int) -> tuple[list, list]:
         return pair_rows(tokenizer, [samples["query"]] * len(samples["passages"]), samples["passages"], max_length), []
 
 

@@ -1,19 +1,7 @@
-"""Cross-encoder reranking: ``AutoModelForSequenceClassification`` with one output (a relevance score).
-
-Training rows are groups of one query with 1 positive and ``num_negatives`` negatives; the loss
-is cross-entropy over the group's scores with the positive as the target (listwise softmax).
-Data: JSONL ``{query, positive, negatives}`` (each row needs at least ``num_negatives``
-negatives) or a BEIR source (each judged (query, doc) pair is a row; negatives ``sampled`` at
-random from the corpus, or ``mined``: drawn from ranks 4-30 of a bi-encoder's results, leaving
-out judged documents; see :mod:`encoderkit.tasks.embed.mining`). Each group keeps a
-pool of negatives (a row's list, the mined ranks, or ``SAMPLED_POOL`` x N random documents) and
-every epoch draws a fresh ``num_negatives`` from it, seeded by (seed, epoch, row), so a run of
-several epochs sees several times as many distinct negatives.
-
-Evaluation on a BEIR source reranks the bi-encoder's top 100 per query (nDCG@10, MRR@10), and
-reports the first stage's metrics (``first_stage_*``) and those of the reciprocal-rank fusion of
-the two orders (``fused_*``, k = 60, nothing tuned);
-on JSONL it ranks each row's positive among its negatives (MRR, accuracy@1).
+"""Cross-encoder reranking: ``AutoModelForSequenceClassification`` with one output, trained listwise (a softmax over
+one positive and ``num_negatives`` negatives, drawn afresh each epoch from the group's pool, so several epochs see
+more distinct negatives). Evaluation on a BEIR source reranks a bi-encoder's top candidates and also reports the
+first stage and their reciprocal-rank fusion; on JSONL it ranks each row's positive among its negatives.
 """
 
 from __future__ import annotations
@@ -22,11 +10,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoModelForSequenceClassification
 
 from encoderkit.data.beir import is_beir_source, load_retrieval, read_triples
 from encoderkit.errors import EncoderkitError
 from encoderkit.metrics.ranking import reciprocal_rank_fusion, retrieval_scores
 from encoderkit.models.folder import ModelFolder
+from encoderkit.progress import progress
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
 from encoderkit.tasks.embed.mining import candidates
@@ -38,8 +28,6 @@ OPTIONS = RerankOptions
 
 
 def build(data: TrainData, options: RerankOptions, tokenizer, folder: ModelFolder) -> TaskRun:
-    from transformers import AutoModelForSequenceClassification
-
     max_length = options.max_length
     groups = train_groups(data, options)
     k = options.num_negatives
@@ -58,7 +46,8 @@ def build(data: TrainData, options: RerankOptions, tokenizer, folder: ModelFolde
         return encode_batch([r for i in idx for r in group_rows(int(i), epoch)], pad_id)
 
     # bucket by the query + positive length (negatives change every epoch)
-    lengths = [len(r["input_ids"]) for r in pair_rows(tokenizer, [g.query for g in groups], [g.positive for g in groups], max_length)]
+    firsts = pair_rows(tokenizer, [g.query for g in groups], [g.positive for g in groups], max_length)
+    lengths = [len(r["input_ids"]) for r in firsts]
     source = BucketedBatches(np.asarray(lengths), data.batch_size, make_batch, seed=data.seed, bucket=data.bucket)
 
     def loss_fn(module, batch):
@@ -68,9 +57,11 @@ def build(data: TrainData, options: RerankOptions, tokenizer, folder: ModelFolde
 
     evaluate, primary = None, ("mrr@10", "max")
     if data.dev:
-        evaluate, primary = dev_evaluator(data.dev, data.max_dev_examples, data.seed, data.eval_batch_size, options, tokenizer)
+        evaluate, primary = dev_evaluator(data.dev, data.max_dev_examples, data.seed, data.eval_batch_size, options,
+                                          tokenizer)
     model = folder.load(AutoModelForSequenceClassification, num_labels=1)
-    card = {"task": "rerank", "max_length": max_length, "num_labels": 1, "loss": "listwise softmax over 1 positive + negatives"}
+    card = {"task": "rerank", "max_length": max_length, "num_labels": 1,
+            "loss": "listwise softmax over 1 positive + negatives"}
     return TaskRun(model, loss_fn, source, evaluate, (data.metric or primary[0], "max"),
                    lambda m, folder: m.save_pretrained(folder), card, num_train=len(groups))
 
@@ -88,11 +79,10 @@ def dev_evaluator(spec: str, limit: int, seed: int, batch_size: int, options: Re
         before = {f"first_stage_{k}": v for k, v in retrieval_scores(first, data.qrels).items()}
 
         def evaluate(module) -> dict[str, float]:
-            from encoderkit.progress import progress
-
             ranked = {}
             for qid, docs in progress(first.items(), total=len(first), desc="rerank", unit="query", leave=False):
-                s = score_pairs(module, tokenizer, data.queries[qid], [data.doc_text(d) for d in docs], max_length, batch_size)
+                s = score_pairs(module, tokenizer, data.queries[qid], [data.doc_text(d) for d in docs], max_length,
+                                batch_size)
                 ranked[qid] = [docs[i] for i in np.argsort(-s, kind="stable")]
             fused = {q: reciprocal_rank_fusion([ranked[q], first[q]]) for q in ranked}
             return {**retrieval_scores(ranked, data.qrels), **before,
@@ -113,7 +103,8 @@ def dev_evaluator(spec: str, limit: int, seed: int, batch_size: int, options: Re
     return evaluate_triples, ("mrr@10", "max")
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: RerankOptions, engine: Any = None) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: RerankOptions,
+                    engine: Any = None) -> dict[str, float]:
     """nDCG@10 reranking a first stage (BEIR) or MRR of each row's positive (JSONL); ``engine`` (default:
     the folder's torch model) computes the relevance logits."""
     model = folder.load(task="rerank") if engine is None else engine

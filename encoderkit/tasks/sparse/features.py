@@ -1,24 +1,9 @@
-"""SPLADE: an MLM head used as a retriever.
+"""SPLADE: an MLM head used as a retriever. A text's vector (B, V) is the max over its real tokens of
+``log(1 + relu(MLM logits))``; a score is the dot product of two vectors.
 
-* Vector of a text (:class:`Splade`): the MLM head's logits per token (B, T, V), padding left out, then
-  ``log(1 + relu(x))`` and the max over tokens: one non-negative weight per vocabulary entry (B, V), most of
-  them 0. ``log1p(relu(.))`` rises monotonically, so the max is taken on the logits first and the
-  saturation applied to (B, V) only; the result is the same number (SPLADE-max, Formal et al. 2021), and
-  the gradient flows to each entry's best token as it does through the max of the saturated logits.
-  Training and torch inference run the head over chunks of tokens (a running max), so the (B, T, V)
-  logits never exist at once; the traced ONNX graph runs it whole (a chunk loop would be unrolled).
-* Score of (query, document): the dot product of their vectors.
-* Loss: in-batch contrastive cross-entropy over ``q @ [positives; negatives].T`` (no scale: the
-  weights are unbounded), or, distilled from a cross-encoder, MarginMSE of ``q.pos - q.neg`` against its
-  ``CE(q, pos) - CE(q, neg)`` (:mod:`encoderkit.tasks.margin_mse`); plus the FLOPS regulariser ``sum_j (mean_i w_ij)^2`` of the query and of the
-  document vectors of the batch, each with its weight, reached by a quadratic warm-up (SPLADE v2).
-* A head: the folder's own MLM head when it has one (``*ForMaskedLM`` / ``*ForPreTraining``, e.g. from
-  ``encoderkit pretrain``); else (a bare encoder such as all-MiniLM-L6-v2) the family's MLM head class
-  with its decoder tied to the word embeddings and a fresh transform, initialised as the identity
-  (dense = I, bias 0; LayerNorm 1/0; decoder bias 0), so a token's first weights come from how close its
-  hidden state is to each word's embedding.
-* Saved folder: plain ``AutoModelForMaskedLM`` files plus the sentence-transformers SparseEncoder files
-  (``modules.json``: MLMTransformer + SpladePooling(max, relu)).
+The saturation rises monotonically, so the max is taken on the logits first (the same number and gradient,
+SPLADE-max) and torch runs the head over chunks of tokens, so the (B, T, V) logits never exist at once. A folder
+without an MLM head gets its family's head tied to the word embeddings, with a transform that starts as the identity.
 """
 
 from __future__ import annotations
@@ -30,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from transformers import AutoModelForMaskedLM
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import write_json_atomic
@@ -79,12 +65,14 @@ class Splade(nn.Module):
         kw = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
         hidden = self._layout.encoder(input_ids=input_ids, attention_mask=attention_mask, **kw)[0]  # (B, T, H)
         head = self._layout.head
+        # a traced (ONNX) graph runs the head whole: a chunk loop would be unrolled into it
         if not self.chunk or torch.jit.is_tracing() or hidden.shape[1] <= self.chunk:
             best = masked(head(hidden), attention_mask).max(dim=1).values  # (B, V)
         else:
             best = None
             for a in range(0, hidden.shape[1], self.chunk):
-                part = masked(head(hidden[:, a : a + self.chunk]), attention_mask[:, a : a + self.chunk]).max(dim=1).values
+                cut = slice(a, a + self.chunk)
+                part = masked(head(hidden[:, cut]), attention_mask[:, cut]).max(dim=1).values
                 best = part if best is None else torch.maximum(best, part)
         return best
 
@@ -133,8 +121,6 @@ def has_mlm_head(folder: ModelFolder) -> bool:
 def load_mlm(folder: ModelFolder) -> tuple[nn.Module, str]:
     """The folder as an HF masked-LM model and how its head was made (the card's ``head``): the folder's own
     MLM head, or (no head in the weights) the word embeddings as the decoder and a fresh identity transform."""
-    from transformers import AutoModelForMaskedLM
-
     if folder.static_weights is not None or folder.torch_weights is None:
         what = "a static embedding table" if folder.static_weights is not None else "an ONNX-only folder"
         raise EncoderkitError(f"{folder.path} is {what}: SPLADE needs a transformer with torch weights "
@@ -159,8 +145,8 @@ def load_mlm(folder: ModelFolder) -> tuple[nn.Module, str]:
     else:
         words = model.get_input_embeddings()
         if layout.decoder.weight.shape != words.weight.shape:
-            raise EncoderkitError(f"{folder.path}: the {family!r} MLM decoder {tuple(layout.decoder.weight.shape)} does "
-                                  f"not match the word embeddings {tuple(words.weight.shape)}; cannot tie them")
+            raise EncoderkitError(f"{folder.path}: the {family!r} MLM decoder {tuple(layout.decoder.weight.shape)} "
+                                  f"does not match the word embeddings {tuple(words.weight.shape)}; cannot tie them")
         layout.decoder.weight = words.weight  # tied: the decoder is the embedding matrix
         model.config.tie_word_embeddings = True
         head_modules = [m for m in layout.modules if m is not layout.decoder]
@@ -240,13 +226,16 @@ def save_sparse_encoder(module: Splade, folder: Path, max_length: int) -> None:
     module.model.save_pretrained(folder)
     write_json_atomic(folder / "modules.json", [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.sparse_encoder.models.MLMTransformer"},
-        {"idx": 1, "name": "1", "path": "1_SpladePooling", "type": "sentence_transformers.sparse_encoder.models.SpladePooling"},
+        {"idx": 1, "name": "1", "path": "1_SpladePooling",
+         "type": "sentence_transformers.sparse_encoder.models.SpladePooling"},
     ])
     write_json_atomic(folder / "1_SpladePooling" / "config.json",
-                      {"pooling_strategy": "max", "activation_function": "relu", "word_embedding_dimension": module.vocab_size})
+                      {"pooling_strategy": "max", "activation_function": "relu",
+                       "word_embedding_dimension": module.vocab_size})
     write_json_atomic(folder / "sentence_bert_config.json", {"max_seq_length": max_length, "do_lower_case": False})
     write_json_atomic(folder / "config_sentence_transformers.json",
-                      {"model_type": "SparseEncoder", "similarity_fn_name": "dot", "prompts": {}, "default_prompt_name": None})
+                      {"model_type": "SparseEncoder", "similarity_fn_name": "dot", "prompts": {},
+                       "default_prompt_name": None})
 
 
 # -- vectors as sparse rows --------------------------------------------------------------------------
@@ -272,7 +261,8 @@ def top_terms(indices: np.ndarray, values: np.ndarray, tokens: Sequence[str], to
     return {tokens[int(indices[i])]: float(values[i]) for i in order}
 
 
-def exact_search(queries: Any, docs: Any, doc_ids: list[str], query_ids: list[str], k: int = 100) -> dict[str, list[str]]:
+def exact_search(queries: Any, docs: Any, doc_ids: list[str], query_ids: list[str],
+                 k: int = 100) -> dict[str, list[str]]:
     """Top-k documents by dot product of sparse vectors (CSR (Q, V) and (N, V)): query id -> doc ids, best first."""
     out = {}
     for a in range(0, len(query_ids), 256):

@@ -1,10 +1,6 @@
-"""Sparse (SPLADE) settings: one frozen object built once from the parsed stage config.
-
-The data flags are the embed task's (``--max-length``, ``--max-query-length``, ``--negatives``,
-``--num-negatives``, ``--miner``); the FLOPS regulariser has its own (``--flops-query``, ``--flops-doc``,
-``--flops-warmup``), and so has distillation from a cross-encoder (``--cross-encoder``). Embed-only flags that
-would be silently ignored here are refused.
-"""
+"""Sparse (SPLADE) settings: one frozen object built once from the parsed stage config. The data flags are the
+embed task's; the FLOPS regulariser and ``--cross-encoder`` have their own; embed-only flags are refused, not
+silently ignored."""
 
 from __future__ import annotations
 
@@ -13,6 +9,7 @@ from typing import Any
 
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.folder import ModelFolder
+from encoderkit.models.pooling import AUTO
 from encoderkit.tasks.common import DEFAULT_MODEL, pick, settle_max_length
 
 DEFAULT_MAX_LENGTH = 256
@@ -24,7 +21,7 @@ FLOPS_DOC = 1e-4
 def _refuse_embed_flags(cfg: Any) -> None:
     said = [flag for flag, on in (
         ("--matryoshka-dims", bool(getattr(cfg, "matryoshka_dims", []))),
-        ("--pooling mean/first", getattr(cfg, "pooling", "auto") != "auto"),
+        ("--pooling mean/first", getattr(cfg, "pooling", AUTO) != AUTO),
         ("--text-pair-column", bool(getattr(cfg, "text_pair_column", ""))),
     ) if on]
     if said:

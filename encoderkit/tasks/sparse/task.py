@@ -35,9 +35,11 @@ class SparseTask(Task):
 
     # -- inference ----------------------------------------------------------------------------------
     def vectors(self, runner: Runner, texts: Sequence[str], max_length: int | None = None) -> Any:
-        """SPLADE vectors of ``texts`` as a CSR matrix (N, V) float32 (cut to ``max_length``, default the runner's)."""
+        """SPLADE vectors of ``texts`` as a CSR matrix (N, V) float32 (cut to ``max_length``, default the
+        runner's)."""
         vocab = int(runner.info.config.get("vocab_size") or len(runner.tokenizer))
-        return encode(runner.engine, runner.tokenizer, list(texts), max_length or runner.max_length, runner.max_batch, vocab)
+        return encode(runner.engine, runner.tokenizer, list(texts), max_length or runner.max_length, runner.max_batch,
+                      vocab)
 
     def tokens(self, runner: Runner) -> list[str]:
         """The token of each vector entry (the tokenizer's; ids past it, a vocabulary the tokenizer does not use, as
@@ -55,10 +57,12 @@ class SparseTask(Task):
     def predict(self, runner: Runner, records: Sequence[dict[str, Any]], *, top_k: int = 0, threshold: float = 0.0,
                 **kw: Any) -> list[dict[str, Any]]:
         """``{"terms": {token: weight}}`` per record (``text``): its non-zero weights, heaviest first."""
-        return [{"terms": t} for t in self.terms(runner, self.serve(runner, [r["text"] for r in records]), top_k, threshold)]
+        rows = self.serve(runner, [r["text"] for r in records])
+        return [{"terms": t} for t in self.terms(runner, rows, top_k, threshold)]
 
     def serve(self, runner: Runner, items: list[Any]) -> list[Any]:
-        """Items: texts; each one's non-zero entries as (token ids int32, weights float32) (the route picks the terms)."""
+        """Items: texts; each one's non-zero entries as (token ids int32, weights float32) (the route picks the
+        terms)."""
         if any(not isinstance(x, str) for x in items):
             raise EncoderkitError("a sparse model encodes single texts; send 'texts'")
         if not items:
@@ -76,7 +80,8 @@ class SparseTask(Task):
         raise EncoderkitError("compression of a sparse (SPLADE) model is not supported; export it (encoderkit export "
                               "--quantize int8-dynamic) for a smaller graph")
 
-    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str, candidates: int) -> dict[str, Any]:
+    def latency_samples(self, dev: str, cfg: Any, start: Any, rng: Any, *, miner: str,
+                        candidates: int) -> dict[str, Any]:
         return self.compress_inputs(dev, dev, card=None, folder=None, label2id=None, limit=0, seed=0, miner=None)
 
 

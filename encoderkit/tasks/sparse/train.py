@@ -1,14 +1,6 @@
-"""SPLADE fine-tuning and evaluation (see :mod:`encoderkit.tasks.sparse.features`).
-
-Training data: the embed task's (its readers and columns): JSONL ``{query, positive, negatives?}`` or a
-BEIR source (each judged (query, doc) pair is a row; ``--num-negatives`` hard negatives with
-``--negatives mined``, mined by the bi-encoder ``--miner``).
-Loss: in-batch contrastive, or with ``--cross-encoder RERANK_FOLDER`` distillation from its scores: each
-row's (query, positive) and (query, negative) pairs are scored by the cross-encoder once, before training,
-and the model learns the margins ``CE(q, pos) - CE(q, neg)`` on sparse dot products (MarginMSE,
-:mod:`encoderkit.tasks.margin_mse`, which ``adapt``'s GPL shares); the FLOPS regulariser either way. The card
-records ``distilled_from`` (the cross-encoder's folder). Distillation needs hard negatives in the rows.
-Evaluation: nDCG@10 / MRR@10 / recall@100 of exact sparse retrieval (dot products) over a BEIR corpus.
+"""SPLADE fine-tuning and evaluation on the embed task's data: in-batch contrastive, or MarginMSE on a
+cross-encoder's margins (``--cross-encoder``, scored once before training; needs hard negatives), plus the FLOPS
+regulariser; evaluated by exact sparse retrieval over a BEIR corpus.
 """
 
 from __future__ import annotations
@@ -23,7 +15,7 @@ from encoderkit.data.beir import is_beir_source, load_retrieval
 from encoderkit.errors import EncoderkitError
 from encoderkit.metrics.ranking import retrieval_scores
 from encoderkit.models.folder import ModelFolder
-from encoderkit.progress import note
+from encoderkit.progress import note, progress
 from encoderkit.tasks.batching import encode_batch
 from encoderkit.tasks.common import EvalData, TaskRun, TrainData, resolve_model, seeded_subset
 from encoderkit.tasks.embed.data import train_groups
@@ -59,7 +51,6 @@ def encode(engine: Any, tokenizer: Any, texts: list[str], max_length: int, batch
     vector (the task's graph, or :class:`Splade` in a ModuleEngine); ``ENCODE_CHUNK`` texts at a time."""
     from scipy import sparse
 
-    from encoderkit.progress import progress
 
     parts = []
     bar = progress(total=len(texts), desc=desc, unit="text") if desc else None
@@ -76,7 +67,8 @@ def encode(engine: Any, tokenizer: Any, texts: list[str], max_length: int, batch
 
 def retrieve(engine: Any, tokenizer: Any, data: Any, max_length: int, max_query_length: int, batch_size: int,
              vocab: int, k: int = 100, progress: bool = False) -> dict[str, list[str]]:
-    """Top-k documents of every judged query of a BEIR :class:`~encoderkit.data.beir.Retrieval`, by exact sparse search."""
+    """Top-k documents of every judged query of a BEIR :class:`~encoderkit.data.beir.Retrieval` (exact sparse
+    search)."""
     doc_ids = list(data.corpus)
     docs = encode(engine, tokenizer, [data.doc_text(d) for d in doc_ids], max_length, batch_size, vocab,
                   "encode corpus" if progress else "")
@@ -93,7 +85,8 @@ def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolde
     """Read the pairs (the embed task's reader), make the SPLADE module over the folder's MLM head (or one from
     its tied word embeddings) and the loss (with ``options.cross_encoder``: MarginMSE on its margins)."""
     ce = open_cross_encoder(options.cross_encoder, "sparse distillation") if options.cross_encoder else None
-    groups, k = train_groups(data, EmbedOptions(max_length=options.max_length, max_query_length=options.max_query_length,
+    groups, k = train_groups(data, EmbedOptions(max_length=options.max_length,
+                                                max_query_length=options.max_query_length,
                                                 negatives=options.negatives, num_negatives=options.num_negatives,
                                                 miner=options.miner))
     if not groups:
@@ -118,7 +111,8 @@ def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolde
     p_rows = tokenize(tokenizer, [g.positive for g in groups], options.max_length)
     if not has_mlm_head(folder):  # a fresh head: its threshold set on a few training documents (start_sparse)
         sample = seeded_subset(list(range(len(p_rows))), FRESH_SAMPLE, data.seed)
-        t = start_sparse(model, encode_batch([p_rows[i] for i in sample], tokenizer.pad_token_id), tokenizer.all_special_ids)
+        t = start_sparse(model, encode_batch([p_rows[i] for i in sample], tokenizer.pad_token_id),
+                         tokenizer.all_special_ids)
         head += f", output bias -{t:.3g} (about {FRESH_TERMS} terms per training document at the start)"
     note(f"sparse head: {head}")
     n_rows = [tokenize(tokenizer, g.negatives[:k], options.max_length) if k else [] for g in groups]
@@ -142,15 +136,17 @@ def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolde
     evaluate = None
     if data.dev:
         if not is_beir_source(data.dev):
-            raise EncoderkitError(f"--dev {data.dev}: sparse evaluation needs a BEIR source (folder or SciFact zip, with #split)")
+            raise EncoderkitError(f"--dev {data.dev}: sparse evaluation needs a BEIR source (folder or SciFact zip, "
+                                  "with #split)")
         dev = load_retrieval(data.dev)
 
         def evaluate(module: Splade) -> dict[str, float]:
             was = module.training
             module.eval()
             try:
-                return retrieval_scores(retrieve(_module_engine(module), tokenizer, dev, options.max_length,
-                                                 options.max_query_length, data.eval_batch_size, module.vocab_size), dev.qrels)
+                ranked = retrieve(_module_engine(module), tokenizer, dev, options.max_length, options.max_query_length,
+                                  data.eval_batch_size, module.vocab_size)
+                return retrieval_scores(ranked, dev.qrels)
             finally:
                 module.train(was)
 
@@ -163,7 +159,8 @@ def build(data: TrainData, options: SparseOptions, tokenizer, folder: ModelFolde
     if margins is not None:
         card["distilled_from"] = {"cross_encoder": str(resolve_model(options.cross_encoder).resolve()),
                                   "loss": "margin_mse", "negatives_per_query": k}
-    return TaskRun(model, loss_fn, source, evaluate, (data.metric or "ndcg@10", "max"), save, card, num_train=len(groups))
+    return TaskRun(model, loss_fn, source, evaluate, (data.metric or "ndcg@10", "max"), save, card,
+                   num_train=len(groups))
 
 
 SPARSE_DATA = ("give a JSONL of {\"query\", \"positive\", \"negatives\"?} lines or a BEIR source with #split "
@@ -176,11 +173,13 @@ def load_splade(folder: ModelFolder) -> Splade:
     return Splade(mlm).eval()
 
 
-def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: SparseOptions, engine: Any = None) -> dict[str, float]:
+def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: SparseOptions,
+                    engine: Any = None) -> dict[str, float]:
     """nDCG@10 / MRR@10 / recall@100 of exact sparse search over a BEIR corpus; ``engine`` (default: the folder's
     torch model) gives the pooled vectors."""
     if not is_beir_source(str(data.data)):
-        raise EncoderkitError(f"--data {data.data}: sparse evaluation needs a BEIR source (folder or SciFact zip, with #split)")
+        raise EncoderkitError(f"--data {data.data}: sparse evaluation needs a BEIR source (folder or SciFact zip, "
+                              "with #split)")
     vocab = int(folder.config.get("vocab_size") or len(tokenizer))
     engine = engine if engine is not None else _module_engine(load_splade(folder))
     ds = load_retrieval(str(data.data))
