@@ -60,17 +60,19 @@ INSTALL = {"st-onnx": [["torch==2.13.0"], ["sentence-transformers[onnx]"]],
            "fastembed": [["fastembed"]]}
 
 
-def venv_python(root: Path, name: str, make: bool) -> Path | None:
-    """The peer venv's python, made (python -m venv + pip installs) when missing and ``make``; None if it cannot be."""
+def venv_python(root: Path, name: str, make: bool, install: list[list[str]] | None = None) -> Path | None:
+    """The peer venv's python, made (python -m venv + pip installs: ``install``, else :data:`INSTALL`'s steps for
+    ``name``) when missing and ``make``; None if it cannot be."""
     py = root / name / "bin" / "python"
     if py.exists() and (root / name / ".ready").exists():
         return py
     if not make:
         return None
-    print(f"making venv {root / name} ({' then '.join(' '.join(s) for s in INSTALL[name])}) ...", flush=True)
+    steps = INSTALL[name] if install is None else install
+    print(f"making venv {root / name} ({' then '.join(' '.join(s) for s in steps)}) ...", flush=True)
     try:
         subprocess.run(["python3", "-m", "venv", str(root / name)], check=True)
-        for step in [["--upgrade", "pip"], *INSTALL[name]]:
+        for step in [["--upgrade", "pip"], *steps]:
             subprocess.run([str(py), "-m", "pip", "install", "-q", *step], check=True)
         (root / name / ".ready").write_text("ok\n", encoding="utf-8")
         return py

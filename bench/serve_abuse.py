@@ -4,8 +4,9 @@ The service runs in a subprocess (``encoderkit serve``, default limits) over an 
 (``--clients`` keep-alive connections, one SST-2 sentence per request to ``/v1/embed``, from 127.0.0.1) loop for
 ``--seconds``: first alone (quiet), then beside the abuse of issue 52's probe:
 
-* a greedy client looping legal maximum-size requests (256 texts of 1,500 characters) on ``--greedy`` connections;
-* six such requests sent and abandoned after 0.5 s, again every 5 s;
+* a greedy client looping legal maximum-size requests (256 texts of 1,500 characters) on ``--greedy`` connections
+  from 127.0.0.3 (another client address than the good clients': serve shares the model by client address);
+* six such requests sent from 127.0.0.3 and abandoned after 0.5 s, again every 5 s;
 * ``--idle`` sockets from 127.0.0.2 that never send a byte, reopened as the server closes or refuses them.
 
 Reported: the good clients' p50/p99 in both phases, their errors (any non-200 or failed request), the 503s the
@@ -65,11 +66,14 @@ def _request(url: str, body: dict) -> bytes:
             f"Content-Length: {len(data)}\r\n\r\n").encode() + data
 
 
+ABUSER = "127.0.0.3"  # the greedy and abandoning client's address
+
+
 async def greedy(url: str, request: bytes, stop: asyncio.Event, counts: dict[str, int]) -> None:
     host, port = url.removeprefix("http://").split(":")
     while not stop.is_set():
         try:
-            reader, writer = await asyncio.open_connection(host, int(port))
+            reader, writer = await asyncio.open_connection(host, int(port), local_addr=(ABUSER, 0))
             while not stop.is_set():
                 writer.write(request)
                 status, keep = await asyncio.wait_for(_read_response(reader), 300)
@@ -90,7 +94,7 @@ async def abandon(url: str, request: bytes, stop: asyncio.Event, counts: dict[st
 
     async def one() -> None:
         with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection(host, int(port))
+            _, writer = await asyncio.open_connection(host, int(port), local_addr=(ABUSER, 0))
             writer.write(request)
             await asyncio.sleep(0.5)
             writer.close()
@@ -155,10 +159,9 @@ def main(argv: list[str] | None = None) -> int:
              (DATA / "glue_sst2" / "dev.tsv").read_text(encoding="utf-8").splitlines()[1:]]
     long = (" ".join(texts) * 2)[:1500]
     print(f"model {model}; {args.clients} good clients x {args.seconds:.0f} s per phase; abuse: {args.greedy} greedy "
-          f"connection(s) looping 256 x 1,500 characters, {args.abandon} such requests abandoned after 0.5 s every "
-          f"5 s, "
-          f"{args.idle} idle sockets; server in a subprocess (backend {args.backend}), cpu count {os.cpu_count()}",
-          flush=True)
+          f"connection(s) looping 256 x 1,500 characters and {args.abandon} such requests abandoned after 0.5 s every "
+          f"5 s (from {ABUSER}), {args.idle} idle sockets (from 127.0.0.2); server in a subprocess (backend "
+          f"{args.backend}), cpu count {os.cpu_count()}", flush=True)
     extra = ("--fair-tokens", str(args.fair_tokens)) if args.fair_tokens else ()
     proc, url = start_server(model, args.backend, extra)
     try:

@@ -292,7 +292,8 @@ def _main(argv: list[str] | None = None) -> int:
             check_writable(cfg.out)  # every stage: an unwritable --out is refused before the work, not after
         for name in ("out", "output"):  # every stage: an output is never one of the run's inputs (nor holds one)
             if isinstance(getattr(cfg, name, None), str) and getattr(cfg, name):
-                refuse_input_as_output(getattr(cfg, name), _named_paths(cfg, name), "--" + name, name == "out")
+                inputs = [*_named_paths(cfg, name), ns.config]  # the --config file is read too
+                refuse_input_as_output(getattr(cfg, name), inputs, "--" + name, name == "out")
         result = fn(cfg)
     except EncoderkitError as e:
         print(f"error: {e}", file=sys.stderr)

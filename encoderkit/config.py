@@ -19,7 +19,7 @@ import tomllib
 import yaml
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import write_text_atomic
+from encoderkit.io import read_text_file, write_text_atomic
 
 
 def arg(
@@ -145,9 +145,7 @@ def named_folders(specs: list[str], what: str) -> dict[str, Path]:
 def load_mapping(path: str | Path) -> dict[str, Any]:
     """Read a YAML or TOML file that holds one mapping of keys to values."""
     p = Path(path)
-    if not p.is_file():
-        raise EncoderkitError(f"config file {p} does not exist")
-    text = p.read_text(encoding="utf-8")
+    text = read_text_file(p, "config file")  # missing, a folder, unreadable or not UTF-8: said as such
     try:
         if p.suffix == ".toml":
             data = tomllib.loads(text)

@@ -8,6 +8,7 @@ files as a temporary sibling renamed with ``os.replace``. What a model folder ho
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
 import json
 import os
@@ -426,7 +427,9 @@ def read_json(path: str | Path, missing: str, fix: str = "remove or fix it") -> 
     if not p.is_file():
         raise EncoderkitError(missing)
     try:
-        return json.loads(p.read_text(encoding="utf-8"))
+        return json.loads(p.read_bytes().decode("utf-8").removeprefix("\ufeff"))
+    except UnicodeDecodeError as e:
+        raise EncoderkitError(f"{p} is not UTF-8 (byte offset {e.start}); {fix}") from e
     except json.JSONDecodeError as e:
         raise EncoderkitError(f"{p} is not valid JSON ({e}); {fix}") from e
 
@@ -436,8 +439,8 @@ def json_line(line: str, where: str) -> dict[str, Any]:
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
-        raise EncoderkitError(f"{where}: not a JSON object ({e.msg} at column {e.colno}); "
-                              "JSONL needs one object per line") from e
+        raise EncoderkitError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
+                              "JSONL needs one JSON object per line") from e
     if not isinstance(rec, dict):
         raise EncoderkitError(f"{where}: not a JSON object (got {type(rec).__name__}); JSONL needs one object per line")
     if "\\u" in line:  # only a \uXXXX escape can make a lone surrogate, which no tokenizer takes
@@ -505,18 +508,24 @@ def check_input(path: str | Path, flag: str = "--input") -> Path:
 
 
 def lines_of(stream: Any, name: str, keep_ends: bool = False, fix: str = "convert it to UTF-8 (e.g. iconv -f latin1 "
-             "-t utf-8)", offset_kind: str = "byte offset") -> Iterator[tuple[int, str]]:
+             "-t utf-8)", offset_kind: str = "byte offset",
+             on_bad: Callable[[int, int], None] | None = None) -> Iterator[tuple[int, str]]:
     """``(line number, text)`` of each line of a binary ``stream`` (named ``name`` in errors). Only ``\\n`` ends a
     line (with ``\\r\\n``, the ``\\r`` is part of the ending): a U+2028, U+2029, form feed, U+0085 or a lone ``\\r``
     inside a record is text, not a line break, as JSON and CSV read it. The ending is removed unless ``keep_ends``; a
     leading UTF-8 BOM (Excel's "CSV UTF-8") is dropped. A byte that is not UTF-8 is an error naming the line and
-    the byte offset, and ``fix``."""
+    the byte offset, and ``fix``; with ``on_bad`` it is ``on_bad(line number, byte offset)`` and the line is left
+    out (a reader that skips and counts such lines)."""
     offset = 0
     for number, raw in enumerate(stream, start=1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise EncoderkitError(f"{name}:{number}: not UTF-8 ({offset_kind} {offset + e.start}); {fix}") from None
+            if on_bad is None:
+                raise EncoderkitError(f"{name}:{number}: not UTF-8 ({offset_kind} {offset + e.start}); {fix}") from None
+            on_bad(number, offset + e.start)
+            offset += len(raw)
+            continue
         offset += len(raw)
         if number == 1 and line.startswith("\ufeff"):
             line = line[1:]
@@ -525,12 +534,13 @@ def lines_of(stream: Any, name: str, keep_ends: bool = False, fix: str = "conver
         yield number, line
 
 
-def read_lines(path: str | Path, flag: str = "--input", keep_ends: bool = False) -> Iterator[tuple[int, str]]:
+def read_lines(path: str | Path, flag: str = "--input", keep_ends: bool = False,
+               on_bad: Callable[[int, int], None] | None = None) -> Iterator[tuple[int, str]]:
     """:func:`lines_of` of the file ``path`` (checked by :func:`check_input` when the first line is asked for)."""
     p = check_input(path, flag)
     try:
         with open(p, "rb") as f:
-            yield from lines_of(f, str(p), keep_ends)
+            yield from lines_of(f, str(p), keep_ends, on_bad=on_bad)
     except OSError as e:
         raise EncoderkitError(f"{flag} {p} could not be read: {input_problem(p, e)}") from e
 
@@ -554,9 +564,89 @@ def records(lines: Iterable[tuple[int, str]], name: str, blank: BlankLines | Non
             continue
         blank.count += 1
         blank.first = blank.first or number
+    report_blank(name, blank)
+
+
+def report_blank(name: str, blank: BlankLines) -> None:
+    """The one stderr line that says how many blank lines a reader of ``name`` skipped (nothing when none)."""
     if blank.count:
         note(f"{name}: skipped {blank.count} blank line(s) (the first is line {blank.first}); results name each "
              "record's line")
+
+
+def read_text_file(path: str | Path, flag: str = "--input") -> str:
+    """The whole text of the file ``path`` (a config, a template, a JSON document), through the one line reader: what
+    it is instead of a readable file is said (:func:`check_input`), a leading BOM is dropped, and a byte that is not
+    UTF-8 is an error naming ``file:line`` and the byte offset."""
+    return "".join(line for _, line in read_lines(path, flag, keep_ends=True))
+
+
+def read_jsonl(path: str | Path, flag: str = "--input", blank: BlankLines | None = None,
+               lines: Iterable[tuple[int, str]] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` of each record of the JSONL file ``path`` (or of its ``lines``, e.g. gunzipped or
+    with bad lines skipped): the one line reader's lines, blank ones skipped and counted (:func:`records`), each a
+    JSON object (:func:`json_line`: any valid JSON, a raw U+2028 included; anything else names ``file:line``)."""
+    for number, line in records(read_lines(path, flag) if lines is None else lines, str(path), blank):
+        yield number, json_line(line, f"{path}:{number}")
+
+
+def csv_rows(lines: Iterable[tuple[int, str]], name: str, delimiter: str = ",",
+             quoted: bool = True) -> Iterator[tuple[int, list[str]]]:
+    """``(the line a row starts on, its cells)`` of CSV / TSV ``lines`` (the one line reader's, read with
+    ``keep_ends=True``): ``quoted``, the csv module (a quoted cell may hold a line break); else a plain split on
+    ``delimiter`` with no quoting (GLUE's TSV files hold unbalanced quotes). A blank row is ``[]``. A quoting error
+    names ``name:line``."""
+    at = [0]  # the line the csv reader last took
+
+    def text() -> Iterator[str]:
+        for number, line in lines:
+            at[0] = number
+            yield line
+
+    if not quoted:
+        for number, line in lines:
+            cells = line.rstrip("\r\n").split(delimiter)
+            yield number, [] if not "".join(cells).strip() else cells
+        return
+    reader = csv.reader(text(), delimiter=delimiter)
+    start = 1
+    try:
+        for cells in reader:
+            yield start, [] if not "".join(cells).strip() else cells
+            start = at[0] + 1
+    except csv.Error as e:
+        raise EncoderkitError(f"{name}:{at[0]}: CSV error ({e}); fix the quoting (a cell over 128 KiB: split it or "
+                              "convert the file to JSONL)") from e
+
+
+def csv_records(lines: Iterable[tuple[int, str]], name: str, delimiter: str = ",", quoted: bool = True,
+                blank: BlankLines | None = None) -> Iterator[tuple[int, dict[str, str]]]:
+    """``(line, {column: cell})`` of each row of CSV / TSV ``lines`` after the header row (:func:`csv_rows`; column
+    names stripped, a BOM already dropped by the line reader): blank rows skipped and counted (reported once), a row
+    with another number of cells than the header an error naming ``name:line``; a file with no header row too."""
+    blank = blank if blank is not None else BlankLines()
+    rows = csv_rows(lines, name, delimiter, quoted)
+    first = next(rows, None)
+    if first is None:
+        raise EncoderkitError(f"{name} is empty; expected a header line and rows")
+    header = [h.strip() for h in first[1]]
+    for number, cells in rows:
+        if not cells:
+            blank.count += 1
+            blank.first = blank.first or number
+            continue
+        if len(cells) != len(header):
+            how = "quote a cell that holds the delimiter" if quoted else "TSV fields are split on tabs, no quoting"
+            raise EncoderkitError(f"{name}:{number}: {len(cells)} fields but the header has {len(header)} "
+                                  f"({', '.join(header)}); fix the row ({how})")
+        yield number, dict(zip(header, cells, strict=True))
+    report_blank(name, blank)
+
+
+def read_csv(path: str | Path, flag: str = "--input", delimiter: str = ",",
+             quoted: bool = True) -> Iterator[tuple[int, dict[str, str]]]:
+    """:func:`csv_records` of the file ``path`` through the one line reader."""
+    return csv_records(read_lines(path, flag, keep_ends=True), str(path), delimiter, quoted)
 
 
 def check_output_file(out: str | Path, overwrite: bool, flag: str = "--output",
@@ -575,9 +665,9 @@ def check_output_file(out: str | Path, overwrite: bool, flag: str = "--output",
 
 def refuse_input_as_output(out: str | Path, inputs: Iterable[str | Path | None], flag: str = "--out",
                            folder: bool = False) -> None:
-    """An EncoderkitError when ``out`` is one of ``inputs`` (the same file, through links too) or, for a ``folder``
-    output (replaced whole), a folder holding one: writing it would destroy what the run reads, whatever --overwrite
-    says."""
+    """An EncoderkitError when ``out`` is one of ``inputs`` (the same file, through links too), for a ``folder``
+    output (replaced whole) a folder holding one, for a file output an existing file inside an input folder (a model's
+    ``config.json``, an index's manifest): writing it would destroy what the run reads, whatever --overwrite says."""
     o = Path(out).absolute()
     ro = Path(os.path.realpath(o))
     for given in inputs:
@@ -588,8 +678,10 @@ def refuse_input_as_output(out: str | Path, inputs: Iterable[str | Path | None],
             continue
         ri = Path(os.path.realpath(i))
         same = ri == ro or (o.exists() and _same_file(o, i))
-        if same or (folder and ro.is_dir() and ro in ri.parents):
-            what = "is" if same else "holds"
+        holds = folder and ro.is_dir() and ro in ri.parents
+        part = not folder and os.path.lexists(o) and ri.is_dir() and ri in ro.parents
+        if same or holds or part:
+            what = "is" if same else "holds" if holds else "is a file of"
             raise EncoderkitError(f"{flag} {out} {what} the input {given}; writing it would destroy the input. "
                                   f"Choose another {flag}")
 

@@ -168,8 +168,10 @@ def test_a_killed_run_resumes_without_asking_again(tmp_path, embed_dir):
         assert 12 <= len(first) < N and (tmp_path / ".out.partial" / "adapt" / "queries.jsonl").is_file()
         state["phase"] = 2
         res = run(AdaptConfig(**{**args, "resume": True}))
-        assert Counter(srv.answered) == Counter(list(TEXTS))  # every passage answered once over both runs
-    assert res.generation["requests_sent"] == N - len(first)
+        assert set(srv.answered) == set(TEXTS)  # every passage answered over both runs
+        # asked twice: at most the requests in flight at the kill (sent by the server, not yet in the answer cache)
+        assert len(srv.answered) - N <= args["concurrency"]
+    assert res.generation["requests_sent"] == len(srv.answered) - len(first) < N - len(first) + args["concurrency"] + 1
     assert res.generation["passages"] == N and res.generation["skipped_empty"] == EMPTY
     assert (tmp_path / "out" / "encoderkit.json").is_file() and not (tmp_path / ".out.partial").exists()
 

@@ -191,3 +191,43 @@ def test_every_lever_on_modernbert_and_distilbert(family, tuned, tmp_path) -> No
         got = _serves(out, inputs, tmp_path, out.name)
         np.testing.assert_allclose([r["scores"][r["label"]] for r in got],
                                    [b["scores"][r["label"]] for b, r in zip(base, got)], atol=0.25)
+
+
+def test_export_fuses_distilbert_attention_under_its_own_config_keys(family_dir, tmp_path) -> None:
+    """DistilBERT's config.json names its heads ``n_heads`` and its width ``dim``. Export reads them through the
+    anatomy, so onnxruntime's optimizer fuses every block's attention; with BERT's key names it got 0 for both, could
+    not guess them from the graph, and fused none (the real DistilBERT of bench/family_stack.py ran unfused)."""
+    import onnx
+    from transformers import AutoConfig, AutoTokenizer, DistilBertForSequenceClassification
+
+    from encoderkit.inference.export import export_onnx
+    from encoderkit.models.anatomy import config_heads_hidden
+    from encoderkit.models.folder import ONNX_FP32
+
+    base, folder = family_dir("distilbert", headless=True), tmp_path / "clf"  # a plain HF classifier folder
+    torch.manual_seed(0)
+    DistilBertForSequenceClassification(AutoConfig.from_pretrained(base, num_labels=2)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert "num_attention_heads" not in config and config_heads_hidden(config) == (4, 32)
+    (tmp_path / "onnx").mkdir()
+    report = export_onnx(folder, tmp_path / "onnx", optimize=True)
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "onnx" / ONNX_FP32)).graph.node]
+    assert report["optimized"] and ops.count("Attention") == 2  # one per block
+    assert report["fp32_max_abs_diff"] <= 1e-4
+
+
+def test_a_narrow_distilbert_student_has_an_ffn_four_times_its_width() -> None:
+    """``distill --hidden-size`` builds a student with an FFN 4x its width; DistilBERT names that size ``hidden_dim``,
+    so setting ``intermediate_size`` (BERT's name) left the teacher's FFN in a narrower student."""
+    import transformers as tf
+
+    from encoderkit.compress.students import build_narrow_student
+    from encoderkit.models.anatomy import anatomy_of
+
+    teacher = tf.DistilBertForSequenceClassification(
+        tf.DistilBertConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, hidden_dim=256, pad_token_id=0))
+    student = build_narrow_student(teacher, 32, 1, 0)
+    block = anatomy_of(student).blocks(student)[0]
+    assert student.config.hidden_dim == 128 and block.ffn.lin1.out_features == 128 == block.ffn.lin2.in_features
+    assert block.attention.q_lin.out_features == 32 and student.config.n_layers == 1

@@ -115,3 +115,26 @@ def test_dynamic_int8_runs_one_text_at_a_time_because_batched_it_would_bend(fold
     p.engine.per_row = False  # what ONNX Runtime computes on a padded batch: one scale over all its texts
     batched = p.embed([*NEIGHBOURS, *TEXTS])[len(NEIGHBOURS):]
     assert np.abs(alone - batched).max() > 1e-5  # batched, its vector moves with its neighbours
+
+
+@pytest.mark.parametrize("backend", ["onnx-int8", "torch-bf16"])
+def test_a_lower_precision_backend_is_checked_against_fp32_and_refused_when_it_bends(folders, backend, monkeypatch):
+    """ONNX Runtime's INT8 and torch bf16 are checked like OpenVINO's static INT8 (issue 51, item 3): the cosine of
+    the folder's vectors to the FP32 graph's on the check texts, kept in a cache folder; below the kept bounds the
+    backend is refused with the figures and the backends that would work."""
+    from encoderkit.errors import EncoderkitError
+    from encoderkit.inference import engines
+
+    seen = []
+    real = engines.fidelity
+    monkeypatch.setattr(engines, "fidelity", lambda *a, **k: seen.append(1) or real(*a, **k))
+    Predictor.load(folders["embed"], backend=backend, threads=1)  # the real check passes on the tiny model
+    Predictor.load(folders["embed"], backend=backend, threads=1)  # and is kept: not run again
+    Predictor.load(folders["classify"], backend=backend, threads=1)  # other tasks: judged by dev-row agreement
+    assert len(seen) <= 1
+
+    monkeypatch.setattr(engines, "INT8_FIDELITY", (0.99, 1.01))  # a new bound: a new check, which no graph meets
+    with pytest.raises(EncoderkitError, match=rf"--backend {backend} bends this folder's vectors \(cosine to FP32 "
+                                              r"[0-9.]+ mean / [0-9.]+ min on \d+ check texts, below the 0\.99 mean / "
+                                              r"1\.01 min kept\), so it is refused; use --backend onnx-fp32"):
+        Predictor.load(folders["embed"], backend=backend, threads=1)

@@ -106,3 +106,20 @@ def test_corrupt_onnx_is_refused(tmp_path_factory, tiny_tokenizer_dir, tmp_path,
                str(tmp_path / "out.jsonl"), "--backend", "onnx-fp32"])
     assert rc == 2 and "re-create it with encoderkit export" in capsys.readouterr().err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_int8_graph_beyond_its_parity_leaves_the_fp32_graph_usable(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """The engines' cached export makes both graphs at once; an INT8 graph that fails its parity check is dropped
+    with its reason kept, so --backend onnx-fp32 (and auto) still run and onnx-int8 is refused naming the reason
+    (before: the FP32 graph failed with it)."""
+    from encoderkit.inference import export
+    from encoderkit.inference.predictor import Predictor
+
+    folder = make_task_model(tmp_path, tiny_tokenizer_dir, "classify")
+    calls = iter(range(100))  # the INT8 graph's probabilities and PyTorch's made to differ by up to 1
+    monkeypatch.setattr(export, "_probs", lambda logits, multi: np.full(logits.shape, float(next(calls) % 2)))
+    fp32 = Predictor.load(folder, backend="onnx-fp32", threads=1)
+    assert fp32.classify(["a short text"])[0]["label"]
+    with pytest.raises(EncoderkitError, match=r"probabilities differ from PyTorch by up to .*--backend onnx-int8 is "
+                                              r"refused for this folder; use --backend onnx-fp32"):
+        Predictor.load(folder, backend="onnx-int8", threads=1)

@@ -110,7 +110,7 @@ def test_a_run_prints_the_warnings_and_the_flags_silence_them(tmp_path, tiny_ber
     other_tok = tmp_path / "other_tok"
     BertTokenizerFast(vocab=str(tmp_path / "vocab.txt"), do_lower_case=True).save_pretrained(other_tok)
     base = {"model": str(tiny_bert_dir), "train": str(train), "dev": str(dev), "lr": 1e-3, "batch_size": 16,
-            "eval_batch_size": 64, "tokenizer": str(other_tok)}
+            "eval_batch_size": 64, "tokenizer": str(other_tok), "few_label": "off"}
     run(FinetuneConfig(**base, out=str(tmp_path / "a"), epochs=5))
     err = capsys.readouterr().err
     for rule in ("high-lr", "many-epochs", "other-tokenizer", "unaudited-labels"):
@@ -121,3 +121,8 @@ def test_a_run_prints_the_warnings_and_the_flags_silence_them(tmp_path, tiny_ber
     assert "--allow unaudited-labels" in err and "--allow high-lr" not in err and "--allow other-tokenizer" not in err
     run(FinetuneConfig(**base, out=str(tmp_path / "c"), max_steps=1, no_guardrails=True))
     assert "finetune: warning" not in capsys.readouterr().err
+    # the few-label route (its own lr, one pass) judges the tokenizer and the labels' source, not --lr/--epochs
+    run(FinetuneConfig(**{**base, "few_label": "on", "pair_iterations": 1}, out=str(tmp_path / "d"), epochs=5))
+    err = capsys.readouterr().err
+    assert "--allow other-tokenizer" in err and "--allow unaudited-labels" in err
+    assert "--allow high-lr" not in err and "--allow many-epochs" not in err

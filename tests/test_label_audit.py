@@ -116,6 +116,25 @@ def test_report_accuracy_on_audited_items_and_gold_outside_the_label_set(tmp_pat
         report(ReportConfig(input=str(tmp_path / "labeled.jsonl"), sheet=str(tmp_path / "sheet.csv")))
 
 
+def test_sheet_errors_name_the_line_a_row_starts_on_past_multi_line_cells(tmp_path):
+    """A quoted text cell holding line breaks (a review pasted with its paragraphs) makes a row span several lines:
+    errors name the line the row starts on, not its index."""
+    from encoderkit.label.report import ReportConfig
+    from encoderkit.label.report import run as report
+    from encoderkit.label.sheet import read_sheet
+
+    recs = [{"text": "one\ntwo\nthree" if i == 0 else f"text {i}", "label": "pos", "labeller": "sim"} for i in range(3)]
+    (tmp_path / "labeled.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    sheet = tmp_path / "sheet.csv"
+    sheet.write_text('row,text,label,gold\n0,"one\ntwo\nthree",pos,pos\n1,text 1,pos,pos\n2,text 2,pos,Positive\n')
+    assert [r.line for r in read_sheet(sheet)] == [2, 5, 6]
+    with pytest.raises(EncoderkitError, match=r"sheet.csv:6: gold label 'Positive' is not one of the labels"):
+        report(ReportConfig(input=str(tmp_path / "labeled.jsonl"), sheet=str(sheet)))
+    sheet.write_text('row,text,label,gold\n0,"one\ntwo\nthree",pos,pos\n1,text 9,pos,pos\n')
+    with pytest.raises(EncoderkitError, match=r"sheet.csv:5: row 1 does not match line 2"):
+        report(ReportConfig(input=str(tmp_path / "labeled.jsonl"), sheet=str(sheet)))
+
+
 def test_encoder_cost_records_the_predictors_engine():
     from encoderkit.inference.policy import EngineChoice
     from encoderkit.label.report import encoder_cost

@@ -293,15 +293,16 @@ def test_label_on_ray_equals_the_local_run(cluster, models, tmp_path, labeller):
         assert "engine" not in ledgers[0]
 
 
-def _reading_ahead(monkeypatch, module, out: Path) -> list[int]:
-    """Wraps ``module.iter_texts``: for each row read, how many rows were read and not yet in the (temporary)
-    output file then; the list it fills."""
+def _reading_ahead(monkeypatch, module, out: Path) -> list[list[int]]:
+    """Wraps ``module.iter_texts``: per pass over the input (label's first pass only checks and counts the rows,
+    keeping none), for each row read, how many rows were read and not yet in the (temporary) output file then."""
     real, ahead = module.iter_texts, []
 
     def counting(*a):
+        ahead.append([])
         for n, row in enumerate(real(*a), 1):
             tmp = list(out.parent.glob(f".{out.name}.tmp-*"))
-            ahead.append(n - (len(tmp[0].read_text().splitlines()) if tmp else 0))
+            ahead[-1].append(n - (len(tmp[0].read_text().splitlines()) if tmp else 0))
             yield row
 
     monkeypatch.setattr(module, "iter_texts", counting)
@@ -339,7 +340,7 @@ def test_label_reads_labels_and_writes_a_block_at_a_time(cluster, models, tmp_pa
         out = tmp_path / f"{ray}.jsonl"
         ahead = _reading_ahead(monkeypatch, label, out)
         label.run(label.LabelConfig(**common, output=str(out), ray=ray, ray_actors=2, ray_batch=8))
-        assert max(ahead) == bound < 150
+        assert len(ahead) == 2 and max(ahead[-1]) == bound < 150  # the check pass, then the labelling pass
         _same_records(want, _jsonl(out), floats=("confidence",), atol=1e-6)
 
 

@@ -300,7 +300,7 @@ def test_real_latin1_gutenberg_file_offset_and_skip_count(shared_data, tmp_path)
 def test_jsonl_bad_line_and_missing_field(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"text": broken}\n', encoding="utf-8")
-    with pytest.raises(EncoderkitError, match=r"bad\.jsonl:2: not a JSON object"):
+    with pytest.raises(EncoderkitError, match=r"bad\.jsonl:2: not valid JSON"):
         list(iter_documents(str(path)))
     path.write_text('{"text": "ok"}\n\n{"body": "x", "id": 3}\n', encoding="utf-8")
     with pytest.raises(EncoderkitError, match=r"bad\.jsonl:3: no field 'text' \(fields found: body, id\)"):

@@ -7,7 +7,8 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "encoderkit"
-LEAVES = {"data/beir.py", "metrics/ranking.py"}  # nothing of encoderkit but its errors
+LEAVES = {"data/beir.py": {"encoderkit.errors", "encoderkit.io", "encoderkit.data.files"},  # errors and the readers
+          "metrics/ranking.py": {"encoderkit.errors"}}
 MOVED = ("beir", "metrics", "exact", "mining")  # retrieval/ no longer holds these
 
 
@@ -22,7 +23,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_retrieval_layers():
-    for name in LEAVES:
-        assert _imports(PKG / name) <= {"encoderkit.errors"}, name
+    for name, allowed in LEAVES.items():
+        assert _imports(PKG / name) <= allowed, name
     assert not any((PKG / "retrieval" / f"{name}.py").exists() for name in MOVED)  # one home each
     assert not (PKG / "tasks" / "beir.py").exists()

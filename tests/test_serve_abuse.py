@@ -6,6 +6,7 @@ Retry-After at once), clients share the model fairly, connections are capped per
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
@@ -109,6 +110,35 @@ def test_a_greedy_clients_backlog_never_delays_a_small_request_by_more_than_its_
     assert calls[first_b].count("a") <= 2  # its credit: 200 tokens, two items
 
 
+def test_a_clients_connections_take_turns_within_its_share():
+    """One client (a reverse proxy's address) on two connections: the first queues 100 items, the second one item
+    after it. They take turns an item at a time, so the second's item is in the next batch, not behind the
+    first connection's backlog."""
+    calls: list[list[str]] = []
+    gate = threading.Event()
+
+    def fn(items):
+        gate.wait(10)
+        calls.append(list(items))
+        return items
+
+    async def scenario():
+        b = MicroBatcher(fn, max_batch=32, max_wait_ms=0)
+        await b.start()
+        backlog = asyncio.ensure_future(b.submit(["a"] * 100, client="proxy", connection=1))
+        await asyncio.sleep(0.02)  # its first batch holds the model
+        small = asyncio.ensure_future(b.submit(["b"], client="proxy", connection=2))
+        await asyncio.sleep(0.02)
+        gate.set()
+        out = await asyncio.gather(backlog, small)
+        await b.close()
+        return out
+
+    backlog, small = asyncio.run(scenario())
+    assert backlog == ["a"] * 100 and small == ["b"]
+    assert "b" in calls[1], [len(c) for c in calls]
+
+
 def test_the_queue_is_bounded_in_texts_and_time_with_small_requests_still_admitted():
     async def scenario():
         gate = threading.Event()
@@ -171,9 +201,9 @@ def test_a_cancelled_request_is_dropped_and_its_items_never_computed():
 
 
 def test_a_large_request_is_tokenized_only_once_computed_never_when_refused_or_abandoned():
-    """A small request is counted at once; a large one (over OFFLOAD_CHARS) is queued at its byte bound and counted
-    only after it is computed: one refused by the queue, or whose caller leaves before its turn, is never tokenized
-    (the CPU of the model calls is not spent on requests that are never computed)."""
+    """Requests are queued at an estimate and counted only after they are computed (here by ``cost``, as for a
+    call that does not count): one refused by the queue, or whose caller leaves before its turn, is never
+    tokenized (the CPU of the model calls is not spent on requests that are never computed)."""
     counted: list[str] = []
     gate = threading.Event()
 
@@ -212,8 +242,9 @@ def test_a_large_request_is_tokenized_only_once_computed_never_when_refused_or_a
 
 def test_short_requests_never_wait_for_more_than_one_clients_long_items():
     """Three clients queue long items, two send short ones. A batch's short requests run in a call of their own,
-    first; the long items it took wait, one client's a call, between later batches: a small request waits for
-    one client's long items at most, not for every long item of its batch."""
+    first; the long items it took wait, one client's a call, between later batches (within their share of the
+    model's time): a small request waits for one client's long items at most, not for every long item of its
+    batch."""
     calls: list[list[tuple[str, int]]] = []
     gate = threading.Event()
 
@@ -241,8 +272,27 @@ def test_short_requests_never_wait_for_more_than_one_clients_long_items():
     assert all(len({x[1] for x in c}) == 1 for c in calls), calls  # short and long items never share a call
     short_at = [i for i, c in enumerate(calls) if c[0][1] == 20]
     assert len(short_at) == 5 and short_at[0] == 0, calls  # each wave in one call; the first batch's shorts first
-    assert all(b - a == 2 for a, b in itertools.pairwise(short_at)), calls  # one long call between two waves
+    assert all(b - a <= 2 for a, b in itertools.pairwise(short_at)), calls  # one long call at most between two waves
     assert all(len({x[0] for x in c}) == 1 for c in calls[:short_at[-1]] if c[0][1] == 256), calls  # one client's
+
+
+def test_a_client_alone_gets_its_long_items_in_whole_batches():
+    """Long items run in calls of ``fair_tokens`` only while another client is queued: a client alone embedding
+    long passages gets batches of ``max_batch`` rows, not one row a call."""
+    calls: list[int] = []
+
+    def fn(items):
+        calls.append(len(items))
+        return items
+
+    async def scenario():
+        b = MicroBatcher(fn, max_batch=8, max_wait_ms=1, cost=lambda xs: [x[1] for x in xs], fair_tokens=256)
+        await b.start()
+        await b.submit([("p", 256)] * 20, client="alone")
+        await b.close()
+
+    asyncio.run(scenario())
+    assert sum(calls) == 20 and max(calls) == 8 and len(calls) <= 4, calls
 
 
 def test_a_refused_connection_is_held_before_its_503_so_reconnecting_in_a_loop_is_slow():
@@ -289,6 +339,93 @@ def test_a_client_that_disconnects_is_not_computed_for():
         assert stub.rows == rows  # nothing more was computed for it
         assert rows < 128
         assert _post(url, ["after"]).status_code == 200
+
+
+def test_a_client_gets_one_share_however_many_connections_it_opens():
+    """A greedy client loops 32-text requests on 8 connections from one address; another client sends one text.
+    Shared by address, the greedy client's items in the batch that computes the small request are one share (the
+    256 tokens of credit: 4 texts of 64 tokens), not 8 (one per connection, which filled whole batches)."""
+    calls: list[list[str]] = []
+    stub = _Stub(per_call=0.02)
+    stub_run = stub.run_rows
+
+    def run_rows(rows):
+        calls.append(["good" if len(r["input_ids"]) < 10 else "greedy" for r in rows])
+        return stub_run(rows)
+
+    stub.run_rows = run_rows  # type: ignore[method-assign]
+    stop = threading.Event()
+
+    def greedy() -> None:
+        with httpx.Client(base_url=url, timeout=30, transport=httpx.HTTPTransport(local_address=ABUSER)) as c:
+            while not stop.is_set():
+                c.post("/v1/classify", json={"texts": [MAX_TEXT] * 32})
+
+    app = create_app({"m": stub}, Limits(max_texts=64), max_batch=32, max_wait_ms=2, fair_tokens=256)
+    with BackgroundServer(app) as url:
+        threads = [threading.Thread(target=greedy) for _ in range(8)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while len(calls) < 8 and time.monotonic() < deadline:  # every connection's request has arrived
+            time.sleep(0.02)
+        with httpx.Client(base_url=url, timeout=30, transport=httpx.HTTPTransport(local_address="127.0.0.4")) as c:
+            r = c.post("/v1/classify", json={"texts": ["good"]})
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert r.status_code == 200
+    shared = next(c for c in calls if "good" in c)
+    assert shared.count("greedy") <= 5, [c.count("greedy") for c in calls]
+
+
+class _CountingTokenizer:
+    """A fast (Rust) tokenizer that notes every text it tokenizes."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer, self.seen = AutoTokenizer.from_pretrained(folder), []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, texts, *args, **kw):
+        self.seen.extend(texts if isinstance(texts, list) else [texts])
+        return self.tokenizer(texts, *args, **kw)
+
+
+def test_each_text_is_tokenized_once_by_the_model_call(tiny_tokenizer_dir):
+    """The queue sizes a request without tokenizing it, and the counts a response reports ('truncated') come from
+    the model call's own tokenizing: each text of a small request and of a large one is tokenized once."""
+    stub = _Stub()
+    stub.tokenizer = _CountingTokenizer(tiny_tokenizer_dir)  # type: ignore[assignment]
+    long_text = "a good movie " * 40  # 120 words: over the stub's 64 tokens
+    large = [f"text {i} " + "x" * 1400 for i in range(20)]  # 28,000 characters: a large request
+    app = create_app({"m": stub}, Limits(max_texts=64), max_wait_ms=1)
+    with BackgroundServer(app) as url:
+        small = _post(url, ["a good movie", long_text])
+        big = _post(url, large)
+    assert small.status_code == 200 and small.json()["truncated"] == [1]
+    assert big.status_code == 200 and big.json()["truncated"] == []
+    seen = __import__("collections").Counter(stub.tokenizer.seen)
+    assert seen == {t: 1 for t in ["a good movie", long_text, *large]}, {t[:20]: n for t, n in seen.items() if n > 1}
+
+
+def test_the_token_tap_counts_as_the_tokenizer_does_truncated_ones_one_past_the_cut(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from encoderkit.deploy.batching import TokenTap, token_counts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    texts = ["a good movie", "not so good " * 30, ""]
+    pairs = [("a question", "an answer " * 20), ("short", "pair")]
+    tap = TokenTap(tokenizer)
+    tap(texts, truncation=True, max_length=16)
+    tap([q for q, _ in pairs], [d for _, d in pairs], truncation=True, max_length=16)
+    assert [tap.counts[x] for x in [*texts, *pairs]] == token_counts(tokenizer, texts, 17) + token_counts(
+        tokenizer, pairs, 17)
+    assert tap.counts["not so good " * 30] == 17 and len(tap) == len(tokenizer)
 
 
 def test_a_full_queue_answers_503_with_retry_after_at_once():
@@ -392,17 +529,24 @@ def _good_client(url: str, stop: threading.Event, out: list[float], errors: list
             out.append(time.perf_counter() - start)
 
 
+ABUSER = "127.0.0.3"  # the greedy and abandoning client's address (serve shares the model by address)
+
+
 def _greedy_client(url: str, stop: threading.Event, answered: list[int]) -> None:
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with httpx.Client(base_url=url, timeout=60, transport=httpx.HTTPTransport(local_address=ABUSER)) as c:
         while not stop.is_set():
             answered.append(c.post("/v1/classify", json={"texts": [MAX_TEXT] * 256}).status_code)
 
 
-def _abandoner(url: str) -> None:
-    try:
-        _post(url, [MAX_TEXT] * 256, timeout=0.3)
-    except httpx.HTTPError:
-        pass
+def _abandoner(url: str, stop: threading.Event, abandoned: list[int]) -> None:
+    """A maximum-size request dropped after 0.3 s, again every second."""
+    while not stop.is_set():
+        with httpx.Client(base_url=url, timeout=0.3, transport=httpx.HTTPTransport(local_address=ABUSER)) as c:
+            try:
+                c.post("/v1/classify", json={"texts": [MAX_TEXT] * 256})
+            except httpx.HTTPError:
+                abandoned.append(1)
+        stop.wait(0.7)
 
 
 def _idle_sockets(url: str, stop: threading.Event, n: int) -> None:
@@ -437,43 +581,55 @@ def _p99(xs: list[float]) -> float:
     return float(np.percentile(xs, 99))
 
 
-def _phase(url: str, seconds: float, good: int, abuse: bool) -> tuple[list[float], list[str], list[int]]:
-    stop, latencies, errors, greedy = threading.Event(), [], [], []
-    threads = [threading.Thread(target=_good_client, args=(url, stop, latencies, errors)) for _ in range(good)]
+def _phase(url: str, seconds: float, good: int, abuse: bool) -> tuple[list[float], list[str], list[int], int]:
+    """Good clients' latencies and errors over ``seconds``, with ``abuse`` under way (from 0.5 s before), the
+    greedy client's statuses and the number of abandoned requests."""
+    stop, latencies, errors, greedy, abandoned = threading.Event(), [], [], [], []
+    threads = []
     if abuse:
         threads += [threading.Thread(target=_greedy_client, args=(url, stop, greedy)),
                     threading.Thread(target=_idle_sockets, args=(url, stop, 150))]
-        threads += [threading.Thread(target=_abandoner, args=(url,)) for _ in range(6)]
-    for t in threads:
+        threads += [threading.Thread(target=_abandoner, args=(url, stop, abandoned)) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the abuse is under way (the bench's good clients start so too)
+    good_threads = [threading.Thread(target=_good_client, args=(url, stop, latencies, errors)) for _ in range(good)]
+    for t in good_threads:
         t.start()
     time.sleep(seconds)
     stop.set()
-    for t in threads:
+    for t in [*threads, *good_threads]:
         t.join(60)
-    return latencies, errors, greedy
+    return latencies, errors, greedy, len(abandoned)
 
 
 def test_good_clients_keep_their_latency_beside_a_greedy_client_abandoned_requests_and_idle_sockets():
     """Six good clients loop small requests; then, beside them, a client loops maximum-size requests (256 x 1,500
-    characters), six such requests are abandoned after 0.3 s, and 150 idle sockets from another address are held
-    open (reopened as they are closed). Oldest-first batching made the good clients wait for whole maximum-size
-    requests; here they get no error and their p99 stays within a bound of their p99 without the abuse (the issue
-    asks 2x; the bound here is wider for a loaded 2-core machine: docs/deploy.md has the measured ratio)."""
+    characters), six such requests are abandoned after 0.3 s every second (both from 127.0.0.3), and 150 idle
+    sockets from 127.0.0.2 are held open (reopened as they are closed). Oldest-first batching made the good
+    clients wait for whole maximum-size requests; here they get no error and their p99 stays within a bound of
+    their p99 without the abuse (the issue asks 2x; the bound here is wider for a loaded 2-core machine:
+    docs/deploy.md has the measured ratio)."""
     stub = _Stub(per_token=60e-6, per_call=0.002)  # a maximum-size request: 16,384 tokens, 1 s of model calls
     app = create_app({"m": stub}, Limits(max_texts=256, max_chars=2000), max_batch=32, max_wait_ms=2,
                      max_queue_texts=4096, max_queue_wait_s=5.0, fair_tokens=256)
     options = server_options(head_timeout_s=1.0, max_connections=200, max_connections_per_client=40)
-    with BackgroundServer(app, **options) as url:
-        _phase(url, 0.5, 6, abuse=False)  # warm-up
-        quiet, quiet_errors, _ = _phase(url, 2.5, 6, abuse=False)
-        rows = stub.rows
-        abused, abuse_errors, greedy = _phase(url, 3.0, 6, abuse=True)
-        abuse_rows = stub.rows - rows
+    gc.collect()
+    gc.freeze()  # as serve does (_freeze_startup_heap): the heap of the tests before is not walked by each collection
+    try:
+        with BackgroundServer(app, **options) as url:
+            _phase(url, 0.5, 6, abuse=False)  # warm-up
+            quiet, quiet_errors, _, _ = _phase(url, 2.5, 6, abuse=False)
+            rows = stub.rows
+            abused, abuse_errors, greedy, abandoned = _phase(url, 3.0, 6, abuse=True)
+            abuse_rows = stub.rows - rows
+    finally:
+        gc.unfreeze()
     assert quiet_errors == [] and abuse_errors == []
     assert len(quiet) > 50 and len(abused) > 50
     q, a = _p99(quiet), _p99(abused)
     # oldest first, a good request waits for whole maximum-size requests (1 s each, and six abandoned ones)
     assert a <= max(4 * q, q + 0.5), (q, a)
     assert 200 in greedy  # fair, not starved
-    # the six abandoned requests (1,536 texts) were not computed after their clients left
-    assert abuse_rows < 2 * len(abused) + 256 * (len(greedy) + 1) + 6 * 256 // 2, abuse_rows
+    # the abandoned requests (256 texts each) were not computed after their clients left
+    assert abandoned >= 6 and abuse_rows < 2 * len(abused) + 256 * (len(greedy) + 1) + abandoned * 256 // 2, abuse_rows

@@ -105,7 +105,8 @@ def test_finetune_full_disk_leaves_no_hidden_run_folder_or_temporary_output(tiny
     train, dev = _tsv(tmp_path / "train.tsv", 64, 0), _tsv(tmp_path / "dev.tsv", 16, 1)
     out = tmp_path / "ft"
     args = ["finetune", "--model", str(tiny_bert_dir), "--task", "classify", "--train", str(train), "--dev", str(dev),
-            "--out", str(out), "--max-steps", "4", "--batch-size", "8", "--eval-every", "2"]
+            "--out", str(out), "--max-steps", "4", "--batch-size", "8", "--eval-every", "2",
+            "--few-label", "off"]  # the standard route's checkpoints (32 a class would take the few-label route)
     # the first checkpoint cannot be written: nothing to resume from, so no .ft.run is kept
     monkeypatch.setattr(ckpt, "save_model", _enospc)
     assert main(args) == 2

@@ -6,13 +6,14 @@ reads them. Evaluation: a BEIR ``PATH#split``, or a queries file (JSONL or TSV) 
 
 from __future__ import annotations
 
-import csv
-import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from encoderkit.data.beir import Retrieval, load_retrieval, split_spec
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import read_csv, read_jsonl, read_lines, records
+from encoderkit.progress import note
 from encoderkit.retrieval.corpus import read_corpus, record_fields
 
 
@@ -28,10 +29,11 @@ class Passage:
         return f"{self.title} {self.text}".strip()
 
 
-def read_passages(spec: str, id_field: str = "id", text_field: str = "text",
-                  title_field: str = "title") -> list[Passage]:
+def read_passages(spec: str, id_field: str = "id", text_field: str = "text", title_field: str = "title",
+                  follow_links: bool = False, links: list[str] | None = None) -> list[Passage]:
     """The passages of ``spec`` (see the module docstring), in file order; empty ones left out; none at all
-    is an error that says what was read."""
+    is an error that says what was read. A folder of files means what is inside it: links that leave it are
+    skipped (each added to ``links`` and said on stderr) unless ``follow_links``."""
     path = Path(str(spec).partition("#")[0])
     if not path.exists():
         raise EncoderkitError(f"--corpus {spec} does not exist")
@@ -44,9 +46,16 @@ def read_passages(spec: str, id_field: str = "id", text_field: str = "text",
         out = _records(path, id_field, text_field, title_field)
     else:
         try:
-            docs = read_corpus([str(spec)]).docs
+            read = read_corpus([str(spec)], follow_links=follow_links)
         except EncoderkitError as e:
             raise EncoderkitError(f"--corpus {spec}: no passage to adapt to ({e})") from e
+        docs = read.docs
+        left = [s for s in read.skipped if "leaves the corpus folder" in s]
+        if left:
+            note(f"skipped {len(left)} link(s) that leave the corpus folder {spec} (e.g. {left[0].split(': ')[0]}); "
+                 "pass --follow-links to read them")
+            if links is not None:
+                links.extend(left)
         out = [Passage(d.id, "", d.text) for d in docs]
     out = [p for p in out if p.full]
     seen: set[str] = set()
@@ -68,22 +77,12 @@ def _records(path: Path, id_field: str, text_field: str, title_field: str) -> li
     return out
 
 
-def _rows(path: Path):
-    with open(path, encoding="utf-8", newline="") as f:
-        if path.suffix == ".csv":
-            for n, rec in enumerate(csv.DictReader(f), 2):
-                yield f"{path}:{n}", rec
-            return
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EncoderkitError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-            if not isinstance(rec, dict):
-                raise EncoderkitError(f"{path}:{n}: expected a JSON object")
-            yield f"{path}:{n}", rec
+def _rows(path: Path, flag: str = "--corpus") -> Iterator[tuple[str, dict]]:
+    """(``file:line``, record) of a JSONL or CSV file through the one line reader (only \\n ends a record, a BOM
+    dropped, blank lines counted, a bad byte named by line and offset)."""
+    rows = read_csv(path, flag) if path.suffix == ".csv" else read_jsonl(path, flag)
+    for n, rec in rows:
+        yield f"{path}:{n}", rec
 
 
 def eval_data(passages: list[Passage], source: str, queries: str, qrels: str) -> Retrieval | None:
@@ -98,21 +97,18 @@ def eval_data(passages: list[Passage], source: str, queries: str, qrels: str) ->
     corpus = {p.id: (p.title, p.text) for p in passages}
     qs = _eval_queries(Path(queries))
     judged: dict[str, dict[str, int]] = {}
-    with open(qrels, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            cells = line.rstrip("\n").split("\t") if "\t" in line else line.split()
-            if not cells or not line.strip():
-                continue
-            if n == 1 and not cells[-1].lstrip("-").isdigit():
-                continue  # header
-            if len(cells) == 4:  # TREC: query 0 doc score
-                cells = [cells[0], cells[2], cells[3]]
-            if len(cells) != 3 or not cells[2].lstrip("-").isdigit():
-                raise EncoderkitError(f"{qrels}:{n}: expected 'query-id<TAB>corpus-id<TAB>score'")
-            if cells[1] not in corpus:
-                raise EncoderkitError(f"{qrels}:{n}: passage {cells[1]!r} is not in --corpus; the judged passages must "
-                                      "be the corpus's own ids")
-            judged.setdefault(cells[0], {})[cells[1]] = int(cells[2])
+    for n, line in records(read_lines(qrels, "--eval-qrels"), qrels):
+        cells = line.split("\t") if "\t" in line else line.split()
+        if n == 1 and not cells[-1].lstrip("-").isdigit():
+            continue  # header
+        if len(cells) == 4:  # TREC: query 0 doc score
+            cells = [cells[0], cells[2], cells[3]]
+        if len(cells) != 3 or not cells[2].lstrip("-").isdigit():
+            raise EncoderkitError(f"{qrels}:{n}: expected 'query-id<TAB>corpus-id<TAB>score'")
+        if cells[1] not in corpus:
+            raise EncoderkitError(f"{qrels}:{n}: passage {cells[1]!r} is not in --corpus; the judged passages must "
+                                  "be the corpus's own ids")
+        judged.setdefault(cells[0], {})[cells[1]] = int(cells[2])
     judged = {q: r for q, r in judged.items() if q in qs}
     if not judged:
         raise EncoderkitError(f"--eval-qrels {qrels}: no judged query is in --eval-queries {queries}")
@@ -120,15 +116,13 @@ def eval_data(passages: list[Passage], source: str, queries: str, qrels: str) ->
 
 
 def _eval_queries(path: Path) -> dict[str, str]:
-    if not path.is_file():
-        raise EncoderkitError(f"--eval-queries {path} does not exist")
     if path.suffix == ".jsonl":
-        return {str(r.get("_id", r.get("id"))): str(r["text"]) for _, r in _rows(path) if "text" in r}
+        return {str(r.get("_id", r.get("id"))): str(r["text"]) for _, r in _rows(path, "--eval-queries")
+                if "text" in r}
     out = {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            qid, sep, text = line.partition("\t")
-            if not sep:
-                raise EncoderkitError(f"{path}:{n}: expected 'query-id<TAB>text' (or a .jsonl of {{_id, text}})")
-            out[qid] = text
+    for n, line in records(read_lines(path, "--eval-queries"), str(path)):
+        qid, sep, text = line.partition("\t")
+        if not sep:
+            raise EncoderkitError(f"{path}:{n}: expected 'query-id<TAB>text' (or a .jsonl of {{_id, text}})")
+        out[qid] = text
     return out

@@ -1,7 +1,9 @@
 """Queries for each passage: asked of an LLM endpoint, or made offline from the passage itself.
 
-* ``endpoint``: the prompt goes through the labeller's client (retries, concurrency, answer cache);
-  :func:`parse_queries` reads the queries out of the answer; a passage with none is skipped and counted.
+* ``endpoint``: the prompt (:data:`QUERY_TEMPLATE`, rendered by :func:`query_prompt`: also ``label --task
+  embed``'s) goes through the labeller's client (retries, concurrency, answer cache); :func:`parse_queries` reads
+  the queries out of the answer (:func:`screen_queries` also says why each dropped line was dropped); a passage
+  with none is skipped and counted.
 * ``offline``: the title, the first sentence, other sentences (the inverse cloze task, Lee et al. 2019: the
   sentence is taken out of the positive, else the model learns only to match a string), or ``cloze`` rewrites.
 
@@ -15,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ OFFLINE_KINDS = ("title", "first", "sentence", "cloze")
 CLOZE_CHUNK = 64  # passages whose cloze sentences go to the masked-LM together
 MIN_WORDS, MAX_WORDS = 2, 32
 PROMPT_CHARS = 4000  # a passage longer than this is cut in the prompt (the whole passage is still the positive)
+ANSWER_TOKENS = 200  # the longest answer asked for (room for a few queries)
 
 _BULLET = re.compile(
     r"^\s*(?:[-*\u2022>]+|\(?\d{1,2}[.):]|\(?[a-z][.)]|q\d*[.:)]|(?:search\s+)?query\s*\d*\s*[:.)-])\s*",
@@ -42,29 +46,82 @@ _QUOTES = "\"'`\u201c\u201d\u2018\u2019*"
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[]?[A-Z0-9])")
 
 
-def parse_queries(answer: str | None, n: int) -> list[str]:
-    """Up to ``n`` distinct queries in an answer (see the module docstring); [] when there are none."""
+def query_prompt(template: str, n: int, text: str) -> str:
+    """The prompt asking for ``n`` queries of a passage ``text`` (cut to :data:`PROMPT_CHARS`): ``template`` with
+    ``{n}`` and ``{text}`` replaced literally."""
+    return template.replace("{n}", str(n)).replace("{text}", text[:PROMPT_CHARS])
+
+
+@dataclass
+class Screened:
+    """An answer's queries, and how many lines were dropped for each reason: ``empty`` (an empty answer, or a
+    bullet or quotes with nothing in them), ``not_a_query`` (a header such as "Here are 3 queries:", a number),
+    ``too_short``/``too_long`` (words outside :data:`MIN_WORDS`..``max_words``), ``copied`` (repeats
+    ``copy_words`` consecutive words of the passage), ``duplicate`` (the same as an earlier one, case aside),
+    ``extra`` (beyond the ``n`` asked for). Blank lines between queries are layout, not counted."""
+
+    kept: list[str]
+    dropped: Counter = field(default_factory=Counter)
+
+
+DROP_REASONS = ("empty", "not_a_query", "too_short", "too_long", "copied", "duplicate", "extra")  # see Screened
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
+def copies(query: str, passage_grams: set[tuple[str, ...]], k: int) -> bool:
+    """Whether ``query`` holds ``k`` consecutive words of a passage whose ``k``-word runs are ``passage_grams``
+    (case and punctuation aside)."""
+    w = _words(query)
+    return any(tuple(w[i : i + k]) in passage_grams for i in range(len(w) - k + 1))
+
+
+def word_runs(text: str, k: int) -> set[tuple[str, ...]]:
+    w = _words(text)
+    return {tuple(w[i : i + k]) for i in range(len(w) - k + 1)} if k > 0 else set()
+
+
+def screen_queries(answer: str | None, n: int, passage: str = "", *, max_words: int = MAX_WORDS,
+                   copy_words: int = 0) -> Screened:
+    """Up to ``n`` distinct queries in an answer (a JSON list, else one per line; bullets, numbering and quotes
+    stripped), and the count of each reason a line was dropped (see :class:`Screened`); ``copy_words`` > 0
+    drops a query repeating that many consecutive words of ``passage``."""
+    out = Screened([])
     if not answer or not answer.strip():
-        return []
+        out.dropped["empty"] += 1
+        return out
     text = answer.strip()
     lines: list[str]
     try:
         parsed = json.loads(text)
-        lines = [str(x) for x in parsed] if isinstance(parsed, list) else text.splitlines()
+        lines = [str(x).strip() or '""' for x in parsed] if isinstance(parsed, list) else text.splitlines()
     except json.JSONDecodeError:
         lines = text.splitlines()
-    out: list[str] = []
+    grams = word_runs(passage, copy_words) if copy_words and passage else set()
+    seen: set[str] = set()
     for line in lines:
+        if not line.strip():
+            continue  # layout between queries
         q = _BULLET.sub("", line.strip()).strip().strip(_QUOTES).strip()
-        if not q or q.endswith(":") or not any(c.isalpha() for c in q):
-            continue  # a header ("Here are 3 queries:"), a separator or a number
         words = q.split()
-        if not MIN_WORDS <= len(words) <= MAX_WORDS:
+        reason = ("empty" if not q else "not_a_query" if q.endswith(":") or not any(c.isalpha() for c in q)
+                  else "too_short" if len(words) < MIN_WORDS else "too_long" if len(words) > max_words
+                  else "copied" if grams and copies(q, grams, copy_words)
+                  else "duplicate" if " ".join(words).lower() in seen else "extra" if len(out.kept) >= n else "")
+        if reason:
+            out.dropped[reason] += 1
             continue
         q = " ".join(words)
-        if q.lower() not in {x.lower() for x in out}:
-            out.append(q)
-    return out[:n]
+        seen.add(q.lower())
+        out.kept.append(q)
+    return out
+
+
+def parse_queries(answer: str | None, n: int) -> list[str]:
+    """Up to ``n`` distinct queries in an answer (see :func:`screen_queries`); [] when there are none."""
+    return screen_queries(answer, n).kept
 
 
 def split_sentences(text: str) -> list[str]:
@@ -163,7 +220,7 @@ class QueryLog:
         if path.is_file():
             raw = path.read_bytes()
             keep = raw[: raw.rfind(b"\n") + 1]  # complete lines only
-            lines = keep.decode("utf-8").splitlines()
+            lines = keep.decode("utf-8").split("\n")[:-1]  # only \n ends a line: a raw U+2028 is text
             if lines and json.loads(lines[0]) != meta:
                 raise EncoderkitError(f"{path} was written with other query settings ({lines[0][:200]}); rerun without "
                                       "--resume to start again, or with the same settings")
@@ -233,7 +290,7 @@ def endpoint_maker(labeller: Any, template: str, n: int) -> Callable[..., int]:
     """``make`` for :func:`generate` over an :class:`~encoderkit.label.endpoint.EndpointLabeller`."""
 
     def make(todo: list[Passage], done: Callable[[int, str | None, list[str]], None]) -> int:
-        prompts = [template.replace("{n}", str(n)).replace("{text}", p.full[:PROMPT_CHARS]) for p in todo]
+        prompts = [query_prompt(template, n, p.full) for p in todo]
         sent0 = labeller.sent
         labeller.ask(prompts, [p.full for p in todo], lambda i, a: done(i, a, parse_queries(a, n)))
         return labeller.sent - sent0

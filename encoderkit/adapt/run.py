@@ -18,7 +18,15 @@ from typing import Any
 from encoderkit.adapt.cloze import NEEDS_MODEL, ClozeWriter
 from encoderkit.adapt.negatives import doc_length, margin_build, mine
 from encoderkit.adapt.passages import eval_data, read_passages
-from encoderkit.adapt.queries import OFFLINE_KINDS, QUERY_TEMPLATE, QueryLog, endpoint_maker, generate, offline_maker
+from encoderkit.adapt.queries import (
+    ANSWER_TOKENS,
+    OFFLINE_KINDS,
+    QUERY_TEMPLATE,
+    QueryLog,
+    endpoint_maker,
+    generate,
+    offline_maker,
+)
 from encoderkit.compress.distill_embed import check_plain_embedder
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
@@ -71,6 +79,8 @@ class AdaptConfig(StageConfig):
     id_field: str = arg("id", help="Corpus records: the id field (default id, else _id).")
     text_field: str = arg("text", help="Corpus records: the text field.")
     title_field: str = arg("title", help="Corpus records: the title field (optional in each record).")
+    follow_links: bool = arg(False, help="Also read files that symbolic links inside a corpus folder point to "
+                                         "outside it (by default such links are skipped and counted).")
     # endpoint
     endpoint: str = arg("", help="endpoint: the server's base URL, e.g. http://127.0.0.1:8080/v1.")
     llm: str = arg("", help="endpoint: the model name the server expects.")
@@ -79,7 +89,7 @@ class AdaptConfig(StageConfig):
     template: str = arg("", help="endpoint: prompt template (a file or the text) with {text} and optionally {n} "
                                  "(the queries asked for); default: a short instruction, one query per line.")
     temperature: float = arg(0.7, help="endpoint: sampling temperature (some variety between the queries).")
-    max_tokens: int = arg(200, help="endpoint: longest answer in tokens.")
+    max_tokens: int = arg(ANSWER_TOKENS, help="endpoint: longest answer in tokens.")
     retries: int = arg(5, help="endpoint: tries again after 429/5xx/timeouts/refused connections (backoff doubling).")
     # negatives and training
     num_negatives: int = arg(1, help="Hard negatives per query, mined with --model from its top 30.")
@@ -148,10 +158,11 @@ class AdaptResult:
     training: dict[str, Any]
     before: dict[str, float] = field(default_factory=dict)
     after: dict[str, float] = field(default_factory=dict)
+    skipped_links: int = 0  # links that leave a corpus folder, left out (no --follow-links)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"out": str(self.out), "queries": self.generation, "negatives": self.negatives,
-                               "training": self.training}
+                               "training": self.training, "skipped_links": self.skipped_links}
         if self.before:
             out["eval"] = {"before": self.before, "after": self.after,
                            "ndcg@10_change": round(self.after["ndcg@10"] - self.before["ndcg@10"], 4)}
@@ -187,7 +198,8 @@ def run(cfg: AdaptConfig) -> AdaptResult:
     cloze = None
     if cfg.cloze_model:
         cloze = ClozeWriter(cfg.cloze_model)
-    passages = read_passages(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field)
+    links: list[str] = []  # links that leave a corpus folder, skipped (no --follow-links)
+    passages = read_passages(cfg.corpus, cfg.id_field, cfg.text_field, cfg.title_field, cfg.follow_links, links)
     judged = eval_data(passages, cfg.eval, cfg.eval_queries, cfg.eval_qrels)
     before = evaluate(model, judged, cfg.max_query_length, cfg.batch_size_eval) if judged else {}
     if before:
@@ -213,7 +225,7 @@ def run(cfg: AdaptConfig) -> AdaptResult:
         _write_card(cfg, work, model, counts, negatives, training, before, after)
         write_json_atomic(state / "report.json", {"queries": counts, "negatives": negatives, "training": training,
                                                   "before": before, "after": after})
-    return AdaptResult(Path(cfg.out), counts, negatives, training, before, after)
+    return AdaptResult(Path(cfg.out), counts, negatives, training, before, after, skipped_links=len(links))
 
 
 def _same_settings(path: Path, settings: dict[str, Any]) -> None:

@@ -205,6 +205,9 @@ class DistillConfig(StageConfig):
                             "split named like scifact.zip#train; comma-separated).")
     data: str | None = arg(None, help="mode=agnostic: a folder written by `encoderkit data prepare` (packed token "
                            "blocks).")
+    follow_links: bool = arg(False, help="An embed teacher's --train corpus (and --to static's): also read files that "
+                             "symbolic links inside a corpus folder point to outside it (by default such links are "
+                             "skipped and counted).")
     kl_weight: float = arg(1.0, help="Weight of T^2 * KL(teacher || student) on soft targets.")
     hard_weight: float = arg(0.5, help="Weight of the hard loss: MLM cross-entropy (agnostic) or cross-entropy on "
                              "gold labels (task).")
@@ -262,8 +265,8 @@ class DistillConfig(StageConfig):
 
     # what `distill --to static` reads (compress/distill_static.py); `distill --to static --help` lists only these
     FLAG_VIEWS: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {"to": {"static": (
-        "teacher", "out", "to", "train", "dims", "fit_texts", "weighting", "epochs", "batch_size", "lr", "seed",
-        "overwrite")}}
+        "teacher", "out", "to", "train", "follow_links", "dims", "fit_texts", "weighting", "epochs", "batch_size", "lr",
+        "seed", "overwrite")}}
 
     def validate(self) -> None:
         check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")

@@ -24,6 +24,7 @@ from encoderkit.compress.students import (
     parse_layer_map,
 )
 from encoderkit.config import check
+from encoderkit.data.readers import ReadStats
 from encoderkit.errors import EncoderkitError
 from encoderkit.models.card import inherited_card
 from encoderkit.models.folder import ModelFolder
@@ -118,7 +119,8 @@ def run_embed(cfg: Any) -> Any:
     bad = [d for d in dims if not 0 < d <= teacher_enc.config.hidden_size]
     check(not bad, f"--matryoshka-dims {bad}: sizes must be in 1..{teacher_enc.config.hidden_size}")
 
-    texts = training_texts(cfg.train, cfg.limit, seed=cfg.seed)
+    read = ReadStats()
+    texts = training_texts(cfg.train, cfg.limit, seed=cfg.seed, follow_links=cfg.follow_links, stats=read)
     seq_len = min(cfg.seq_len, max_length)
     bf16 = native_bf16(torch.device("cpu")) if cfg.bf16 is None else bool(cfg.bf16)
     targets = teacher_embeddings(teacher, tokenizer, texts, seq_len, bf16=bf16)
@@ -143,4 +145,4 @@ def run_embed(cfg: Any) -> Any:
              "similarity": "cosine", **card, "matryoshka_dims": dims or card.get("matryoshka_dims", [])}
     res = fit_and_save(cfg, module, loss_fn, source, save, examples=len(texts), layers=layers, facts=facts)
     return DistillResult(Path(cfg.out), layers, teacher_params, sum(p.numel() for p in student_enc.parameters()),
-                         res.steps, res.train_logs)
+                         res.steps, res.train_logs, skipped_links=read.skipped_links)

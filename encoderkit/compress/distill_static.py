@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from encoderkit.config import check
+from encoderkit.data.readers import ReadStats
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.predictor import Predictor
 from encoderkit.io import output_dir
@@ -46,20 +47,25 @@ class StaticResult:
     documents: int
     corpus_tokens: int
     seconds: float
+    skipped_links: int = 0  # links that leave a --train folder, left out (no --follow-links)
 
     def summary(self) -> dict[str, Any]:
         return {"out": str(self.out), "kept_tokens": self.kept, "tokenizer_vocab": self.vocab, "dims": self.dims,
-                "documents": self.documents, "corpus_tokens": self.corpus_tokens, "seconds": round(self.seconds, 1)}
+                "documents": self.documents, "corpus_tokens": self.corpus_tokens, "seconds": round(self.seconds, 1),
+                "skipped_links": self.skipped_links}
 
 
-def count_tokens(tokenizer: Any, sources: str) -> tuple[np.ndarray, int]:
+def count_tokens(tokenizer: Any, sources: str, follow_links: bool = False,
+                 stats: ReadStats | None = None) -> tuple[np.ndarray, int]:
     """(counts (V,) int64 of each token id over the documents of ``sources`` (comma-separated corpora, as
-    ``--train`` reads them), number of documents). Special tokens are not added, so not counted."""
+    ``--train`` reads them: links that leave a folder left out unless ``follow_links``, counted in
+    ``stats.skipped_links``), number of documents). Special tokens are not added, so not counted."""
     counts = np.zeros(len(tokenizer), dtype=np.int64)
     n_docs = 0
     for spec in [s.strip() for s in sources.split(",") if s.strip()]:
         batch: list[str] = []
-        for text in source_documents(spec):
+        own = ReadStats()
+        for text in source_documents(spec, follow_links, own):
             batch.append(text)
             if len(batch) == DOCS_PER_CALL:
                 counts += _bincount(tokenizer, batch, len(counts))
@@ -67,6 +73,8 @@ def count_tokens(tokenizer: Any, sources: str) -> tuple[np.ndarray, int]:
         if batch:
             counts += _bincount(tokenizer, batch, len(counts))
             n_docs += len(batch)
+        if stats is not None:
+            stats.skipped_links += own.skipped_links
     return counts, n_docs
 
 
@@ -190,7 +198,8 @@ def readable(source: str, read: Any) -> Any:
 def fit_pieces(cfg: Any) -> list[str]:
     """The corpus pieces the fit trains on; refused, saying what to do, when the corpus has none."""
     try:
-        return readable(cfg.train, lambda: training_texts(cfg.train, cfg.fit_texts, seed=cfg.seed))
+        return readable(cfg.train, lambda: training_texts(cfg.train, cfg.fit_texts, seed=cfg.seed,
+                                                          follow_links=cfg.follow_links))
     except EncoderkitError as e:
         if "no text of at least" not in str(e):
             raise
@@ -210,7 +219,8 @@ def run_static(cfg: Any) -> StaticResult:
                               f"--dims {width} or fewer (the token vectors are the teacher's, cut by PCA)")
     dims = cfg.dims or min(DEFAULT_DIMS, width)
     tokenizer = teacher.tokenizer
-    counts, n_docs = readable(cfg.train, lambda: count_tokens(tokenizer, cfg.train))
+    read = ReadStats()
+    counts, n_docs = readable(cfg.train, lambda: count_tokens(tokenizer, cfg.train, cfg.follow_links, read))
     ids = kept_tokens(tokenizer, counts)
     if n_docs == 0 or len(ids) == 0:
         raise EncoderkitError(f"--train {cfg.train}: {n_docs} passages with {int(counts.sum())} tokens; a static "
@@ -245,6 +255,7 @@ def run_static(cfg: Any) -> StaticResult:
         seconds = time.perf_counter() - start
         write_card(tmp, "distill", teacher.folder, cfg.result_dict(),
                    {"kept_tokens": len(ids), "documents": n_docs, "corpus_tokens": int(counts.sum()),
-                    "seconds": round(seconds, 1)},
+                    "seconds": round(seconds, 1), "skipped_links": read.skipped_links},
                    task="embed", kind="static", pooling=default_pooling(STATIC), normalize=True)
-    return StaticResult(Path(cfg.out), len(counts), len(ids), int(vectors.shape[1]), n_docs, int(counts.sum()), seconds)
+    return StaticResult(Path(cfg.out), len(counts), len(ids), int(vectors.shape[1]), n_docs, int(counts.sum()), seconds,
+                        read.skipped_links)

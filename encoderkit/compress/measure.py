@@ -54,9 +54,11 @@ class LeverReport:
     details: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
+        # a corpus folder's links left out are said at the top, as every stage that reads a corpus folder says them
+        links = {"skipped_links": self.details["skipped_links"]} if "skipped_links" in self.details else {}
         return {"lever": self.lever, "method": self.method, "model_in": self.model_in,
                 "model_out": self.model_out, "before": self.before, "after": self.after,
-                "details": self.details}
+                "details": self.details, **links}
 
 
 def finish_lever(tmp: Path, lever: str, method: str, model_dir: Path, out_dir: Path, config: dict[str, Any],

@@ -31,6 +31,7 @@ from encoderkit.io import (
     portable,
     portable_path,
     read_json,
+    read_text_file,
     relocate_paths,
     resumable_dir,
     resumed_folder,
@@ -124,10 +125,9 @@ def read_recipe(path: str | Path) -> Any:
     """The mapping of a recipe file (YAML, TOML or JSON)."""
     p = Path(path)
     if p.suffix in (".yaml", ".yml"):
-        if not p.is_file():
-            raise EncoderkitError(f"recipe file {p} does not exist")
+        text = read_text_file(p, "recipe file")
         try:
-            return yaml.safe_load(p.read_text(encoding="utf-8"))
+            return yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise EncoderkitError(f"recipe file {p} is not valid YAML: {e}") from e
     return load_mapping(p)

@@ -18,10 +18,12 @@ from torch import nn
 from encoderkit.config import check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import check_output_dir, output_dir
+from encoderkit.models.anatomy import ANATOMIES
 from encoderkit.models.card import write_card
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.pooling import apply_pooling
 from encoderkit.models.tokenizer import load_tokenizer
+from encoderkit.progress import note
 from encoderkit.train import engine
 from encoderkit.train.checkpoint import run_dir_beside
 
@@ -79,8 +81,20 @@ def build_student_from_teacher(teacher: nn.Module, layers: list[int]) -> nn.Modu
     config.num_hidden_layers = len(layers)
     student = apply_pooling(type(teacher)(config))
     state = student_state_from_teacher(teacher.state_dict(), layers)
+    # a layer whose place in the stack decides whether it has a norm (ModernBERT's first layer has no attention
+    # norm: the embeddings' norm comes just before it): a teacher layer moved to or from that place drops its norm,
+    # or gets a fresh one (identity at init); distillation trains the student from there
+    modules = dict(student.named_modules())
+    moved = [k for k in state if isinstance(modules.get(k.rpartition(".")[0]), nn.Identity)]
+    for key in moved:
+        del state[key]
     missing, unexpected = student.load_state_dict(state, strict=False)
     missing = [k for k in missing if "position_ids" not in k]
+    fresh = [k for k in missing if isinstance(modules.get(k.rpartition(".")[0]), nn.LayerNorm)]
+    missing = [k for k in missing if k not in fresh]
+    if moved or fresh:
+        note(f"distill: layers {layers} move a teacher layer to or from a place whose norm the family fixes: "
+             f"left out {moved[:4]}, new (identity) {fresh[:4]}")
     if missing or unexpected:
         family = getattr(teacher.config, "model_type", type(teacher).__name__)
         raise EncoderkitError(
@@ -102,7 +116,9 @@ def build_narrow_student(teacher: nn.Module, hidden_size: int, num_layers: int, 
           f"hidden_size={hidden_size}: must be a multiple of the head size {head_dim} or of 4")
     config.hidden_size = hidden_size
     config.num_attention_heads = hidden_size // head_dim if hidden_size % head_dim == 0 else 4
-    config.intermediate_size = 4 * hidden_size
+    # under the family's own key (DistilBERT's hidden_dim: an intermediate_size there would be ignored)
+    found = ANATOMIES.get(config.model_type)
+    setattr(config, found.ffn_key if found else "intermediate_size", 4 * hidden_size)
     config.num_hidden_layers = num_layers
     fork = torch.random.fork_rng(devices=[])  # module init draws from the global RNG; leave it as found
     with fork:
@@ -186,11 +202,13 @@ class DistillResult:
     student_params: int
     steps: int
     train_logs: dict[str, float]
+    skipped_links: int | None = None  # a --train corpus folder's links that leave it, left out; None: no corpus read
 
     def summary(self) -> dict[str, Any]:
         return {"out": str(self.out), "layers_from_teacher": self.layers, "teacher_params": self.teacher_params,
                 "student_params": self.student_params, "steps": self.steps,
-                "final_losses": {k: round(v, 4) for k, v in self.train_logs.items()}}
+                "final_losses": {k: round(v, 4) for k, v in self.train_logs.items()},
+                **({} if self.skipped_links is None else {"skipped_links": self.skipped_links})}
 
 
 def make_student(cfg: Any, teacher: nn.Module) -> tuple[nn.Module, list[int] | None]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from encoderkit.data.beir import is_beir_source
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import read_lines, records
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.heads import PRETRAINED
 from encoderkit.tasks import TASKS, get_task
@@ -49,9 +50,8 @@ def read_task_inputs(spec: str, task: str, *, card: dict[str, Any] | None = None
     labels are read only when it is given); ``miner``: rerank's first stage on a BEIR source."""
     path = Path(str(spec).partition("#")[0])
     if path.suffix == ".txt":
-        if not path.is_file():
-            raise EncoderkitError(f"text file {path} does not exist")
-        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        # the one line reader: only \n ends a text (a U+2028 or form feed inside one is text), a BOM dropped
+        lines = [ln.strip() for _, ln in records(read_lines(path, "text file"), str(path))]
         if not lines:
             raise EncoderkitError(f"{path} holds no texts")
         return TaskInputs(list(lines), None, str(path)).head(limit)

@@ -8,17 +8,18 @@ SciFact export zip, whose ``test`` is its ``validation`` split (BEIR's SciFact t
 from __future__ import annotations
 
 import ast
-import csv
-import io
 import json
 import re
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from encoderkit.data.files import MEMBER_SEP
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import csv_records, lines_of, read_jsonl, read_lines, records
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _LITERAL = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"", re.DOTALL)
@@ -103,15 +104,23 @@ def _scifact_zip(path: Path, split: str) -> Retrieval:
                 raise EncoderkitError(f"{path}: no {n} inside (has {', '.join(sorted(names))}); is this the SciFact "
                                       "export?")
 
-        def rows(name: str) -> list[dict[str, str]]:
-            return list(csv.DictReader(io.TextIOWrapper(zf.open(names[name]), encoding="utf-8", newline="")))
+        def rows(name: str, columns: tuple[str, ...]) -> list[tuple[str, dict[str, str]]]:
+            """(where, row) of a member CSV through the one line reader; its ``columns`` must be there."""
+            where = f"{path}{MEMBER_SEP}{name}"
+            with zf.open(names[name]) as f:
+                out = [(f"{where}:{n}", r) for n, r in csv_records(lines_of(f, where, keep_ends=True), where)]
+            missing = [c for c in columns if out and c not in out[0][1]]
+            if missing:
+                raise EncoderkitError(f"{where}: no column {', '.join(missing)} (columns: {', '.join(out[0][1])}); "
+                                      "is this the SciFact export?")
+            return out
 
         corpus = {}
-        for i, r in enumerate(rows("corpus_train.csv"), 2):
-            corpus[r["doc_id"]] = (r["title"], parse_scifact_abstract(r["abstract"], f"{path}:corpus_train.csv:{i}"))
+        for where, r in rows("corpus_train.csv", ("doc_id", "title", "abstract")):
+            corpus[r["doc_id"]] = (r["title"], parse_scifact_abstract(r["abstract"], where))
         queries: dict[str, str] = {}
         qrels: dict[str, dict[str, int]] = {}
-        for r in rows(f"claims_{split}.csv"):
+        for _, r in rows(f"claims_{split}.csv", ("id", "claim")):
             qid = r["id"]
             queries[qid] = r["claim"]
             for d in re.findall(r"\d+", r.get("cited_doc_ids", "")):
@@ -125,29 +134,41 @@ def _beir_folder(path: Path, split: str) -> Retrieval:
             raise EncoderkitError(f"{path}: no {name}; a BEIR folder holds corpus.jsonl, queries.jsonl and "
                                   "qrels/<split>.tsv")
     corpus = {}
-    for n, rec in _jsonl(path / "corpus.jsonl"):
-        corpus[str(rec["_id"])] = (rec.get("title", "") or "", rec.get("text", "") or "")
-    queries = {str(rec["_id"]): rec["text"] for _, rec in _jsonl(path / "queries.jsonl")}
+    for where, rec in _jsonl(path / "corpus.jsonl"):
+        corpus[_field(rec, "_id", where)] = (_text(rec, "title", where), _text(rec, "text", where))
+    queries = {_field(rec, "_id", where): _text(rec, "text", where) for where, rec in _jsonl(path / "queries.jsonl")}
     qrels: dict[str, dict[str, int]] = {}
-    with open(path / f"qrels/{split}.tsv", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            cells = line.rstrip("\n").split("\t")
-            if n == 1 and not cells[-1].lstrip("-").isdigit():
-                continue  # header
-            if len(cells) != 3:
-                raise EncoderkitError(f"{path}/qrels/{split}.tsv:{n}: expected 'query-id<TAB>corpus-id<TAB>score'")
-            qrels.setdefault(cells[0], {})[cells[1]] = int(cells[2])
+    name = path / f"qrels/{split}.tsv"
+    for n, line in records(read_lines(name, "qrels file"), str(name)):
+        cells = line.split("\t")
+        if n == 1 and not cells[-1].strip().lstrip("-").isdigit():
+            continue  # header
+        if len(cells) != 3 or not cells[2].strip().lstrip("-").isdigit():
+            raise EncoderkitError(f"{name}:{n}: expected 'query-id<TAB>corpus-id<TAB>score'")
+        qrels.setdefault(cells[0], {})[cells[1]] = int(cells[2])
     return Retrieval(corpus, queries, qrels)
 
 
-def _jsonl(path: Path):
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield n, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise EncoderkitError(f"{path}:{n}: not valid JSON ({e})") from e
+def _jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+    """(``file:line``, object) of each record of a JSONL file (:func:`encoderkit.io.read_jsonl`)."""
+    for n, rec in read_jsonl(path, "data file"):
+        yield f"{path}:{n}", rec
+
+
+def _field(rec: dict, key: str, where: str) -> str:
+    """``rec[key]`` as an id string; a missing or empty one names ``where``."""
+    value = rec.get(key)
+    if value is None or isinstance(value, (dict, list)) or str(value).strip() == "":
+        raise EncoderkitError(f"{where}: no {key!r} field (an id); a BEIR record needs one")
+    return str(value)
+
+
+def _text(rec: dict, key: str, where: str) -> str:
+    """``rec[key]`` as a text ("" when missing or null); another type names ``where``."""
+    value = rec.get(key) or ""
+    if not isinstance(value, str):
+        raise EncoderkitError(f"{where}: field {key!r} holds {json.dumps(value)[:40]}, expected a text")
+    return value
 
 
 @dataclass
@@ -164,8 +185,7 @@ def read_triples(path: str | Path) -> list[Triple]:
     if not path.is_file():
         raise EncoderkitError(f"data file {path} does not exist")
     out = []
-    for n, rec in _jsonl(path):
-        where = f"{path}:{n}"
+    for where, rec in _jsonl(path):
         q, p = rec.get("query"), rec.get("positive")
         negs = rec.get("negatives", [])
         if not isinstance(q, str) or not q.strip() or not isinstance(p, str) or not p.strip():

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import read_lines
 
 _ENGLISH = """
 a about above across after again against all almost along already also although always am among an and another
@@ -40,10 +41,7 @@ def read_skip_words(spec: str) -> frozenset[str]:
     if not path.is_file():
         raise EncoderkitError(f"--mask-skip-words {spec!r}: no such file and not a built-in list "
                               f"({', '.join(sorted(BUILTIN))}); give a text file with one word per line")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise EncoderkitError(f"--mask-skip-words {path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    lines = [line for _, line in read_lines(path, "--mask-skip-words")]  # only \n ends a line; a bad byte named
     words = frozenset(w.strip().lower() for w in lines if w.strip() and not w.lstrip().startswith("#"))
     if not words:
         raise EncoderkitError(f"--mask-skip-words {path}: the file lists no word (one word per line)")

@@ -31,6 +31,7 @@ from encoderkit.data.readers import (
     BUILTIN_PREFIX,
     DOC_SPLITS,
     HF_PREFIX,
+    ReadStats,
     estimate_bytes,
     iter_documents,
     resolve_sources,
@@ -61,6 +62,8 @@ class PrepareConfig(StageConfig):
     text_field: str = arg("text", help="JSON field holding the text (JSONL / hf: sources).")
     text_column: str = arg("text", help="Column holding the text (CSV / TSV / Parquet sources).")
     skip_bad_encoding: bool = arg(False, help="Leave out files that are not UTF-8 instead of stopping.")
+    follow_links: bool = arg(False, help="Also read files that symbolic links inside a corpus folder point to "
+                                         "outside it (by default such links are skipped and counted).")
     batch_size: int = arg(1000, help="Documents per tokenisation batch.", speed=True)
     num_workers: int = arg(0, help="Tokenising processes; 0 = the tokenizer's own threads in this process.", speed=True)
     overwrite: bool = arg(False, help="Replace an existing --out prepared from other inputs or settings.")
@@ -80,7 +83,8 @@ class PrepareResult:
 
     def summary(self) -> dict[str, Any]:
         return {"out": str(self.out), "cache_hit": self.cache_hit, "fingerprint": self.meta["fingerprint"],
-                "seq_len": self.meta["seq_len"], "counts": self.meta["counts"]}
+                "seq_len": self.meta["seq_len"], "counts": self.meta["counts"],
+                "skipped_links": self.meta.get("skipped_links", 0)}
 
 
 # -- hashing (counter-based randomness for the held-out split and for masking.Masker) -------------
@@ -113,10 +117,10 @@ def tokenizer_hash(folder: str | Path) -> str:
     return h.hexdigest()
 
 
-def input_signature(sources: list[str]) -> list[dict[str, Any]]:
+def input_signature(sources: list[str], follow_links: bool = False) -> list[dict[str, Any]]:
     """One entry per resolved source: absolute path, size and mtime_ns (``hf:``/``builtin:`` by name)."""
     sig = []
-    for src in resolve_sources(sources):
+    for src in resolve_sources(sources, follow_links, quiet=True):
         if src.startswith(BUILTIN_PREFIX):
             sig.append({"source": src, "python": sys.version})  # the stdlib's docstrings follow the interpreter
         elif src.startswith(HF_PREFIX):
@@ -129,9 +133,11 @@ def input_signature(sources: list[str]) -> list[dict[str, Any]]:
 
 def fingerprint(cfg: PrepareConfig) -> tuple[str, list[dict[str, Any]], str]:
     """(fingerprint, input signature, tokenizer hash). Missing inputs raise before anything is written."""
-    inputs = input_signature(cfg.corpus)
+    inputs = input_signature(cfg.corpus, cfg.follow_links)
     tok_hash = tokenizer_hash(cfg.tokenizer)
-    settings = {k: v for k, v in cfg.result_dict().items() if k not in ("corpus", "tokenizer", "out", "overwrite")}
+    # follow_links changes which files are read, which the input signature already lists
+    settings = {k: v for k, v in cfg.result_dict().items()
+                if k not in ("corpus", "tokenizer", "out", "overwrite", "follow_links")}
     key = json.dumps({"format": FORMAT_VERSION, "inputs": inputs, "tokenizer": tok_hash, "settings": settings},
                      sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest(), inputs, tok_hash
@@ -188,13 +194,15 @@ def text_batches(docs: Iterable[Any], max_docs: int, max_chars: int = 1 << 24) -
         yield batch
 
 
-def tokenize_corpus(cfg: PrepareConfig, backend: Any, tokens_path: Path, dtype: np.dtype) -> np.ndarray:
+def tokenize_corpus(cfg: PrepareConfig, backend: Any, tokens_path: Path, dtype: np.dtype,
+                    stats: ReadStats | None = None) -> np.ndarray:
     """Append every document's ids to ``tokens_path``; returns the (n_docs + 1,) int64 offsets.
-    Documents that tokenise to nothing are left out."""
+    Documents that tokenise to nothing are left out; ``stats`` counts what the read skipped."""
     docs = iter_documents(cfg.corpus, doc_split=cfg.doc_split, text_field=cfg.text_field,
                           text_column=cfg.text_column, skip_bad_encoding=cfg.skip_bad_encoding,
-                          on_skip=lambda src, why: note(f"skipped {src}: {why}"))
-    bar = progress(total=estimate_bytes(cfg.corpus), unit="B", unit_scale=True, desc="tokenising")
+                          on_skip=lambda src, why: note(f"skipped {src}: {why}"), stats=stats,
+                          follow_links=cfg.follow_links)
+    bar = progress(total=estimate_bytes(cfg.corpus, cfg.follow_links), unit="B", unit_scale=True, desc="tokenising")
     lengths = array("q")  # tokens per document: 8 bytes each, the only per-document state kept in RAM
     n_tokens = 0
 
@@ -328,7 +336,8 @@ def run(cfg: PrepareConfig) -> PrepareResult:
     dtype = np.dtype(np.uint16 if vocab_size < 2**16 else np.uint32)
     backend = _fresh_backend(tokenizer)
     with output_dir(out, cfg.overwrite) as tmp:
-        offsets = tokenize_corpus(cfg, backend, tmp / "tokens.bin", dtype)
+        stats = ReadStats()
+        offsets = tokenize_corpus(cfg, backend, tmp / "tokens.bin", dtype, stats)
         n_docs = len(offsets) - 1
         flags = heldout_flags(n_docs, cfg.heldout, cfg.seed)
         np.save(tmp / "doc_offsets.npy", offsets)
@@ -346,7 +355,8 @@ def run(cfg: PrepareConfig) -> PrepareResult:
                 "vocab_size": vocab_size, "special_ids": ids,
                 "all_special_ids": [int(i) for i in tokenizer.all_special_ids],
                 "last_block": "padded", "tokenizer": {"source": portable_path(cfg.tokenizer, tmp), "sha256": tok_hash},
-                "counts": counts, "inputs": portable(inputs, tmp), "config": portable(cfg.result_dict(), tmp)}
+                "counts": counts, "skipped_links": stats.skipped_links, "inputs": portable(inputs, tmp),
+                "config": portable(cfg.result_dict(), tmp)}
         write_json_atomic(tmp / "meta.json", meta)
         write_card(tmp, stage="prepare", parent=None, config=cfg.to_dict(), metrics={"counts": counts})
     return PrepareResult(out, meta, cache_hit=False)

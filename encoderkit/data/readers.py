@@ -29,7 +29,7 @@ from encoderkit.data.files import (
     source_bytes,
 )
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import check_input, json_line
+from encoderkit.io import check_input, csv_rows, json_line
 from encoderkit.io import records as record_lines
 from encoderkit.progress import note
 
@@ -57,12 +57,12 @@ class ReadStats:
 
 # -- resolving sources ---------------------------------------------------------------------------
 def resolve_sources(sources: str | Path | Iterable[str | Path], follow_links: bool = False,
-                    stats: ReadStats | None = None) -> list[str]:
+                    stats: ReadStats | None = None, quiet: bool = False) -> list[str]:
     """Expand folders and globs into a deterministic list of files (plus ``hf:``/``builtin:`` specs).
 
-    A folder means what is inside it: links that leave it are left out (counted in ``stats.skipped_links`` and
-    reported on stderr) unless ``follow_links``. Raises :class:`EncoderkitError` for a missing path, a glob that
-    matches nothing, an empty folder or an empty list of sources.
+    A folder means what is inside it: links that leave it are left out (counted in ``stats.skipped_links`` and,
+    unless ``quiet``, reported on stderr) unless ``follow_links``. Raises :class:`EncoderkitError` for a missing path,
+    a glob that matches nothing, an empty folder or an empty list of sources.
     """
     links: list[Path] = []
     if isinstance(sources, (str, Path)):
@@ -102,8 +102,9 @@ def resolve_sources(sources: str | Path | Iterable[str | Path], follow_links: bo
     if links:
         if stats is not None:
             stats.skipped_links = len(links)
-        note(f"skipped {len(links)} link(s) that leave their corpus folder (e.g. {links[0]}); pass --follow-links "
-             "to read them")
+        if not quiet:
+                note(f"skipped {len(links)} link(s) that leave their corpus folder (e.g. {links[0]}); pass "
+                 "--follow-links to read them")
     return out
 
 
@@ -128,11 +129,11 @@ def source_format(path: str) -> str:
     return "text"
 
 
-def estimate_bytes(sources: str | Path | Iterable[str | Path]) -> int | None:
+def estimate_bytes(sources: str | Path | Iterable[str | Path], follow_links: bool = False) -> int | None:
     """Total uncompressed bytes of the file sources (a ``.gz`` file's size is read from its trailer),
     for progress bars. ``None`` when a source (``hf:``, ``builtin:``) has no known size."""
     total = 0
-    for src in resolve_sources(sources):
+    for src in resolve_sources(sources, follow_links, quiet=True):
         if src.startswith((HF_PREFIX, BUILTIN_PREFIX)):
             return None
         total += source_bytes(src)
@@ -295,46 +296,20 @@ def read_table(path: str, text_column: str = "text", delimiter: str = ",",
                opener: Opener | None = None) -> Iterator[Document]:
     """Rows of a CSV (``csv`` module, quotes honoured) or TSV (plain tab split, no quoting) file with a
     header row; the text is the column named ``text_column``."""
-    lines = decoded_lines(path, keep_ends=delimiter != "\t", opener=opener)  # csv needs the ends inside quoted fields
-    if delimiter == "\t":
-        head = next(lines, None)
-        if head is None:
-            return
-        col, has_header = _column_index(head[1].split("\t"), text_column, path)
-        for number, line in lines if has_header else _chain([head], lines):
-            if not line.strip():
-                continue
-            cells = line.split("\t")
-            if len(cells) <= col:
-                raise EncoderkitError(f"{path}:{number}: {len(cells)} tab-separated field(s), but column "
-                                      f"{text_column!r} is field {col + 1}; fix the row")
-            if cells[col].strip():
-                yield Document(cells[col].strip(), path, number)
+    rows = csv_rows(decoded_lines(path, keep_ends=True, opener=opener), path, delimiter, quoted=delimiter != "\t")
+    head = next(rows, None)
+    if head is None:
         return
-    numbers: list[int] = [0]
-
-    def text_lines() -> Iterator[str]:
-        for number, line in lines:
-            numbers[0] = number
-            yield line
-
-    reader = csv.reader(text_lines(), delimiter=delimiter)
-    try:
-        header = next(reader, None)
-        if header is None:
-            return
-        col, has_header = _column_index(header, text_column, path)
-        start = numbers[0] + 1 if has_header else 1
-        for row in reader if has_header else _chain([header], reader):
-            if row and len(row) <= col:
-                raise EncoderkitError(f"{path}:{start}: {len(row)} field(s), but column {text_column!r} is "
-                                      f"field {col + 1}; fix the row")
-            if row and row[col].strip():
-                yield Document(row[col].strip(), path, start)
-            start = numbers[0] + 1
-    except csv.Error as e:
-        raise EncoderkitError(f"{path}:{numbers[0]}: CSV error ({e}); fix the quoting, or if the field is "
-                              "larger than 128 KiB split it or convert the file to JSONL") from e
+    col, has_header = _column_index(head[1], text_column, path)
+    for number, cells in rows if has_header else _chain([head], rows):
+        if not cells:
+            continue
+        if len(cells) <= col:
+            sep = "tab-separated field(s)" if delimiter == "\t" else "field(s)"
+            raise EncoderkitError(f"{path}:{number}: {len(cells)} {sep}, but column {text_column!r} is field "
+                                  f"{col + 1}; fix the row")
+        if cells[col].strip():
+            yield Document(cells[col].strip(), path, number)
 
 
 def _column_index(columns: list[str], name: str, path: str) -> tuple[int, bool]:

@@ -5,7 +5,8 @@ an unauthenticated client learns nothing of the schema; then the body's size and
 Once the body has arrived it watches the connection: a client that disconnects before its answer has its request
 cancelled (the micro-batcher then drops its queued items, :mod:`~encoderkit.deploy.batching`), and a request that
 the server's graceful-shutdown deadline cuts is answered 503 with Retry-After, not uvicorn's 500. It also names the
-connection as the request's client (:data:`~encoderkit.deploy.batching.current_client`), the key of its fair share.
+client's address as the request's client (:data:`~encoderkit.deploy.batching.current_client`), the key of its fair
+share, and the connection as its turn within that share.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from encoderkit.deploy.batching import current_client
+from encoderkit.deploy.batching import current_client, current_connection
 from encoderkit.deploy.metrics import REFUSALS, Metrics
 from encoderkit.deploy.openai_api import error_type
 from encoderkit.web.auth import token_ok
@@ -75,7 +76,10 @@ class RequestGuard:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         client = scope.get("client")
-        current_client.set(tuple(client) if client else None)  # the connection: one fair share each
+        # the client's address: one fair share each, however many connections it opens; its connections take turns
+        # within it (the clients behind one reverse proxy share its address)
+        current_client.set(client[0] if client else None)
+        current_connection.set(tuple(client) if client else None)
         task = asyncio.current_task()
         started, gone, watcher = [False], [False], [None]
 

@@ -179,8 +179,8 @@ def openai_router(served: Mapping[str, Any], authorize: Callable[[Request], None
         """Results for ``items`` from ``s``'s batcher, their token count, and the indices of the items longer than
         the model reads (or than ``limit`` tokens), which it reads truncated."""
         limit = min(limit or s.predictor.max_length, s.predictor.max_length)
-        try:  # counts: up to one token more than the model reads (more means truncated); a large request is
-            # tokenized only once computed (MicroBatcher.submit_counted)
+        try:  # counts: up to one token more than the model reads (more means truncated), from the model call's
+            # own tokenizing (MicroBatcher.submit_counted)
             results, counts = await s.batcher.submit_counted(items, limit)
         except EncoderkitError as e:
             raise OpenAIError(400, str(e), "invalid_value") from e

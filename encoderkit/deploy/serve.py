@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from starlette.exceptions import HTTPException
 
 from encoderkit.config import StageConfig, arg, check, named_folders
-from encoderkit.deploy.batching import MicroBatcher, QueueFull, token_counts
+from encoderkit.deploy.batching import MicroBatcher, QueueFull, TokenTap, token_counts
 from encoderkit.deploy.guard import ApiError, Limits, RequestGuard, error_body
 from encoderkit.deploy.metrics import REFUSALS, Metrics
 from encoderkit.deploy.openai_api import openai_router
@@ -106,6 +106,27 @@ class _Served:
     batcher: MicroBatcher
 
 
+def _counted_call(p: Predictor, items: list[Any]) -> tuple[list[Any], list[int | None]]:
+    """The task's batched call on ``p`` and each item's token count as the call's own tokenizing found it (None
+    where it did not show: a task that reads windows): each text is tokenized once, by the call that computes it."""
+    tokenizer = getattr(p, "tokenizer", None)
+    if tokenizer is None:
+        return get_task(p.task).serve(p, items), [None] * len(items)
+    tap = TokenTap(tokenizer)
+    results = get_task(p.task).serve(_Tapped(p, tap), items)
+    return results, [tap.counts.get(x if isinstance(x, str) else tuple(x)) for x in items]
+
+
+class _Tapped:
+    """``p`` as the task's runner, with ``tap`` as its tokenizer (everything else is ``p``'s own)."""
+
+    def __init__(self, p: Predictor, tap: TokenTap) -> None:
+        self._p, self.tokenizer = p, tap
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._p, name)
+
+
 def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_batch: int = 32,
                max_wait_ms: float = 5.0, max_batch_tokens: int | None = 16384, extra_routes: tuple = (), *,
                max_queue_texts: int | None = None, max_queue_wait_s: float | None = None,
@@ -120,12 +141,14 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
     metrics = Metrics()
     served: dict[str, _Served] = {}
     for name, p in models.items():
-        # the batched call, serve(p, items): the task's own, on items as its route parses them (texts or tuples)
-        batcher = MicroBatcher(partial(get_task(p.task).serve, p), max_batch, max_wait_ms, name=name,
+        # the batched call, serve(p, items): the task's own, on items as its route parses them (texts or tuples),
+        # with each item's token count from its own tokenizing
+        batcher = MicroBatcher(partial(_counted_call, p), max_batch, max_wait_ms, name=name, counted=True,
                                max_batch_tokens=max_batch_tokens, max_queue_items=max_queue_texts,
                                max_queue_wait_s=max_queue_wait_s, fair_tokens=fair_tokens,
                                on_batch=lambda stats, m=name: metrics.observe_batch(m, stats),
-                               # counted up to one token past what the model reads: more means truncated
+                               # what the call did not count (a stand-in tokenizer at its cut), counted up to one
+                               # token past what the model reads: more means truncated
                                cost=lambda items, p=p: token_counts(getattr(p, "tokenizer", None), items,
                                                                     p.max_length + 1))
         served[name] = _Served(name, p, batcher)
@@ -211,13 +234,13 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
             raise ApiError(422, errors[0]["code"], errors[0]["message"] + more)
         return ok, errors
 
-    async def answer(s: _Served, items: list[Any], ok: list[int]) -> tuple[list[Any], list[int]]:
+    async def answer(s: _Served, items: list[Any], ok: list[int], exact: bool = True) -> tuple[list[Any], list[int]]:
         """Results of ``items[i]`` for ``i`` in ``ok`` in their places (None elsewhere), and the indices of the items
-        longer than the model reads (truncated to it)."""
+        longer than the model reads (truncated to it; ``exact=False``: not needed, never counted again)."""
         run = [items[i] for i in ok]
         limit = s.predictor.max_length
-        try:  # a large request is tokenized only once computed (MicroBatcher.submit_counted)
-            got, counts = await s.batcher.submit_counted(run, limit)
+        try:  # tokenized once, by the model call (MicroBatcher.submit_counted)
+            got, counts = await s.batcher.submit_counted(run, limit, exact)
         except EncoderkitError as e:
             raise ApiError(422, "invalid_request", str(e)) from e
         out: list[Any] = [None] * len(items)
@@ -246,7 +269,7 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         """Long texts are read in overlapping windows, never truncated."""
         s = pick("extract", body.model)
         ok, errors = sort_out({"texts": body.texts})
-        results, _ = await answer(s, list(body.texts), ok)
+        results, _ = await answer(s, list(body.texts), ok, exact=False)
         return {"model": s.name, "results": results, "errors": errors}
 
     @app.post("/v1/answer")
@@ -256,7 +279,7 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
         if len(body.questions) != len(body.contexts):
             raise ApiError(422, "invalid_request", f"{len(body.questions)} questions but {len(body.contexts)} contexts")
         ok, errors = sort_out({"questions": body.questions, "contexts": body.contexts})
-        results, _ = await answer(s, list(zip(body.questions, body.contexts, strict=True)), ok)
+        results, _ = await answer(s, list(zip(body.questions, body.contexts, strict=True)), ok, exact=False)
         return {"model": s.name, "results": results, "errors": errors}
 
     @app.post("/v1/embed")
@@ -357,9 +380,11 @@ class ServeConfig(StageConfig):
     max_queue_wait_s: float = arg(10.0, help="Most seconds a request may wait in its model's queue, estimated at "
                                              "arrival from the model's recent speed (503 with Retry-After at once "
                                              "above), and enforced: one not started by then gets 503.")
-    fair_tokens: int = arg(256, help="Tokens of batch credit each client connection gets per model call while "
-                                     "several are active (deficit round robin): smaller favours small requests' "
-                                     "latency over large ones' throughput.", speed=True)
+    fair_tokens: int = arg(256, help="Tokens of batch credit each client address gets per model call while "
+                                     "several are active (deficit round robin; its connections take turns within "
+                                     "it), and the most tokens of one client's long texts run between two batches: "
+                                     "smaller favours small requests' latency over large ones' throughput.",
+                           speed=True)
     max_head_bytes: int = arg(65_536, help="Largest request head (request line and headers); a longer one is closed.")
     index: list[str] = arg([], help="Search index folders (encoderkit index), as DIR or name=DIR: POST /v1/search.")
     rerank: list[str] = arg([], help="Cross-encoder (rerank) folders, as DIR or name=DIR: served like --model, and "

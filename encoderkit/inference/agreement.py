@@ -54,12 +54,11 @@ def not_measured(why: str) -> dict[str, Any]:
     return {"value": None, "why": why, "threshold": INT8_MIN_AGREEMENT}
 
 
-def int8_agreement(info: ModelFolder, fp32: Any, int8: Any, dev: str, *, limit: int = 0, miner: str = "",
-                   qa_split: str = "all", candidates: int = 100, max_batch: int = 32) -> dict[str, Any]:
-    """The card's ``int8_agreement`` of the engine ``int8`` (the INT8 graph) against ``fp32`` (the FP32 graph) of
-    the model ``info`` (its task, labels, card settings and tokenizer), on the first ``limit`` (0: all) rows of
-    ``dev`` read by the task's reader (``miner``/``candidates``: a reranker's BEIR source; ``qa_split``: a SQuAD
-    file's articles)."""
+def agreement_rows(info: ModelFolder, dev: str, *, limit: int = 0, miner: str = "", qa_split: str = "all",
+                   candidates: int = 100) -> Any:
+    """The first ``limit`` (0: all) rows of ``dev`` read by the task's reader, what :func:`int8_agreement` compares on
+    (``miner``/``candidates``: a reranker's BEIR source; ``qa_split``: a SQuAD file's articles); read before any
+    graph is made, so a bad file fails at once."""
     task = get_task(info.task)
     cfg = TaskDataOptions(task=info.task, qa_split=qa_split, candidates=candidates, **task.eval_columns(info.path))
     try:
@@ -69,6 +68,18 @@ def int8_agreement(info: ModelFolder, fp32: Any, int8: Any, dev: str, *, limit: 
     if not records:
         raise EncoderkitError(f"--dev {dev} holds no {info.task} rows to measure INT8 agreement on; give the task's "
                               "dev data")
+    return records
+
+
+def int8_agreement(info: ModelFolder, fp32: Any, int8: Any, dev: str, *, limit: int = 0, miner: str = "",
+                   qa_split: str = "all", candidates: int = 100, max_batch: int = 32,
+                   records: Any = None) -> dict[str, Any]:
+    """The card's ``int8_agreement`` of the engine ``int8`` (the INT8 graph) against ``fp32`` (the FP32 graph) of
+    the model ``info`` (its task, labels, card settings and tokenizer), on :func:`agreement_rows` of ``dev`` (or the
+    ``records`` it returned)."""
+    task = get_task(info.task)
+    if records is None:
+        records = agreement_rows(info, dev, limit=limit, miner=miner, qa_split=qa_split, candidates=candidates)
     tokenizer = info.tokenizer()
     ref, got = (AgreementRunner(info, tokenizer, engine, max_batch) for engine in (fp32, int8))
     a = task.agreement(ref, got, records)

@@ -18,7 +18,7 @@ import json
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,14 @@ from encoderkit import hardware
 from encoderkit.data.builtin_corpus import stdlib_docstrings
 from encoderkit.errors import EncoderkitError
 from encoderkit.hardware import Hardware
-from encoderkit.inference.export import GRAPH_RECIPE, export_onnx, ort_session, per_batch_scales, run_alone
+from encoderkit.inference.export import (
+    GRAPH_RECIPE,
+    INT8_REFUSED,
+    export_onnx,
+    ort_session,
+    per_batch_scales,
+    run_alone,
+)
 from encoderkit.io import cache_dir, output_dir, write_json_atomic
 from encoderkit.models.folder import ModelFolder
 from encoderkit.models.folder_files import copy_side_files
@@ -86,10 +93,15 @@ def open_engine(folder: ModelFolder, choice: Any, *, task: str | None = None, th
         return StaticEngine.open(folder)
     if backend.startswith("onnx"):
         folder.require_task(*TASKS)  # a graph runs the task it was exported for
-        return OnnxEngine(cached_export(folder, backend == "onnx-int8"), folder.task, threads, spin)
+        graph = cached_export(folder, backend == "onnx-int8")
+        engine = OnnxEngine(graph, folder.task, threads, spin)
+        return checked_engine(folder, backend, engine, graph) if backend == "onnx-int8" else engine
     if backend == "openvino":
         folder.require_task(*TASKS)
-        return OpenVinoEngine(cached_export(folder, False, plain=True), folder.task, threads)
+        graph = cached_export(folder, False, plain=True)
+        engine = OpenVinoEngine(graph, folder.task, threads)
+        return engine if engine.precision == "f32" else checked_engine(folder, f"openvino {engine.precision}",
+                                                                       engine, graph)
     if backend == "openvino-int8":
         folder.require_task(*TASKS)
         graph, record = openvino_int8_check(folder, calibration)
@@ -102,7 +114,8 @@ def open_engine(folder: ModelFolder, choice: Any, *, task: str | None = None, th
     if backend == TORCH_INT8:
         module = get_task(task).graph_module(folder.load(task=task, int8_runtime=True))
         return ModuleEngine(module, get_task(task).outputs)
-    return torch_engine(folder, bf16=backend == "torch-bf16")
+    engine = torch_engine(folder, bf16=backend == "torch-bf16")
+    return checked_engine(folder, backend, engine, folder.torch_weights) if backend == "torch-bf16" else engine
 
 
 def torch_engine(folder: ModelFolder, bf16: bool) -> ModuleEngine:
@@ -201,11 +214,13 @@ def cached_export(folder: ModelFolder, int8: bool, plain: bool = False) -> Path:
              f"|{GRAPH_RECIPE}")  # a graph exported the older way is not reused
     out = cache_dir("onnx") / (hashlib.sha256(stamp.encode()).hexdigest()[:16] + ("-plain" if plain else ""))
     cached = out / ("model.int8.onnx" if int8 else "model.onnx")
-    if cached.is_file():
-        return cached
-    with output_dir(out, overwrite=True) as tmp:  # both graphs at once: the INT8 one is quantised from the FP32 trace
-        copy_side_files(folder.path, tmp, weights=True)
-        export_onnx(folder, tmp, optimize=not plain, int8=not plain)
+    if not cached.is_file() and not (out / INT8_REFUSED).is_file():
+        with output_dir(out, overwrite=True) as tmp:  # both graphs at once: INT8 is quantised from the FP32 trace
+            copy_side_files(folder.path, tmp, weights=True)
+            export_onnx(folder, tmp, optimize=not plain, int8=not plain, int8_strict=False)
+    if not cached.is_file() and (out / INT8_REFUSED).is_file():  # the FP32 graph stays usable
+        raise EncoderkitError(f"{(out / INT8_REFUSED).read_text(encoding='utf-8').strip()}: --backend onnx-int8 is "
+                              "refused for this folder; use --backend onnx-fp32 (or auto)")
     return cached
 
 
@@ -235,24 +250,45 @@ def vocabulary_batches(folder: ModelFolder, rows: int = CALIBRATION_TEXTS,
     return batches
 
 
-DEFAULT_CALIBRATION = "half vocabulary draws, half builtin:stdlib docstrings (seed 0)"  # part of the cache key: a
-# change to default_calibration must change this text
+DEFAULT_CALIBRATION = ("half vocabulary draws, half builtin:stdlib docstrings (seed 0), and short spans of those "
+                       "docstrings")  # part of the cache key: a change to default_calibration must change this text
+SHORT_SPANS = 64  # short texts (1-5 words) cut from the calibration texts and added to them: a graph calibrated on
+# long texts alone bends the shortest ones (a two-word sentence, a query)
+
+
+def short_spans(texts: Sequence[str], rows: int = SHORT_SPANS, seed: int = 2) -> list[str]:
+    """``rows`` seeded runs of 1 to 5 consecutive words of ``texts`` (none if they hold no words)."""
+    words = " ".join(texts).split()
+    if not words:
+        return []
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(words), size=rows)
+    return [" ".join(words[int(i):int(i) + int(rng.integers(1, 6))]) for i in starts]
+
+
+def calibration_batches(folder: ModelFolder, texts: Sequence[str], limit: int | None = None
+                        ) -> list[dict[str, np.ndarray]]:
+    """Token batches (8 rows each) that ``openvino-int8`` calibrates on from ``texts``: the texts, cut at ``limit``
+    tokens (default: the folder's, at most 512), then :func:`short_spans` of them."""
+    tok = folder.tokenizer()
+    limit = limit or min(folder.max_length, 512)
+    texts = [*texts, *short_spans(texts)]
+    return [dict(tok(texts[i:i + 8], truncation=True, max_length=limit, padding=True, return_tensors="np"))
+            for i in range(0, len(texts), 8)]
 
 
 def default_calibration(folder: ModelFolder, rows: int = CALIBRATION_TEXTS,
                         seed: int = 0) -> list[dict[str, np.ndarray]]:
     """Calibration when the caller has no texts of its own (``--backend auto``, a Predictor without ``calibration``):
     half :func:`vocabulary_batches` (every script the vocabulary has), half seeded docstrings of ``builtin:stdlib``
-    (real prose at real lengths; the vocabulary alone where the interpreter ships no sources)."""
+    (real prose at real lengths; the vocabulary alone where the interpreter ships no sources), with short spans of
+    those docstrings (:func:`calibration_batches`)."""
     try:
         docs = [doc for _, _, doc in stdlib_docstrings()]
     except OSError:
         docs = []
     texts = [docs[i] for i in _calibration_docs(len(docs), rows, seed)]
-    tok = folder.tokenizer()
-    limit = min(folder.max_length, 512)
-    real = [dict(tok(texts[i:i + 8], truncation=True, max_length=limit, padding=True, return_tensors="np"))
-            for i in range(0, len(texts), 8)]
+    real = calibration_batches(folder, texts) if texts else []
     return vocabulary_batches(folder, rows - len(texts), seed) + real
 
 
@@ -264,15 +300,16 @@ def _calibration_docs(docs: int, rows: int = CALIBRATION_TEXTS, seed: int = 0) -
 
 
 INT8_FIDELITY = (0.99, 0.95)  # the least mean and least minimum cosine an INT8 graph keeps to its FP32 graph
-CHECK_TEXTS = ("24 builtin:stdlib docstrings outside the default calibration, their first lines, and 16 vocabulary "
-               "draws (seed 1)")  # what the fidelity check runs on; part of its record: a change re-checks
+CHECK_TEXTS = ("24 builtin:stdlib docstrings outside the default calibration, their first lines, 16 spans of 1-5 "
+               "of their words, and 16 vocabulary draws (seed 1)")
+# CHECK_TEXTS: what the fidelity check runs on; part of its record: a change re-checks
 FIDELITY_FILE = "fidelity.json"  # the check's record, beside the graph it checked
 
 
 def check_batches(folder: ModelFolder, seed: int = 1) -> list[dict[str, np.ndarray]]:
     """The texts an INT8 graph is checked on (:data:`CHECK_TEXTS`), none of them the default calibration's: whole
-    docstrings (long prose), their first lines (short texts, where a graph calibrated on long ones bends most) and
-    draws from the vocabulary (every script it holds)."""
+    docstrings (long prose), their first lines and spans of a few of their words (short texts, where a graph
+    calibrated on long ones bends most) and draws from the vocabulary (every script it holds)."""
     try:
         docs = [doc for _, _, doc in stdlib_docstrings()]
     except OSError:
@@ -281,7 +318,7 @@ def check_batches(folder: ModelFolder, seed: int = 1) -> list[dict[str, np.ndarr
     rest = [d for i, d in enumerate(docs) if i not in taken and d.strip()]
     rng = np.random.default_rng(seed)
     picked = [rest[i] for i in sorted(rng.choice(len(rest), size=min(len(rest), 24), replace=False))] if rest else []
-    texts = picked + [d.strip().splitlines()[0] for d in picked]
+    texts = picked + [d.strip().splitlines()[0] for d in picked] + short_spans(picked, 16, seed + 2)
     tok = folder.tokenizer()
     limit = min(folder.max_length, 512)
     real = [dict(tok(texts[i:i + 8], truncation=True, max_length=limit, padding=True, return_tensors="np"))
@@ -345,6 +382,38 @@ def openvino_int8_check(folder: ModelFolder, calibration: list[dict[str, np.ndar
     with contextlib.suppress(OSError):  # not kept: checked again next time
         write_json_atomic(kept, record)
     return graph, record
+
+
+CHECKED_TASKS = ("embed",)  # tasks whose outputs are vectors a lower precision may bend: checked by cosine (other
+# tasks' INT8 is judged by agreement on the folder's dev rows: encoderkit.inference.agreement)
+
+
+def checked_engine(folder: ModelFolder, backend: str, engine: Engine, made_from: Path | None) -> Engine:
+    """``engine`` (``backend``: a lower-precision run of ``folder``: ONNX Runtime's INT8, OpenVINO at bf16, torch
+    bf16) once its :func:`fidelity` to the FP32 graph holds on :func:`check_batches`, else refused with the figures.
+    Checked once per graph or weights file (``made_from``) and kept in a cache folder; tasks outside
+    :data:`CHECKED_TASKS` pass unchecked."""
+    if folder.task not in CHECKED_TASKS or made_from is None or not made_from.is_file():
+        return engine
+    if not folder.torch_weights and not folder.onnx(False):  # an INT8 graph alone: no FP32 run to check it against
+        return engine  # (its export measured it against its parent: the compress report)
+    st = made_from.stat()
+    stamp = f"{made_from.resolve()}|{st.st_size}|{st.st_mtime_ns}|{backend}|{CHECK_TEXTS}|{INT8_FIDELITY}"
+    kept = cache_dir("fidelity") / (hashlib.sha256(stamp.encode()).hexdigest()[:16] + ".json")
+    record = None
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads(kept.read_text(encoding="utf-8"))
+    if not isinstance(record, dict) or "ok" not in record:
+        reference = OnnxEngine(cached_export(folder, False, plain=True), folder.task, None)
+        record = fidelity(folder, engine, reference, check_batches(folder))
+        note(f"{backend}: {folder.path.name}'s outputs checked: {describe_fidelity(record)}")
+        with contextlib.suppress(OSError):  # not kept: checked again next time
+            write_json_atomic(kept, record)
+    if not record["ok"]:
+        raise EncoderkitError(f"{folder.path}: --backend {backend.split()[0]} bends this folder's vectors "
+                              f"({describe_fidelity(record)}), so it is refused; use --backend onnx-fp32 or "
+                              "openvino-int8 (calibrated, checked the same way)")
+    return engine
 
 
 def cached_openvino_int8(folder: ModelFolder, calibration: list[dict[str, np.ndarray]] | None = None) -> Path:

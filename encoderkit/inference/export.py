@@ -28,8 +28,16 @@ import torch
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.inference.agreement import CARD_KEY, INT8_MIN_AGREEMENT, int8_agreement, not_measured, verdict
-from encoderkit.io import output_dir
+from encoderkit.inference.agreement import (
+    CARD_KEY,
+    INT8_MIN_AGREEMENT,
+    agreement_rows,
+    int8_agreement,
+    not_measured,
+    verdict,
+)
+from encoderkit.io import check_output_dir, output_dir
+from encoderkit.models.anatomy import config_heads_hidden
 from encoderkit.models.card import inherited_card, write_card
 from encoderkit.models.folder import ONNX_FP32, ONNX_INT8, ModelFolder
 from encoderkit.models.folder_files import copy_side_files
@@ -253,9 +261,9 @@ def _optimize(src: Path, dst: Path, config: dict[str, Any]) -> bool:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            opt = optimizer.optimize_model(str(src), model_type="bert",
-                                           num_heads=int(config.get("num_attention_heads", 0)),
-                                           hidden_size=int(config.get("hidden_size", 0)))
+            # under the family's own config keys: with 0 the optimizer guesses from the graph, and fails on DistilBERT's
+            heads, hidden = config_heads_hidden(config)
+            opt = optimizer.optimize_model(str(src), model_type="bert", num_heads=heads, hidden_size=hidden)
         opt.save_model_to_file(str(dst))
         return True
     except Exception as e:  # noqa: BLE001 -- the optimizer is best effort: keep the plain graph
@@ -264,8 +272,9 @@ def _optimize(src: Path, dst: Path, config: dict[str, Any]) -> bool:
         return False
 
 
-# how export makes its graphs; raised when that changes (3: INT8 quantises the fused graph's MatMul and Attention)
-GRAPH_RECIPE = 3
+# how export makes its graphs; raised when that changes (3: INT8 quantises the fused graph's MatMul and Attention;
+# 4: the optimizer is told the heads and width under the family's config keys, so DistilBERT's attention fuses too)
+GRAPH_RECIPE = 4
 
 
 def _quantize(raw: Path, fused: Path | None, dst: Path, config: dict[str, Any], optimize: bool, tmp: Path) -> str:
@@ -303,7 +312,8 @@ def _quantize(raw: Path, fused: Path | None, dst: Path, config: dict[str, Any], 
 
 
 def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: bool = False, int8: bool = False,
-                opset: int = 17, tolerance: float = 1e-3, int8_min_cosine: float = 0.95) -> dict[str, Any]:
+                opset: int = 17, tolerance: float = 1e-3, int8_min_cosine: float = 0.95,
+                int8_strict: bool = True) -> dict[str, Any]:
     """Write ``out/model.onnx`` (and ``out/model.int8.onnx``) for the task model in ``model_dir``.
 
     Returns the parity figures: ``fp32_max_abs_diff`` (and ``int8_max_abs_diff``, ``int8_mean_cosine``).
@@ -356,16 +366,31 @@ def export_onnx(model_dir: str | Path | ModelFolder, out: Path, *, optimize: boo
                 multi = config.get("problem_type") == "multi_label_classification"
                 report["int8_max_prob_diff"] = float(np.abs(_probs(got[0], multi) - _probs(reference[0], multi)).max())
                 if report["int8_max_prob_diff"] > 0.1:
-                    raise EncoderkitError(
-                        f"INT8 export of {model_dir}: probabilities differ from PyTorch by up to "
-                        f"{report['int8_max_prob_diff']:.3f} (> 0.1); keep the FP32 graph (--quantize none)")
+                    return _int8_refused(report, out, int8_strict,
+                                         f"INT8 export of {model_dir}: probabilities differ from PyTorch by up to "
+                                         f"{report['int8_max_prob_diff']:.3f} (> 0.1); keep the FP32 graph "
+                                         "(--quantize none)")
                 return report
             report["int8_mean_cosine"] = _mean_cosine(got, reference, inputs["attention_mask"])
             if not report["int8_mean_cosine"] >= int8_min_cosine:
-                raise EncoderkitError(
-                    f"INT8 export of {model_dir}: mean cosine to PyTorch outputs {report['int8_mean_cosine']:.4f} "
-                    f"< --int8-min-cosine {int8_min_cosine}; keep the FP32 graph (--quantize none)"
-                )
+                return _int8_refused(report, out, int8_strict,
+                                     f"INT8 export of {model_dir}: mean cosine to PyTorch outputs "
+                                     f"{report['int8_mean_cosine']:.4f} < --int8-min-cosine {int8_min_cosine}; "
+                                     "keep the FP32 graph (--quantize none)")
+    return report
+
+
+INT8_REFUSED = "int8_refused.txt"  # beside an FP32 graph whose INT8 graph failed its parity check: why
+
+
+def _int8_refused(report: dict[str, Any], out: Path, strict: bool, why: str) -> dict[str, Any]:
+    """An INT8 graph beyond its parity bound: an error (``strict``: ``export --quantize int8-dynamic``), else the
+    INT8 file removed and the reason kept beside the FP32 graph (:data:`INT8_REFUSED`), which stays usable."""
+    if strict:
+        raise EncoderkitError(why)
+    (out / ONNX_INT8).unlink(missing_ok=True)
+    (out / INT8_REFUSED).write_text(why + "\n", encoding="utf-8")
+    report["int8_refused"] = why
     return report
 
 
@@ -382,6 +407,8 @@ def run(cfg: ExportConfig) -> ExportResult:
     if cfg.dev and not measured:
         raise EncoderkitError(f"--dev {cfg.dev}: a {info.task} model's INT8 graph is not measured on dev rows "
                               f"(--backend auto runs {info.task} by the task's rule); drop --dev")
+    check_output_dir(cfg.out, cfg.overwrite)  # before any work, as the dev rows below
+    rows = agreement_rows(info, cfg.dev, limit=cfg.dev_limit, miner=cfg.miner) if cfg.dev and measured else None
     with output_dir(cfg.out, cfg.overwrite) as tmp:
         copy_side_files(src, tmp, weights=True)
         parity = export_onnx(info, tmp, optimize=cfg.optimize, int8=cfg.quantize == "int8-dynamic", opset=cfg.opset,
@@ -392,22 +419,23 @@ def run(cfg: ExportConfig) -> ExportResult:
         parent_card.update(task=info.task, labels=info.labels, pooling=info.pooling, normalize=info.normalize,
                            max_length=info.max_length)
         onnx_files = {"fp32": ONNX_FP32, **({"int8": ONNX_INT8} if cfg.quantize != "none" else {})}
-        agreement = _agreement(cfg, info, tmp) if measured else None
+        agreement = _agreement(cfg, info, tmp, rows) if measured else None
         write_card(tmp, "export", src, cfg.result_dict(), metrics=parity, onnx=onnx_files, **parent_card,
                    **({CARD_KEY: agreement} if agreement else {}))
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     return ExportResult(Path(cfg.out), info.task, files, parity, agreement)
 
 
-def _agreement(cfg: ExportConfig, info: ModelFolder, out: Path) -> dict[str, Any]:
-    """The card's ``int8_agreement`` of the graphs just written to ``out`` (:mod:`encoderkit.inference.agreement`)."""
+def _agreement(cfg: ExportConfig, info: ModelFolder, out: Path, rows: Any = None) -> dict[str, Any]:
+    """The card's ``int8_agreement`` of the graphs just written to ``out`` (:mod:`encoderkit.inference.agreement`) on
+    the dev ``rows`` read before the export."""
     if cfg.quantize == "none":
         return not_measured("no INT8 graph (export --quantize int8-dynamic --dev FILE)")
     if not cfg.dev:
         record = not_measured("no dev rows given (export --dev FILE)")
     else:
         fp32, int8 = (GraphEngine(out / name, info.task) for name in (ONNX_FP32, ONNX_INT8))
-        record = int8_agreement(info, fp32, int8, cfg.dev, limit=cfg.dev_limit, miner=cfg.miner)
+        record = int8_agreement(info, fp32, int8, cfg.dev, limit=cfg.dev_limit, miner=cfg.miner, records=rows)
     ok, why = verdict(record)
     print(f"{why}: --backend auto runs this folder on {'INT8' if ok else 'FP32'} on a CPU with VNNI/AMX int8"
           + (f" ({record['measure']} agreement, {record['units']} compared)" if ok is not None else ""))

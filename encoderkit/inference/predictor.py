@@ -26,7 +26,7 @@ import numpy as np
 
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
-from encoderkit.inference.engines import open_engine, run_rows
+from encoderkit.inference.engines import calibration_batches, open_engine, run_rows
 from encoderkit.inference.policy import ASKED, AUTO_HELP, EngineChoice, resolve
 from encoderkit.io import BlankLines, check_input, check_output_file, json_line, open_text_atomic, read_lines, records
 from encoderkit.models.folder import ModelFolder
@@ -71,8 +71,7 @@ class Predictor:
         tokenizer = info.tokenizer()
         limit = info.max_length if max_length is None else min(max_length, info.max_length)
         texts = choice.texts if choice.backend == "openvino-int8" else None
-        batches = [dict(tokenizer(texts[i:i + 8], truncation=True, max_length=limit, padding=True, return_tensors="np"))
-                   for i in range(0, len(texts), 8)] if texts else None
+        batches = calibration_batches(info, texts, limit) if texts else None
         engine = open_engine(info, choice, threads=threads, spin=spin, calibration=batches)
         return cls(info.path, info, tokenizer, engine, choice, max_batch, limit)
 

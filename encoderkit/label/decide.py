@@ -30,9 +30,9 @@ from typing import Any
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.predictor import Predictor, predict_records
-from encoderkit.io import read_json, write_json_atomic
+from encoderkit.io import check_output_file, read_json, write_json_atomic
 from encoderkit.label.records import read_labeled
-from encoderkit.label.sheet import check_rows, read_sheet, same_answer
+from encoderkit.label.sheet import check_rows, numbered, read_sheet, same_answer
 from encoderkit.label.stats import wilson
 from encoderkit.models.card import read_card
 from encoderkit.tasks import get_task
@@ -76,6 +76,7 @@ class DecideConfig(StageConfig):
                                                "LLM.")
     json: bool = arg(False, help="Print one JSON object instead of text.")
     output: str = arg("", help="Also write the report to this JSON file.")
+    overwrite: bool = arg(False, help="Replace an existing --output file (never one of the inputs).")
 
     def validate(self) -> None:
         check(self.volume > 0, f"--volume {self.volume}: give the requests per day, more than 0")
@@ -122,7 +123,7 @@ def sheet_accuracy(path: str, input_path: str = "") -> dict[str, Any]:
     if twice:
         raise EncoderkitError(f"{path}: row {twice[0]} appears {seen[str(twice[0])]} times; a sheet names each line "
                               "of labeled.jsonl once: draw it again with `encoderkit audit sample`")
-    filled = [(n, r) for n, r in enumerate(rows, 2) if r["gold"]]
+    filled = [(n, r) for n, r in numbered(rows) if r["gold"]]
     if not filled:
         raise EncoderkitError(f"{path}: no gold label filled in; review it first (`encoderkit audit review`, or fill "
                               "the gold column)")
@@ -182,6 +183,8 @@ def measure_latency(folder: str, texts: list[str]) -> float:
 
 def run(cfg: DecideConfig) -> DecideResult:
     """The report (printed; also written to --output)."""
+    if cfg.output:  # before any work: never an input, an existing file only with --overwrite
+        check_output_file(cfg.output, cfg.overwrite, "--output", [cfg.sheet, cfg.input, cfg.ledger, cfg.encoder])
     llm = sheet_accuracy(cfg.sheet, cfg.input)
     ledger_file = Path(cfg.ledger or (f"{cfg.input}.ledger.json" if cfg.input else ""))
     if cfg.ledger and not ledger_file.is_file():

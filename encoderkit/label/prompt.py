@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import read_text_file
 
 DEFAULT_TEMPLATE = """Classify the text into exactly one of these labels: {labels}.
 {descriptions}{examples}
@@ -27,7 +28,7 @@ def load_template(value: str) -> str:
     if not value:
         return DEFAULT_TEMPLATE
     path = Path(value)
-    template = path.read_text(encoding="utf-8") if "{" not in value and path.is_file() else value
+    template = read_text_file(path, "--template") if "{" not in value and path.is_file() else value
     if "{text}" not in template:
         where = f"template file {path}" if template is not value else "--template"
         found = [p for p in PLACEHOLDERS if p in template]

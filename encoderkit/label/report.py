@@ -1,6 +1,7 @@
 """``encoderkit audit report``: the labeller's (and an encoder's) accuracy on the audited gold, with a 95% Wilson
 interval, and what each costs per million requests: the labeller's from its ledger (``<input>.ledger.json``), the
-encoder's from its process CPU time at one thread, timed here on ``--cost-texts`` texts.
+encoder's from its process CPU time at one thread, timed here on ``--cost-texts`` texts. On a pairs file
+(``label --task embed``/``rerank``): the share of audited queries that their passage answers, with its interval.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import Any
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.predictor import Predictor
-from encoderkit.io import read_json, recorded_path, write_json_atomic
+from encoderkit.io import check_output_file, read_json, recorded_path, write_json_atomic
+from encoderkit.label.pairs import check_pair_rows, is_pairs_file, read_pairs, verdict
 from encoderkit.label.records import parse_labels, read_labeled
-from encoderkit.label.sheet import check_rows, gold_labels, read_sheet
+from encoderkit.label.sheet import check_rows, gold_labels, numbered, read_sheet
 from encoderkit.label.spans import is_span_cell, span_agreement, span_set
-from encoderkit.label.stats import agreement
+from encoderkit.label.stats import agreement, wilson
 from encoderkit.models.card import read_card
 from encoderkit.tasks import get_task
 from encoderkit.tasks.tabular import read_rows
@@ -38,6 +40,7 @@ class ReportConfig(StageConfig):
     cpu_hour_price: float = arg(0.0, help="Price of one CPU core-hour for the encoder; 0: not priced.")
     cost_texts: int = arg(500, help="Texts of the input on which the encoder's CPU time is measured.")
     output: str = arg("", help="Also write the report to this JSON file.")
+    overwrite: bool = arg(False, help="Replace an existing --output file (never one of the inputs).")
 
     def validate(self) -> None:
         check(self.price_per_1k_tokens >= 0 and self.cpu_hour_price >= 0, "prices must be 0 or more")
@@ -114,6 +117,13 @@ def decide(lab: dict[str, Any], enc: dict[str, Any], lab_cost: dict[str, Any], e
 
 def run(cfg: ReportConfig) -> ReportResult:
     """The report (printed; also written to --output)."""
+    if cfg.output:  # before any work: never an input, an existing file only with --overwrite
+        check_output_file(cfg.output, cfg.overwrite, "--output", [cfg.input, cfg.sheet, cfg.ledger, cfg.encoder])
+    if is_pairs_file(cfg.input):
+        report = pair_report(cfg)
+        if cfg.output:
+            write_json_atomic(Path(cfg.output), report)
+        return ReportResult(report)
     recs = read_labeled(cfg.input)
     rows = read_sheet(cfg.sheet)
     check_rows(cfg.sheet, rows, recs, cfg.input)
@@ -174,7 +184,7 @@ def span_report(cfg: ReportConfig, recs: list[dict[str, Any]], rows: list[dict[s
     if cfg.encoder:
         raise EncoderkitError(f"--encoder: {cfg.sheet} holds spans; score an NER model with `encoderkit evaluate` on "
                               "gold data, and drop --encoder here")
-    filled = [(n, r) for n, r in enumerate(rows, 2) if r["gold"]]
+    filled = [(n, r) for n, r in numbered(rows) if r["gold"]]
     if not filled:
         raise EncoderkitError(f"{cfg.sheet}: no gold filled in; write each audited text's spans in the gold column "
                               '([{"text": ..., "type": ...}], [] for none)')
@@ -190,6 +200,35 @@ def span_report(cfg: ReportConfig, recs: list[dict[str, Any]], rows: list[dict[s
     ledger_file = Path(cfg.ledger or f"{cfg.input}.ledger.json")
     if ledger_file.is_file():
         report["labeller"]["cost"] = labeller_cost(read_json(ledger_file, ""), cfg.price_per_1k_tokens)
+    return report
+
+
+def pair_report(cfg: ReportConfig) -> dict[str, Any]:
+    """A pairs sheet's report: the share of audited queries whose passage answers them (the gold ``yes``), with its
+    Wilson 95% interval; the screening counts and the cost from the ledger."""
+    if cfg.encoder:
+        raise EncoderkitError(f"--encoder: {cfg.input} is a pairs file; score an embed or rerank model with "
+                              "`encoderkit evaluate` on judged queries, and drop --encoder here")
+    recs = read_pairs(cfg.input)
+    rows = read_sheet(cfg.sheet)
+    check_pair_rows(cfg.sheet, rows, recs, cfg.input)
+    filled = [(n, r) for n, r in numbered(rows) if r["gold"]]
+    if not filled:
+        raise EncoderkitError(f"{cfg.sheet}: no gold filled in; write yes in the gold column where the passage "
+                              "answers the query, no where it does not")
+    good = sum(verdict(r["gold"], f"{cfg.sheet}:{n}") for n, r in filled)
+    lo, hi = wilson(good, len(filled))
+    report: dict[str, Any] = {
+        "input": cfg.input, "lines": len(recs), "audited": len(filled),
+        "labeller": {"name": recs[0].get("labeller"), "n": len(filled), "correct": good,
+                     "accuracy": round(good / len(filled), 4), "ci_low": round(lo, 4), "ci_high": round(hi, 4),
+                     "measure": "share of audited queries their passage answers"}}
+    ledger_file = Path(cfg.ledger or f"{cfg.input}.ledger.json")
+    if ledger_file.is_file():
+        ledger = read_json(ledger_file, "")
+        if "screening" in ledger:
+            report["screening"] = ledger["screening"]
+        report["labeller"]["cost"] = labeller_cost(ledger, cfg.price_per_1k_tokens)
     return report
 
 

@@ -16,7 +16,7 @@ from typing import IO, Any
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.label.records import parse_labels
-from encoderkit.label.sheet import read_sheet, write_sheet
+from encoderkit.label.sheet import VERDICTS, read_sheet, write_sheet
 
 
 @dataclass
@@ -99,7 +99,8 @@ def review(path: Path, rows: list[dict[str, str]], labels: list[str], keys_in: I
             r = rows[i]
             filled = sum(1 for x in rows if x["gold"])
             extra = "".join(f", {k} {r[k]}" for k in ("confidence", "suspicion") if r.get(k))
-            out.write(f"\n[{filled + 1}/{len(rows)}] {r['text']}\n  labeller: {r['label']}{extra}\n"
+            shown = f"query: {r['query']}\n  passage: {r['text']}" if "query" in r else r["text"]
+            out.write(f"\n[{filled + 1}/{len(rows)}] {shown}\n  labeller: {r['label']}{extra}\n"
                       f"  Enter/a accept  {menu}  s skip  u undo  q quit > ")
             out.flush()
             key = keys.read()
@@ -139,6 +140,8 @@ def sheet_labels(path: Path, rows: list[dict[str, str]], given: str) -> list[str
     """The label set: ``given`` (comma-separated) or the labels seen in the sheet, sorted; every label must be in it."""
     if given:
         labels = parse_labels(given)
+    elif rows and "query" in rows[0]:  # a pairs sheet: does the passage answer the query?
+        labels = list(VERDICTS)
     else:
         labels = sorted({r["label"] for r in rows if r["label"]} | {r["gold"] for r in rows if r["gold"]})
         if len(labels) < 2:

@@ -1,4 +1,5 @@
-"""``encoderkit label``: label a file of texts with an endpoint, an embedding model or an MLM.
+"""``encoderkit label``: label a file of texts with an endpoint, an embedding model or an MLM; with ``--task embed``
+or ``rerank``, have the endpoint write search queries for a file of passages (:mod:`encoderkit.label.pairs`).
 
 Output: one JSONL line per input row (``text``, ``label``, ``confidence``, ``labeller``, then the row's own
 fields), and ``<output>.ledger.json`` (requests, tokens, seconds) for the audit report's costs. The endpoint's
@@ -8,7 +9,9 @@ answers are cached as they arrive, so rerunning after a kill repeats no answered
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
+import io
 import os
 import time
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from encoderkit.adapt.queries import MAX_WORDS, MIN_WORDS
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.inference.predictor import as_one_call, chunks, engine_batches, text_lengths
@@ -24,6 +28,7 @@ from encoderkit.io import check_output_file, open_text_atomic, write_json_atomic
 from encoderkit.label.cache import AnswerCache
 from encoderkit.label.endpoint import EndpointLabeller
 from encoderkit.label.offline import ClozeLabeller, EmbedLabeller
+from encoderkit.label.pairs import PAIR_TASKS, drop_summary, label_pairs
 from encoderkit.label.prompt import load_template, render
 from encoderkit.label.records import dumps, find_text_field, iter_texts, output_record, parse_labels, parse_pairs
 from encoderkit.label.spans import MULTILABEL_TEMPLATE, NER_TEMPLATE, parse_label_set, parse_spans, span_cell
@@ -33,21 +38,26 @@ from encoderkit.tasks.common import resolve_model, seeded_subset
 from encoderkit.tasks.tabular import read_rows
 
 LABELLERS = ("endpoint", "embed", "cloze")
-TASKS = ("classify", "ner", "multilabel")
+TASKS = ("classify", "ner", "multilabel", *PAIR_TASKS)
 
 
 @dataclass
 class LabelConfig(StageConfig):
     """Label texts with a general-purpose model or an offline encoder."""
 
-    input: str = arg(help="Texts to label: .txt (one per line), .jsonl, .tsv or .csv.", required=True)
-    labels: str = arg(help="The label set, comma-separated (e.g. negative,positive); --task ner: the entity types "
-                           "(e.g. PER,ORG,LOC).", required=True)
+    input: str = arg(help="Texts to label: .txt (one per line), .jsonl, .tsv or .csv; --task embed/rerank: the "
+                          "passages: .txt (one per line), .jsonl/.csv records (--id-field, --text-field, a title "
+                          "field), a BEIR folder or a folder of text files.", required=True)
+    labels: str = arg("", help="The label set, comma-separated (e.g. negative,positive); --task ner: the entity types "
+                               "(e.g. PER,ORG,LOC). Required except for --task embed/rerank.")
     task: str = arg("classify", help="classify: one label per text; ner: entity spans (endpoint labeller), asked as "
                                      "JSON (text + type), kept only where they occur in the text, written as "
                                      "'entities' that `finetune --task ner` trains on; multilabel: a set of labels "
                                      "per text (endpoint labeller), asked as a JSON list, written as 'labels' that "
-                                     "`finetune --task multilabel` trains on.", choices=TASKS)
+                                     "`finetune --task multilabel` trains on; embed, rerank: the LLM writes "
+                                     "search queries for each passage (endpoint labeller), written as {query, "
+                                     "positive, negatives} pairs that `finetune --task embed` / `--task rerank` "
+                                     "train on.", choices=TASKS)
     output: str = arg(help="Output JSONL file (labeled.jsonl).", required=True)
     overwrite: bool = arg(False, help="Replace an existing --output file.")
     labeller: str = arg("endpoint", help="endpoint: an OpenAI-compatible chat-completions server; embed: nearest label "
@@ -55,7 +65,23 @@ class LabelConfig(StageConfig):
                         choices=LABELLERS)
     text_field: str = arg("", help=(
         "Input field holding the text (default: found as finetune finds its text column: one named text, sentence, "
-        "content, review, document, body, comment, ... in any case, else the only column of non-numeric text)."))
+        "content, review, document, body, comment, ... in any case, else the only column of non-numeric text; "
+        "--task embed/rerank: text)."))
+    id_field: str = arg("id", help="--task embed/rerank: the passages' id field (default id, else _id).")
+    # query generation (--task embed/rerank)
+    queries_per_passage: int = arg(3, help=(
+        "embed/rerank: queries the LLM is asked to write per passage; a passage keeps 1 to this many, those that "
+        "pass the checks (1 gives the most distinct pairs per request; 2-3 cover more of each passage)."))
+    max_query_words: int = arg(MAX_WORDS, help="embed/rerank: a query longer than this many words is dropped "
+                                               "(counted as too_long).")
+    copied_words: int = arg(8, help="embed/rerank: a query repeating this many consecutive words of its passage "
+                                    "(case and punctuation aside) is dropped (counted as copied): it would teach "
+                                    "string matching, not search; 0: no check.")
+    num_negatives: int = arg(-1, help=(
+        "embed/rerank: other passages written as each pair's 'negatives': mined with --model (an embedding model; "
+        "its top candidates, less likely positives, as `adapt` mines them), else drawn at random; -1: 3 for "
+        "rerank (what `finetune --task rerank` draws from), 0 for embed (its in-batch negatives suffice; "
+        "`finetune --negatives mined` reads them)."))
     max_examples: int = arg(0, help="Label a seeded random subset of this many rows (0: all).")
     seed: int = arg(0, help="Seed of --max-examples' subset.")
     descriptions: list[str] = arg([], help="LABEL=TEXT per label: a description (endpoint prompt; embed: the text "
@@ -66,18 +92,22 @@ class LabelConfig(StageConfig):
     api_key_env: str = arg("OPENAI_API_KEY",
                            help="endpoint: environment variable holding the API key (unset: none sent).")
     template: str = arg("", help="endpoint: prompt template (a file or the text) with {text} and optionally {labels}, "
-                                 "{descriptions}, {examples}; default: a short instruction.")
+                                 "{descriptions}, {examples}; --task embed/rerank: {text} and optionally {n}, the "
+                                 "queries asked for; default: a short instruction.")
     examples: str = arg("", help="endpoint: few-shot examples file (text and label fields) shown in the prompt.")
     samples: int = arg(1, help="endpoint: requests per text and model; the label is the majority, the confidence the "
                                "share that agrees (1: no confidence).")
-    temperature: float = arg(-1.0, help="endpoint: sampling temperature (-1: 0 for one sample, 0.7 for several).")
+    temperature: float = arg(-1.0, help="endpoint: sampling temperature (-1: 0 for one sample, 0.7 for several; "
+                                        "--task embed/rerank: 0.7, some variety between the queries).")
     parse_retries: int = arg(1, help="endpoint: new requests after an answer that names no label, before the text is "
-                                     "recorded unlabeled with its raw answer.")
+                                     "recorded unlabeled with its raw answer (--task embed/rerank: none; an answer "
+                                     "with no query is counted).")
     retries: int = arg(5, help="endpoint: tries again after 429/5xx/timeouts/refused connections (backoff doubling).")
     cache: str = arg("", help="endpoint: answer cache (default <output>.cache.sqlite).")
     # offline
     model: str = arg("", help="embed/cloze: model folder (embed: a sentence-transformers folder or 'minilm'; cloze: "
-                              "an MLM folder).")
+                              "an MLM folder); --task embed/rerank: the embedding model that mines the negatives "
+                              "(optional).")
     seeds: str = arg("", help="embed: a few labelled texts per class (file with text and label fields) added to the "
                               "label prototypes.")
     pattern: str = arg("{text} It was {mask}.", help="cloze: the pattern, with {text} and {mask} once each.")
@@ -91,13 +121,19 @@ class LabelConfig(StageConfig):
                          speed=True)
     backend: str = arg("auto", help="embed: Predictor backend.", speed=True,
                        choices=("auto", "torch-fp32", "torch-bf16", "onnx-fp32", "onnx-int8", "openvino"))
-    batch_size: int = arg(32, help="embed/cloze: texts per forward pass.", speed=True)
+    batch_size: int = arg(32, help="embed/cloze: texts per forward pass (--task embed/rerank: when --model mines "
+                                   "the negatives).", speed=True)
     ray: str | None = ray_address_arg()
     ray_actors: int = ray_actors_arg()
     ray_batch: int = ray_batch_arg()
 
     def validate(self) -> None:
-        parse_labels(self.labels, least=1 if self.task == "ner" else 2)
+        if self.task in PAIR_TASKS:
+            self._validate_pairs()
+        else:
+            check(bool(self.labels), f"--task {self.task} needs --labels (the label set, comma-separated, e.g. "
+                                     "negative,positive)")
+            parse_labels(self.labels, least=1 if self.task == "ner" else 2)
         check(self.task == "classify" or self.labeller == "endpoint", f"--task {self.task} labels with --labeller "
                                                                       "endpoint only (embed and cloze pick one label "
                                                                       "per text)")
@@ -118,15 +154,28 @@ class LabelConfig(StageConfig):
         if self.labeller == "cloze":
             check(bool(self.verbalizer), "--labeller cloze needs --verbalizer LABEL=WORD for every label")
 
+    def _validate_pairs(self) -> None:
+        t = f"--task {self.task}"
+        check(self.labeller == "endpoint", f"{t}: the queries are written by --labeller endpoint (an LLM server)")
+        check(not (self.labels or self.descriptions or self.examples or self.seeds),
+              f"{t} writes queries, not labels: drop --labels, --descriptions, --examples and --seeds")
+        check(self.samples == 1 and len(self.llm) <= 1, f"{t} asks one model once per passage (--samples and "
+                                                        "several --llm vote on labels)")
+        check(self.queries_per_passage >= 1, "--queries-per-passage must be at least 1")
+        check(self.max_query_words >= MIN_WORDS, f"--max-query-words must be at least {MIN_WORDS}")
+        check(self.copied_words >= 0, "--copied-words must be 0 (no check) or more")
+        check(self.num_negatives >= -1, "--num-negatives must be -1 (the task's default), 0 or more")
+
 
 @dataclass
 class LabelResult:
     output: Path
-    counts: dict[str, int]
+    counts: dict[str, Any]
     ledger: dict[str, Any]
+    kind: str = "labels"  # what counts counts: labels, or (--task embed/rerank) queries
 
     def summary(self) -> dict[str, Any]:
-        return {"output": str(self.output), "labels": self.counts, "ledger": self.ledger}
+        return {"output": str(self.output), self.kind: self.counts, "ledger": self.ledger}
 
 
 def ledger_path(output: str | Path) -> Path:
@@ -174,6 +223,8 @@ def run(cfg: LabelConfig) -> LabelResult:
     """Label every input row; write the JSONL output and its ledger. The embed and cloze labellers read, label and
     write :data:`LABEL_BLOCK` calls of :data:`LABEL_CHUNK` rows at a time (``ray_jobs.IN_FLIGHT`` blocks out with
     ``--ray``); the endpoint labeller reads every row first (its requests go out ``--concurrency`` at a time)."""
+    if cfg.task in PAIR_TASKS:
+        return _run_pairs(cfg)
     labels = parse_labels(cfg.labels, least=1 if cfg.task == "ner" else 2)
     # a rerun with --overwrite reads its answer cache and sends nothing already answered
     out = check_output_file(cfg.output, cfg.overwrite, "--output", [cfg.input, cfg.model, cfg.cache])
@@ -225,6 +276,24 @@ def run(cfg: LabelConfig) -> LabelResult:
     return LabelResult(out, counts, ledger)
 
 
+def _run_pairs(cfg: LabelConfig) -> LabelResult:
+    """``--task embed``/``rerank``: the pairs file and its ledger (see :mod:`encoderkit.label.pairs`)."""
+    out = check_output_file(cfg.output, cfg.overwrite, "--output", [cfg.input, cfg.model, cfg.cache])
+    t0, c0 = time.perf_counter(), time.process_time()
+    name = "endpoint:" + cfg.llm[0]
+    got = label_pairs(cfg, name)
+    with open_text_atomic(out) as f:
+        f.write("".join(dumps(r) + "\n" for r in got.rows))
+    ledger = got.ledger
+    ledger.update(texts=got.counts["passages"], wall_seconds=round(time.perf_counter() - t0, 3),
+                  cpu_seconds=round(time.process_time() - c0, 3), labeller=name)
+    write_json_atomic(ledger_path(out), ledger)
+    c = got.counts
+    note(f"label: {c['pairs']} pairs from {c['passages_with_queries']} of {c['passages']} passages; "
+         f"{drop_summary(c)}")
+    return LabelResult(out, got.counts, ledger, kind="queries")
+
+
 NER_COUNTS = ("texts_with_spans", "spans", "refused_spans")
 
 
@@ -271,14 +340,16 @@ def _set_fields(task: str, result: Any, text: str, labels: list[str]) -> dict[st
     return {"labels": kept or ["none"], "refused": refused}
 
 
-def _input_rows(cfg: LabelConfig) -> tuple[Iterator[tuple[str, dict[str, Any]]], int | None]:
-    """(text, own fields) of the rows to label, read as asked for, and how many when known: ``--max-examples``
-    counts the rows in a first pass and keeps its seeded subset's row numbers (the rows themselves are read in the
-    second)."""
+def _input_rows(cfg: LabelConfig) -> tuple[Iterator[tuple[str, dict[str, Any]]], int]:
+    """(text, own fields) of the rows to label, read as asked for, and how many. A first pass reads and checks every
+    row before any model is loaded, so a bad input fails at once, not after the model loads (it is the one line
+    reader's pass without tokenising: cheap beside labelling); it also counts the rows, and ``--max-examples`` keeps
+    its seeded subset's row numbers (the rows themselves are read in the second pass)."""
+    with contextlib.redirect_stderr(io.StringIO()):  # its notes (blank lines skipped) are the second pass's to say
+        n = sum(1 for _ in iter_texts(cfg.input, cfg.text_field))
     rows = iter_texts(cfg.input, cfg.text_field)
     if not cfg.max_examples:
-        return rows, None
-    n = sum(1 for _ in iter_texts(cfg.input, cfg.text_field))
+        return rows, n
     keep = seeded_subset(range(n), cfg.max_examples, cfg.seed)
     if len(keep) == n:
         return rows, n

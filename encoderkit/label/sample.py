@@ -4,6 +4,9 @@ Strata: label x confidence tercile x suspect flag (when ``audit suspect`` has ru
 gets its share of ``n`` in proportion to its size (largest remainders), drawn at random, so the
 audited accuracy estimates the labeller's accuracy on the whole file. The sheet is then ordered
 by suspicion (highest first; else lowest confidence first), so the likely mistakes come first.
+
+A pairs file (``label --task embed``/``rerank``) is sampled the same way over one stratum per query position
+within its passage (a passage's first query, second, ...), the sheet in file order.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from encoderkit.config import StageConfig, arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import check_output_file
+from encoderkit.label.pairs import is_pairs_file, read_pairs, sheet_row
 from encoderkit.label.records import read_labeled
 from encoderkit.label.sheet import write_sheet
 
@@ -26,8 +30,8 @@ from encoderkit.label.sheet import write_sheet
 class SampleConfig(StageConfig):
     """Draw a stratified review sheet (CSV) with an empty gold column."""
 
-    input: str = arg(help="labeled.jsonl (from `label`, or from `audit suspect` to stratify and order by suspicion).",
-                     required=True)
+    input: str = arg(help="labeled.jsonl (from `label`, or from `audit suspect` to stratify and order by suspicion), "
+                          "or the pairs file of `label --task embed/rerank`.", required=True)
     n: int = arg(200, help="Lines to sample.")
     output: str = arg(help="Sheet to write (CSV).", required=True)
     overwrite: bool = arg(False, help="Replace an existing sheet (and lose its filled gold cells).")
@@ -74,6 +78,8 @@ def allocate(sizes: list[int], n: int) -> list[int]:
 def run(cfg: SampleConfig) -> SampleResult:
     """Write the sheet (see the module docstring)."""
     out = check_output_file(cfg.output, cfg.overwrite, "--output", [cfg.input])  # its gold cells may be filled in
+    if is_pairs_file(cfg.input):
+        return _sample_pairs(cfg, out)
     recs = read_labeled(cfg.input)
     groups = strata(recs)
     if not groups:
@@ -92,3 +98,21 @@ def run(cfg: SampleConfig) -> SampleResult:
     rows = [{**recs[i], "row": i, "gold": ""} for i in sorted(chosen, key=order)]
     write_sheet(out, rows)
     return SampleResult(out, len(rows), len(groups))
+
+
+def _sample_pairs(cfg: SampleConfig, out: Path) -> SampleResult:
+    """A pairs file's sheet (see the module docstring): ``query``, its passage, ``label`` yes, ``gold`` empty."""
+    recs = read_pairs(cfg.input)
+    groups: dict[int, list[int]] = defaultdict(list)
+    position = 0
+    for i, r in enumerate(recs):  # position of the query within its passage's run of lines
+        same = i and recs[i - 1].get("passage_id", recs[i - 1]["positive"]) == r.get("passage_id", r["positive"])
+        position = position + 1 if same else 0
+        groups[position].append(i)
+    rng = np.random.default_rng(cfg.seed)
+    chosen: list[int] = []
+    members = [groups[k] for k in sorted(groups)]
+    for m, k in zip(members, allocate([len(m) for m in members], cfg.n), strict=True):
+        chosen += [m[j] for j in rng.choice(len(m), size=k, replace=False)]
+    write_sheet(out, [sheet_row(i, recs[i]) for i in sorted(chosen)])
+    return SampleResult(out, len(chosen), len(groups))

@@ -160,6 +160,14 @@ ANATOMIES: dict[str, Anatomy] = {
 }
 
 
+def config_heads_hidden(config: dict) -> tuple[int, int]:
+    """``(heads, hidden size)`` from a folder's ``config.json`` under the family's own keys (DistilBERT's ``n_heads``
+    and ``dim``); BERT's names for a family without an entry, and 0 where a key is absent."""
+    found = ANATOMIES.get(str(config.get("model_type", "")))
+    heads, hidden = (found.heads_key, found.hidden_key) if found else ("num_attention_heads", "hidden_size")
+    return int(config.get(heads) or 0), int(config.get(hidden) or 0)
+
+
 def family_of(model: torch.nn.Module) -> str:
     """``config.model_type`` of ``model`` (its class name when it has no config)."""
     return getattr(getattr(model, "config", None), "model_type", "") or type(model).__name__

@@ -25,9 +25,7 @@ scores as its best passage).
 from __future__ import annotations
 
 import codecs
-import csv
 import hashlib
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +34,7 @@ from typing import Any
 from encoderkit.data.beir import load_retrieval
 from encoderkit.data.files import folder_files
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import BlankLines, check_input, input_problem
-from encoderkit.progress import note
+from encoderkit.io import check_input, input_problem, read_csv, read_jsonl, read_lines
 
 
 @dataclass(frozen=True)
@@ -162,28 +159,13 @@ def _file_docs(path: Path, doc_id: str, skipped: Skipped, id_field: str, text_fi
 
 
 def _jsonl(path: Path, skipped: Skipped) -> Iterator[tuple[str, dict]]:
-    check_input(path, "corpus file")
-    blank = BlankLines()
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):  # lines end at b"\n" only, as a text's own U+2028 must not end one
-            if not line.strip():
-                blank.count += 1
-                blank.first = blank.first or n
-                continue
-            if n == 1:
-                line = line.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM
-            try:
-                rec = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                skipped.append(f"{path}:{n}: not UTF-8 (byte {e.start} of the line)")
-                continue
-            except json.JSONDecodeError as e:
-                raise EncoderkitError(f"{path}:{n}: not valid JSON ({e.msg})") from e
-            if not isinstance(rec, dict):
-                raise EncoderkitError(f"{path}:{n}: expected a JSON object")
-            yield f"{path}:{n}", rec
-    if blank.count:
-        note(f"{path}: skipped {blank.count} blank line(s) (the first is line {blank.first})")
+    """The records of a JSONL corpus file through the one line reader (only \\n ends a record, so a text's own
+    U+2028 does not); a line that is not UTF-8 is skipped, named and counted; blank lines are counted."""
+    def bad(number: int, offset: int) -> None:
+        skipped.append(f"{path}:{number}: not UTF-8 (byte offset {offset})")
+
+    for n, rec in read_jsonl(path, "corpus file", lines=read_lines(path, "corpus file", on_bad=bad)):
+        yield f"{path}:{n}", rec
 
 
 READ_BYTES = 1 << 22  # bytes per read of the UTF-8 check
@@ -211,9 +193,8 @@ def _csv(path: Path, skipped: Skipped) -> Iterator[tuple[str, dict]]:
     if bad is not None:
         skipped.append(f"{path}: not UTF-8 (first bad byte at offset {bad})")
         return
-    with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: Excel's "CSV UTF-8" starts with a BOM
-        for n, rec in enumerate(csv.DictReader(f), 2):
-            yield f"{path}:{n}", rec
+    for n, rec in read_csv(path, "corpus file"):  # the one line reader: a BOM (Excel's "CSV UTF-8") dropped
+        yield f"{path}:{n}", rec
 
 
 def passage_spans(tokenizer, text: str, size: int, overlap: int) -> list[tuple[int, int]]:

@@ -80,7 +80,8 @@ class EvalData:
 class TaskRun:
     """A task ready to train: the module, its loss, the training batches, a dev evaluation with
     its primary metric, how to save the trained module as a model folder, and the parameters that learn at
-    another rate than ``--lr`` (``lr_scale``: a new head, which starts from random weights)."""
+    another rate than ``--lr`` (``lr_scale``: a new head, which starts from random weights), and what an
+    ``--audit-sheet`` did to the training data (``audit``: its counts, said in the run's summary)."""
 
     module: nn.Module
     loss_fn: Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, float]]]
@@ -91,6 +92,7 @@ class TaskRun:
     card: dict[str, Any] = field(default_factory=dict)
     num_train: int = 0
     lr_scale: dict[str, float] = field(default_factory=dict)  # parameter-name prefix -> multiplier of --lr
+    audit: dict[str, Any] = field(default_factory=dict)
 
 
 def run_batches(

@@ -99,6 +99,7 @@ class Task:
     endpoint: ClassVar[str | None] = None   # the service's route that serves it (``/v1/<endpoint>``)
     single_label: ClassVar[bool] = False    # one label per text (a softmax over labels): what an audit compares
     scores_pairs: ClassVar[bool] = False    # scores a (query, passage) pair by its sequence logits: a cross-encoder
+    few_label: ClassVar[bool] = False       # finetune may take the few-label contrastive route (train/few_label.py)
     unit: ClassVar[ServingUnit]             # the serving unit compression times
     primary_metrics: ClassVar[tuple[str, ...]]  # the evaluation's quality figure (the first one present)
     data_help: ClassVar[str]                # what the task's data file is, for error messages

@@ -8,7 +8,6 @@ A ``.gz`` suffix after any of these is read through gzip.
 
 from __future__ import annotations
 
-import csv
 import gzip
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import BlankLines, check_input, json_line, lines_of, read_lines, records
-from encoderkit.progress import note
+from encoderkit.io import check_input, csv_records, json_line, lines_of, read_lines, records
 
 
 @dataclass
@@ -65,42 +63,11 @@ def iter_rows(path: str | Path) -> Iterator[Row]:
         for n, line in records(_lines(path), str(path)):
             found = True
             yield Row(json_line(line, f"{path}:{n}"), f"{path}:{n}")
-    else:
-        numbers = [0]  # the line the csv reader last took, so a row names the line it starts on
-
-        def text_lines() -> Iterator[str]:
-            for number, line in _lines(path, keep_ends=True):
-                numbers[0] = number
-                yield line
-
-        if fmt == "tsv":  # tabs, no quoting (GLUE files hold unbalanced ")
-            reader: Iterator[list[str]] = (ln.rstrip("\r\n").split("\t") for ln in text_lines())
-        else:
-            reader = csv.reader(text_lines())
-        try:
-            header = next(reader, None)
-            if header is None:
-                raise EncoderkitError(f"{path} is empty; expected a header line and rows")
-            header = [h.strip() for h in header]
-            blank = BlankLines()
-            start = numbers[0] + 1
-            for cells in reader:
-                n, start = start, numbers[0] + 1
-                if not cells or cells == [""]:
-                    blank.count += 1
-                    blank.first = blank.first or n
-                    continue
-                if len(cells) != len(header):
-                    raise EncoderkitError(
-                        f"{path}:{n}: {len(cells)} fields but the header has {len(header)} "
-                        f"({', '.join(header)}); fix the row (TSV fields are split on tabs, no quoting)"
-                    )
-                found = True
-                yield Row(dict(zip(header, cells, strict=True)), f"{path}:{n}")
-        except csv.Error as e:
-            raise EncoderkitError(f"{path}:{numbers[0]}: CSV error ({e}); fix the quoting") from e
-        if blank.count:
-            note(f"{path}: skipped {blank.count} blank line(s) (the first is line {blank.first})")
+    else:  # TSV: tabs, no quoting (GLUE files hold unbalanced "); CSV: the csv module
+        for n, fields in csv_records(_lines(path, keep_ends=True), str(path), "\t" if fmt == "tsv" else ",",
+                                     quoted=fmt == "csv"):
+            found = True
+            yield Row(fields, f"{path}:{n}")
     if not found:
         raise EncoderkitError(f"{path} holds no rows")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks import get_task
 from encoderkit.tasks.common import DEFAULT_MODEL, TrainData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
-from encoderkit.train import checkpoint, guardrails
+from encoderkit.train import checkpoint, few_label, guardrails
 from encoderkit.train.engine import TrainSettings, fit
 
 
@@ -54,8 +54,9 @@ class FinetuneConfig(TaskDataOptions):
     freeze: list[str] = arg([], help="Parameter name prefixes to freeze (e.g. bert.embeddings); default: nothing "
                                      "frozen.")
     max_train_examples: int = arg(0, help="Use a seeded random subset of this many training examples (0: all).")
-    audit_sheet: str = arg("", help="classify on `encoderkit label` output: a reviewed audit sheet whose gold labels "
-                                    "replace the labeller's.")
+    audit_sheet: str = arg("", help="`encoderkit label` output, reviewed: classify: the audit sheet whose gold labels "
+                                    "replace the labeller's; embed/rerank on a pairs file: its sheet, whose pairs "
+                                    "marked no are dropped (counted in the summary's 'audit').")
     drop_suspected: bool = arg(False, help="classify on `encoderkit label` output: drop the lines `audit suspect` "
                                            "marked as likely wrong (audited lines are kept).")
     max_dev_examples: int = arg(0, help="Use a seeded random subset of this many dev examples (0: all).")
@@ -88,6 +89,15 @@ class FinetuneConfig(TaskDataOptions):
         "epochs without --early-stopping), frozen-encoder (encoder layers frozen with more than 3000 examples), "
         "other-tokenizer (--tokenizer with another vocabulary than the checkpoint's), unaudited-labels (`encoderkit "
         "label` output trained on without --audit-sheet). Each warning says why it matters."))
+    few_label: str = arg("auto", help=(
+        "classify: the few-label route (SetFit's idea): sentence pairs from the labels tune the encoder with a "
+        "cosine-similarity loss, then a logistic-regression head is fitted on the tuned embeddings. 'auto': taken when "
+        f"no class has more than {few_label.MAX_PER_CLASS} training examples (single texts, one label each); 'on' / "
+        "'off' force it. The route trains one pass over the pairs at its own learning rate and batch (2e-5, 16 "
+        "pairs; --lr, --epochs, --batch-size, --max-steps are the standard route's); --pooling auto is mean there."),
+        choices=few_label.MODES)
+    pair_iterations: int = arg(20, help="classify --few-label: rounds of pairs; each pairs every training text with "
+                                        "one of its class and one of another (2 x rounds x examples pairs).")
     bf16: bool | None = arg(None, help="bf16 autocast (default: on where the CPU/GPU has native bf16).", speed=True)
     bucket: bool = arg(True, help="Length-bucketed batches (less padding).", speed=True)
     eval_batch_size: int = arg(128, help="Batch size of dev evaluation.", speed=True)
@@ -97,6 +107,7 @@ class FinetuneConfig(TaskDataOptions):
         check(self.batch_size >= 1, "batch_size must be at least 1")
         check(self.max_length == 0 or self.max_length >= 8, "max_length must be 0 (task default) or at least 8")
         check(self.early_stopping >= 0, "early_stopping must be 0 or more")
+        check(self.pair_iterations >= 1, "pair_iterations must be at least 1")
         check(not (self.early_stopping and not self.dev), "--early-stopping needs --dev")
         guardrails.check_allowed(self.allow)
 
@@ -109,11 +120,12 @@ class FinetuneResult:
     seconds: float
     examples_per_s: float | None  # None when no step ran in this call (a finished run resumed)
     metrics: dict[str, float]
+    audit: dict[str, Any] = field(default_factory=dict)  # what --audit-sheet dropped (embed/rerank pairs)
 
     def summary(self) -> dict[str, Any]:
         speed = round(self.examples_per_s, 1) if self.examples_per_s is not None else None
         return {"out": str(self.out), "task": self.task, "steps": self.steps, "seconds": round(self.seconds, 1),
-                "train_examples_per_s": speed, "dev": self.metrics}
+                "train_examples_per_s": speed, "dev": self.metrics, **({"audit": self.audit} if self.audit else {})}
 
 
 class _EarlyStop(Exception):
@@ -149,6 +161,13 @@ def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
     task, data, options = task_inputs(cfg, folder)
     # the settings as run: the settled max length, not the 0 that asked for the task's default
     settings = {**cfg.result_dict(), "max_length": options.max_length}
+    # ``build``: another stage's loss (the few-label route is classify's own)
+    examples = None if build else few_label.route(cfg, task, data, options, folder.config.get("model_type"))
+    if examples is not None:  # a few labels per class: pairs, then a head (train/few_label.py)
+        _guardrails(cfg, folder, tokenizer, None, num_train=len(examples.texts))  # its own lr, one pass: not cfg's
+        steps, seconds, metrics = few_label.run(cfg, examples, task, data, options, tokenizer, folder, out, settings)
+        return FinetuneResult(out, cfg.task, steps, seconds, steps * few_label.BODY_BATCH / max(seconds, 1e-9),
+                              metrics)
     with torch.random.fork_rng(devices=[]):  # the new head's initialisation follows --seed
         torch.manual_seed(cfg.seed)
         tr = (build or task.build)(data, options, tokenizer, folder)
@@ -194,21 +213,28 @@ def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
                    stopped_early=stopped_early, steps=steps, train_examples=tr.num_train,
                    train_seconds=round(seconds, 1), **tr.card)
     shutil.rmtree(run_dir, ignore_errors=True)
-    return FinetuneResult(out, cfg.task, steps, seconds, examples_per_s, best_metrics)
+    return FinetuneResult(out, cfg.task, steps, seconds, examples_per_s, best_metrics, tr.audit)
 
 
-def _guardrails(cfg: FinetuneConfig, folder: ModelFolder, tokenizer: Any, tr: Any) -> None:
-    """Warn about settings that usually hurt (:mod:`encoderkit.train.guardrails`), unless silenced."""
+def _guardrails(cfg: FinetuneConfig, folder: ModelFolder, tokenizer: Any, tr: Any, num_train: int = 0) -> None:
+    """Warn about settings that usually hurt (:mod:`encoderkit.train.guardrails`), unless silenced. ``tr`` None:
+    the few-label route (its own learning rate and one pass: only the tokenizer and the labels' source are
+    judged, over ``num_train`` examples)."""
     if cfg.no_guardrails:
         return
-    steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)
     differs = bool(cfg.tokenizer) and bool(folder.tokenizer_files) and guardrails.tokenizers_differ(
         folder.tokenizer(), tokenizer)
+    if tr is None:
+        lr, frozen, epochs, early_stopping = few_label.BODY_LR, [], 1.0, cfg.early_stopping
+    else:
+        steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)
+        lr, frozen = cfg.lr, [n for n, p in tr.module.named_parameters() if not p.requires_grad]
+        epochs = cfg.max_steps / steps_per_epoch if cfg.max_steps else cfg.epochs
+        early_stopping, num_train = cfg.early_stopping, tr.num_train
     found = guardrails.warnings_for(
-        lr=cfg.lr, frozen=[n for n, p in tr.module.named_parameters() if not p.requires_grad],
-        epochs=cfg.max_steps / steps_per_epoch if cfg.max_steps else cfg.epochs, early_stopping=cfg.early_stopping,
-        num_train=tr.num_train, tokenizer_differs=differs, tokenizer=cfg.tokenizer,
-        labelled=guardrails.labelled_output(cfg.train), audit_sheet=cfg.audit_sheet)
+        lr=lr, frozen=frozen, epochs=epochs, early_stopping=early_stopping, num_train=num_train,
+        tokenizer_differs=differs, tokenizer=cfg.tokenizer, labelled=guardrails.labelled_output(cfg.train),
+        audit_sheet=cfg.audit_sheet)
     guardrails.say(found, cfg.allow, cfg.no_guardrails)
 
 

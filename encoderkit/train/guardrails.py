@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from encoderkit.errors import EncoderkitError
+from encoderkit.io import read_lines, records
 from encoderkit.progress import note
 
 RULES = ("high-lr", "many-epochs", "frozen-encoder", "other-tokenizer", "unaudited-labels")
@@ -57,14 +58,12 @@ def labelled_output(path: str) -> bool:
         return True
     if p.suffix not in (".jsonl", ".json") or not p.is_file():
         return False
-    with open(p, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    return False
-                return isinstance(rec, dict) and "labeller" in rec
+    try:
+        for _, line in records(read_lines(p, "--train"), str(p)):  # the one line reader; its errors are the reader's
+            rec = json.loads(line)
+            return isinstance(rec, dict) and "labeller" in rec
+    except (EncoderkitError, json.JSONDecodeError):
+        return False  # what is wrong with the file is said by the task reader, with its line
     return False
 
 

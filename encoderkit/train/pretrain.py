@@ -56,6 +56,8 @@ class PretrainConfig(TrainArgs):
     heldout: float = arg(0.01, help="Held-out document fraction when preparing --corpus.")
     doc_split: str = arg("file", help="How --corpus text files become documents.",
                          choices=("file", "blank_line", "line"))
+    follow_links: bool = arg(False, help="--corpus: also read files that symbolic links inside a corpus folder point "
+                                         "to outside it (by default such links are skipped and counted).")
     model: str = arg("", help="HF model folder to continue pretraining from (instead of --preset).")
     preset: str = arg("", help="Architecture preset for a model from scratch.", choices=("", *PRESETS))
     arch: str = arg("bert", help="Architecture family for a model from scratch (deberta: DeBERTa-v2/v3 disentangled "
@@ -147,7 +149,7 @@ def resolve_data(cfg: PretrainConfig, dist: dist_util.DistInfo) -> Path:
         read_meta(cfg.data)
         return Path(cfg.data)
     prep = PrepareConfig(corpus=cfg.corpus, tokenizer=cfg.tokenizer, seq_len=cfg.seq_len, heldout=cfg.heldout,
-                         doc_split=cfg.doc_split, seed=cfg.seed)
+                         doc_split=cfg.doc_split, seed=cfg.seed, follow_links=cfg.follow_links)
     cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_CACHE
     folder = ensure_prepared(prep, cache) if dist.is_main else None
     dist.barrier()
@@ -340,4 +342,5 @@ def run(cfg: PretrainConfig) -> PretrainResult:
                        task=PRETRAINED, max_length=int(meta["seq_len"]))
     dist.barrier()
     return PretrainResult(out, metrics, result.steps, result.tokens_per_s,
-                          extra={"run_dir": str(run_dir), "best_checkpoint": str(result.best_checkpoint)})
+                          extra={"run_dir": str(run_dir), "best_checkpoint": str(result.best_checkpoint),
+                                 **({"skipped_links": meta.get("skipped_links", 0)} if cfg.corpus else {})})

@@ -62,6 +62,8 @@ class TokenizerConfig(StageConfig):
     text_field: str = arg("text", help="JSONL / hf: field that holds the text.")
     text_column: str = arg("text", help="CSV / TSV / Parquet column that holds the text.")
     skip_bad_encoding: bool = arg(False, help="Leave out files that are not UTF-8 (counted) instead of stopping.")
+    follow_links: bool = arg(False, help="Also read files that symbolic links inside a corpus folder point to "
+                                         "outside it (by default such links are skipped and counted).")
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
 
     def validate(self) -> None:
@@ -117,6 +119,7 @@ class Result:
     text_bytes: int
     skipped_files: int
     seconds: float
+    skipped_links: int = 0  # links that leave a corpus folder, left out (no --follow-links)
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -194,8 +197,9 @@ def _training_texts(cfg: TokenizerConfig, stats: ReadStats) -> Iterator[str]:
     buffers a few hundred items ahead, so bounded pieces bound memory), with a progress bar."""
     docs = iter_documents(cfg.corpus, doc_split=cfg.doc_split, text_field=cfg.text_field,
                           text_column=cfg.text_column, skip_bad_encoding=cfg.skip_bad_encoding,
-                          on_skip=lambda src, why: note(f"skipped {src}: {why}"), stats=stats)
-    total = estimate_bytes(cfg.corpus)
+                          on_skip=lambda src, why: note(f"skipped {src}: {why}"), stats=stats,
+                          follow_links=cfg.follow_links)
+    total = estimate_bytes(cfg.corpus, cfg.follow_links)
     with progress(total=total, unit="B", unit_scale=True, desc="tokenizer: reading corpus") as bar:
         for doc in docs:
             for piece in split_long_text(doc.text):
@@ -239,12 +243,12 @@ def run(cfg: TokenizerConfig) -> Result:
         if stats.skipped_files:
             notes.append(f"{stats.skipped_files} file(s) skipped: not UTF-8")
         metrics = {"vocab_size": size, "documents": stats.documents, "text_bytes": stats.text_bytes,
-                   "skipped_files": stats.skipped_files}
+                   "skipped_files": stats.skipped_files, "skipped_links": stats.skipped_links}
         write_card(tmp, stage="tokenizer", parent=None, config=cfg.result_dict(), metrics=metrics,
                    kind=cfg.kind, lowercase=cfg.is_lowercase, special_tokens=roles)
     return Result(out=str(cfg.out), kind=cfg.kind, vocab_size=size, documents=stats.documents,
                   text_bytes=stats.text_bytes, skipped_files=stats.skipped_files,
-                  seconds=round(time.perf_counter() - started, 2), notes=notes)
+                  seconds=round(time.perf_counter() - started, 2), skipped_links=stats.skipped_links, notes=notes)
 
 
 def renumber_wordpiece(tok: Any, special_tokens: list[str], unk_token: str) -> None:

@@ -25,6 +25,7 @@ class ClassifyTask(Task):
     endpoint = "classify"
     single_label = True
     scores_pairs = True  # a pair classifier reranks by its last label's logit over its first
+    few_label = True  # few labels per class: finetune's contrastive route (encoderkit/train/few_label.py)
     unit = SEQUENCE_REQUEST
     primary_metrics = ("accuracy", "micro_f1")
     data_help = "a .tsv/.csv/.jsonl table with the text column the model was fine-tuned on"

@@ -29,6 +29,7 @@ class EmbedOptions:
     miner: str = DEFAULT_MODEL
     matryoshka_dims: tuple[int, ...] = ()
     scale: float = 20.0
+    audit_sheet: str = ""  # a pairs file's reviewed sheet: the pairs marked no are dropped (tasks/labeled.py)
 
     @classmethod
     def for_training(cls, cfg: Any, folder: ModelFolder) -> EmbedOptions:

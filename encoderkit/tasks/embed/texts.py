@@ -14,7 +14,7 @@ import numpy as np
 
 from encoderkit.config import check
 from encoderkit.data.beir import load_retrieval, split_spec
-from encoderkit.data.readers import iter_documents
+from encoderkit.data.readers import ReadStats, iter_documents
 from encoderkit.errors import EncoderkitError
 from encoderkit.progress import note
 
@@ -27,9 +27,10 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in (" ".join(p.split()) for p in _SENTENCE_END.split(text)) if s]
 
 
-def source_documents(spec: str) -> Iterator[str]:
+def source_documents(spec: str, follow_links: bool = False, stats: ReadStats | None = None) -> Iterator[str]:
     """Document texts of one source: a BEIR source's corpus (title + text), and with an explicit
-    ``#split`` that split's queries too (each its own text; no labels are read), or any corpus file."""
+    ``#split`` that split's queries too (each its own text; no labels are read), or any corpus file or folder (links
+    that leave a folder left out unless ``follow_links``, counted in ``stats.skipped_links``)."""
     path, split = split_spec(spec)
     if (path.is_dir() and (path / "corpus.jsonl").is_file()) or (path.suffix == ".zip" and _is_scifact_zip(path)):
         data = load_retrieval(f"{path}#{split}")
@@ -42,8 +43,17 @@ def source_documents(spec: str) -> Iterator[str]:
     def skipped(source: str, why: str) -> None:
         note(f"distill: left out {source} ({why})")
 
-    for doc in iter_documents(spec, doc_split="blank_line", skip_bad_encoding=True, on_skip=skipped):
+    for doc in iter_documents(spec, doc_split="blank_line", skip_bad_encoding=True, on_skip=skipped,
+                              follow_links=follow_links, stats=stats):
         yield doc.text
+
+
+def _documents(spec: str, follow_links: bool, stats: ReadStats | None) -> Iterator[str]:
+    """:func:`source_documents` of ``spec``, its skipped links added to ``stats`` (each source counts its own)."""
+    own = ReadStats()
+    yield from source_documents(spec, follow_links, own)
+    if stats is not None:
+        stats.skipped_links += own.skipped_links
 
 
 def _is_scifact_zip(path: Path) -> bool:
@@ -54,8 +64,10 @@ def _is_scifact_zip(path: Path) -> bool:
         return False
 
 
-def training_texts(sources: str, limit: int = 0, min_chars: int = 20, seed: int = 0) -> list[str]:
-    """Pieces of 1, 2 or 4 consecutive sentences from the documents of ``sources`` (comma-separated).
+def training_texts(sources: str, limit: int = 0, min_chars: int = 20, seed: int = 0, follow_links: bool = False,
+                   stats: ReadStats | None = None) -> list[str]:
+    """Pieces of 1, 2 or 4 consecutive sentences from the documents of ``sources`` (comma-separated; folders read
+    as :func:`source_documents` reads them, ``stats.skipped_links`` summed over the sources).
 
     With ``limit`` the pieces are a seeded sample of that many, taken evenly from each source
     (what one source lacks goes to the others). Pieces shorter than ``min_chars`` are dropped.
@@ -64,7 +76,7 @@ def training_texts(sources: str, limit: int = 0, min_chars: int = 20, seed: int 
     for spec in [s.strip() for s in sources.split(",") if s.strip()]:
         pieces: list[str] = []
         turn = 0
-        for text in source_documents(spec):
+        for text in _documents(spec, follow_links, stats):
             sentences = split_sentences(text)
             i = 0
             while i < len(sentences):

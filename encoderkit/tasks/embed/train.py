@@ -44,7 +44,8 @@ def pair_batches(q_rows: list[dict[str, np.ndarray]], p_rows: list[dict[str, np.
 
 def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder) -> TaskRun:
     max_length = options.max_length
-    groups, k = train_groups(data, options)
+    audit: dict = {}
+    groups, k = train_groups(data, options, audit)
     if len(groups) < data.batch_size:
         raise EncoderkitError(f"{data.train}: {len(groups)} training pairs, fewer than one batch ({data.batch_size}); "
                               "lower --batch-size")
@@ -79,7 +80,7 @@ def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder
     card = {"task": "embed", "pooling": model.pooling, "normalize": True, "max_length": max_length,
             "max_query_length": options.max_query_length, "matryoshka_dims": dims, "similarity": "cosine"}
     return TaskRun(model, loss_fn, source, evaluate, (data.metric or "ndcg@10", "max"), save, card,
-                   num_train=len(groups))
+                   num_train=len(groups), audit=audit)
 
 
 def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: EmbedOptions,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from encoderkit.errors import EncoderkitError
-from encoderkit.io import check_input
+from encoderkit.io import check_input, read_text_file
 
 TRAIN_FRACTION = 0.8
 
@@ -38,7 +38,7 @@ def load_squad_json(path: str | Path) -> dict:
                     raise EncoderkitError(f"{path}: expected exactly one .json member, found {members}")
                 data = json.loads(zf.read(members[0]).decode("utf-8"))
         else:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_text_file(path, "SQuAD file"))  # a BOM dropped, a bad byte named
     except (json.JSONDecodeError, zipfile.BadZipFile, UnicodeDecodeError) as e:
         raise EncoderkitError(f"{path}: not a readable SQuAD JSON file ({e})") from e
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):

@@ -5,20 +5,25 @@ negatives ``sampled`` at random from the corpus or ``mined`` from a bi-encoder's
 
 from __future__ import annotations
 
-from encoderkit.data.beir import Triple, is_beir_source, load_retrieval, read_triples
+from typing import Any
+
+from encoderkit.data.beir import Triple, is_beir_source, load_retrieval
 from encoderkit.tasks.common import TrainData, seeded_subset
+from encoderkit.tasks.embed.data import read_pairs_file, refuse_sheet_on_beir
 from encoderkit.tasks.embed.mining import groups_from_beir
 from encoderkit.tasks.rerank.options import RerankOptions
 
 
-def train_groups(data: TrainData, options: RerankOptions) -> list[Triple]:
+def train_groups(data: TrainData, options: RerankOptions, audit: dict[str, Any] | None = None) -> list[Triple]:
     """The training groups of ``data.train`` (a seeded subset of ``data.max_train_examples``; 0: all),
-    each with its whole pool of negatives to draw from every epoch."""
+    each with its whole pool of negatives to draw from every epoch. A pairs file's ``--audit-sheet`` drops the pairs
+    marked ``no`` first (counts into ``audit``)."""
     if is_beir_source(data.train):
+        refuse_sheet_on_beir(data, options.audit_sheet)
         groups = groups_from_beir(load_retrieval(data.train), negatives=options.negatives,
                                   num_negatives=options.num_negatives, seed=data.seed, miner=options.miner,
                                   max_query_length=options.max_query_length, batch_size=data.eval_batch_size,
                                   pool=True)
     else:
-        groups = read_triples(data.train)
+        groups = read_pairs_file(data.train, options.audit_sheet, audit)
     return seeded_subset(groups, data.max_train_examples, data.seed)

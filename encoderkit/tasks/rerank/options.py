@@ -25,6 +25,7 @@ class RerankOptions:
     num_negatives: int = 3
     miner: str = DEFAULT_MODEL
     candidates: int = CANDIDATES
+    audit_sheet: str = ""  # a pairs file's reviewed sheet: the pairs marked no are dropped (tasks/labeled.py)
 
     @classmethod
     def for_training(cls, cfg: Any, folder: ModelFolder) -> RerankOptions:

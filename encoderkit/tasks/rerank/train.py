@@ -29,7 +29,8 @@ OPTIONS = RerankOptions
 
 def build(data: TrainData, options: RerankOptions, tokenizer, folder: ModelFolder) -> TaskRun:
     max_length = options.max_length
-    groups = train_groups(data, options)
+    audit: dict = {}
+    groups = train_groups(data, options, audit)
     k = options.num_negatives
     short = [g for g in groups if len(g.negatives) < k]
     if short:
@@ -63,7 +64,7 @@ def build(data: TrainData, options: RerankOptions, tokenizer, folder: ModelFolde
     card = {"task": "rerank", "max_length": max_length, "num_labels": 1,
             "loss": "listwise softmax over 1 positive + negatives"}
     return TaskRun(model, loss_fn, source, evaluate, (data.metric or primary[0], "max"),
-                   lambda m, folder: m.save_pretrained(folder), card, num_train=len(groups))
+                   lambda m, folder: m.save_pretrained(folder), card, num_train=len(groups), audit=audit)
 
 
 def dev_evaluator(spec: str, limit: int, seed: int, batch_size: int, options: RerankOptions, tokenizer):
