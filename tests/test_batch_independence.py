@@ -138,3 +138,20 @@ def test_a_lower_precision_backend_is_checked_against_fp32_and_refused_when_it_b
                                               r"[0-9.]+ mean / [0-9.]+ min on \d+ check texts, below the 0\.99 mean / "
                                               r"1\.01 min kept\), so it is refused; use --backend onnx-fp32"):
         Predictor.load(folders["embed"], backend=backend, threads=1)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.startswith(("onnx", "openvino"))])
+def test_a_lane_gives_a_text_the_same_output_as_the_engine_on_every_thread(folders, backend):
+    """serve runs long texts on a second session of the engine with one thread of its own, beside short batches on
+    another (``engine.lane``, :func:`encoderkit.deploy.serve.lanes`): a text's vector is the same bits whichever
+    computed it, alone or in a batch."""
+    import copy
+
+    p = Predictor.load(folders["embed"], backend=backend, threads=2, max_batch=4)
+    one = copy.copy(p)
+    one.engine = p.engine.lane(1)
+    assert one.engine is not p.engine and one.engine.threads == 1
+    texts = [*NEIGHBOURS, *TEXTS]
+    for run in (lambda r: np.stack(r.embed(texts)), lambda r: np.stack([r.embed([t])[0] for t in texts])):
+        wide, lane = run(p), run(one)
+        assert np.array_equal(wide, lane), (backend, float(np.abs(wide - lane).max()))

@@ -127,6 +127,18 @@ def test_finetune_ner_trains_on_the_labelled_spans(tmp_path, tiny_bert_dir, caps
     assert "--allow unaudited-labels" in capsys.readouterr().err  # label output without an audit sheet
 
 
+@pytest.mark.parametrize("flag", [{"audit_sheet": "sheet.csv"}, {"drop_suspected": True}])
+def test_audit_flags_a_task_cannot_apply_are_refused_not_ignored(tmp_path, tiny_bert_dir, flag):
+    from encoderkit.train.finetune import FinetuneConfig
+    from encoderkit.train.finetune import run as finetune
+
+    _label(tmp_path)
+    with pytest.raises(EncoderkitError, match="--task ner does not read `encoderkit label` output"):
+        finetune(FinetuneConfig(task="ner", model=str(tiny_bert_dir), train=str(tmp_path / "labeled.jsonl"),
+                                out=str(tmp_path / "ner"), max_steps=2, batch_size=4, max_length=16, **flag))
+    assert not (tmp_path / "ner").exists()
+
+
 SETS = {"a goal in the final vote": '["sports", "politics"]', "the senate vote": '["Politics", "weather"]',
         "sunny today": "[]", "a late goal": 'Labels: ["sports"]'}
 

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import types
@@ -20,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from encoderkit.deploy.batching import MicroBatcher, QueueFull
+from encoderkit.deploy.batching import LONG_LANE_NICE, MicroBatcher, QueueFull
 from encoderkit.deploy.guard import Limits
 from encoderkit.deploy.metrics import REFUSALS
 from encoderkit.deploy.protocol import server_options
@@ -293,6 +294,135 @@ def test_a_client_alone_gets_its_long_items_in_whole_batches():
 
     asyncio.run(scenario())
     assert sum(calls) == 20 and max(calls) == 8 and len(calls) <= 4, calls
+
+
+def _nice() -> int:
+    """The calling thread's OS priority (Linux: per thread)."""
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_long_rows_run_beside_short_batches_in_a_lane_of_their_own():
+    """With lanes (serve makes them where the engine opens a one-thread session), a client's long items run in a thread
+    of their own, at a lower OS priority, while the short requests of others go on in the short lane: none waits for
+    a long row's call. With no long item waiting or running, a batch runs on every thread (``fn``)."""
+    log: list[tuple[str, float, float, list, int]] = []  # lane, start, end, items, the thread's nice
+
+    def lane(name: str, seconds: float):
+        def run(items):
+            start = time.perf_counter()
+            time.sleep(seconds)
+            log.append((name, start, time.perf_counter(), list(items), _nice()))
+            return items
+        return run
+
+    async def scenario():
+        b = MicroBatcher(lane("wide", 0.005), max_batch=32, max_wait_ms=1, cost=lambda xs: [x[1] for x in xs],
+                         short_lane=lane("short", 0.005), long_lane=lambda: lane("long", 0.6))
+        await b.start()
+        await b.submit([("q", 10)], client="S")
+        longs = asyncio.ensure_future(b.submit([("L", 256)] * 2, client="L"))
+        await asyncio.sleep(0.1)  # its first row's call is running
+        for _ in range(5):
+            await b.submit([("s", 10)], client="S")
+        await longs
+        await b.submit([("q", 10)], client="S")
+        await b.close()
+
+    asyncio.run(scenario())
+    assert [e[0] for e in log if e[3][0][0] == "q"] == ["wide", "wide"], log  # no long item: every thread
+    rows = [e for e in log if e[0] == "long"]
+    assert [len(e[3]) for e in rows] == [1, 1], log  # one 256-token row a call (fair_tokens) in the long lane
+    short = [e for e in log if e[3][0][0] == "s"]
+    assert [e[0] for e in short] == ["short"] * 5, log
+    assert all(rows[0][1] < e[1] and e[2] < rows[0][2] for e in short), log  # all five during the first row's call
+    if sys.platform == "linux":
+        assert all(e[4] >= LONG_LANE_NICE for e in rows) and all(e[4] < LONG_LANE_NICE for e in short), log
+
+
+def test_long_texts_alone_run_on_every_thread_not_in_the_long_lane():
+    """Long texts with no short request about (passages being indexed) keep the whole model: whole batches on
+    every thread (``fn``), never the one-thread long lane; once short requests come, long rows move to the lane."""
+    log: list[tuple[str, int]] = []
+
+    def lane(name: str):
+        def run(items):
+            time.sleep(0.01)
+            log.append((name, len(items)))
+            return items
+        return run
+
+    async def scenario():
+        b = MicroBatcher(lane("wide"), max_batch=8, max_wait_ms=1, cost=lambda xs: [x[1] for x in xs],
+                         short_lane=lane("short"), long_lane=lambda: lane("long"))
+        await b.start()
+        await b.submit([("P", 200)] * 8, client="c0")
+        assert log and {name for name, _ in log} == {"wide"} and max(n for _, n in log) > 1, log
+        log.clear()
+        await b.submit([("s", 10)], client="S")
+        await b.submit([("P", 200)], client="c0")
+        await b.close()
+
+    asyncio.run(scenario())
+    assert log == [("wide", 1), ("long", 1)], log  # a short batch just ran: the long row goes to its lane
+
+
+class _LaneEngine:
+    """An engine that opens lanes (``lane(threads)``), each named in the order it was made."""
+
+    def __init__(self, threads: int, name: str = "wide", made: list | None = None) -> None:
+        self.threads, self.name, self.made = threads, name, made if made is not None else []
+
+    def lane(self, threads: int) -> _LaneEngine:
+        self.made.append(threads)
+        return _LaneEngine(threads, f"lane{len(self.made)}", self.made)
+
+
+class _LaneStub(_Stub):
+    """The classify stand-in on an engine with lanes; ``seen``: (engine, text length, thread nice) per row. Texts of
+    1,500 characters are 302 tokens: long."""
+
+    max_length = 512
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.engine, self.seen = _LaneEngine(2), []
+
+    def run_rows(self, rows):
+        self.seen += [(self.engine.name, len(r["input_ids"]), _nice()) for r in rows]
+        time.sleep(0.5 if len(rows[0]["input_ids"]) >= 128 else 0.002)
+        return [[np.array([0.0, 5.0], dtype=np.float32)] for _ in rows]
+
+
+def test_serve_runs_long_texts_on_a_one_thread_lane_beside_short_requests():
+    """serve gives a model whose engine opens lanes a short lane (its threads but one) and a long lane (one thread,
+    made in that lane's low-priority thread): a client's long texts run there while another's short requests are
+    answered in the short lane; without lanes (``long_lane=False``), or with one thread, none is made."""
+    stub = _LaneStub()
+    app = create_app({"m": stub}, Limits(max_texts=256, max_chars=2000), max_batch=32, max_wait_ms=1)
+    assert stub.engine.made == [1]  # the short lane: 2 threads but one
+    with BackgroundServer(app) as url:
+        assert stub.engine.made == [1, 1]  # the long lane, at start
+        assert _post(url, ["short"]).status_code == 200
+        with _source("127.0.0.3", url, timeout=30) as s:  # another client sends two long texts
+            body = b'{"texts": ["' + b"word " * 300 + b'", "' + b"word " * 300 + b'"]}'
+            s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            time.sleep(0.15)
+            started = time.perf_counter()
+            for _ in range(5):
+                assert _post(url, ["short"]).status_code == 200
+            short_s = time.perf_counter() - started
+            assert s.recv(12) == b"HTTP/1.1 200"
+    assert short_s < 0.5, short_s  # not one waited for a long row's call (0.5 s)
+    by_lane = {(name, n >= 128) for name, n, _ in stub.seen}
+    assert by_lane == {("wide", False), ("lane1", False), ("lane2", True)}, stub.seen
+    if sys.platform == "linux":
+        assert all(nice >= LONG_LANE_NICE for name, _, nice in stub.seen if name == "lane2"), stub.seen
+    for kw, engine in (({"long_lane": False}, _LaneEngine(2)), ({}, _LaneEngine(1))):
+        other = _LaneStub()
+        other.engine = engine
+        create_app({"m": other}, **kw)
+        assert engine.made == [], kw
 
 
 def test_a_refused_connection_is_held_before_its_503_so_reconnecting_in_a_loop_is_slow():

@@ -84,3 +84,35 @@ def test_bad_answer_offsets_are_skipped_with_a_count(tmp_path, capsys):
     p.write_text('{"data": 3}')
     with pytest.raises(EncoderkitError, match="SQuAD format"):
         read_squad(p)
+
+
+def _one_article(path):
+    ctx = "ada wrote the first program"
+    path.write_text(json.dumps({"data": [{"title": "t", "paragraphs": [{"context": ctx, "qas": [
+        {"id": "1", "question": "who ?", "answers": [{"text": "ada", "answer_start": 0}]}]}]}]}))
+    return path
+
+
+def test_a_new_span_head_learns_faster_than_the_encoder(tmp_path, tiny_tokenizer_dir, tiny_bert_dir):
+    """A randomly initialised span head learns at HEAD_LR_SCALE x --lr (a few hundred steps of a small SQuAD set
+    barely move a head at the encoder's rate); a trained QA folder's head keeps --lr."""
+    from conftest import _tiny_folder
+
+    from encoderkit.tasks.common import TrainData, open_model
+    from encoderkit.tasks.qa import train as qa_train
+    from encoderkit.train.engine import param_groups
+
+    assert qa_train.HEAD_LR_SCALE >= 10
+    data = TrainData(train=str(_one_article(tmp_path / "s.json")))
+    options = qa_train.QaOptions(max_length=32, doc_stride=8, max_question_length=8)
+    folder = open_model(tiny_bert_dir)
+    run = qa_train.build(data, options, folder.tokenizer(), folder)
+    assert run.lr_scale == {"qa_outputs": qa_train.HEAD_LR_SCALE}
+    assert run.card["head"] == {"lr_scale": qa_train.HEAD_LR_SCALE}
+    groups = param_groups(run.module, 0.01, run.lr_scale)
+    head = {id(p) for p in run.module.qa_outputs.parameters()}
+    for g in groups:
+        assert g["lr_scale"] == (qa_train.HEAD_LR_SCALE if {id(p) for p in g["params"]} <= head else 1.0)
+    trained = open_model(_tiny_folder(tmp_path / "qa", tiny_tokenizer_dir, "BertForQuestionAnswering"))
+    assert trained.task == "qa"
+    assert qa_train.build(data, options, trained.tokenizer(), trained).lr_scale == {}

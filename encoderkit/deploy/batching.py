@@ -22,6 +22,17 @@ wait takes no more meanwhile. While short requests wait (or their clients are ab
 waits for one long call at most, and a client looping maximum-size texts slows the others by a bounded factor
 however much one of its rows costs beside theirs; with nothing short waiting, long items get the whole model.
 
+With a ``long_lane`` (serve makes one where the engine can run a second session on a thread of its own,
+:meth:`~encoderkit.inference.engines.OpenVinoEngine.lane`), the long items put aside run in it instead, beside the
+short batches, which meanwhile run in the ``short_lane`` (the model on the other threads): a short request never
+waits for a long row. The long lane's thread, and the threads its engine starts there, run at a lower OS priority
+(:data:`LONG_LANE_NICE`): where the short batches and the long rows want the same core, the short batch gets it at
+once, and the long rows get what it leaves (a core of their own on an otherwise idle 2-core machine). While no long
+item waits or runs, a batch runs on every thread (``fn``), as without lanes, and a long row waits for such a call to
+end rather than share its cores. Long items with no short batch in the last :data:`SHORT_RECENT_S` (long texts
+alone: passages being indexed) run on every thread too, as without lanes, in calls as large as a batch. The lanes
+compute what ``fn`` does, text for text (the engines' contract: tests/test_batch_independence.py).
+
 Items are sized for the queue without tokenizing (:meth:`MicroBatcher.estimate`: their UTF-8 bytes times the tokens
 per byte of the texts computed so far); with ``counted=True`` the model call returns each item's exact token count
 from its own tokenizing (:class:`TokenTap`), which teaches the estimate and answers :meth:`submit_counted`: a text
@@ -39,6 +50,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import os
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +80,8 @@ SHORT_FIRST = 2  # a batch's requests whose items are at most 1/SHORT_FIRST of i
 LONG_TOKENS = 128  # ... when that longest item has this many tokens or more (a call of short texts only stays one)
 LONG_SHARE = 1 / 3  # while short requests wait, the most of the model's time that the long items put aside get
 SHORT_GRACE_S = 0.05  # how long the model waits for a short request before it runs long items beyond their share
+LONG_LANE_NICE = 19  # the long lane's thread: short batches take a core from it at once
+SHORT_RECENT_S = 1.0  # no short batch this long: long items run on every thread, not in the long lane
 
 
 @dataclass
@@ -167,6 +182,13 @@ def _short_first(parts: list[_Part], long_tokens: int) -> list[list[_Part]]:
     return [[p for p, s in zip(parts, short) if s], [p for p, s in zip(parts, short) if not s]]
 
 
+def lower_priority(nice: int = LONG_LANE_NICE) -> None:
+    """Lower the calling thread's OS priority to ``nice`` (Linux: per thread; threads it starts inherit it); a no-op
+    where the OS does not allow it."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
+
+
 def _chars(item: Any) -> int:
     """Characters of a text or of the texts in a tuple (other items: 0)."""
     if isinstance(item, str):
@@ -241,15 +263,19 @@ class MicroBatcher:
     item`` counts what a call did not (default: 1 per item). ``on_batch(BatchStats)`` is called after each model
     call (for metrics). ``max_batch_tokens=None`` leaves only ``max_batch``. ``max_queue_items`` /
     ``max_queue_wait_s`` bound the queue (None: unbounded); ``fair_tokens`` is the credit each active client gets
-    per batch while several are active, and the most tokens of waiting long items one call runs (see the module
-    docstring).
+    per batch while several are active, and the most tokens of waiting long items one call runs. ``long_lane`` makes
+    (once, in its own thread at :meth:`start`) a call like ``fn`` for the long items put aside, run beside the short
+    batches, which then use ``short_lane`` (a call like ``fn`` on the model's other threads; None: ``fn``): see the
+    module docstring.
     """
 
     def __init__(self, fn: Callable[[list[Any]], Any], max_batch: int = 32, max_wait_ms: float = 5.0,
                  on_batch: Callable[[BatchStats], None] | None = None, name: str = "batcher",
                  max_batch_tokens: int | None = None, cost: Callable[[list[Any]], list[int]] | None = None,
                  max_queue_items: int | None = None, max_queue_wait_s: float | None = None,
-                 fair_tokens: int = 256, counted: bool = False) -> None:
+                 fair_tokens: int = 256, counted: bool = False,
+                 short_lane: Callable[[list[Any]], Any] | None = None,
+                 long_lane: Callable[[], Callable[[list[Any]], Any]] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
@@ -273,11 +299,26 @@ class MicroBatcher:
         self._worker: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._closing = False
+        self.short_lane, self.long_lane = short_lane, long_lane
+        self._long_fn: Callable[[list[Any]], Any] | None = None  # long_lane's call, made in its thread
+        self._long_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-long",
+                                                 initializer=lower_priority) if long_lane else None
+        self._long_worker: asyncio.Task | None = None
+        self._long_wake: asyncio.Event | None = None
+        self._long_running = False  # a call of the long lane is in flight
+        self._wide = False  # a call on every thread (fn) is in flight: the long lane waits for its end
+        self._short_at = float("-inf")  # when the last call of short items started
 
     async def start(self) -> None:
         """Start the worker on the running event loop."""
+        loop = asyncio.get_running_loop()
+        if self.long_lane is not None:  # its engine's threads start in the lane's thread, at its priority
+            self._long_fn = await loop.run_in_executor(self._long_executor, self.long_lane)
+            self._long_wake = asyncio.Event()
         self._wake = asyncio.Event()
-        self._worker = asyncio.get_running_loop().create_task(self._work(), name=self.name)
+        self._worker = loop.create_task(self._work(), name=self.name)
+        if self._long_fn is not None:
+            self._long_worker = loop.create_task(self._long_work(), name=f"{self.name}-long")
 
     def estimate(self, items: Sequence[Any], limit: int) -> list[int]:
         """Tokens per item as the queue counts them, without tokenizing: its UTF-8 bytes times the tokens per byte
@@ -382,6 +423,10 @@ class MicroBatcher:
         self._wake.set()
         if self._worker is not None:
             await self._worker
+        if self._long_worker is not None and self._long_wake is not None:
+            self._long_wake.set()
+            await self._long_worker
+            self._long_executor.shutdown(wait=True)
         self._executor.shutdown(wait=True)
 
     # -- batch formation -----------------------------------------------------------------------
@@ -502,12 +547,29 @@ class MicroBatcher:
         failure, bisect at job boundaries until the failing job is alone."""
         loop = asyncio.get_running_loop()
         items = [x for p in parts for x in p.job.items[p.start:p.end]]
+        fn, executor, wide = self.fn, self._executor, False
+        if not long:
+            self._short_at = loop.time()
+        if self._long_fn is not None and long:
+            if loop.time() - self._short_at < SHORT_RECENT_S:
+                fn, executor = self._long_fn, self._long_executor
+            # else no short request is about: every thread, as without lanes (long texts alone, e.g. passages
+            # being indexed, keep the whole model's throughput); a short one arriving waits for this call
+        elif self._long_fn is not None and self.short_lane is not None:
+            if self._later or self._long_running:  # long items run or wait beside it: the other threads
+                fn = self.short_lane
+            else:  # every thread: the long lane waits for its end
+                wide = self._wide = True
         started = loop.time()
         try:
             try:
-                out = await loop.run_in_executor(self._executor, self.fn, items)
+                out = await loop.run_in_executor(executor, fn, items)
             finally:
                 self._spent[long] += loop.time() - started
+                if wide:
+                    self._wide = False
+                    if self._long_wake is not None:
+                        self._long_wake.set()
             results, counts = out if self.counted else (out, None)
             if len(results) != len(items) or (counts is not None and len(counts) != len(items)):
                 raise RuntimeError(f"{self.name}: batched call returned {len(results)} results for {len(items)} items")
@@ -575,13 +637,14 @@ class MicroBatcher:
         batches."""
         assert self._wake is not None
         while True:
-            if not self._later and not self._ready():
+            later = bool(self._later) and self._long_fn is None  # else the long lane runs them (_long_work)
+            if not later and not self._ready():
                 if self._closing and not self._ring:
                     break
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self._later and not await self._short_first_now():
+            if later and not await self._short_first_now():
                 parts = self._next_later()
                 self._after_short = False
                 if parts:
@@ -595,6 +658,27 @@ class MicroBatcher:
             if groups and groups[0]:
                 self._after_short = True
                 await self._call(groups[0])
+
+    async def _long_work(self) -> None:
+        """The long lane: the long items put aside, at most ``fair_tokens`` of one client's a call
+        (:meth:`_next_later`), in a thread of their own beside the short batches; a call on every thread (no long
+        item waited when it started) ends first."""
+        assert self._long_wake is not None and self._wake is not None and self._worker is not None
+        while True:
+            if not self._later or self._wide:
+                if not self._later and self._closing and self._worker.done():
+                    break
+                self._long_wake.clear()
+                await self._long_wake.wait()
+                continue
+            parts = self._next_later()
+            if parts:
+                self._long_running = True
+                try:
+                    await self._call(parts, long=True)
+                finally:
+                    self._long_running = False
+            self._wake.set()  # its connections may take turns again
 
     @staticmethod
     def _long(parts: list[_Part]) -> bool:
@@ -636,6 +720,8 @@ class MicroBatcher:
             self._later.append([part])
         if (flow := self._flows.get(part.job.client)) is not None:
             flow.held.add(part.job.conn)
+        if self._long_wake is not None:
+            self._long_wake.set()
 
     def _fits_later(self, alone: bool, tokens: int, items: int) -> bool:
         """Whether a call of put-aside long items may grow to ``items`` items of ``tokens`` tokens: a batch's

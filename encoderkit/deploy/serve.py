@@ -9,12 +9,14 @@ Token and body limits are :mod:`~encoderkit.deploy.guard`'s, connection limits :
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -28,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
+from encoderkit import hardware
 from encoderkit.config import StageConfig, arg, check, named_folders
 from encoderkit.deploy.batching import MicroBatcher, QueueFull, TokenTap, token_counts
 from encoderkit.deploy.guard import ApiError, Limits, RequestGuard, error_body
@@ -127,22 +130,64 @@ class _Tapped:
         return getattr(self._p, name)
 
 
+WARM_ROWS, WARM_LENGTH = 16, 64  # the short lane's engine is warmed on batches up to this size (:func:`_warm`)
+
+
+def lanes(p: Predictor) -> tuple[Predictor, Callable[[], Predictor]] | None:
+    """MicroBatcher's ``short_lane`` and ``long_lane`` for ``p``: ``p`` on an engine of its own with all but one of its
+    threads, and a maker of ``p`` on a one-thread engine (made in the long lane's thread, whose priority its threads
+    inherit), where the engine opens such sessions (``lane``) and has 2 threads or more; else None (one call at a time
+    on every thread). The short lane's engine is warmed in the background (:func:`_warm`)."""
+    engine = getattr(p, "engine", None)
+    lane = getattr(engine, "lane", None)
+    width = getattr(engine, "threads", None) or hardware.usable_threads()
+    if lane is None or width < 2:
+        return None
+    short = copy.copy(p)
+    short.engine = lane(width - 1)
+    threading.Thread(target=_warm, args=(short.engine,), name="lane-warm", daemon=True).start()
+
+    def long() -> Predictor:
+        runner = copy.copy(p)
+        runner.engine = lane(1)
+        return runner
+
+    return short, long
+
+
+def _warm(engine: Any, rows: int = WARM_ROWS, length: int = WARM_LENGTH) -> None:
+    """Run ``engine`` once on each batch shape of up to ``rows`` texts of up to ``length`` tokens: an engine that
+    prepares kernels per input shape (``length_step``: OpenVINO's) then has the short batches' shapes ready before
+    long texts first send them to it. At the service's own priority: a call of the short lane that comes meanwhile
+    waits for one warm-up call (the engine's lock), which a low priority would make long on a busy machine."""
+    step = int(getattr(engine, "length_step", 0))
+    if step <= 1:
+        return
+    with contextlib.suppress(Exception):  # a warm-up only: a real call reports its own errors
+        for n in range(step, length + 1, step):
+            for b in range(1, rows + 1):
+                ones = np.ones((b, n), dtype=np.int64)
+                engine.run({"input_ids": ones, "attention_mask": ones})
+
+
 def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_batch: int = 32,
                max_wait_ms: float = 5.0, max_batch_tokens: int | None = 16384, extra_routes: tuple = (), *,
                max_queue_texts: int | None = None, max_queue_wait_s: float | None = None,
-               fair_tokens: int = 256) -> FastAPI:
+               fair_tokens: int = 256, long_lane: bool = True) -> FastAPI:
     """The ASGI app serving ``models`` (name -> Predictor); wrap-free, ready for uvicorn. A model call
     holds at most ``max_batch`` items and ``max_batch_tokens`` padded tokens (longest item x items). Each of
     ``extra_routes`` is called as ``add(app, check_texts)`` (e.g. /v1/search); the outermost layer has already
     checked the token of every request that reaches a route. Each model's queue holds at most ``max_queue_texts``
     texts and ``max_queue_wait_s`` seconds of waiting (503 with Retry-After above), shared between clients with
-    ``fair_tokens`` of credit per batch each (:mod:`~encoderkit.deploy.batching`)."""
+    ``fair_tokens`` of credit per batch each (:mod:`~encoderkit.deploy.batching`); with ``long_lane``, long texts
+    run beside the short ones' batches on a thread of their own where the engine can (:func:`lanes`)."""
     limits = limits or Limits()
     metrics = Metrics()
     served: dict[str, _Served] = {}
     for name, p in models.items():
         # the batched call, serve(p, items): the task's own, on items as its route parses them (texts or tuples),
         # with each item's token count from its own tokenizing
+        pair = lanes(p) if long_lane else None
         batcher = MicroBatcher(partial(_counted_call, p), max_batch, max_wait_ms, name=name, counted=True,
                                max_batch_tokens=max_batch_tokens, max_queue_items=max_queue_texts,
                                max_queue_wait_s=max_queue_wait_s, fair_tokens=fair_tokens,
@@ -150,7 +195,9 @@ def create_app(models: dict[str, Predictor], limits: Limits | None = None, max_b
                                # what the call did not count (a stand-in tokenizer at its cut), counted up to one
                                # token past what the model reads: more means truncated
                                cost=lambda items, p=p: token_counts(getattr(p, "tokenizer", None), items,
-                                                                    p.max_length + 1))
+                                                                    p.max_length + 1),
+                               short_lane=pair and partial(_counted_call, pair[0]),
+                               long_lane=pair and (lambda make=pair[1]: partial(_counted_call, make())))
         served[name] = _Served(name, p, batcher)
 
     @contextlib.asynccontextmanager
@@ -390,6 +437,10 @@ class ServeConfig(StageConfig):
     rerank: list[str] = arg([], help="Cross-encoder (rerank) folders, as DIR or name=DIR: served like --model, and "
                                      "what /v1/search's rerank_top reorders with (the request's 'rerank_model' "
                                      "names one when several rerank models are served).")
+    long_lane: bool = arg(True, help="Run long texts (128 tokens or more) beside a batch of short ones, on a thread "
+                                     "of their own (the batch on the others), where the engine can (OpenVINO, "
+                                     "ONNX Runtime; 2 threads or more): a short request never waits for a long "
+                                     "text's call.", speed=True)
     access_log: bool = arg(False, help="Log one line per request (off by default: it costs CPU per request, and "
                                        "/metrics counts requests by path and status).")
 
@@ -450,7 +501,7 @@ def run(cfg: ServeConfig) -> None:
                                           if n in cross or get_task(p.task).endpoint == "rerank"}),)
     app = create_app(models, limits, cfg.max_batch, cfg.max_wait_ms, cfg.max_batch_tokens, extra,
                      max_queue_texts=cfg.max_queue_texts, max_queue_wait_s=cfg.max_queue_wait_s,
-                     fair_tokens=cfg.fair_tokens)
+                     fair_tokens=cfg.fair_tokens, long_lane=cfg.long_lane)
     for name, p in models.items():
         print(f"serving {name}: {p.task} from {p.folder} on {p.backend} ({p.backend_reason})")
     _freeze_startup_heap()

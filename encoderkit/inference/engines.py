@@ -181,6 +181,7 @@ class OnnxEngine:
     that a text's scales, and its output, come from itself alone, whatever it is batched with."""
 
     def __init__(self, path: Path, task: str, threads: int | None, spin: bool = True) -> None:
+        self.path, self.threads, self.spin = path, threads, spin
         self.session = ort_session(path, threads, spin)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.outputs = list(get_task(task).outputs)
@@ -198,6 +199,13 @@ class OnnxEngine:
         if self.per_row:
             return run_alone(partial(self.session.run, self.outputs), feed, self.per_token)
         return self.session.run(self.outputs, feed)
+
+    def lane(self, threads: int) -> OnnxEngine:
+        """Another session on the same graph with ``threads`` intra-op threads of its own, for a model call that runs
+        beside this engine's (serve's long rows beside short batches, :mod:`encoderkit.deploy.batching`)."""
+        other = copy.copy(self)
+        other.threads, other.session = threads, ort_session(self.path, threads, self.spin)
+        return other
 
 
 def cached_export(folder: ModelFolder, int8: bool, plain: bool = False) -> Path:
@@ -515,6 +523,16 @@ class OpenVinoEngine:
         with self.lock:  # the request's output tensors are reused by its next call: copied out under the lock
             result = self.request.infer(self._feed(inputs))
             return self._outputs(lambda name: result[self.model.output(name)], inputs)
+
+    def lane(self, threads: int) -> OpenVinoEngine:
+        """Another compiled model on the same graph with ``threads`` threads of its own, not pinned to cores, and its
+        own infer request: a model call that runs beside this engine's (serve's long rows beside short batches,
+        :mod:`encoderkit.deploy.batching`) takes whichever core is free rather than one the other's threads hold."""
+        other = copy.copy(self)
+        other.threads, other.streams, other.in_flight, other.queue = threads, 1, 1, None
+        other.model = other._compile({"PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": False})
+        other.request, other.lock = other.model.create_infer_request(), threading.Lock()
+        return other
 
     def run_many(self, batches: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
         """Each batch's outputs, in order, ``streams`` batches running at once."""

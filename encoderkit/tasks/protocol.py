@@ -190,6 +190,8 @@ class Task:
     # query's candidates), ``tokens`` (per-token logits), ``spans`` (start and end logits)
     distill_kind: ClassVar[str] = "logits"
     distill_lr: ClassVar[float | None] = None  # task distillation's default learning rate (None: distill's)
+    finetune_lr: ClassVar[float | None] = None  # fine-tuning's default learning rate (None: finetune's 3e-5)
+    small_model_lr: ClassVar[float | None] = None  # ... for a narrow model (train/finetune.py's SMALL_HIDDEN)
 
     def eval_columns(self, folder: Any) -> dict[str, str]:
         """The data columns (evaluation config fields) a saved model's lineage records, for measuring it on

@@ -18,6 +18,7 @@ import torch
 from encoderkit.config import arg, check
 from encoderkit.errors import EncoderkitError
 from encoderkit.io import check_output_dir, output_dir
+from encoderkit.models.anatomy import config_heads_hidden
 from encoderkit.models.card import write_card
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks import get_task
@@ -25,6 +26,21 @@ from encoderkit.tasks.common import DEFAULT_MODEL, TrainData, open_model, pick
 from encoderkit.tasks.options import TaskDataOptions
 from encoderkit.train import checkpoint, few_label, guardrails
 from encoderkit.train.engine import TrainSettings, fit
+
+DEFAULT_LR = 3e-5  # a task's fine-tuning rate unless it says otherwise (Task.finetune_lr)
+NER_LR = get_task("ner").finetune_lr
+SMALL_HIDDEN = 512  # a model this narrow or narrower (MiniLM's 384) takes its task's Task.small_model_lr
+SMALL_LR = get_task("classify").small_model_lr
+
+
+def task_lr(name: str, hidden: int = 0) -> float:
+    """The default peak learning rate of ``--task name`` for a model of ``hidden`` width (0: unknown): the task's
+    ``small_model_lr`` for a model of at most :data:`SMALL_HIDDEN`, else its ``finetune_lr``, else
+    :data:`DEFAULT_LR`. Small encoders move less per step at a base-size rate and want a higher one."""
+    task = get_task(name)
+    if 0 < hidden <= SMALL_HIDDEN and task.small_model_lr:
+        return task.small_model_lr
+    return task.finetune_lr or DEFAULT_LR
 
 
 @dataclass
@@ -40,7 +56,9 @@ class FinetuneConfig(TaskDataOptions):
     dev: str = arg("", help="Dev data in the same format (best checkpoint and early stopping use it).")
     out: str = arg(help="Output model folder.", required=True)
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
-    lr: float = arg(3e-5, help="Peak learning rate (AdamW).")
+    lr: float = arg(0.0, help=f"Peak learning rate (AdamW); 0: the task's default: classify and ner {SMALL_LR:g} "
+                              f"for a model of hidden size {SMALL_HIDDEN} or less (MiniLM), else ner {NER_LR:g}; "
+                              f"every other task {DEFAULT_LR:g}. The card records the rate used.")
     epochs: float = arg(3.0, help="Passes over the training data (ignored when --max-steps is set).")
     max_steps: int = arg(0, help="Optimizer steps to train (0: use --epochs).")
     batch_size: int = arg(32, help="Examples per optimizer step (micro-batch; see --grad-accum).")
@@ -103,7 +121,7 @@ class FinetuneConfig(TaskDataOptions):
     eval_batch_size: int = arg(128, help="Batch size of dev evaluation.", speed=True)
 
     def validate(self) -> None:
-        check(self.lr > 0, "lr must be positive")
+        check(self.lr >= 0, "lr must be positive (or 0: the task's default)")
         check(self.batch_size >= 1, "batch_size must be at least 1")
         check(self.max_length == 0 or self.max_length >= 8, "max_length must be 0 (task default) or at least 8")
         check(self.early_stopping >= 0, "early_stopping must be 0 or more")
@@ -146,6 +164,13 @@ def task_inputs(cfg: FinetuneConfig, folder: ModelFolder) -> tuple[Any, TrainDat
         raise EncoderkitError(f"--cross-encoder: --task {cfg.task} does not train from a cross-encoder's scores "
                               "(sparse does; an embed model learns them through `encoderkit adapt --cross-encoder`); "
                               "drop the flag")
+    for flag, said, name in (("--audit-sheet", cfg.audit_sheet, "audit_sheet"),
+                             ("--drop-suspected", cfg.drop_suspected, "drop_suspected")):
+        if said and not hasattr(options, name):  # never ignored in silence: the labels would go unaudited
+            takes = "classify, embed and rerank (a pairs file)" if name == "audit_sheet" else "classify"
+            raise EncoderkitError(f"{flag}: --task {cfg.task} does not read `encoderkit label` output ({takes} "
+                                  "do): drop the flag; measure the labels with `audit sample`, `audit review` and "
+                                  "`audit report`, and correct the training file's wrong rows yourself")
     return task, pick(TrainData, cfg), options
 
 
@@ -156,11 +181,13 @@ def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
 
     out = check_output_dir(cfg.out, cfg.overwrite)
     folder = open_model(cfg.model, tokenizer=not cfg.tokenizer)
+    # 0: the task's default for this model's width, settled before anything records the settings
+    lr = cfg.lr or task_lr(cfg.task, config_heads_hidden(folder.config)[1])
     model_dir = folder.path
     tokenizer = folder.tokenizer(cfg.tokenizer or None)
     task, data, options = task_inputs(cfg, folder)
     # the settings as run: the settled max length, not the 0 that asked for the task's default
-    settings = {**cfg.result_dict(), "max_length": options.max_length}
+    settings = {**cfg.result_dict(), "max_length": options.max_length, "lr": lr}
     # ``build``: another stage's loss (the few-label route is classify's own)
     examples = None if build else few_label.route(cfg, task, data, options, folder.config.get("model_type"))
     if examples is not None:  # a few labels per class: pairs, then a head (train/few_label.py)
@@ -172,11 +199,11 @@ def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
         torch.manual_seed(cfg.seed)
         tr = (build or task.build)(data, options, tokenizer, folder)
     _freeze(tr.module, cfg.freeze)
-    _guardrails(cfg, folder, tokenizer, tr)
+    _guardrails(cfg, folder, tokenizer, tr, lr=lr)
 
     steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)
     train_settings = TrainSettings(
-        lr=cfg.lr, weight_decay=cfg.weight_decay, warmup=cfg.warmup, schedule="linear", max_steps=cfg.max_steps,
+        lr=lr, weight_decay=cfg.weight_decay, warmup=cfg.warmup, schedule="linear", max_steps=cfg.max_steps,
         epochs=cfg.epochs, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, clip_norm=cfg.clip_norm,
         betas=(0.9, 0.999), eps=1e-8, eval_every=(cfg.eval_every or steps_per_epoch) if tr.evaluate else 0,
         seed=cfg.seed, bf16=cfg.bf16, log_every=max(1, min(50, steps_per_epoch // 10)), save_every=cfg.save_every,
@@ -216,7 +243,8 @@ def run(cfg: FinetuneConfig, build: Any = None) -> FinetuneResult:
     return FinetuneResult(out, cfg.task, steps, seconds, examples_per_s, best_metrics, tr.audit)
 
 
-def _guardrails(cfg: FinetuneConfig, folder: ModelFolder, tokenizer: Any, tr: Any, num_train: int = 0) -> None:
+def _guardrails(cfg: FinetuneConfig, folder: ModelFolder, tokenizer: Any, tr: Any, num_train: int = 0,
+                lr: float = 0.0) -> None:
     """Warn about settings that usually hurt (:mod:`encoderkit.train.guardrails`), unless silenced. ``tr`` None:
     the few-label route (its own learning rate and one pass: only the tokenizer and the labels' source are
     judged, over ``num_train`` examples)."""
@@ -228,7 +256,7 @@ def _guardrails(cfg: FinetuneConfig, folder: ModelFolder, tokenizer: Any, tr: An
         lr, frozen, epochs, early_stopping = few_label.BODY_LR, [], 1.0, cfg.early_stopping
     else:
         steps_per_epoch = max(1, len(tr.source) // cfg.grad_accum)
-        lr, frozen = cfg.lr, [n for n, p in tr.module.named_parameters() if not p.requires_grad]
+        lr, frozen = lr or cfg.lr, [n for n, p in tr.module.named_parameters() if not p.requires_grad]
         epochs = cfg.max_steps / steps_per_epoch if cfg.max_steps else cfg.epochs
         early_stopping, num_train = cfg.early_stopping, tr.num_train
     found = guardrails.warnings_for(

@@ -30,6 +30,7 @@ class ClassifyTask(Task):
     primary_metrics = ("accuracy", "micro_f1")
     data_help = "a .tsv/.csv/.jsonl table with the text column the model was fine-tuned on"
     agreement_measure = "label"  # INT8 agreement: the predicted label
+    small_model_lr = 1e-4  # a narrow model (MiniLM) at 3e-5 trails the HF Trainer (docs/finetune.md)
     agreement_fields = ("label",)
 
     # -- training and evaluation: the task's train module ------------------------------------------

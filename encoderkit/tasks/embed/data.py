@@ -43,7 +43,7 @@ def train_groups(data: TrainData, options: EmbedOptions,
         # sampled: in-batch negatives only (random extra negatives add little to MNRL)
         groups = groups_from_beir(load_retrieval(data.train), negatives=options.negatives, num_negatives=k,
                                   seed=data.seed, miner=options.miner, max_query_length=options.max_query_length,
-                                  batch_size=data.eval_batch_size)
+                                  batch_size=data.eval_batch_size, max_length=options.max_length)
     else:
         groups = read_pairs_file(data.train, options.audit_sheet, audit)
         k = min((len(g.negatives) for g in groups), default=0) if mined else 0

@@ -63,16 +63,37 @@ def encode(model: BiEncoder | Embedder, tokenizer, texts: list[str], max_length:
             model.train()
 
 
-def mnrl_loss(q: torch.Tensor, passages: torch.Tensor, scale: float, dims: list[int]) -> torch.Tensor:
+def mnrl_loss(q: torch.Tensor, passages: torch.Tensor, scale: float, dims: list[int],
+              mask: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H), passages (B*(1+k), H) with row i's positive at index i: in-batch-negatives
-    cross-entropy, summed over the full size and each Matryoshka size in ``dims``."""
+    cross-entropy, summed over the full size and each Matryoshka size in ``dims``. ``mask`` (B, B*(1+k)) bool:
+    the columns left out of row i's softmax (:func:`false_negative_mask`: another copy of its positive, or a
+    passage judged relevant to its query)."""
     target = torch.arange(q.shape[0], device=q.device)
     total = q.new_zeros(())
     for d in [q.shape[1]] + [d for d in dims if d < q.shape[1]]:
         qd = nn.functional.normalize(q[:, :d], dim=-1)
         pd = nn.functional.normalize(passages[:, :d], dim=-1)
-        total = total + nn.functional.cross_entropy(scale * qd @ pd.T, target)
+        logits = scale * qd @ pd.T
+        if mask is not None:
+            logits = logits.masked_fill(mask.to(logits.device), torch.finfo(logits.dtype).min)
+        total = total + nn.functional.cross_entropy(logits, target)
     return total
+
+
+def false_negative_mask(queries: list[str], columns: list[str], relevant: dict[str, set[str]]) -> torch.Tensor:
+    """(B, len(columns)) bool: True where column c is not row i's own positive (c != i) but is a text judged
+    relevant to row i's query (``relevant``: query text -> its positives' texts, over the whole training set). A
+    document cited by two training claims, or a claim with two cited documents, is otherwise a negative of the
+    other row in the same batch: the loss then pushes a query away from its own answer (length-bucketed batches
+    put the copies of one document side by side)."""
+    mask = torch.zeros(len(queries), len(columns), dtype=torch.bool)
+    for i, query in enumerate(queries):
+        rel = relevant.get(query, set())
+        for c, text in enumerate(columns):
+            if c != i and text in rel:
+                mask[i, c] = True
+    return mask
 
 
 def load_bi_encoder(folder: Path | ModelFolder, pooling: str = AUTO) -> BiEncoder:

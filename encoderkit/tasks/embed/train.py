@@ -7,12 +7,13 @@ Evaluation: nDCG@10 / MRR@10 / recall@100 of exact search over the whole corpus 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from encoderkit.data.beir import is_beir_source, load_retrieval
+from encoderkit.data.beir import Triple, is_beir_source, load_retrieval
 from encoderkit.errors import EncoderkitError
 from encoderkit.metrics.ranking import retrieval_scores
 from encoderkit.models.folder import ModelFolder
@@ -21,7 +22,13 @@ from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
 from encoderkit.tasks.embed.data import train_groups
 from encoderkit.tasks.embed.embedder import Embedder, tokenize
 from encoderkit.tasks.embed.exact import retrieve
-from encoderkit.tasks.embed.features import BiEncoder, load_bi_encoder, mnrl_loss, save_sentence_transformers
+from encoderkit.tasks.embed.features import (
+    BiEncoder,
+    false_negative_mask,
+    load_bi_encoder,
+    mnrl_loss,
+    save_sentence_transformers,
+)
 from encoderkit.tasks.embed.options import EmbedOptions
 
 OPTIONS = EmbedOptions
@@ -42,6 +49,24 @@ def pair_batches(q_rows: list[dict[str, np.ndarray]], p_rows: list[dict[str, np.
     return BucketedBatches(np.asarray([len(r["input_ids"]) for r in p_rows]), data.batch_size, make_batch,
                            seed=data.seed, bucket=data.bucket)
 
+
+def with_false_negative_mask(source: BucketedBatches, groups: list[Triple], k: int) -> BucketedBatches:
+    """``source`` whose batches also hold ``fn_mask`` (:func:`~encoderkit.tasks.embed.features.false_negative_mask`):
+    the in-batch passages judged relevant to a row's query (its positive's copies, its claim's other positives)
+    leave that row's softmax instead of counting as negatives."""
+    relevant: dict[str, set[str]] = {}
+    for g in groups:
+        relevant.setdefault(g.query, set()).add(g.positive)
+    make_batch = source.make_batch
+
+    def make(idx: np.ndarray, epoch: int) -> dict[str, Any]:
+        columns = [groups[int(i)].positive for i in idx] + [n for i in idx for n in groups[int(i)].negatives[:k]]
+        mask = false_negative_mask([groups[int(i)].query for i in idx], columns, relevant)
+        return {**make_batch(idx, epoch), "fn_mask": mask}
+
+    return replace(source, make_batch=make)
+
+
 def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder) -> TaskRun:
     max_length = options.max_length
     audit: dict = {}
@@ -54,13 +79,13 @@ def build(data: TrainData, options: EmbedOptions, tokenizer, folder: ModelFolder
     n_rows = [tokenize(tokenizer, g.negatives[:k], max_length) if k else [] for g in groups]
     pad_id = tokenizer.pad_token_id
 
-    source = pair_batches(q_rows, p_rows, n_rows, pad_id, data)
+    source = with_false_negative_mask(pair_batches(q_rows, p_rows, n_rows, pad_id, data), groups, k)
     dims = list(options.matryoshka_dims)
 
     def loss_fn(module, batch):
         q = module(**{a[2:]: b for a, b in batch.items() if a.startswith("q_")})
         p = module(**{a[2:]: b for a, b in batch.items() if a.startswith("p_")})
-        return mnrl_loss(q, p, options.scale, dims), {}
+        return mnrl_loss(q, p, options.scale, dims, batch.get("fn_mask")), {}
 
     model = load_bi_encoder(folder, options.pooling)
     evaluate = None

@@ -29,6 +29,10 @@ class NerTask(Task):
     primary_metrics = ("f1",)
     data_help = "a CoNLL or JSONL NER file"
     agreement_measure = "token label"  # INT8 agreement: each word's predicted tag
+    # a token head from random weights needs more steps at 3e-5 than a small set gives (docs/finetune.md, "Against
+    # the HF Trainer"): run_ner's 5e-5, and a narrow model (MiniLM) higher still
+    finetune_lr = 5e-5
+    small_model_lr = 1e-4
 
     # -- training and evaluation: the task's train module ------------------------------------------
     build = staticmethod(build_run)

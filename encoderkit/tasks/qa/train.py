@@ -1,6 +1,9 @@
 """Extractive QA fine-tuning and evaluation: ``AutoModelForQuestionAnswering`` on SQuAD-format data. Every
 context window is a training row (one without the first answer targets [CLS], as in HF's SQuAD recipe); the best
-span over all windows is scored against all gold answers with SQuAD v1.1 EM/F1.
+span over all windows is scored against all gold answers with SQuAD v1.1 EM/F1. A new span head (random weights)
+learns at ``HEAD_LR_SCALE`` times ``--lr``: at the encoder's rate it barely moves in a few hundred steps, so the
+encoder alone would have to turn towards its random directions (the figures: docs/finetune.md, "Question answering
+against the HF Trainer"); a QA folder's trained head keeps ``--lr``.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch import nn
 from transformers import AutoModelForQuestionAnswering
 
+from encoderkit.errors import EncoderkitError
 from encoderkit.metrics.scores import squad_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
@@ -20,6 +25,17 @@ from encoderkit.tasks.qa.features import QaFeatures, decode_answers, featurize_q
 from encoderkit.tasks.qa.options import QaOptions
 
 OPTIONS = QaOptions
+HEAD_LR_SCALE = 100.0  # a new span head (random weights) learns at this times --lr (3e-3 at the default)
+
+
+def span_head(model: nn.Module) -> str:
+    """The top-level name of the span head: the last linear layer with two outputs (start, end), e.g.
+    ``qa_outputs`` of BERT-style models."""
+    found = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == 2]
+    if not found:
+        raise EncoderkitError(f"{type(model).__name__} has no linear layer with 2 outputs (start, end): not an "
+                              "extractive QA model")
+    return found[-1].split(".")[0]
 
 
 def featurize(tokenizer, examples: list[QaExample], options: QaOptions, with_answers: bool) -> QaFeatures:
@@ -60,6 +76,7 @@ def build(data: TrainData, options: QaOptions, tokenizer, folder: ModelFolder) -
             return scores(module, tokenizer, dev, options, data.eval_batch_size)
 
     model = folder.load(AutoModelForQuestionAnswering)
+    lr_scale = {} if folder.task == "qa" else {span_head(model): HEAD_LR_SCALE}  # a trained head keeps --lr
     pad_id = tokenizer.pad_token_id
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), data.batch_size,
                              lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=data.seed,
@@ -70,9 +87,10 @@ def build(data: TrainData, options: QaOptions, tokenizer, folder: ModelFolder) -
 
     card = {"task": "qa", "max_length": options.max_length, "doc_stride": options.doc_stride,
             "max_answer_length": options.max_answer_length, "max_question_length": options.max_question_length,
-            "n_best": options.n_best}
+            "n_best": options.n_best, **({"head": {"lr_scale": HEAD_LR_SCALE}} if lr_scale else {})}
     return TaskRun(model, loss_fn, source, evaluate, (data.metric or "f1", "max"),
-                   lambda m, folder: m.save_pretrained(folder), card, num_train=len(train))
+                   lambda m, folder: m.save_pretrained(folder), card, num_train=len(train),
+                   lr_scale=lr_scale)
 
 
 def evaluate_folder(folder: ModelFolder, tokenizer, data: EvalData, options: QaOptions,

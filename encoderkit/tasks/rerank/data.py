@@ -23,7 +23,7 @@ def train_groups(data: TrainData, options: RerankOptions, audit: dict[str, Any] 
         groups = groups_from_beir(load_retrieval(data.train), negatives=options.negatives,
                                   num_negatives=options.num_negatives, seed=data.seed, miner=options.miner,
                                   max_query_length=options.max_query_length, batch_size=data.eval_batch_size,
-                                  pool=True)
+                                  pool=True, max_length=options.max_length)
     else:
         groups = read_pairs_file(data.train, options.audit_sheet, audit)
     return seeded_subset(groups, data.max_train_examples, data.seed)
