@@ -130,3 +130,11 @@ def print_rows(rows: list[Row]) -> None:
     print(TABLE_HEAD)
     for r in rows:
         print(r.table_line())
+
+
+def finish(rows: list[Row], summary: str | Path | None, fields: str, hardware: str) -> None:
+    """A task bench's end: the table, the rows to ``summary``, and the RESULT line: ``fields``, each row's, then
+    ``hardware`` (the bench's ``result_field()``)."""
+    print_rows(rows)
+    write_rows(summary, rows)
+    print(f"RESULT {fields} {' '.join(f for r in rows for f in r.fields())} {hardware}")

@@ -177,10 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     row = qc.Row("ner", "CoNLL-2003 test", "entity F1", "HF Trainer", seeds, ours_m, peer_m, ours_s, peer_s,
                  note=f"{sizes['train']} train / {sizes['dev']} dev sentences, {args.epochs:g} epochs")
     print(f"\n# {describe()}")
-    qc.print_rows([row])
-    qc.write_rows(args.summary, [row])
-    print(f"RESULT train_sentences={sizes['train']} dev_sentences={sizes['dev']} epochs={args.epochs:g} "
-          f"threads={args.threads} {' '.join(row.fields())} {result_field()}")
+    qc.finish([row], args.summary, f"train_sentences={sizes['train']} dev_sentences={sizes['dev']} "
+              f"epochs={args.epochs:g} threads={args.threads}", result_field())
     return 0
 
 
