@@ -46,24 +46,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import json
-import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from encoderkit.hardware import describe, result_field
 from encoderkit.io import write_json_atomic
 
-# the real data sets, as in tests/conftest.py (ENCODERKIT_SHARED_DATA overrides, e.g. from a git worktree)
-SHARED = Path(os.environ.get("ENCODERKIT_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-BOOKS = SHARED / "mlm_corpus_gutenberg" / "gitenberg"
-SST2 = SHARED / "glue_sst2"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gutenberg_common import SST2, corpus, heldout_mlm, tokenizer_and_store
 
 
 @dataclass(frozen=True)
@@ -103,42 +99,6 @@ CONFIGS = {
 }
 
 
-def corpus(plan: Plan, work: Path) -> Path:
-    """The novels as plain text files under ``work/corpus`` (optionally cut to ``chars_per_book``)."""
-    out = work / "corpus"
-    out.mkdir(parents=True, exist_ok=True)
-    books = sorted(BOOKS.glob("*.txt.gz"))
-    if not books:
-        raise SystemExit(f"no Gutenberg novels under {BOOKS}")
-    for path in books[:plan.books or None]:
-        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        (out / path.name.replace(".gz", "")).write_text(text[:plan.chars_per_book] if plan.chars_per_book else text)
-    return out
-
-
-def tokenizer_and_store(plan: Plan, work: Path) -> tuple[Path, Path]:
-    from encoderkit.data.prepare import PrepareConfig
-    from encoderkit.data.prepare import run as prepare
-    from encoderkit.train.tokenizer import TokenizerConfig
-    from encoderkit.train.tokenizer import run as train_tokenizer
-
-    text = corpus(plan, work)
-    tok = work / "tokenizer"
-    trained = not (tok / "tokenizer.json").is_file()
-    if trained:
-        train_tokenizer(TokenizerConfig(corpus=[str(text)], out=str(tok), kind="wordpiece", vocab_size=plan.vocab,
-                                        doc_split="blank_line"))
-    store = work / "store"
-    meta = store / "meta.json"
-    if not trained and meta.is_file() and json.loads(meta.read_text()).get("seq_len") == plan.seq_len:
-        print(f"reusing the tokenizer and token store of {work} (same seq_len)", flush=True)
-        return tok, store
-    prepare(PrepareConfig(corpus=[str(text)], tokenizer=str(tok), out=str(store), seq_len=plan.seq_len,
-                          heldout=0.02, doc_split="blank_line", overwrite=True))
-    return tok, store
-
-
 def non_embedding_params(arch: str, plan: Plan, ffn: int, vocab: int) -> int:
     from encoderkit.models.load import build_encoder
     from encoderkit.models.mlm import mlm_layout
@@ -176,16 +136,6 @@ def calibrated_tokens(plan: Plan, store: Path, work: Path, minutes: float, steps
     return max(1, int(minutes * 60 * rate) // per_step) * per_step, rate
 
 
-def heldout_metrics(model_dir: Path, store: Path, plan: Plan) -> dict[str, float]:
-    """Held-out masked-token loss and accuracy with seed-0 masks (the same masks for every model)."""
-    from encoderkit.models.folder import ModelFolder
-    from encoderkit.models.tokenizer import load_tokenizer
-    from encoderkit.train.pretrain import evaluate_folder
-
-    cfg = SimpleNamespace(mask_rate=0.15, seed=0, max_examples=plan.eval_blocks, batch_size=32)
-    return evaluate_folder(ModelFolder.open(model_dir, tokenizer=False), load_tokenizer(store), store, cfg)
-
-
 def sst2(model_dir: Path, out: Path, plan: Plan, seed: int) -> float:
     from encoderkit.train.finetune import FinetuneConfig
     from encoderkit.train.finetune import run as finetune
@@ -220,7 +170,7 @@ def pretrain_one(name: str, plan: Plan, store: Path, work: Path, seed: int, ffn:
 
 
 def heldout(out: Path, store: Path, plan: Plan) -> dict[str, float]:
-    m = heldout_metrics(out, store, plan)
+    m = heldout_mlm(out, store, plan.eval_blocks, batch_size=32)
     return {"heldout_loss": round(m["loss"], 4), "heldout_accuracy": round(m["accuracy"], 4)}
 
 
@@ -318,7 +268,8 @@ def main() -> None:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="axes-"))
     work.mkdir(parents=True, exist_ok=True)
     names = [n for n in (args.only.split(",") if args.only else CONFIGS) if n]
-    _tok, store = tokenizer_and_store(plan, work)
+    _tok, store = tokenizer_and_store(corpus(work, plan.books, plan.chars_per_book), work, plan.vocab, plan.seq_len,
+                                      heldout=0.02, reuse=True)
     vocab = json.loads((store / "meta.json").read_text())["vocab_size"]
     if args.minutes_per_model:
         tokens, rate = calibrated_tokens(plan, store, work, args.minutes_per_model)

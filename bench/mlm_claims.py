@@ -42,26 +42,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import json
-import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from encoderkit.hardware import describe, result_field
-from encoderkit.io import write_json_atomic
+from encoderkit.io import write_json_atomic, write_text_atomic
 
-# the real data sets, as in tests/conftest.py (ENCODERKIT_SHARED_DATA overrides, e.g. from a git worktree)
-SHARED = Path(os.environ.get("ENCODERKIT_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-BOOKS = SHARED / "mlm_corpus_gutenberg" / "gitenberg"
-SST2 = SHARED / "glue_sst2"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gutenberg_common import SHARED, SST2, corpus, heldout_mlm, tokenizer_and_store
+
 SCIFACT = SHARED / "scifact" / "scifact_hf_export.zip"
 
 ARMS: dict[str, dict[str, Any]] = {
@@ -129,46 +126,9 @@ SMOKE = Plan(books=2, chars_per_book=40_000, vocab=1000, layers=1, hidden=32, he
 
 
 # -- part 1: the arms from scratch -------------------------------------------------------------------------
-def corpus(plan: Plan, work: Path) -> Path:
-    """The first ``books`` novels, each cut to ``chars_per_book`` characters (after the Gutenberg header)."""
-    out = work / "corpus"
-    out.mkdir(parents=True, exist_ok=True)
-    books = sorted(BOOKS.glob("*.txt.gz"))
-    if not books:
-        raise SystemExit(f"no Gutenberg novels under {BOOKS}")
-    for path in books[:plan.books]:
-        with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        start = text.find("*** START OF")
-        text = text[text.find("\n", start) + 1:] if start >= 0 else text
-        (out / path.name.replace(".gz", "")).write_text(text[:plan.chars_per_book], encoding="utf-8")
-    return out
-
-
-def tokenizer_and_store(plan: Plan, work: Path) -> Path:
-    from encoderkit.data.prepare import PrepareConfig
-    from encoderkit.data.prepare import run as prepare
-    from encoderkit.train.tokenizer import TokenizerConfig
-    from encoderkit.train.tokenizer import run as train_tokenizer
-
-    text = corpus(plan, work)
-    tok = work / "tokenizer"
-    train_tokenizer(TokenizerConfig(corpus=[str(text)], out=str(tok), kind="wordpiece", vocab_size=plan.vocab,
-                                    doc_split="blank_line", overwrite=True))
-    store = work / "store"
-    prepare(PrepareConfig(corpus=[str(text)], tokenizer=str(tok), out=str(store), seq_len=plan.seq_len,
-                          heldout=0.03, doc_split="blank_line", overwrite=True))
-    return store
-
-
 def heldout_accuracy(model_dir: Path, store: Path, eval_blocks: int) -> dict[str, float]:
     """Held-out masked-token loss and accuracy under the standard 15% token masks of seed 0, for every arm."""
-    from encoderkit.models.folder import ModelFolder
-    from encoderkit.models.tokenizer import load_tokenizer
-    from encoderkit.train.pretrain import evaluate_folder
-
-    cfg = SimpleNamespace(mask_rate=0.15, seed=0, max_examples=eval_blocks, batch_size=64)
-    m = evaluate_folder(ModelFolder.open(model_dir, tokenizer=False), load_tokenizer(store), store, cfg)
+    m = heldout_mlm(model_dir, store, eval_blocks, batch_size=64)
     return {"mlm_loss": round(m["loss"], 4), "mlm_acc": round(m["accuracy"], 4)}
 
 
@@ -192,10 +152,7 @@ def finetune_sst(model_dir: Path | str, out: Path, n_train: int, plan: Plan, see
 
 
 def write_lines(path: Path, lines: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomic(path, "".join(line + "\n" for line in lines))
 
 
 def arm_row(name: str, seed: int, plan: Plan, store: Path, work: Path) -> dict[str, Any]:
@@ -419,7 +376,8 @@ def main() -> None:
 
     arm_rows: list[dict[str, Any]] = []
     if arms:
-        store = tokenizer_and_store(plan, work)
+        text = corpus(work, plan.books, plan.chars_per_book, skip_header=True)
+        _tok, store = tokenizer_and_store(text, work, plan.vocab, plan.seq_len, heldout=0.03)
         meta = json.loads((store / "meta.json").read_text())
         passes = plan.steps * plan.batch / max(1, meta["counts"]["train"]["blocks"])
         print(f"plan: {plan.layers} layers x {plan.hidden}, vocab {meta['vocab_size']}, {plan.steps} steps x "

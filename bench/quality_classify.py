@@ -30,7 +30,7 @@ from encoderkit.hardware import describe, result_field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality_common as qc
-from quality_ner import common_args, run_pairs
+from quality_ner import common_args, finish, run_pairs
 
 SST2 = qc.DATA / "glue_sst2"
 
@@ -65,19 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(name)
         files = split(args.train_limit, args.dev_limit, tmp)
         sizes = {k: len(v.read_text(encoding="utf-8").strip().split("\n")) - 1 for k, v in files.items()}
-        print(f"sentences: {sizes}; epochs {args.epochs:g}, batch {args.batch_size}, max length "
-              f"{args.max_length}, threads {args.threads}; ours {args.ours or 'defaults'}, peer "
-              f"{args.peer or 'defaults'}", flush=True)
 
         def say(got: dict[str, Any]) -> str:
             return f"test accuracy {got['accuracy']:.4f}, {got['steps']} steps, {got['train_s']:.0f} s"
 
-        ours_m, peer_m, ours_s, peer_s, seeds = run_pairs("classify", "accuracy", files, args, tmp, say)
-    row = qc.Row("classify", "SST-2 dev", "accuracy", "HF Trainer", seeds, ours_m, peer_m, ours_s, peer_s,
-                 note=f"{sizes['train']} train / {sizes['dev']} held-out dev sentences, {args.epochs:g} epochs")
-    print(f"\n# {describe()}")
-    qc.finish([row], args.summary, f"train_sentences={sizes['train']} dev_sentences={sizes['dev']} "
-              f"epochs={args.epochs:g} threads={args.threads}", result_field())
+        row = run_pairs("classify", "accuracy", files, args, tmp, say, sizes,
+                        ("SST-2 dev", "accuracy", "held-out dev"))
+    finish(row, sizes, args, result_field())
     return 0
 
 

@@ -139,24 +139,34 @@ def common_args(ap: argparse.ArgumentParser, train_pairs: int, docs: int, max_le
     ap.add_argument("--keep", default="", help="keep the scratch folder (trained models) here")
 
 
+def setup(args: argparse.Namespace, prefix: str) -> tuple[str, Path | None, Path, Path, list[tuple[str, str]],
+                                                          list[str]]:
+    """Both SciFact benches' start (``common_args``), after their hardware line: the threads, the peers' python
+    (None with ``--no-peer``), the scratch folder (``--keep``, or a new temporary one named ``prefix...``), the
+    training subset under it and its data line, the evaluation cache under it. Returns (model, python, scratch, data
+    folder, pairs, corpus)."""
+    if args.full:
+        args.train_pairs, args.docs = 0, 0
+    torch.set_num_threads(args.threads)
+    model = args.model or minilm()
+    python = None if args.no_peer else qc.trainers_python()
+    scratch = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix=prefix))
+    scratch.mkdir(parents=True, exist_ok=True)
+    data = scratch / "scifact"
+    pairs, corpus = scifact_subset(data, args.train_pairs, args.docs)
+    print(f"data: {len(pairs)} training pairs, {len(corpus)} documents, threads {args.threads}", flush=True)
+    os.environ["ENCODERKIT_CACHE"] = str(scratch / "cache-eval")
+    return model, python, scratch, data, pairs, corpus
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common_args(ap, train_pairs=256, docs=700, max_length=128)
     ap.add_argument("--variants", default="mnrl,hn")
     ap.add_argument("--num-negatives", type=int, default=1, help="hn: mined negatives per pair, both sides")
     args = ap.parse_args(argv)
-    if args.full:
-        args.train_pairs, args.docs = 0, 0
-    torch.set_num_threads(args.threads)
-    model = args.model or minilm()
     print(f"hardware: {describe()}", flush=True)
-    python = None if args.no_peer else qc.trainers_python()
-    scratch = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="quality_embed_"))
-    scratch.mkdir(parents=True, exist_ok=True)
-    data = scratch / "scifact"
-    pairs, corpus = scifact_subset(data, args.train_pairs, args.docs)
-    print(f"data: {len(pairs)} training pairs, {len(corpus)} documents, threads {args.threads}", flush=True)
-    os.environ["ENCODERKIT_CACHE"] = str(scratch / "cache-eval")
+    model, python, scratch, data, pairs, corpus = setup(args, "quality_embed_")
     base = score(model, data, "embed", args.max_length, args.queries)["ndcg@10"]
     print(f"base MiniLM nDCG@10 {base:.4f}", flush=True)
     rows = []

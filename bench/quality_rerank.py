@@ -26,19 +26,15 @@ sides alternate job by job (seed even: encoderkit first) on ``--threads`` thread
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
-
-import torch
 
 from encoderkit.hardware import describe, result_field
 from encoderkit.train.finetune import FinetuneConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quality_common as qc
-from quality_embed import common_args, minilm, ours_train, peer_train, scifact_subset, score, seeds_of
+from quality_embed import common_args, ours_train, peer_train, score, seeds_of, setup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,19 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--candidates", type=int, default=20, help="first-stage documents per query reranked")
     ap.set_defaults(queries=100, batch_size=8)
     args = ap.parse_args(argv)
-    if args.full:
-        args.train_pairs, args.docs = 0, 0
-    torch.set_num_threads(args.threads)
-    model = args.model or minilm()
-    k = args.num_negatives
     print(f"hardware: {describe()}", flush=True)
-    python = None if args.no_peer else qc.trainers_python()
-    scratch = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="quality_rerank_"))
-    scratch.mkdir(parents=True, exist_ok=True)
-    data = scratch / "scifact"
-    pairs, corpus = scifact_subset(data, args.train_pairs, args.docs)
-    print(f"data: {len(pairs)} training pairs, {len(corpus)} documents, threads {args.threads}", flush=True)
-    os.environ["ENCODERKIT_CACHE"] = str(scratch / "cache-eval")
+    model, python, scratch, data, pairs, corpus = setup(args, "quality_rerank_")
+    k = args.num_negatives
     kw = {"miner": model, "candidates": args.candidates}
     first = score(model, data, "embed", 0, args.queries)  # the first stage alone, at the miner's own length
     print(f"first stage (base MiniLM) nDCG@10 {first['ndcg@10']:.4f}", flush=True)

@@ -35,31 +35,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import DATA, _read_response, cpu_seconds, free_port, load
+from serve_load import DATA, _read_response, cpu_seconds, load, serve
 
 from encoderkit.hardware import describe, result_field
-
-
-def start_server(model: str, backend: str, extra: tuple[str, ...] = ()) -> tuple[Any, str]:
-    import subprocess
-
-    import httpx
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "encoderkit.cli", "serve", "--model", f"m={model}", "--port", str(port),
-           "--backend", backend, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("server did not come up within 600 s")
 
 
 def _request(url: str, body: dict) -> bytes:
@@ -200,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.backend}), cpu count {os.cpu_count()}", flush=True)
     extra = ("--fair-tokens", str(args.fair_tokens)) if args.fair_tokens else ()
     extra += ("--no-long-lane",) if args.no_long_lane else ()
-    proc, url = start_server(model, args.backend, extra)
+    proc, url = serve(model, ("--backend", args.backend, *extra))
     try:
         big = _request(url, {"texts": [long] * 256})
         asyncio.run(load(url, texts, 4, 3.0, 200))  # warm-up

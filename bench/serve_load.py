@@ -40,13 +40,19 @@ def free_port() -> int:
 
 def start_server(model: str, max_batch: int, backend: str, threads: int | None,
                  max_wait_ms: float = 5.0) -> tuple[subprocess.Popen, str]:
+    options = ["--max-batch", str(max_batch), "--backend", backend, "--max-wait-ms", str(max_wait_ms)]
+    if threads:
+        options += ["--threads", str(threads)]
+    return serve(model, options)
+
+
+def serve(model: str, options: list[str] | tuple[str, ...]) -> tuple[subprocess.Popen, str]:
+    """``encoderkit serve`` of ``model`` (as ``m``) with ``options`` in a subprocess on a free port: the process and
+    its URL once /health answers (a RuntimeError if it exits first or is not up within 600 s)."""
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "encoderkit.cli", "serve", "--model", f"m={model}", "--port", str(port),
-           "--max-batch", str(max_batch), "--backend", backend, "--max-wait-ms", str(max_wait_ms)]
-    if threads:
-        cmd += ["--threads", str(threads)]
+    cmd = [sys.executable, "-m", "encoderkit.cli", "serve", "--model", f"m={model}", "--port", str(port), *options]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600

@@ -144,13 +144,18 @@ def main() -> None:
     train_examples = Dataset.from_dict(read_squad(job["train"]))
     column_names = train_examples.column_names
 
-    def prepare_train_features(examples):
+    def windows(examples):
+        """run_qa's tokenisation of both feature kinds: (the windows of ``max_length`` with ``doc_stride`` overlap,
+        each window's example index); the questions' leading spaces stripped in ``examples``."""
         examples["question"] = [q.lstrip() for q in examples["question"]]
         tokenized = tokenizer(
             examples["question" if pad_on_right else "context"], examples["context" if pad_on_right else "question"],
             truncation="only_second" if pad_on_right else "only_first", max_length=max_seq_length,
             stride=doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True, padding="max_length")
-        sample_mapping = tokenized.pop("overflow_to_sample_mapping")
+        return tokenized, tokenized.pop("overflow_to_sample_mapping")
+
+    def prepare_train_features(examples):
+        tokenized, sample_mapping = windows(examples)
         offset_mapping = tokenized.pop("offset_mapping")
         tokenized["start_positions"], tokenized["end_positions"] = [], []
         for i, offsets in enumerate(offset_mapping):
@@ -199,12 +204,7 @@ def main() -> None:
     eval_examples = Dataset.from_dict(read_squad(job["heldout"]))
 
     def prepare_validation_features(examples):
-        examples["question"] = [q.lstrip() for q in examples["question"]]
-        tokenized = tokenizer(
-            examples["question" if pad_on_right else "context"], examples["context" if pad_on_right else "question"],
-            truncation="only_second" if pad_on_right else "only_first", max_length=max_seq_length,
-            stride=doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True, padding="max_length")
-        sample_mapping = tokenized.pop("overflow_to_sample_mapping")
+        tokenized, sample_mapping = windows(examples)
         tokenized["example_id"] = []
         for i in range(len(tokenized["input_ids"])):
             sequence_ids = tokenized.sequence_ids(i)
