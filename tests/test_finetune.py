@@ -162,7 +162,12 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch, capsys):
 
     train, dev = _jsonl(tmp_path / "train.jsonl", _pairs(320, 0)), _jsonl(tmp_path / "dev.jsonl", _pairs(40, 1))
     # fp32 on every CPU: bf16 autocast turns itself on where it is native (AVX512-BF16/AMX), and this tiny model at
-    # lr 3e-3 then ends with near-equal scores for the two probe pairs below; the test is about the mechanics
+    # lr 3e-3 then ends with near-equal scores for the two probe pairs below; the test is about the mechanics. A random
+    # tiny encoder has to learn at 3e-3 everywhere: the head at HEAD_LR_SCALE x that (what helps a pretrained encoder,
+    # test_a_new_rerank_head_learns_faster_than_the_encoder) would overshoot here
+    from encoderkit.tasks.rerank import train as rerank
+
+    monkeypatch.setattr(rerank, "HEAD_LR_SCALE", 1.0)
     res = run(_cfg(tmp_path, tiny_bert_dir, task="rerank", train=str(train), dev=str(dev), max_length=16, epochs=10,
                    lr=3e-3, bf16=False))
     assert res.metrics["mrr@10"] >= 0.7  # chance MRR over 4 candidates is ~0.52
@@ -175,7 +180,6 @@ def test_rerank_learns_and_loads(tmp_path, tiny_bert_dir, monkeypatch, capsys):
     # evaluate reuses the saved max length (16) unless --max-length asks for another
     from encoderkit.evaluate.run import EvaluateConfig
     from encoderkit.evaluate.run import run as evaluate
-    from encoderkit.tasks.rerank import train as rerank
     seen, real = [], rerank.score_pairs
     monkeypatch.setattr(rerank, "score_pairs", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
     evaluate(EvaluateConfig(model=str(res.out), data=str(dev), max_examples=2))
@@ -210,6 +214,43 @@ def test_rerank_draws_fresh_negatives_each_epoch(tmp_path, tiny_bert_dir):
     negs1 = {t for i, t in enumerate(e1) if i % 3}
     assert all(" neg " in f" {t}" for t in negs0 | negs1)
     assert len(negs0) == 16 and negs0 != negs1  # 2 distinct per row, and a new draw next epoch
+
+
+def test_a_new_rerank_head_learns_faster_than_the_encoder(tmp_path, tiny_bert_dir, tiny_tokenizer_dir):
+    """A randomly initialised relevance head learns at HEAD_LR_SCALE x --lr (at the encoder's rate the listwise loss
+    stays at log(1 + negatives) for a whole epoch of SciFact pairs); a trained cross-encoder keeps --lr."""
+    import transformers
+    from conftest import tiny_bert_config
+
+    from encoderkit.models.folder import ModelFolder
+    from encoderkit.tasks.rerank import train as rerank
+    from encoderkit.train.engine import param_groups
+    from encoderkit.train.finetune import task_inputs
+
+    assert rerank.HEAD_LR_SCALE >= 10
+    rows = [{"query": f"q{i}", "positive": f"pos {i}", "negatives": [f"neg {i} {j}" for j in range(4)]}
+            for i in range(4)]
+    cfg = _cfg(tmp_path, tiny_bert_dir, task="rerank", train=str(_jsonl(tmp_path / "t.jsonl", rows)), max_length=16,
+               num_negatives=2, batch_size=2)
+
+    def built(model_dir: Path):
+        folder = ModelFolder.open(model_dir)
+        module, data, options = task_inputs(cfg, folder)
+        return module.build(data, options, folder.tokenizer(), folder)
+
+    run = built(tiny_bert_dir)
+    assert run.lr_scale == {"classifier": rerank.HEAD_LR_SCALE}
+    assert run.card["head"] == {"lr_scale": rerank.HEAD_LR_SCALE}
+    head = {id(p) for p in run.module.classifier.parameters()}
+    for g in param_groups(run.module, 0.01, run.lr_scale):
+        assert g["lr_scale"] == (rerank.HEAD_LR_SCALE if {id(p) for p in g["params"]} <= head else 1.0)
+    trained = tmp_path / "cross"
+    config = tiny_bert_config(len(transformers.AutoTokenizer.from_pretrained(tiny_tokenizer_dir)))
+    config.num_labels = 1
+    transformers.BertForSequenceClassification(config).save_pretrained(trained)
+    transformers.AutoTokenizer.from_pretrained(tiny_tokenizer_dir).save_pretrained(trained)
+    assert ModelFolder.open(trained).task == "rerank"
+    assert built(trained).lr_scale == {}
 
 
 def _beir(tmp_path: Path) -> Path:

@@ -41,6 +41,19 @@ def test_each_rule_warns_and_its_good_setting_does_not(change, rule, fine):
     assert f"--allow {rule}" in w.message() and "--no-guardrails" in w.message()
 
 
+def test_the_tasks_own_default_rate_is_never_a_high_lr():
+    """A narrow model's QA/rerank default (2e-4) is above the general 1e-4 limit: finetune with no --lr must not warn
+    about its own choice, while a rate above that default still warns, naming the default."""
+    from encoderkit.train.finetune import task_lr
+
+    default = task_lr("qa", 384)
+    assert default > guardrails.MAX_LR
+    assert _rules(lr=default, default_lr=default) == []
+    (w,) = guardrails.warnings_for(**{**GOOD, "lr": 2 * default, "default_lr": default})
+    assert w.rule == "high-lr" and f"{default:g} is this task's default" in w.reason
+    assert _rules(lr=2e-4, default_lr=3e-5) == ["high-lr"]  # a wide model's default keeps the 1e-4 limit
+
+
 def test_frozen_embeddings_alone_are_not_a_frozen_encoder():
     assert _rules(frozen=["bert.embeddings.word_embeddings.weight"]) == []
     assert _rules(frozen=["model.layers.3.mlp.Wi.weight"]) == ["frozen-encoder"]  # ModernBERT's names

@@ -114,13 +114,15 @@ def test_ner_fine_tunes_at_its_own_default_rate_and_a_given_lr_wins(tmp_path, ti
     import torch
 
     from encoderkit.models.card import read_card
+    from encoderkit.tasks import get_task
     from encoderkit.tasks.ner.task import TASK
     from encoderkit.train.finetune import DEFAULT_LR, FinetuneConfig, run, task_lr
 
     assert task_lr("ner") == TASK.finetune_lr > task_lr("classify") == DEFAULT_LR == task_lr("qa")
-    # a narrow model (MiniLM's 384) takes the higher small-model rate on classify and ner, not on qa
+    # a narrow model (MiniLM's 384) takes the task's higher small-model rate; a wide one the task's own rate
     assert task_lr("ner", 384) == task_lr("classify", 384) == TASK.small_model_lr > task_lr("ner", 768)
-    assert task_lr("classify", 768) == task_lr("qa", 384) == DEFAULT_LR
+    assert task_lr("classify", 768) == task_lr("qa", 768) == task_lr("embed", 384) == DEFAULT_LR
+    assert task_lr("qa", 384) == get_task("qa").small_model_lr == task_lr("rerank", 384) > DEFAULT_LR
     train = tmp_path / "train.conll"
     train.write_text("".join(f"{w} X I-PER\nsaw X O\nit X O\n\n" for w in ("he", "she", "man", "he")))
     before = torch.get_num_threads()

@@ -192,7 +192,8 @@ def main() -> None:
     args = TrainingArguments(output_dir=job["out"], per_device_train_batch_size=int(job["batch_size"]),
                              per_device_eval_batch_size=64, num_train_epochs=float(job["epochs"]),
                              seed=int(job["seed"]), save_strategy="no", report_to=[], use_cpu=True,
-                             logging_steps=50, disable_tqdm=True)
+                             logging_steps=50, disable_tqdm=True,
+                             **({"learning_rate": float(job["lr"])} if job.get("lr") else {}))  # controlled runs
     trainer = Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=default_data_collator,
                       processing_class=tokenizer)
     train_result = trainer.train()

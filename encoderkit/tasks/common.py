@@ -95,6 +95,23 @@ class TaskRun:
     audit: dict[str, Any] = field(default_factory=dict)
 
 
+def output_layer(model: nn.Module, outputs: int, bias: bool = False) -> tuple[str, nn.Linear]:
+    """The name and module of the model's last linear layer with ``outputs`` outputs (with a bias where ``bias``): a
+    task head's output layer, e.g. ``classifier`` in BERT, ``classifier.out_proj`` in RoBERTa, ``qa_outputs`` (2)."""
+    found = [(n, m) for n, m in model.named_modules()
+             if isinstance(m, nn.Linear) and m.out_features == outputs and (m.bias is not None or not bias)]
+    if not found:
+        raise EncoderkitError(f"{type(model).__name__} has no linear layer with {outputs} output(s)"
+                              f"{' and a bias' if bias else ''}: not the head this task trains")
+    return found[-1]
+
+
+def head_name(model: nn.Module, outputs: int) -> str:
+    """The top-level name of the head ending in the last linear layer with ``outputs`` outputs (what a new head's
+    ``lr_scale`` names)."""
+    return output_layer(model, outputs)[0].split(".")[0]
+
+
 def run_batches(
     module: nn.Module,
     rows: Sequence[dict[str, np.ndarray]],

@@ -31,6 +31,7 @@ DEFAULT_LR = 3e-5  # a task's fine-tuning rate unless it says otherwise (Task.fi
 NER_LR = get_task("ner").finetune_lr
 SMALL_HIDDEN = 512  # a model this narrow or narrower (MiniLM's 384) takes its task's Task.small_model_lr
 SMALL_LR = get_task("classify").small_model_lr
+NARROW_PAIR_LR = get_task("qa").small_model_lr  # qa's and rerank's (tests/test_tasks_ner.py)
 
 
 def task_lr(name: str, hidden: int = 0) -> float:
@@ -56,9 +57,10 @@ class FinetuneConfig(TaskDataOptions):
     dev: str = arg("", help="Dev data in the same format (best checkpoint and early stopping use it).")
     out: str = arg(help="Output model folder.", required=True)
     overwrite: bool = arg(False, help="Replace an existing --out folder.")
-    lr: float = arg(0.0, help=f"Peak learning rate (AdamW); 0: the task's default: classify and ner {SMALL_LR:g} "
-                              f"for a model of hidden size {SMALL_HIDDEN} or less (MiniLM), else ner {NER_LR:g}; "
-                              f"every other task {DEFAULT_LR:g}. The card records the rate used.")
+    lr: float = arg(0.0, help=f"Peak learning rate (AdamW); 0: the task's default: on a model of hidden size "
+                              f"{SMALL_HIDDEN} or less (MiniLM) classify and ner {SMALL_LR:g}, qa and rerank "
+                              f"{NARROW_PAIR_LR:g}; else ner {NER_LR:g}; every other case {DEFAULT_LR:g}. The card "
+                              "records the rate used.")
     epochs: float = arg(3.0, help="Passes over the training data (ignored when --max-steps is set).")
     max_steps: int = arg(0, help="Optimizer steps to train (0: use --epochs).")
     batch_size: int = arg(32, help="Examples per optimizer step (micro-batch; see --grad-accum).")
@@ -103,8 +105,9 @@ class FinetuneConfig(TaskDataOptions):
         "(--negatives mined)."))
     no_guardrails: bool = arg(False, help="Silence every guardrail warning (see --allow).")
     allow: list[str] = arg([], help=(
-        "Silence these guardrail warnings: high-lr (--lr above 1e-4 with nothing frozen), many-epochs (more than 4 "
-        "epochs without --early-stopping), frozen-encoder (encoder layers frozen with more than 3000 examples), "
+        "Silence these guardrail warnings: high-lr (--lr above 1e-4, or above the task's default for the model, "
+        "with nothing frozen), many-epochs (more than 4 epochs without --early-stopping), frozen-encoder (encoder "
+        "layers frozen with more than 3000 examples), "
         "other-tokenizer (--tokenizer with another vocabulary than the checkpoint's), unaudited-labels (`encoderkit "
         "label` output trained on without --audit-sheet). Each warning says why it matters."))
     few_label: str = arg("auto", help=(
@@ -262,7 +265,7 @@ def _guardrails(cfg: FinetuneConfig, folder: ModelFolder, tokenizer: Any, tr: An
     found = guardrails.warnings_for(
         lr=lr, frozen=frozen, epochs=epochs, early_stopping=early_stopping, num_train=num_train,
         tokenizer_differs=differs, tokenizer=cfg.tokenizer, labelled=guardrails.labelled_output(cfg.train),
-        audit_sheet=cfg.audit_sheet)
+        audit_sheet=cfg.audit_sheet, default_lr=task_lr(cfg.task, config_heads_hidden(folder.config)[1]))
     guardrails.say(found, cfg.allow, cfg.no_guardrails)
 
 

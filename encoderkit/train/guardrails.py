@@ -3,8 +3,9 @@ it, and the dev metric said per evaluation with a note when it falls while the t
 
 The rules (``--allow RULE`` silences one, ``--no-guardrails`` all):
 
-- ``high-lr``: a peak LR above 1e-4 with nothing frozen: full fine-tuning at such a rate tends to wreck what the
-  pretrained weights knew (catastrophic forgetting); 1e-5 to 5e-5 is the usual range;
+- ``high-lr``: a peak LR above 1e-4 (or above the task's own default for the model's width, where that is higher:
+  narrow models train QA and rerank at 2e-4) with nothing frozen: full fine-tuning at such a rate tends to wreck what
+  the pretrained weights knew (catastrophic forgetting); 1e-5 to 5e-5 is the usual range on base-sized models;
 - ``many-epochs``: more than 4 epochs without ``--early-stopping``: a pretrained encoder fits a task in 2-4 passes
   and then memorises the training set;
 - ``frozen-encoder``: transformer layers frozen with more than :data:`FROZEN_MAX` training examples: with that
@@ -68,13 +69,18 @@ def labelled_output(path: str) -> bool:
 
 
 def warnings_for(*, lr: float, frozen: list[str], epochs: float, early_stopping: int, num_train: int,
-                 tokenizer_differs: bool, tokenizer: str, labelled: bool, audit_sheet: str) -> list[Warning_]:
+                 tokenizer_differs: bool, tokenizer: str, labelled: bool, audit_sheet: str,
+                 default_lr: float = 0.0) -> list[Warning_]:
     """The guardrails that apply (see the module docstring); ``frozen``: names of the frozen parameters,
-    ``epochs``: the passes the run will make (``--max-steps`` counted in epochs)."""
+    ``epochs``: the passes the run will make (``--max-steps`` counted in epochs); ``default_lr``: the task's own
+    rate for this model (never warned about)."""
     out = []
-    if lr > MAX_LR and not frozen:
-        out.append(Warning_("high-lr", f"--lr {lr:g} is above {MAX_LR:g} on full fine-tuning, which tends to wreck "
-                                       "what the pretrained weights knew; 1e-5 to 5e-5 is the usual range"))
+    limit = max(MAX_LR, default_lr)
+    if lr > limit and not frozen:
+        usual = (f"{default_lr:g} is this task's default for this model" if default_lr > MAX_LR
+                 else "1e-5 to 5e-5 is the usual range")
+        out.append(Warning_("high-lr", f"--lr {lr:g} is above {limit:g} on full fine-tuning, which tends to wreck "
+                                       f"what the pretrained weights knew; {usual}"))
     if epochs > MAX_EPOCHS and not early_stopping:
         out.append(Warning_("many-epochs", f"{epochs:g} epochs without --early-stopping: a pretrained encoder fits a "
                                            f"task in 2-{MAX_EPOCHS} passes, then memorises the training set; give "

@@ -30,7 +30,15 @@ from encoderkit.tasks.batching import BucketedBatches, encode_batch
 from encoderkit.tasks.classify.data import label_names
 from encoderkit.tasks.classify.features import engine_logits, featurize
 from encoderkit.tasks.classify.train import label_targets, predict_logits
-from encoderkit.tasks.common import EvalData, TaskRun, TrainData, check_labels, run_batches, seeded_subset
+from encoderkit.tasks.common import (
+    EvalData,
+    TaskRun,
+    TrainData,
+    check_labels,
+    output_layer,
+    run_batches,
+    seeded_subset,
+)
 from encoderkit.tasks.inference import ModuleEngine
 from encoderkit.tasks.multilabel.data import Examples, read_examples
 from encoderkit.tasks.multilabel.features import (
@@ -50,21 +58,10 @@ HEAD_FIT_ITERATIONS = 200  # L-BFGS iterations of that fit (full batch over the 
 HEAD_FIT_L2 = 1e-5  # its L2 weight on the mean loss: sklearn's C=10 on 5,000 rows (1 / (2 C N))
 
 
-def output_layer(model: torch.nn.Module, num_labels: int) -> tuple[str, torch.nn.Linear]:
-    """The name and module of the head's last linear layer (one output per label): ``classifier`` in BERT,
-    ``classifier.out_proj`` in RoBERTa."""
-    found = [(n, m) for n, m in model.named_modules()
-             if isinstance(m, torch.nn.Linear) and m.out_features == num_labels and m.bias is not None]
-    if not found:
-        raise EncoderkitError(f"{type(model).__name__} has no linear layer with {num_labels} outputs and a bias to "
-                              "start at the labels' prior; a multilabel head needs one")
-    return found[-1]
-
-
 def start_at_prior(model: torch.nn.Module, y: np.ndarray) -> str:
     """Set the new head's output bias to each label's training log-odds (targets ``y``, (N, C)), so its
     sigmoids start at the labels' frequencies; the head's top-level name (what learns at :data:`HEAD_LR_SCALE`)."""
-    name, layer = output_layer(model, y.shape[1])
+    name, layer = output_layer(model, y.shape[1], bias=True)
     with torch.no_grad():
         layer.bias.copy_(torch.from_numpy(prior_log_odds(y)).to(layer.bias.dtype))
     return name.split(".")[0]
@@ -75,7 +72,7 @@ def fit_head(model: torch.nn.Module, rows: list[dict[str, np.ndarray]], y: np.nd
     """Fit the new head's output layer on the frozen model's features (a linear probe: the input of that layer,
     the pooler's output in BERT, for every training row, then a logistic regression per label on them, from the
     prior), so that fine-tuning starts from a head that already separates the labels; the head's top-level name."""
-    name, layer = output_layer(model, y.shape[1])
+    name, layer = output_layer(model, y.shape[1], bias=True)
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, attr, torch.nn.Identity())  # the model's "logits" are then the layer's input features

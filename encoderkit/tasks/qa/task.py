@@ -33,6 +33,7 @@ class QaTask(Task):
     data_help = "a SQuAD JSON file"
     agreement_measure = "answer span"  # INT8 agreement: exact match of the best span's character offsets
     agreement_fields = ("start", "end")
+    small_model_lr = 2e-4  # a narrow model (MiniLM) learns little from a small SQuAD set at 1e-4 (docs/finetune.md)
 
     # -- training and evaluation: the task's train module ------------------------------------------
     build = staticmethod(build_run)

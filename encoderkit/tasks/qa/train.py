@@ -12,30 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch import nn
 from transformers import AutoModelForQuestionAnswering
 
-from encoderkit.errors import EncoderkitError
 from encoderkit.metrics.scores import squad_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import EvalData, TaskRun, TrainData, run_batches, seeded_subset
+from encoderkit.tasks.common import EvalData, TaskRun, TrainData, head_name, run_batches, seeded_subset
 from encoderkit.tasks.qa.data import QaExample, read_squad
 from encoderkit.tasks.qa.features import QaFeatures, decode_answers, featurize_qa, window_rows, window_span_logits
 from encoderkit.tasks.qa.options import QaOptions
 
 OPTIONS = QaOptions
-HEAD_LR_SCALE = 100.0  # a new span head (random weights) learns at this times --lr (3e-3 at the default)
-
-
-def span_head(model: nn.Module) -> str:
-    """The top-level name of the span head: the last linear layer with two outputs (start, end), e.g.
-    ``qa_outputs`` of BERT-style models."""
-    found = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == 2]
-    if not found:
-        raise EncoderkitError(f"{type(model).__name__} has no linear layer with 2 outputs (start, end): not an "
-                              "extractive QA model")
-    return found[-1].split(".")[0]
+HEAD_LR_SCALE = 100.0  # a new span head (random weights) learns at this times --lr
 
 
 def featurize(tokenizer, examples: list[QaExample], options: QaOptions, with_answers: bool) -> QaFeatures:
@@ -76,7 +64,7 @@ def build(data: TrainData, options: QaOptions, tokenizer, folder: ModelFolder) -
             return scores(module, tokenizer, dev, options, data.eval_batch_size)
 
     model = folder.load(AutoModelForQuestionAnswering)
-    lr_scale = {} if folder.task == "qa" else {span_head(model): HEAD_LR_SCALE}  # a trained head keeps --lr
+    lr_scale = {} if folder.task == "qa" else {head_name(model, 2): HEAD_LR_SCALE}  # a trained head keeps --lr
     pad_id = tokenizer.pad_token_id
     source = BucketedBatches(np.asarray([len(r["input_ids"]) for r in rows]), data.batch_size,
                              lambda idx, epoch: encode_batch([rows[i] for i in idx], pad_id), seed=data.seed,

@@ -32,6 +32,7 @@ class RerankTask(Task):
     primary_metrics = ("ndcg@10", "mrr@10")
     data_help = "a BEIR source (folder or zip, PATH#split) or JSONL {query, positive, negatives}"
     agreement_measure = "top-1"  # INT8 agreement: each query's best-ranked passage
+    small_model_lr = 2e-4  # a narrow model (MiniLM) with a new head stays near chance at 3e-5 (docs/finetune.md)
 
     # -- training and evaluation: the task's train module ------------------------------------------
     build = staticmethod(build_run)

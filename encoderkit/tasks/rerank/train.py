@@ -1,7 +1,10 @@
 """Cross-encoder reranking: ``AutoModelForSequenceClassification`` with one output, trained listwise (a softmax over
 one positive and ``num_negatives`` negatives, drawn afresh each epoch from the group's pool, so several epochs see
-more distinct negatives). Evaluation on a BEIR source reranks a bi-encoder's top candidates and also reports the
-first stage and their reciprocal-rank fusion; on JSONL it ranks each row's positive among its negatives.
+more distinct negatives). A new relevance head (random weights) learns at ``HEAD_LR_SCALE`` times ``--lr``, as QA's
+span head does: at the encoder's rate the listwise loss stays at log(1 + negatives) for an epoch of a small set; a
+cross-encoder folder's trained head keeps ``--lr``. Evaluation on a BEIR source reranks a bi-encoder's top
+candidates and also reports the first stage and their reciprocal-rank fusion; on JSONL it ranks each row's positive
+among its negatives.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ from encoderkit.metrics.ranking import reciprocal_rank_fusion, retrieval_scores
 from encoderkit.models.folder import ModelFolder
 from encoderkit.progress import progress
 from encoderkit.tasks.batching import BucketedBatches, encode_batch
-from encoderkit.tasks.common import EvalData, TaskRun, TrainData, seeded_subset
+from encoderkit.tasks.common import EvalData, TaskRun, TrainData, head_name, seeded_subset
 from encoderkit.tasks.embed.mining import candidates
 from encoderkit.tasks.rerank.data import train_groups
 from encoderkit.tasks.rerank.features import pair_rows, score_pairs
 from encoderkit.tasks.rerank.options import RerankOptions
 
 OPTIONS = RerankOptions
+HEAD_LR_SCALE = 100.0  # a new relevance head (random weights) learns at this times --lr
 
 
 def build(data: TrainData, options: RerankOptions, tokenizer, folder: ModelFolder) -> TaskRun:
@@ -61,10 +65,13 @@ def build(data: TrainData, options: RerankOptions, tokenizer, folder: ModelFolde
         evaluate, primary = dev_evaluator(data.dev, data.max_dev_examples, data.seed, data.eval_batch_size, options,
                                           tokenizer)
     model = folder.load(AutoModelForSequenceClassification, num_labels=1)
+    lr_scale = {} if folder.task == "rerank" else {head_name(model, 1): HEAD_LR_SCALE}  # a trained head keeps --lr
     card = {"task": "rerank", "max_length": max_length, "num_labels": 1,
-            "loss": "listwise softmax over 1 positive + negatives"}
+            "loss": "listwise softmax over 1 positive + negatives",
+            **({"head": {"lr_scale": HEAD_LR_SCALE}} if lr_scale else {})}
     return TaskRun(model, loss_fn, source, evaluate, (data.metric or primary[0], "max"),
-                   lambda m, folder: m.save_pretrained(folder), card, num_train=len(groups), audit=audit)
+                   lambda m, folder: m.save_pretrained(folder), card, num_train=len(groups), audit=audit,
+                   lr_scale=lr_scale)
 
 
 def dev_evaluator(spec: str, limit: int, seed: int, batch_size: int, options: RerankOptions, tokenizer):
