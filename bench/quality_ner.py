@@ -16,11 +16,13 @@ scoring left out. The sides alternate job by job (even seed: encoderkit first) o
 
     nice -n 15 python bench/quality_ner.py --summary /tmp/ner.json            # 3 seeds, the default subset
     nice -n 15 python bench/quality_ner.py --seeds 0 --train-limit 1000 --ours lr=5e-5,warmup=0   # a controlled run
+    python bench/quality_ner.py --full --seeds 0 --together    # the whole files, both sides at once (2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
 import random
 import sys
@@ -115,6 +117,9 @@ def common_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ours", default="", help="controlled runs: FinetuneConfig fields, e.g. lr=5e-5,warmup=0")
     ap.add_argument("--peer", default="", help="controlled runs: the worker's lr, warmup, weight_decay")
     ap.add_argument("--venvs", default="/work/venvs")
+    ap.add_argument("--together", action="store_true",
+                    help="run a seed's two sides at the same time (each on --threads; the peer is a process of its "
+                         "own), for the whole training sets on a small machine: both share the same load")
 
 
 def run_pairs(task: str, metric_key: str, files: dict[str, Path], args: argparse.Namespace, tmp: Path,
@@ -132,22 +137,27 @@ def run_pairs(task: str, metric_key: str, files: dict[str, Path], args: argparse
     sides = args.sides.split(",")
     python = qc.trainers_python(args.venvs) if "peer" in sides else None
     ours_m, peer_m, ours_s, peer_s, seeds = [], [], [], [], []
+    if "peer" in sides and python is None:
+        print("  peer: no peers' venv", flush=True)
+        sides.remove("peer")
+
+    def run_side(side: str, seed: int) -> dict[str, Any]:
+        if side == "ours":
+            return ours(task, args.model, files, seed, args, tmp / f"ours-{seed}", parse_overrides(args.ours))
+        return peer(python, task, args.model, files, seed, args, tmp / f"peer-{seed}", parse_overrides(args.peer))
+
     for seed in [int(s) for s in args.seeds.split(",") if s != ""]:
         seeds.append(seed)
-        order = ["ours", "peer"] if seed % 2 == 0 else ["peer", "ours"]
-        for side in (s for s in order if s in sides):
-            if side == "ours":
-                got = ours(task, args.model, files, seed, args, tmp / f"ours-{seed}", parse_overrides(args.ours))
-                ours_m.append(got[metric_key])
-                ours_s.append(got["train_s"])
-            else:
-                if python is None:
-                    print("  peer: no peers' venv", flush=True)
-                    continue
-                got = peer(python, task, args.model, files, seed, args, tmp / f"peer-{seed}",
-                           parse_overrides(args.peer))
-                peer_m.append(got[metric_key])
-                peer_s.append(got["train_s"])
+        order = [s for s in (["ours", "peer"] if seed % 2 == 0 else ["peer", "ours"]) if s in sides]
+        together = None
+        if args.together and len(order) == 2:
+            with cf.ThreadPoolExecutor(1) as pool:  # the peer's process runs while ours trains here
+                peer_job = pool.submit(run_side, "peer", seed)
+                together = {"ours": run_side("ours", seed), "peer": peer_job.result()}
+        for side in order:
+            got = together[side] if together else run_side(side, seed)
+            (ours_m if side == "ours" else peer_m).append(got[metric_key])
+            (ours_s if side == "ours" else peer_s).append(got["train_s"])
             print(f"  seed {seed} {side}: {describe_job(got)}", flush=True)
     data, metric, dev = shown
     return qc.Row(task, data, metric, "HF Trainer", seeds, ours_m, peer_m, ours_s, peer_s,

@@ -141,6 +141,34 @@ def test_pairs_pair_each_example_within_and_across_classes():
     assert np.bincount(first, minlength=len(labels)).tolist() == [6] * len(labels)
 
 
+def test_a_batch_encodes_each_text_once_and_its_loss_is_the_pairs_loss():
+    """Pairs over 6 texts, 8 pairs a batch: every text once in the batch's rows, the indices give back each pair,
+    and the module's loss equals the loss of the pairs encoded side by side (dropout off)."""
+    from transformers import BertConfig, BertModel
+
+    rows = [{"input_ids": np.arange(1, 3 + i, dtype=np.int64)} for i in range(6)]
+    pairs = few_label.make_pairs(["a", "a", "a", "b", "b", "b"], 4, seed=0)
+    batches = list(few_label.PairBatches(rows, pairs, 8, 0, seed=0)(0, 0, 1))
+    assert len(batches) == len(pairs[0]) // 8
+    body = BertModel(BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16), add_pooling_layer=False).eval()
+    module = few_label.PairModule(body, "mean")
+    seen = []
+    for batch in batches:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        texts = [tuple(ids[k][mask[k] == 1].tolist()) for k in range(len(ids))]
+        assert len(set(texts)) == len(texts) < 16  # each distinct text once: fewer rows than the 16 sides
+        seen += [(texts[a], texts[b]) for a, b in zip(batch["a_index"], batch["b_index"], strict=True)]
+        a = [{"input_ids": np.asarray(texts[k])} for k in batch["a_index"]]
+        b = [{"input_ids": np.asarray(texts[k])} for k in batch["b_index"]]
+        u, v = (module.embed(**few_label.encode_batch(side, 0)) for side in (a, b))
+        expected = torch.nn.functional.mse_loss(torch.nn.functional.cosine_similarity(u, v), batch["target"])
+        torch.testing.assert_close(module(**batch), expected)
+    want = [(tuple(rows[i]["input_ids"].tolist()), tuple(rows[j]["input_ids"].tolist()))
+            for i, j in zip(*pairs[:2], strict=True)]
+    assert sorted(seen) == sorted(want)
+
+
 def test_a_class_of_one_example_is_named_with_the_file(tmp_path, tiny_bert_dir):
     train = _balanced(tmp_path / "train.tsv", 4, 0)
     with train.open("a") as f:

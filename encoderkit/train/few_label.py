@@ -135,8 +135,11 @@ def make_pairs(labels: list[str], iterations: int, seed: int) -> tuple[np.ndarra
 
 
 class PairBatches:
-    """A :class:`~encoderkit.train.engine.BatchSource` over sentence pairs: the same pairs each epoch, reshuffled,
-    each batch the two sides' padded token rows and the targets."""
+    """A :class:`~encoderkit.train.engine.BatchSource` over sentence pairs: the same pairs each epoch, reshuffled.
+    Each batch holds every distinct text of its pairs once (padded token rows) with the two sides as indices into
+    them (``a_index``, ``b_index``) and the targets: with a few dozen texts, a batch of pairs names many texts
+    twice or more, and each is encoded once (the loss and its gradient are the same sum over the pairs; a text
+    named twice shares one dropout mask)."""
 
     def __init__(self, rows: list[dict[str, np.ndarray]], pairs: tuple[np.ndarray, np.ndarray, np.ndarray],
                  batch_size: int, pad_id: int, seed: int) -> None:
@@ -150,9 +153,10 @@ class PairBatches:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(first))
         for b in range(start, len(self), stride):
             idx = order[b * self.batch_size:(b + 1) * self.batch_size]
-            a = encode_batch([self.rows[i] for i in first[idx]], self.pad_id)
-            z = encode_batch([self.rows[i] for i in second[idx]], self.pad_id)
-            yield {**{f"a_{k}": v for k, v in a.items()}, **{f"b_{k}": v for k, v in z.items()},
+            texts, where = np.unique(np.concatenate([first[idx], second[idx]]), return_inverse=True)
+            rows = encode_batch([{k: v for k, v in self.rows[i].items() if k != "labels"} for i in texts],
+                                self.pad_id)
+            yield {**rows, "a_index": torch.as_tensor(where[:len(idx)]), "b_index": torch.as_tensor(where[len(idx):]),
                    "target": torch.as_tensor(target[idx])}
 
 
@@ -166,10 +170,10 @@ class PairModule(nn.Module):
     def embed(self, **inputs: torch.Tensor) -> torch.Tensor:
         return pool(self.body(**inputs).last_hidden_state, inputs["attention_mask"], self.pooling)
 
-    def forward(self, target: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor:
-        u = self.embed(**{k[2:]: v for k, v in batch.items() if k.startswith("a_")})
-        v = self.embed(**{k[2:]: v for k, v in batch.items() if k.startswith("b_")})
-        return F.mse_loss(F.cosine_similarity(u.float(), v.float()), target.float())
+    def forward(self, target: torch.Tensor, a_index: torch.Tensor, b_index: torch.Tensor,
+                **batch: torch.Tensor) -> torch.Tensor:
+        e = self.embed(**batch).float()
+        return F.mse_loss(F.cosine_similarity(e[a_index], e[b_index]), target.float())
 
 
 def _pair_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
