@@ -158,6 +158,7 @@ def test_a_batch_encodes_each_text_once_and_its_loss_is_the_pairs_loss():
         ids, mask = batch["input_ids"], batch["attention_mask"]
         texts = [tuple(ids[k][mask[k] == 1].tolist()) for k in range(len(ids))]
         assert len(set(texts)) == len(texts) < 16  # each distinct text once: fewer rows than the 16 sides
+        assert [len(t) for t in texts] == sorted(len(t) for t in texts)  # shortest first: two passes pad less
         seen += [(texts[a], texts[b]) for a, b in zip(batch["a_index"], batch["b_index"], strict=True)]
         a = [{"input_ids": np.asarray(texts[k])} for k in batch["a_index"]]
         b = [{"input_ids": np.asarray(texts[k])} for k in batch["b_index"]]

@@ -136,10 +136,11 @@ def make_pairs(labels: list[str], iterations: int, seed: int) -> tuple[np.ndarra
 
 class PairBatches:
     """A :class:`~encoderkit.train.engine.BatchSource` over sentence pairs: the same pairs each epoch, reshuffled.
-    Each batch holds every distinct text of its pairs once (padded token rows) with the two sides as indices into
-    them (``a_index``, ``b_index``) and the targets: with a few dozen texts, a batch of pairs names many texts
-    twice or more, and each is encoded once (the loss and its gradient are the same sum over the pairs; a text
-    named twice shares one dropout mask)."""
+    Each batch holds every distinct text of its pairs once (padded token rows, shortest first) with the two sides as
+    indices into them (``a_index``, ``b_index``) and the targets: with a few dozen texts, a batch of pairs names many
+    texts twice or more, and each is encoded once (the loss and its gradient are the same sum over the pairs; a text
+    named twice shares one dropout mask). :class:`PairModule` encodes the shorter half and the longer half of the
+    rows in two passes, each padded only to its own longest."""
 
     def __init__(self, rows: list[dict[str, np.ndarray]], pairs: tuple[np.ndarray, np.ndarray, np.ndarray],
                  batch_size: int, pad_id: int, seed: int) -> None:
@@ -154,8 +155,12 @@ class PairBatches:
         for b in range(start, len(self), stride):
             idx = order[b * self.batch_size:(b + 1) * self.batch_size]
             texts, where = np.unique(np.concatenate([first[idx], second[idx]]), return_inverse=True)
-            rows = encode_batch([{k: v for k, v in self.rows[i].items() if k != "labels"} for i in texts],
+            by_length = np.argsort([len(self.rows[i]["input_ids"]) for i in texts], kind="stable")
+            place = np.empty_like(by_length)
+            place[by_length] = np.arange(len(by_length))  # a text's row in the length order
+            rows = encode_batch([{k: v for k, v in self.rows[i].items() if k != "labels"} for i in texts[by_length]],
                                 self.pad_id)
+            where = place[where]
             yield {**rows, "a_index": torch.as_tensor(where[:len(idx)]), "b_index": torch.as_tensor(where[len(idx):]),
                    "target": torch.as_tensor(target[idx])}
 
@@ -170,9 +175,19 @@ class PairModule(nn.Module):
     def embed(self, **inputs: torch.Tensor) -> torch.Tensor:
         return pool(self.body(**inputs).last_hidden_state, inputs["attention_mask"], self.pooling)
 
+    def embed_sorted(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """:meth:`embed` of rows sorted shortest first, in two passes: the shorter half cut to its own longest (the
+        padding it drops is masked out anyway), then the longer half."""
+        half = len(inputs["input_ids"]) // 2
+        if half == 0:
+            return self.embed(**inputs)
+        width = int(inputs["attention_mask"][:half].sum(1).max())
+        short = self.embed(**{k: v[:half, :width] for k, v in inputs.items()})
+        return torch.cat([short, self.embed(**{k: v[half:] for k, v in inputs.items()})])
+
     def forward(self, target: torch.Tensor, a_index: torch.Tensor, b_index: torch.Tensor,
                 **batch: torch.Tensor) -> torch.Tensor:
-        e = self.embed(**batch).float()
+        e = self.embed_sorted(**batch).float()
         return F.mse_loss(F.cosine_similarity(e[a_index], e[b_index]), target.float())
 
 
